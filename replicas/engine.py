@@ -1,0 +1,304 @@
+"""LLMEngine: one replica's engine. No Ray, no HTTP: add requests, `step()`, read tokens.
+
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=8192)
+    engine.add_request("r1", [1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    while engine.has_unfinished():
+        for out in engine.step(): ...
+
+`python -m replicas.engine --model tiny --prompt "Hello"` prints a completion.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from replicas.kv_pool import KVPool
+from replicas.model import load_model
+from replicas.prefix_tree import PrefixTree
+from replicas.runner import ModelRunner
+from replicas.scheduler import Scheduler
+from replicas.sequence import SamplingParams, Sequence, Status
+
+__all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # Hugging Face directory or preset name (configs/models/<name>.json)
+    chunk_size: int = 64
+    enable_prefix_sharing: bool = True
+    kv_cache_tokens: int | None = None  # pool size; None: 32768 on CPU, a share of free memory on GPU
+    gpu_memory_utilization: float = 0.9  # share of free GPU memory the pool may take (when sized automatically)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context, capped by the pool
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's 16-bit type on GPU) | float32 | float16 | bfloat16
+    seed: int = 0  # preset weights and requests' default sampling seeds
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if self.chunk_size not in (16, 32, 64, 128):
+            raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {self.chunk_size}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.chunk_size:
+            raise ValueError(f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """What one request produced in one step (or its end)."""
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    output_tokens: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = _resolve_device(config.device)
+        dtype = _resolve_dtype(config.dtype, self.device)
+        self.model, self.model_config, self.tokenizer = load_model(
+            config.model, dtype=dtype, device=self.device, tp_rank=config.tp_rank,
+            tp_size=config.tp_size, seed=config.seed)
+        mc, c = self.model_config, config.chunk_size
+        kv_heads = mc.num_kv_heads // config.tp_size if mc.num_kv_heads >= config.tp_size else 1
+        per_chunk = KVPool.bytes_per_chunk(mc.num_layers, kv_heads, c, mc.head_dim, dtype)
+        self.pool = KVPool(num_layers=mc.num_layers, num_chunks=self._num_chunks(per_chunk),
+                           num_kv_heads=kv_heads, chunk_size=c, head_dim=mc.head_dim, dtype=dtype,
+                           device=self.device)
+        capacity = self.pool.num_chunks * c
+        self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
+        if self.max_model_len > capacity:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({capacity} tokens): "
+                             "raise kv_cache_tokens or lower max_model_len")
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
+                             f"({mc.max_position_embeddings} positions)")
+        self.tree = PrefixTree(self.pool)
+        self.scheduler = Scheduler(self.tree, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   enable_prefix_sharing=config.enable_prefix_sharing)
+        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self._seqs: dict[str, Sequence] = {}
+        self._generators: dict[str, torch.Generator] = {}
+        self._arrivals = itertools.count()
+        self._counters = dict.fromkeys(
+            ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
+             "finished_requests", "steps", "max_decode_batch", "last_decode_batch"), 0)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        return cls(config)
+
+    @classmethod
+    def from_model(cls, model: str, **options) -> LLMEngine:
+        unknown = set(options) - {f.name for f in dataclasses.fields(EngineConfig)}
+        if unknown:
+            raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
+        return cls(EngineConfig(model=model, **options))
+
+    def _num_chunks(self, bytes_per_chunk: int) -> int:
+        c = self.config.chunk_size
+        if self.config.kv_cache_tokens is not None:
+            return -(-self.config.kv_cache_tokens // c)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * self.config.gpu_memory_utilization) // bytes_per_chunk
+        return 32768 // c
+
+    # -- requests ---------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
+                    params: SamplingParams | None = None) -> None:
+        """Queue a request; raises ValueError (and changes nothing) when the input is bad."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id in self._seqs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt = self._validate_prompt(prompt_token_ids)
+        seq = Sequence(request_id, prompt, params, next(self._arrivals))
+        if not params.greedy:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq.arrival)
+            self._generators[request_id] = gen
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def _validate_prompt(self, ids: Seq[int]) -> list[int]:
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
+            raise ValueError(f"prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        if len(ids) == 0:
+            raise ValueError("prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                             "no room left to generate")
+        return list(ids)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request now and free its private chunks; False if it is unknown or finished."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self._generators.pop(request_id, None)
+        self.scheduler.finish(seq, "abort")
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration: schedule -> run the model -> append tokens, finish what is done."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        sampled = self.runner.run(batch, self._generators)
+        self.scheduler.advance(batch)
+        self._count_step(batch)
+        return [self._append(seq, token) for seq, token in sampled.items()]
+
+    def _count_step(self, batch) -> None:
+        c = self._counters
+        c["steps"] += 1
+        c["last_decode_batch"] = len(batch.decodes)
+        c["max_decode_batch"] = max(c["max_decode_batch"], len(batch.decodes))
+        for seq, n in batch.items:  # prompt positions among the tokens that just ran
+            start = seq.num_computed - n
+            c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
+
+    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.output_ids.append(token)
+        p = seq.params
+        reason = None
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self._seqs[seq.request_id]
+            self._generators.pop(seq.request_id, None)
+            c = self._counters
+            c["finished_requests"] += 1
+            c["prompt_tokens"] += len(seq.prompt_ids)
+            c["cached_prompt_tokens"] += seq.num_cached_prompt
+        self._counters["generated_tokens"] += 1
+        return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
+                             seq.num_cached_prompt, len(seq.output_ids))
+
+    def generate(self, prompts: Seq[Seq[int]],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:
+        """Run prompts to completion (alongside anything already queued); returns their tokens."""
+        params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} sampling params")
+        ids = [f"generate-{next(self._arrivals)}-{i}" for i in range(len(prompts))]
+        added = []
+        try:
+            for rid, prompt, p in zip(ids, prompts, params_list):
+                self.add_request(rid, prompt, p)
+                added.append(rid)
+        except ValueError:
+            for rid in added:
+                self.abort(rid)
+            raise
+        outputs = {rid: [] for rid in ids}
+        pending = set(ids)
+        while pending:
+            for out in self.step():
+                if out.request_id in outputs:
+                    outputs[out.request_id].extend(out.new_token_ids)
+                    if out.finished:
+                        pending.discard(out.request_id)
+        return [outputs[rid] for rid in ids]
+
+    # -- observability ----------------------------------------------------------------------
+    def stats(self) -> dict[str, int]:
+        free, cached = self.pool.num_free, self.tree.num_cached
+        return {
+            "kv_chunks_total": self.pool.num_chunks,
+            "kv_chunks_used": self.pool.num_chunks - free - cached,  # held by live sequences
+            "kv_chunks_cached": cached,  # finished sequences' chunks kept as prefix cache
+            "kv_chunks_free": free,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            **self._counters,
+        }
+
+    def check(self) -> None:
+        """Assert the KV cache's invariants (tests call this after every step)."""
+        self.tree.check(self.scheduler.running, self.scheduler.last_decode_paths)
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for but CUDA is not available")
+    return dev
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m replicas.engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="tiny", help="preset name or Hugging Face directory")
+    ap.add_argument("--prompt", required=True, action="append", help="prompt text (repeat for a batch)")
+    ap.add_argument("--chat", action="store_true", help="wrap each prompt with the model's chat template")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--chunk-size", type=int, default=64)
+    args = ap.parse_args(argv)
+    engine = LLMEngine.from_model(args.model, device=args.device, dtype=args.dtype, chunk_size=args.chunk_size)
+    tok = engine.tokenizer
+    if tok is None:
+        ap.error(f"model {args.model!r} has no tokenizer: text prompts need one")
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
+    prompts = [tok.encode(t) for t in texts]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    for text, out in zip(args.prompt, engine.generate(prompts, params)):
+        print(f"--- {text!r}\n{tok.decode(out)}")
+    s = engine.stats()
+    print(f"--- {s['prompt_tokens']} prompt tokens ({s['cached_prompt_tokens']} cached), "
+          f"{s['generated_tokens']} generated, {s['steps']} steps")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""Chunk allocator over the preallocated K/V tensors of every layer (DESIGN §3).
+
+One chunk id addresses `chunk_size` token slots in every layer. Per layer, K and V are
+`[num_chunks, kv_heads, c, head_dim]` ("HND" inside a chunk), views of one allocation so that K
+and V share strides: `k.view(num_chunks * kv_heads, 1, c, head_dim)` is a page table of
+(chunk, head) pages for kernels that want a different page list per KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_chunks: int,
+        num_kv_heads: int,
+        chunk_size: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
+        if num_chunks < 1:
+            raise ValueError(f"KV pool needs at least one chunk, got {num_chunks}")
+        self.num_layers = num_layers
+        self.num_chunks = num_chunks
+        self.chunk_size = chunk_size
+        # kv: [L, 2, N, Hkv, c, D]; zeroed so never-written slots are finite
+        self.kv = torch.zeros(
+            num_layers, 2, num_chunks, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
+        )
+        # stack of free ids, lowest id on top so allocation order is deterministic
+        self._free = list(range(num_chunks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_chunks
+
+    def k(self, layer: int) -> torch.Tensor:  # [N, Hkv, c, D]
+        return self.kv[layer, 0]
+
+    def v(self, layer: int) -> torch.Tensor:  # [N, Hkv, c, D]
+        return self.kv[layer, 1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError("KV pool exhausted: caller must evict or preempt first")
+        cid = self._free.pop()
+        self._is_free[cid] = 0
+        return cid
+
+    def free(self, chunk_id: int) -> None:
+        if self._is_free[chunk_id]:
+            raise RuntimeError(f"double free of KV chunk {chunk_id}")
+        self._is_free[chunk_id] = 1
+        self._free.append(chunk_id)
+
+    def is_free(self, chunk_id: int) -> bool:
+        return bool(self._is_free[chunk_id])
+
+    @staticmethod
+    def bytes_per_chunk(num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem

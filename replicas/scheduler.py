@@ -1,0 +1,183 @@
+"""Iteration-level scheduling: which sequences run this step, and how many tokens each.
+
+Policy (FCFS, SARATHI-style chunked prefill under one token budget):
+1. running decodes (one token each), then running prefills (a piece of at most the budget left);
+2. waiting requests in arrival order while the budget, `max_num_seqs` and free chunks allow
+   (admission stops at the first that does not fit: FCFS, nobody overtakes);
+3. a running sequence that needs a chunk when none is available preempts the newest running
+   sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
+   it re-queues in arrival order). The oldest request therefore always progresses: no deadlock,
+   and no request waits forever.
+The decode rows are ordered by tree path (DFS), so each node's sequences are one row range.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replicas.prefix_tree import PrefixTree
+from replicas.sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    decodes: list[Sequence] = field(default_factory=list)  # DFS order, one new token each
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+
+    @property
+    def items(self) -> list[tuple[Sequence, int]]:
+        """Rows of the flattened token batch: decodes first, then prefill pieces."""
+        return [(s, 1) for s in self.decodes] + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, tree: PrefixTree, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 enable_prefix_sharing: bool):
+        self.tree = tree
+        self.c = tree.c
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.sharing = enable_prefix_sharing
+        self.waiting: deque[Sequence] = deque()  # arrival order
+        self.running: list[Sequence] = []  # arrival order
+        self.now = 0  # step counter: the tree's LRU clock
+        self.num_preemptions = 0
+        self.last_decode_paths: list[tuple[int, ...]] = []
+
+    # -- queue management -------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Release a sequence's chunks: full ones stay cached in the tree, the rest are freed."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def _release(self, seq: Sequence) -> None:
+        self.tree.release(seq.nodes, self.now)
+        for cid in seq.private:
+            self.tree.pool.free(cid)
+        seq.nodes, seq.private, seq.num_computed = [], [], 0
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = Status.WAITING
+        i = 0  # re-queue by arrival (preempted sequences are older than never-admitted ones)
+        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
+            i += 1
+        self.waiting.insert(i, seq)
+        self.num_preemptions += 1
+
+    # -- chunks -----------------------------------------------------------------------------
+    def _coverable(self, seq: Sequence, keep: int) -> int:
+        """How many more tokens `seq` could get K/V slots for, leaving `keep` chunks in hand."""
+        chunks = len(seq.nodes) + len(seq.private) + self.tree.num_available - keep
+        return chunks * self.c - seq.num_computed
+
+    def _chunks_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, -(-(seq.num_computed + n) // self.c) - len(seq.nodes) - len(seq.private))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        """Reserve the chunks that `n` more tokens need, before the step runs, so the tree
+        never changes inside a step. Callers checked availability."""
+        for _ in range(self._chunks_needed(seq, n)):
+            cid = self.tree.alloc()
+            assert cid is not None, "availability was checked"
+            seq.private.append(cid)
+
+    # -- the step ---------------------------------------------------------------------------
+    def schedule(self) -> Batch:
+        self.now += 1
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
+        for decoding in (True, False):
+            for seq in list(self.running):
+                if seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
+                    continue
+                if budget == 0:
+                    break
+                while self._coverable(seq, 0) < 1:  # not even one token fits: preempt the newest
+                    victim = max(self.running, key=lambda s: s.arrival)
+                    budget += planned.pop(victim, 0)
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+                if seq.status is Status.RUNNING:
+                    n = min(seq.num_pending, budget, self._coverable(seq, 0))
+                    self._grow(seq, n)
+                    planned[seq] = n
+                    budget -= n
+        # after a preemption the pool is short: admitting now would only thrash
+        admit = self.num_preemptions == preemptions_before
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            n = self._admit(seq, budget)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            planned[seq] = n
+            budget -= n
+        batch = Batch()
+        for seq, n in planned.items():
+            if seq.num_pending == 1 and n == 1:
+                batch.decodes.append(seq)
+            else:
+                batch.prefills.append((seq, n))
+        # DFS order = lexicographic order of root-to-leaf node-id paths
+        keyed = sorted(((tuple(node.id for node in s.nodes), s) for s in batch.decodes), key=lambda e: e[0])
+        batch.decodes = [s for _, s in keyed]
+        self.last_decode_paths = [k for k, _ in keyed]  # for PrefixTree.check
+        return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> int:
+        """Match the cache, reserve chunks for a first piece (as much of the prompt as the budget
+        and the pool allow); 0 if nothing fits now.
+
+        Besides the piece, keep one chunk per running sequence in hand so that admitting a
+        request does not immediately force a preemption when running decodes cross a chunk.
+        """
+        if self.sharing:
+            # the last token always runs: its logits give the first output token
+            path = self.tree.match(seq.token_ids, seq.num_tokens - 1)
+            self.tree.acquire(path, self.now)
+            seq.nodes, seq.num_computed = path, len(path) * self.c
+        n = min(seq.num_pending, budget, self._coverable(seq, keep=len(self.running)))
+        if n < 1:
+            self._release(seq)
+            return 0
+        if seq.num_cached_prompt is None:
+            seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+        self._grow(seq, n)
+        return n
+
+    def advance(self, batch: Batch) -> None:
+        """After the forward pass: the new tokens' K/V are in the cache; chunks that became full
+        enter the tree (deduplicated against identical chunks computed concurrently)."""
+        for seq, n in batch.items:
+            seq.num_computed += n
+            if self.sharing:
+                self._insert_full_chunks(seq)
+
+    def _insert_full_chunks(self, seq: Sequence) -> None:
+        c = self.c
+        while seq.private and (len(seq.nodes) + 1) * c <= seq.num_computed:
+            k = len(seq.nodes)
+            tokens = tuple(seq.token_at(i) for i in range(k * c, (k + 1) * c))
+            parent = seq.nodes[-1] if seq.nodes else self.tree.root
+            seq.nodes.append(self.tree.insert(parent, tokens, seq.private.pop(0), self.now))
