@@ -1,0 +1,421 @@
+"""Plain-torch attention over the chunked KV cache: the CPU path and the tests' oracle.
+
+Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``. A sequence's
+KV lives in the chunks of its chunk table, in order; its first ``seq_len`` positions are valid.
+Query head ``h`` reads KV head ``h // G`` (GQA, ``Hq = G * Hkv``). Everything is computed in
+float32 and returned in ``q.dtype``.
+
+Decode uses the two-phase partition algorithm of ChunkAttention (ACL 2024, DESIGN §4):
+``build_tree_plan`` finds the chunks shared by contiguous row ranges of the batch (the prefix
+tree in DFS order); phase 1 attends each shared segment once for all its rows, phase 2 attends
+each row's private chunks and merges the partial softmax states. ``decode_attention_ref`` is the
+dense oracle it is tested against; ``prefill_attention_ref`` is the causal prefill path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "Segment",
+    "TreePlan",
+    "attn_reduce",
+    "build_tree_plan",
+    "decode_attention_ref",
+    "gather_kv",
+    "partial_attn",
+    "prefill_attention_ref",
+    "tpp_decode_ref",
+]
+
+
+def _scale(sm_scale: float | None, head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+
+
+def _check_cache(k_cache: Tensor, v_cache: Tensor) -> tuple[int, int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_chunks, Hkv, c, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    _, hkv, c, d = k_cache.shape
+    return hkv, c, d
+
+
+def _gqa_groups(num_q_heads: int, num_kv_heads: int) -> int:
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    return num_q_heads // num_kv_heads
+
+
+# ---------------------------------------------------------------------------------------------
+# Partial attention and its merge (online softmax)
+# ---------------------------------------------------------------------------------------------
+
+
+def partial_attn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    sm_scale: float | None = None,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Unnormalised attention of ``q`` over one block of keys: the paper's partial state.
+
+    q: [..., M, D], k: [..., N, D], v: [..., N, D] (leading dims broadcast, e.g. the KV heads).
+    mask: optional bool, broadcastable to [..., M, N], True = attend.
+    Returns fp32 ``o: [..., M, D]`` (= E @ v, not divided by n), ``m: [..., M]`` (row max of the
+    scaled scores W) and ``n: [..., M]`` (row sum of E = exp(W - m)); the softmax output is o / n.
+    A row with nothing to attend (all masked, or N == 0) gives m = -inf, n = 0, o = 0, no NaN,
+    so it is the identity of ``attn_reduce``.
+    """
+    scale = _scale(sm_scale, q.shape[-1])
+    q, k, v = q.float(), k.float(), v.float()
+    w = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., M, N]
+    if mask is not None:
+        w = w.masked_fill(~mask, float("-inf"))
+    if w.shape[-1] == 0:  # amax over an empty dim is an error; the state is simply empty
+        m = w.new_full(w.shape[:-1], float("-inf"))
+    else:
+        m = w.amax(dim=-1)
+    # exp(-inf - -inf) is NaN: shift empty rows by 0 instead, so E = exp(-inf) = 0 there
+    e = torch.exp(w - _finite_or_zero(m).unsqueeze(-1))
+    n = e.sum(dim=-1)
+    o = torch.matmul(e, v)
+    return o, m, n
+
+
+def _finite_or_zero(m: Tensor) -> Tensor:
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def attn_reduce(
+    o1: Tensor, m1: Tensor, n1: Tensor, o2: Tensor, m2: Tensor, n2: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Merge two partial states over disjoint key sets into the state over their union.
+
+    o: [..., M, D], m: [..., M], n: [..., M] (fp32). NaN-free when either side is empty
+    (m = -inf, n = 0, o = 0), including both.
+    """
+    m = torch.maximum(m1, m2)
+    m_safe = _finite_or_zero(m)  # both empty: rescale by exp(-inf - 0) = 0, not NaN
+    a1 = torch.exp(m1 - m_safe)
+    a2 = torch.exp(m2 - m_safe)
+    o = o1 * a1.unsqueeze(-1) + o2 * a2.unsqueeze(-1)
+    n = n1 * a1 + n2 * a2
+    return o, m, n
+
+
+def _normalise(o: Tensor, n: Tensor) -> Tensor:
+    # rows that attended nothing (n = 0) come out as 0 rather than 0/0
+    return torch.where((n > 0).unsqueeze(-1), o / n.clamp_min(1e-38).unsqueeze(-1), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering a sequence's KV
+# ---------------------------------------------------------------------------------------------
+
+
+def gather_kv(cache: Tensor, chunk_ids: Sequence[int], length: int) -> Tensor:
+    """Positions [0, length) of one sequence, contiguous: [Hkv, length, D], in cache.dtype.
+
+    cache: [num_chunks, Hkv, c, D]; chunk_ids: the sequence's chunk table (may be longer than
+    needed, e.g. a reserved next chunk; only the first ceil(length / c) are read).
+    """
+    _, hkv, c, d = cache.shape
+    need = -(-length // c)
+    if length < 0 or len(chunk_ids) < need:
+        raise ValueError(f"{len(chunk_ids)} chunks of {c} cannot hold {length} tokens")
+    idx = torch.as_tensor(list(chunk_ids[:need]), dtype=torch.long, device=cache.device)
+    kv = cache.index_select(0, idx)  # [need, Hkv, c, D]
+    return kv.transpose(0, 1).reshape(hkv, need * c, d)[:, :length]
+
+
+# ---------------------------------------------------------------------------------------------
+# The tree plan: shared segments and private chunks of a DFS-ordered decode batch
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Consecutive full chunks read by every row of [row_start, row_end) (row_end - row_start >= 2).
+
+    chunk_ids: the chunks in sequence order; chunk_start: the position of the first of them in
+    the rows' chunk tables (so the segment covers positions chunk_start .. + len(chunk_ids) - 1).
+    """
+
+    row_start: int
+    row_end: int
+    chunk_ids: tuple[int, ...]
+    chunk_start: int
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """What each decode row reads, split into shared segments and private chunks.
+
+    seq_lens: valid tokens per row. segments: in DFS pre-order (by row_start, then position); a
+    deeper segment's row range nests inside its ancestor's. private_chunks[r]: row r's chunk ids
+    not covered by any segment, in sequence order; private_lens[r]: valid tokens in each (only the
+    last one can be partial). Every (row, position < ceil(seq_len / c)) is covered exactly once.
+    """
+
+    seq_lens: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    private_chunks: tuple[tuple[int, ...], ...]
+    private_lens: tuple[tuple[int, ...], ...]
+
+    def row_segments(self) -> tuple[tuple[int, ...], ...]:
+        """Per row, indices into ``segments`` of the segments covering it."""
+        rows: list[list[int]] = [[] for _ in self.seq_lens]
+        for s, seg in enumerate(self.segments):
+            for r in range(seg.row_start, seg.row_end):
+                rows[r].append(s)
+        return tuple(tuple(r) for r in rows)
+
+
+def build_tree_plan(
+    chunk_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], chunk_size: int
+) -> TreePlan:
+    """Plan two-phase partition decode for a batch whose rows are in prefix-tree DFS order.
+
+    chunk_tables[r]: row r's chunk ids in order (entries past ceil(seq_lens[r] / c) are ignored,
+    e.g. a reserved next chunk). Raises ValueError if a table is too short for its length, or if
+    the rows holding some chunk id at some position are not contiguous (the batch is not in DFS
+    order, so that chunk cannot be read once for one row range).
+
+    At position p, a maximal contiguous run of >= 2 rows holding the same chunk id, full for each
+    of them ((p + 1) * c <= seq_len), shares it; a row for which the chunk is partial only reads a
+    prefix of it, so it reads it privately (the run is cut there). Runs at consecutive positions
+    with exactly the same row range become one segment. Everything else is private to its row.
+    """
+    c = int(chunk_size)
+    if c <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if len(chunk_tables) != len(seq_lens):
+        raise ValueError(f"{len(chunk_tables)} chunk tables for {len(seq_lens)} seq_lens")
+    lens = tuple(int(n) for n in seq_lens)
+    num_rows = len(lens)
+    used = []  # chunks each row reads
+    for r, (table, n) in enumerate(zip(chunk_tables, lens)):
+        if n < 0:
+            raise ValueError(f"row {r}: negative seq_len {n}")
+        need = -(-n // c)
+        if len(table) < need:
+            raise ValueError(f"row {r}: {len(table)} chunks of {c} cannot hold {n} tokens")
+        used.append(tuple(int(x) for x in table[:need]))
+
+    # shared[r][p] is True when (row r, position p) is read through a segment
+    shared = [[False] * len(u) for u in used]
+    runs: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (i, j) -> [(p, id)]
+    for p in range(max((len(u) for u in used), default=0)):
+        col = [u[p] if p < len(u) else None for u in used]
+        _check_contiguous(col, p)
+        r = 0
+        while r < num_rows:
+            cid = col[r]
+            if cid is None or (p + 1) * c > lens[r]:
+                r += 1
+                continue
+            j = r + 1
+            while j < num_rows and col[j] == cid and (p + 1) * c <= lens[j]:
+                j += 1
+            if j - r >= 2:
+                runs[(r, j)].append((p, cid))
+                for rr in range(r, j):
+                    shared[rr][p] = True
+            r = j
+
+    # merge positions with the same row range into maximal consecutive stretches
+    segments = []
+    for (i, j), cols in runs.items():
+        start = 0
+        for k in range(1, len(cols) + 1):
+            if k == len(cols) or cols[k][0] != cols[k - 1][0] + 1:
+                ids = tuple(cid for _, cid in cols[start:k])
+                segments.append(Segment(i, j, ids, cols[start][0]))
+                start = k
+    segments.sort(key=lambda s: (s.row_start, s.chunk_start))
+
+    private_chunks, private_lens = [], []
+    for r, u in enumerate(used):
+        ps = [p for p in range(len(u)) if not shared[r][p]]
+        private_chunks.append(tuple(u[p] for p in ps))
+        private_lens.append(tuple(min(c, lens[r] - p * c) for p in ps))
+    return TreePlan(lens, tuple(segments), tuple(private_chunks), tuple(private_lens))
+
+
+def _check_contiguous(col: list[int | None], pos: int) -> None:
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    count: dict[int, int] = defaultdict(int)
+    for r, cid in enumerate(col):
+        if cid is None:
+            continue
+        first.setdefault(cid, r)
+        last[cid] = r
+        count[cid] += 1
+    for cid, n in count.items():
+        if last[cid] - first[cid] + 1 != n:
+            raise ValueError(
+                f"chunk {cid} at position {pos} is held by non-contiguous rows "
+                f"(rows {first[cid]}..{last[cid]}, {n} of them): batch not in DFS order"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+
+
+def tpp_decode_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    plan: TreePlan,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Two-phase partition decode attention (ChunkAttention), one query token per row.
+
+    q: [B, Hq, D]; k_cache, v_cache: [num_chunks, Hkv, c, D]; plan from ``build_tree_plan`` for
+    the same B rows. Returns [B, Hq, D] in q.dtype.
+    Phase 1 (chunk-first): per shared segment, each KV head's G query heads of rows [i, j) are
+    stacked into one [(j - i) * G, D] matrix and attend the segment's K/V once (the GPU kernel's
+    tensor-core tile); vectorised over KV heads. Phase 2 (sequence-first): per row, attend its
+    private chunks, then merge the phase-1 partials of every segment covering it.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    hkv, c, d = _check_cache(k_cache, v_cache)
+    b, hq, dq = q.shape
+    if dq != d:
+        raise ValueError(f"q head dim {dq} != cache head dim {d}")
+    if b != len(plan.seq_lens):
+        raise ValueError(f"q has {b} rows, plan has {len(plan.seq_lens)}")
+    g = _gqa_groups(hq, hkv)
+    scale = _scale(sm_scale, d)
+    qf = q.float().view(b, hkv, g, d)  # query head h = kv * G + g
+
+    # phase 1: one partial state per segment, [Hkv, (j - i) * G, ...] with rows major in M
+    partials = []
+    for seg in plan.segments:
+        rows = seg.row_end - seg.row_start
+        length = len(seg.chunk_ids) * c  # segments hold full chunks only
+        k = gather_kv(k_cache, seg.chunk_ids, length)  # [Hkv, L, D]
+        v = gather_kv(v_cache, seg.chunk_ids, length)
+        qs = qf[seg.row_start : seg.row_end].transpose(0, 1).reshape(hkv, rows * g, d)
+        partials.append(partial_attn(qs, k, v, scale))
+
+    # phase 2: per row, private chunks (state [Hkv, G, ...]) ...
+    o = qf.new_zeros(b, hkv, g, d)
+    m = qf.new_full((b, hkv, g), float("-inf"))
+    n = qf.new_zeros(b, hkv, g)
+    for r, (ids, lens) in enumerate(zip(plan.private_chunks, plan.private_lens)):
+        if not ids:
+            continue
+        if any(x != c for x in lens[:-1]) or not 0 < lens[-1] <= c:
+            raise ValueError(f"row {r}: only the last private chunk may be partial, got {lens}")
+        length = (len(ids) - 1) * c + lens[-1]
+        k = gather_kv(k_cache, ids, length)
+        v = gather_kv(v_cache, ids, length)
+        o[r], m[r], n[r] = partial_attn(qf[r], k, v, scale)
+
+    # ... merged with the partials of the segments covering it; done per segment for all of its
+    # rows at once, which is the same per-row merge vectorised (merge order only changes rounding)
+    for seg, (po, pm, pn) in zip(plan.segments, partials):
+        i, j = seg.row_start, seg.row_end
+        po = po.view(hkv, j - i, g, d).transpose(0, 1)  # [rows, Hkv, G, D]
+        pm = pm.view(hkv, j - i, g).transpose(0, 1)
+        pn = pn.view(hkv, j - i, g).transpose(0, 1)
+        o[i:j], m[i:j], n[i:j] = attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
+
+    return _normalise(o, n).view(b, hq, d).to(q.dtype)
+
+
+def decode_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    chunk_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Dense decode oracle: each row's query attends its positions [0, seq_len) by plain softmax.
+
+    q: [B, Hq, D]; k_cache, v_cache: [num_chunks, Hkv, c, D]; chunk_tables[r], seq_lens[r] as in
+    ``build_tree_plan``. Returns [B, Hq, D] in q.dtype. No plan, no partial states: the KV heads
+    are repeated to Hq so that it shares no GQA bookkeeping with the code it checks.
+    """
+    hkv, _, d = _check_cache(k_cache, v_cache)
+    b, hq, _ = q.shape
+    if len(chunk_tables) != b or len(seq_lens) != b:
+        raise ValueError(f"q has {b} rows, got {len(chunk_tables)} tables / {len(seq_lens)} lens")
+    g = _gqa_groups(hq, hkv)
+    scale = _scale(sm_scale, d)
+    out = q.new_zeros(b, hq, d, dtype=torch.float32)
+    for r in range(b):
+        if seq_lens[r] == 0:
+            continue
+        k = gather_kv(k_cache, chunk_tables[r], seq_lens[r]).float().repeat_interleave(g, 0)
+        v = gather_kv(v_cache, chunk_tables[r], seq_lens[r]).float().repeat_interleave(g, 0)
+        w = torch.einsum("hd,hld->hl", q[r].float(), k) * scale  # [Hq, L]
+        out[r] = torch.einsum("hl,hld->hd", torch.softmax(w, dim=-1), v)
+    return out.to(q.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------------
+
+# fp32 score elements per query tile ([Hq, tile, keys]); bounds memory for long prompts
+_PREFILL_TILE_ELEMS = 1 << 24
+
+
+def prefill_attention_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    chunk_ids: Sequence[int],
+    context_len: int,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Causal attention of one sequence's T new tokens over its cached prefix and themselves.
+
+    q: [T, Hq, D] for positions context_len .. context_len + T - 1, whose K/V are already in the
+    cache; k_cache, v_cache: [num_chunks, Hkv, c, D]; chunk_ids: the sequence's chunk table.
+    Query t sees keys [0, context_len + t] (bottom-right aligned causal mask). Returns [T, Hq, D]
+    in q.dtype. KV is gathered once; queries go in tiles so the fp32 scores stay bounded, each
+    tile a batched matmul over KV heads with the G query heads folded into M.
+    """
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got {tuple(q.shape)}")
+    hkv, _, d = _check_cache(k_cache, v_cache)
+    t_new, hq, _ = q.shape
+    g = _gqa_groups(hq, hkv)
+    scale = _scale(sm_scale, d)
+    total = context_len + t_new
+    k = gather_kv(k_cache, chunk_ids, total).float()  # [Hkv, total, D]
+    v = gather_kv(v_cache, chunk_ids, total).float()
+    qf = q.float().permute(1, 0, 2).reshape(hkv, g, t_new, d)  # head h = kv * G + g
+    out = q.new_empty(hkv, g, t_new, d, dtype=torch.float32)
+
+    tile = max(1, _PREFILL_TILE_ELEMS // max(1, hq * total))
+    for t0 in range(0, t_new, tile):
+        t1 = min(t_new, t0 + tile)
+        keys = context_len + t1  # the tile's last query sees no further
+        qt = qf[:, :, t0:t1].reshape(hkv, g * (t1 - t0), d)
+        w = torch.matmul(qt, k[:, :keys].transpose(1, 2)) * scale  # [Hkv, G*t, keys]
+        w = w.view(hkv, g, t1 - t0, keys)
+        qpos = torch.arange(context_len + t0, context_len + t1, device=q.device)
+        allowed = torch.arange(keys, device=q.device) <= qpos[:, None]  # [t, keys]
+        w = w.masked_fill(~allowed, float("-inf"))
+        p = torch.softmax(w, dim=-1).view(hkv, g * (t1 - t0), keys)
+        out[:, :, t0:t1] = torch.matmul(p, v[:, :keys]).view(hkv, g, t1 - t0, d)
+    return out.reshape(hq, t_new, d).permute(1, 0, 2).to(q.dtype)
