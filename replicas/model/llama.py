@@ -1,0 +1,148 @@
+"""Llama-family decoder (HF LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), tensor-parallel.
+
+The model holds no KV cache: each layer hands q, k, v to the caller's attention backend,
+`attn.forward(layer_idx, q, k, v) -> o`, which owns the cache and the softmax scale.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from replicas.model.config import ModelConfig
+from replicas.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    apply_rotary,
+    divide,
+    silu_and_mul,
+)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        self.num_heads = divide(cfg.num_heads, tp_size, "num_heads")
+        self.num_kv_heads = divide(cfg.num_kv_heads, tp_size, "num_kv_heads")
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                          bias=cfg.attention_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
+                                        bias=cfg.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        T, D = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
+        q = q.view(T, self.num_heads, D)  # [T, Hq, D], heads local to this rank
+        k = k.view(T, self.num_kv_heads, D)  # [T, Hkv, D]
+        v = v.view(T, self.num_kv_heads, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
+        return self.o_proj(o.reshape(T, self.num_heads * D))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
+                                           bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, I/tp] in between
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_rank, tp_size) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, D] each
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    # HF checkpoint projection name -> (our fused parameter's module, shard id)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, tp_rank, tp_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """input_ids, positions: [T] (tokens of several sequences, flattened) -> final-normed hidden [T, H]."""
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] -> fp32 logits over the full vocabulary [N, V] (gathered across TP ranks)."""
+        return self.lm_head(hidden).float()
+
+
+def checkpoint_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor an HF checkpoint of this config must hold, with its full (unsharded) shape."""
+    H, D, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+    q, kv = cfg.num_heads * D, cfg.num_kv_heads * D
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (cfg.vocab_size, H)}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (H,)
+        shapes[p + "post_attention_layernorm.weight"] = (H,)
+        for name, out in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            shapes[p + f"self_attn.{name}.weight"] = (out, H)
+            if cfg.attention_bias:
+                shapes[p + f"self_attn.{name}.bias"] = (out,)
+        shapes[p + "self_attn.o_proj.weight"] = (H, q)
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if cfg.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (D,)
+            shapes[p + "self_attn.k_norm.weight"] = (D,)
+        for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+            shapes[p + f"mlp.{name}.weight"] = shape
+            if cfg.mlp_bias:
+                shapes[p + f"mlp.{name}.bias"] = shape[:1]
+    shapes["model.norm.weight"] = (H,)
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, H)
+    return shapes
