@@ -127,6 +127,13 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(seen) :]
 
+    def flush(self) -> str:
+        """At the end of a generation: the text still held back (an incomplete character, as U+FFFD)."""
+        seen = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(seen) :]
+
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE."""

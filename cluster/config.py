@@ -1,0 +1,94 @@
+"""AppConfig: the `args:` of a Serve config file (`import_path: cluster.app:build_app`).
+
+Every sub-model forbids unknown fields, so a typo in a config file fails the deploy with an error
+naming the field instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EngineOptions(_Strict):
+    """replicas.engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
+    chunk_size: Literal[16, 32, 64, 128] = 64
+    kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: PositiveInt = 256
+    max_num_batched_tokens: PositiveInt = 2048
+    max_model_len: PositiveInt | None = None  # None: the model's context, capped by the KV pool
+    enable_prefix_sharing: bool = True
+    seed: int = 0
+
+
+class RouterOptions(_Strict):
+    """Prefix-aware routing (DESIGN §6)."""
+    route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
+
+
+class IngressOptions(_Strict):
+    """The FastAPI ingress deployment: light (tokenize, format), so many requests per replica."""
+    num_replicas: PositiveInt = 1
+    max_ongoing_requests: PositiveInt = 1024
+    num_cpus: float = Field(0, ge=0)
+
+
+class AppConfig(_Strict):
+    model: str = "tiny"  # preset name (configs/models/<name>.json) or a Hugging Face directory
+    served_model_name: str | None = None  # the `model` clients send; None: `model` itself
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when the cluster has GPUs
+
+    # LLM replicas: a fixed count (None: 1), or Serve's autoscaling_config passed through as is
+    num_replicas: PositiveInt | None = None
+    autoscaling_config: dict[str, Any] | None = None
+    tensor_parallel_size: PositiveInt = 1  # ranks per replica, one placement-group bundle each
+    # GPUs per replica on CUDA (ignored on CPU); None: one per rank. A fraction lets small replicas
+    # share a GPU (then set engine.kv_cache_tokens: the automatic pool takes most of the GPU).
+    num_gpus_per_replica: float | None = Field(None, gt=0)
+    num_cpus_per_replica: float = Field(1, ge=0)
+    max_ongoing_requests: PositiveInt = 64  # per replica: the engine's concurrent sequences from Serve
+    max_queued_requests: int = Field(-1, ge=-1)  # per caller; beyond it: 503 (-1: unbounded)
+    retry_after_s: float = Field(1, ge=0)  # Retry-After of a 503
+
+    engine: EngineOptions = EngineOptions()
+    router: RouterOptions = RouterOptions()
+    ingress: IngressOptions = IngressOptions()
+
+    api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
+    api_key_env: str | None = None  # or: the name of an environment variable holding the key
+    max_request_bytes: PositiveInt = 10 * 2**20  # larger bodies get 413
+
+    @model_validator(mode="after")
+    def _check(self) -> AppConfig:
+        if self.autoscaling_config is not None and self.num_replicas is not None:
+            raise ValueError("set num_replicas or autoscaling_config, not both")
+        if self.api_key is not None and self.api_key_env is not None:
+            raise ValueError("set api_key or api_key_env, not both")
+        tp = self.tensor_parallel_size
+        if tp > 1 and self.num_gpus_per_replica not in (None, tp):
+            raise ValueError(f"tensor_parallel_size={tp} takes one GPU per rank: num_gpus_per_replica must be "
+                             f"{tp} or unset, got {self.num_gpus_per_replica}")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    def resolve_api_key(self) -> str | None:
+        """The key clients must present; read from the environment of the calling process."""
+        if self.api_key is not None:
+            return self.api_key.get_secret_value()
+        if self.api_key_env is None:
+            return None
+        key = os.environ.get(self.api_key_env)
+        if not key:
+            raise ValueError(f"api_key_env={self.api_key_env!r} but that environment variable is not set")
+        return key

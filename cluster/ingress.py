@@ -1,0 +1,356 @@
+"""OpenAIIngress: the HTTP front of the application (FastAPI inside a Serve deployment).
+
+    POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health
+
+It checks the key, parses and validates the body, tokenizes (chat through the model's chat
+template), and checks the context length, so bad input is answered here and never reaches a
+replica. It then streams GenerateOutputs from one LLMReplica and formats them as OpenAI responses.
+Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
+"""
+
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from cluster.config import AppConfig
+from cluster.protocol import (
+    ChatChoice,
+    ChatChoiceMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorDetail,
+    ErrorResponse,
+    GenerateOutput,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from replicas.model import load_tokenizer
+
+logger = logging.getLogger("ray.serve")
+
+REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
+
+app = FastAPI(title="chunkserve", summary="OpenAI-compatible LLM serving for prompts sharing long prefixes")
+
+
+class APIError(Exception):
+    """An HTTP error answered with OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.headers = status, headers
+        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers)
+
+
+@app.exception_handler(APIError)
+async def _api_error(_: Request, e: APIError) -> JSONResponse:
+    return e.response()
+
+
+@app.exception_handler(Exception)
+async def _internal_error(_: Request, e: Exception) -> JSONResponse:
+    # Starlette re-raises after answering, so Serve still logs the traceback.
+    return APIError(500, f"internal error: {e!r}", type="server_error").response()
+
+
+# Module-level helpers come before the deployment class: @serve.ingress freezes a pickled copy of
+# the FastAPI app (routes = our methods) when the class is decorated, and that copy sees only the
+# module globals defined by then.
+
+
+def _unavailable(e: Exception) -> APIError:
+    retry_after = getattr(e, "retry_after_s", None)
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
+    return APIError(503, f"the model is overloaded, retry later ({e})", type="server_error", code="overloaded",
+                    headers=headers)
+
+
+class _CompletionFormat:
+    """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole response."""
+
+    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
+        self.id, self.model, self.prompt, self.token_ids = request_id, model, prompt, token_ids
+        self.created = int(time.time())
+
+    def chunk(self, out: GenerateOutput) -> CompletionResponse:
+        choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+                                  token_ids=list(out.token_ids) if self.token_ids else None)
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def usage(self, last: GenerateOutput) -> CompletionResponse:
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
+                                  usage=Usage.of(last))
+
+    def whole(self, outs: list[GenerateOutput]) -> CompletionResponse:
+        choice = CompletionChoice(text="".join(o.text for o in outs), finish_reason=outs[-1].finish_reason,
+                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                                  prompt_token_ids=self.prompt if self.token_ids else None)
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                  usage=Usage.of(outs[-1]))
+
+
+class _ChatFormat(_CompletionFormat):
+    """GenerateOutputs -> /v1/chat/completions bodies; the first chunk's delta carries the role."""
+
+    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
+        super().__init__(request_id, model, prompt, token_ids)
+        self.sent_role = False
+
+    def chunk(self, out: GenerateOutput) -> ChatCompletionChunk:
+        delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+        if not self.sent_role:
+            delta, self.sent_role = {"role": "assistant", **delta}, True
+        choice = ChatStreamChoice(delta=delta, finish_reason=out.finish_reason,
+                                  token_ids=list(out.token_ids) if self.token_ids else None)
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def usage(self, last: GenerateOutput) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                   usage=Usage.of(last))
+
+    def whole(self, outs: list[GenerateOutput]) -> ChatCompletionResponse:
+        choice = ChatChoice(message=ChatChoiceMessage(content="".join(o.text for o in outs)),
+                            finish_reason=outs[-1].finish_reason,
+                            token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None)
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
+                                      usage=Usage.of(outs[-1]), prompt_token_ids=self.prompt if self.token_ids else None)
+
+
+def _exclude(token_ids: bool, usage: bool) -> dict:
+    """Fields left out of a body: token ids unless asked for (an extension), `usage` in stream
+    chunks unless include_usage (OpenAI then sends `usage: null` in every chunk)."""
+    exclude: dict = {} if usage else {"usage": True}
+    if not token_ids:
+        exclude |= {"prompt_token_ids": True, "choices": {"__all__": {"token_ids", "prompt_token_ids"}}}
+    return exclude
+
+
+async def _whole(first: GenerateOutput, rest: DeploymentResponseGenerator, fmt: _CompletionFormat,
+                 headers: dict[str, str]) -> JSONResponse:
+    outs = [first]
+    try:
+        async for out in rest:
+            outs.append(out)
+    except BaseException:
+        rest.cancel()  # the client went away (or the replica failed): the replica aborts the request
+        raise
+    body = fmt.whole(outs).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
+    return JSONResponse(body, headers=headers)
+
+
+def _sse(first: GenerateOutput, rest: DeploymentResponseGenerator, fmt: _CompletionFormat, include_usage: bool,
+         headers: dict[str, str]) -> StreamingResponse:
+    """Server-sent events: `data: {chunk}` per output, the usage chunk if asked, then `data: [DONE]`.
+    Outputs that add no text (a special token, half a character) are not sent unless they end the
+    stream or carry token ids that were asked for."""
+    exclude = _exclude(fmt.token_ids, include_usage)
+
+    async def events() -> AsyncIterator[str]:
+        last = first
+        done = False
+        try:
+            yield f"data: {fmt.chunk(first).model_dump_json(exclude=exclude)}\n\n"
+            async for out in rest:
+                last = out
+                if out.text or out.finish_reason is not None or fmt.token_ids:
+                    yield f"data: {fmt.chunk(out).model_dump_json(exclude=exclude)}\n\n"
+            done = True
+        except Exception as e:  # the replica failed mid-stream: the status is sent, so say it in the stream
+            logger.exception("stream failed")
+            error = ErrorDetail(message=f"generation failed: {e}", type="server_error")
+            yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
+            return
+        finally:
+            if not done:
+                rest.cancel()  # the client disconnected (or the replica failed): abort in the engine
+        if include_usage:
+            yield f"data: {fmt.usage(last).model_dump_json()}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+@serve.deployment
+@serve.ingress(app)
+class OpenAIIngress:
+    def __init__(self, llm: DeploymentHandle, config: AppConfig):
+        self.config = config
+        self.model_name = config.model_name
+        self.tokenizer = load_tokenizer(config.model)  # None: the model takes token ids only
+        self.api_key = config.resolve_api_key()
+        self._llm = llm
+        self._stream = llm.options(stream=True)
+        self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
+        self._created = int(time.time())
+
+    # -- endpoints --------------------------------------------------------------------------
+    @app.get("/health")
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models(self, request: Request) -> JSONResponse:
+        self._authorize(request)
+        info = await self._model_info()
+        card = ModelCard(id=self.model_name, created=self._created, root=self.config.model,
+                         max_model_len=info["max_model_len"])
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._parse(request, CompletionRequest)
+        self._check_model(body.model)
+        prompt = await self._completion_prompt(body)
+        max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens")
+        req = self._generate_request("cmpl", prompt, body, max_tokens)
+        fmt = _CompletionFormat(req.request_id, self.model_name, prompt, body.return_token_ids)
+        return await self._respond(req, fmt, body.stream, body.include_usage)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = await self._parse(request, ChatCompletionRequest)
+        self._check_model(body.model)
+        prompt = self._chat_prompt(body)
+        max_tokens = await self._check_length(prompt, body.requested_max_tokens,
+                                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        req = self._generate_request("chatcmpl", prompt, body, max_tokens)
+        fmt = _ChatFormat(req.request_id, self.model_name, prompt, body.return_token_ids)
+        return await self._respond(req, fmt, body.stream, body.include_usage)
+
+    async def _respond(self, req: GenerateRequest, fmt: _CompletionFormat, stream: bool,
+                       include_usage: bool) -> Response:
+        first, rest = await self._start(req)
+        headers = {REPLICA_HEADER: first.replica_id}
+        if stream:
+            return _sse(first, rest, fmt, include_usage, headers)
+        return await _whole(first, rest, fmt, headers)
+
+    # -- request checks ---------------------------------------------------------------------
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
+            raise APIError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
+                           code="request_too_large")
+        body = bytearray()
+        async for piece in request.stream():  # a missing or false Content-Length still stops at the limit
+            body += piece
+            if len(body) > limit:
+                raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            errors = e.errors(include_url=False)
+            where = lambda err: ".".join(map(str, err["loc"])) or "body"  # noqa: E731
+            message = "; ".join(f"{where(err)}: {err['msg']}" for err in errors)
+            param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+            raise APIError(400, message, param=param) from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                           param="model", code="model_not_found")
+
+    async def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
+            else body.prompt
+        if isinstance(prompt, str):
+            return self._tokenizer_for("text prompts").encode(prompt)
+        vocab = (await self._model_info())["vocab_size"]
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="prompt")
+        return prompt
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+        tokenizer = self._tokenizer_for("chat")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        return tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS
+
+    def _tokenizer_for(self, what: str):
+        if self.tokenizer is None:
+            raise APIError(400, f"{what} need a tokenizer and model `{self.model_name}` has none: send token ids")
+        return self.tokenizer
+
+    async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
+        """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it."""
+        max_len = (await self._model_info())["max_model_len"]
+        wanted = max(max_len - len(prompt), 1) if max_tokens is None else max_tokens
+        if len(prompt) + wanted > max_len:
+            raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "
+                           f"{len(prompt) + wanted} were requested ({len(prompt)} in the prompt, {wanted} for "
+                           "the completion); shorten the prompt or lower the completion's length",
+                           param=param if max_tokens is not None else None, code="context_length_exceeded")
+        return wanted
+
+    def _generate_request(self, kind: str, prompt: list[int], body: CompletionRequest | ChatCompletionRequest,
+                          max_tokens: int) -> GenerateRequest:
+        if body.stop_strings and self.tokenizer is None:
+            raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
+        return GenerateRequest(request_id=f"{kind}-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt),
+                               params=body.sampling_params(max_tokens), stop=body.stop_strings,
+                               model=self.model_name)
+
+    # -- talking to the replicas ------------------------------------------------------------
+    async def _model_info(self) -> dict:
+        if self._info is None:
+            try:
+                self._info = await self._llm.model_info.remote()
+            except (BackPressureError, DeploymentUnavailableError) as e:
+                raise _unavailable(e) from None
+        return self._info
+
+    async def _start(self, req: GenerateRequest) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
+        """Send the request to a replica and wait for its first output (so errors get a status code)."""
+        gen: DeploymentResponseGenerator = self._stream.generate.remote(req)
+        try:
+            return await gen.__anext__(), gen
+        except (BackPressureError, DeploymentUnavailableError) as e:
+            raise _unavailable(e) from None
+        except ValueError as e:  # the engine refused the request (the checks above should have)
+            raise APIError(400, str(e)) from None
+        except BaseException:
+            gen.cancel()  # the client went away while waiting
+            raise

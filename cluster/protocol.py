@@ -1,0 +1,288 @@
+"""OpenAI-compatible HTTP schemas, and the request/output passed between ingress and replica.
+
+Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
+fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
+Known fields whose non-default values we cannot honour (logprobs, penalties, tools, ...) are a 400
+naming the field rather than a silently different answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from replicas.sequence import SamplingParams
+
+# -- requests --------------------------------------------------------------------------------
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False  # one last chunk with `usage` and no choices
+
+
+class _SamplingRequest(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    # field -> the values that mean "feature off"; anything else is refused
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+        "logit_bias": (None, {}),
+    }
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(-1, ge=-1)  # extension; -1 or 0: whole vocabulary
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension
+    return_token_ids: bool = False  # extension (as vLLM): token ids beside the text
+    user: str | None = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    logit_bias: Any = None
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(f"only n=1 is supported, got {n}")
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _neutral(cls, value: Any, info: ValidationInfo) -> Any:
+        allowed = cls.NEUTRAL.get(info.field_name)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{info.field_name}={value!r} is not supported")
+        return value
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              ignore_eos=self.ignore_eos)
+
+
+class CompletionRequest(_SamplingRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.NEUTRAL, "logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
+        "best_of": (None, 1),
+    }
+
+    # text, [text], token ids, or [token ids]: one prompt per request
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    logprobs: Any = None
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list):
+            if len(prompt) == 0:
+                raise ValueError("prompt must not be empty")
+            if isinstance(prompt[0], (str, list)) and len(prompt) != 1:
+                raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
+            if isinstance(prompt[0], list) and len(prompt[0]) == 0:
+                raise ValueError("prompt must not be empty")
+        return prompt
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, kind: str) -> str:
+        if kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported (only 'text')")
+        return kind
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str  # the chat template decides which roles it knows
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text or "" for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    NEUTRAL: ClassVar[dict[str, tuple]] = {
+        **_SamplingRequest.NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+        "response_format": (None, {"type": "text"}),
+    }
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins over it
+    max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context
+    logprobs: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    response_format: Any = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+# -- responses -------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the replica's prefix tree
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+    @classmethod
+    def of(cls, out: GenerateOutput) -> Usage:
+        return cls(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
+                   total_tokens=out.prompt_tokens + out.completion_tokens,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None  # with return_token_ids
+    prompt_token_ids: list[int] | None = None  # with return_token_ids, non-streaming
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None  # streaming: only on the include_usage chunk
+
+
+class ChatChoiceMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: ChatChoiceMessage
+    logprobs: None = None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatStreamChoice(BaseModel):
+    index: int = 0
+    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
+    logprobs: None = None
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "chunkserve"
+    root: str  # what was loaded: preset name or directory
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str  # invalid_request_error | authentication_error | not_found_error | server_error | ...
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# -- ingress -> replica ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    stop: tuple[str, ...]  # stop strings: the text ends before the first one, finish_reason "stop"
+    model: str
+    prefix_hashes: tuple[int, ...] = ()  # chained chunk hashes of the prompt's head, for the router
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """What a replica streams back: everything new since its previous output for the request."""
+    replica_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str | None  # None until the last output: "stop" | "length" | "abort"
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # so far

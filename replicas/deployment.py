@@ -1,0 +1,247 @@
+"""LLMReplica: the Serve deployment around one LLMEngine.
+
+One replica = one engine + one step loop. Every request the replica holds is a sequence in that
+engine, so each `engine.step()` batches all of them (continuous batching across HTTP requests).
+
+    generate(req) ──add──▶ inbox ──▶ step loop: apply inbox, step() in the engine thread ──┐
+         ▲                                                                            │
+         └──────────── per-request queue of RequestOutput ◀──── dispatch ──────────────┘
+
+The engine is touched only by the step loop: `step()` runs in one dedicated thread (it blocks for
+a whole forward pass) while the event loop keeps serving; adds and aborts wait in the inbox and are
+applied on the event loop between two steps, so they never race a step. A request whose caller
+goes away (client disconnect: Serve cancels the generator) is aborted, which frees its chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ray import serve
+from ray.serve import metrics
+
+from cluster.protocol import GenerateOutput, GenerateRequest
+from replicas.engine import EngineConfig, LLMEngine, RequestOutput
+from replicas.model import IncrementalDetokenizer, Tokenizer
+from replicas.sequence import SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stream:
+    """The event-loop side of one request in the engine."""
+    accepted: asyncio.Future  # set when the add is applied: None, or the engine's ValueError
+    outputs: asyncio.Queue[RequestOutput | _EngineDied]  # one per step; _EngineDied if the loop dies
+
+
+class _EngineDied(Exception):
+    pass
+
+
+@serve.deployment
+class LLMReplica:
+    def __init__(self, engine_config: EngineConfig):
+        if engine_config.tp_size > 1:
+            raise ValueError(f"tensor_parallel_size={engine_config.tp_size}: a replica needs the tensor-parallel "
+                             "worker group (replicas/parallel.py) for that, and this build has none")
+        self.engine = LLMEngine(engine_config)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._inbox: list[_Add | _Abort] = []
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._stats = self.engine.stats()  # snapshot taken between steps; read by stats/routing stats
+        self._metrics = _Metrics(self._stats)
+        self._loop = asyncio.get_running_loop().create_task(self._step_loop())
+
+    # -- requests ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream one request: each output holds what is new since the previous one."""
+        self._raise_if_dead()
+        rid = request.request_id
+        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop)
+        stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
+        self._post(_Add(rid, request.prompt_token_ids, request.params))
+        arrival = time.perf_counter()
+        first_token_at = None
+        engine_done = False
+        try:
+            await stream.accepted  # the engine's ValueError for a bad request surfaces here
+            while not engine_done:
+                batch = [await stream.outputs.get()]
+                while not stream.outputs.empty():  # the caller fell behind: send several steps as one
+                    batch.append(stream.outputs.get_nowait())
+                if isinstance(batch[-1], _EngineDied):
+                    raise batch[-1]
+                last = batch[-1]
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                    self._metrics.time_to_first_token.observe(first_token_at - arrival)
+                token_ids = tuple(t for out in batch for t in out.new_token_ids)
+                engine_done = last.finished
+                new_text, stopped = text.push(token_ids, final=engine_done)
+                reason = "stop" if stopped else last.finish_reason
+                if reason is not None and last.output_tokens > 1:
+                    self._metrics.time_per_output_token.observe(
+                        (time.perf_counter() - first_token_at) / (last.output_tokens - 1))
+                yield GenerateOutput(self.replica_id, new_text, token_ids, reason, last.prompt_tokens,
+                                     last.cached_tokens, last.output_tokens)
+                if stopped:
+                    return  # a stop string ended it; the engine still runs it until the abort below
+        finally:
+            del self._streams[rid]
+            if not engine_done:  # cancelled, failed, or stopped by a stop string
+                self._post(_Abort(rid))
+
+    def _post(self, op: _Add | _Abort) -> None:
+        self._inbox.append(op)
+        self._wake.set()
+
+    # -- the step loop ----------------------------------------------------------------------
+    async def _step_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self._inbox and not self.engine.has_unfinished():
+                    self._wake.clear()
+                    await self._wake.wait()
+                self._apply_inbox()
+                if self.engine.has_unfinished():
+                    for out in await loop.run_in_executor(self._stepper, self.engine.step):
+                        stream = self._streams.get(out.request_id)
+                        if stream is not None:  # None: aborted while the step ran
+                            stream.outputs.put_nowait(out)
+                self._stats = self.engine.stats()
+                self._metrics.update(self._stats)
+        except BaseException as e:
+            died = _EngineDied(f"engine step loop died: {e!r}")
+            died.__cause__ = e
+            for stream in self._streams.values():
+                if not stream.accepted.done():
+                    stream.accepted.set_exception(died)
+                stream.outputs.put_nowait(died)
+            raise
+
+    def _apply_inbox(self) -> None:
+        ops, self._inbox = self._inbox, []
+        for op in ops:
+            if isinstance(op, _Abort):
+                self.engine.abort(op.request_id)
+                continue
+            stream = self._streams.get(op.request_id)
+            if stream is None or stream.accepted.done():  # the caller left before its add was applied
+                continue
+            try:
+                self.engine.add_request(op.request_id, list(op.prompt), op.params)
+            except ValueError as e:
+                stream.accepted.set_exception(e)
+            else:
+                stream.accepted.set_result(None)
+
+    def _raise_if_dead(self) -> None:
+        if self._loop.done():
+            exc = None if self._loop.cancelled() else self._loop.exception()
+            raise _EngineDied(f"engine step loop is not running: {exc!r}") from exc
+
+    # -- Serve hooks and introspection ------------------------------------------------------
+    async def check_health(self) -> None:
+        self._raise_if_dead()
+
+    async def record_routing_stats(self) -> dict:
+        s = self._stats
+        return {"running": s["running"], "waiting": s["waiting"],
+                "kv_chunks_used": s["kv_chunks_used"], "kv_chunks_total": s["kv_chunks_total"]}
+
+    async def stats(self) -> dict[str, int]:
+        """engine.stats() as of the last step (or the last add/abort while idle)."""
+        return dict(self._stats)
+
+    async def model_info(self) -> dict:
+        """What the ingress validates requests against."""
+        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size}
+
+
+class _TextStream:
+    """One request's output text: incremental detokenization and stop strings.
+
+    Text that could still be the start of a stop string is held back (longest stop - 1 chars);
+    on a stop string the text ends right before it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...]):
+        if stop and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer and this model has none")
+        self._detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids))
+        self._stop = stop
+        self._hold = max(map(len, stop), default=1) - 1
+        self._text = ""
+        self._sent = 0  # chars of _text already returned
+
+    def push(self, token_ids: tuple[int, ...], final: bool) -> tuple[str, bool]:
+        """-> (text to send now, whether a stop string ended the text)."""
+        if self._detok is None:
+            return "", False
+        checked = len(self._text)
+        self._text += "".join(self._detok.push(t) for t in token_ids)
+        if final:
+            self._text += self._detok.flush()
+        stopped = self._cut_at_stop(checked)
+        end = len(self._text) if final or stopped else max(self._sent, len(self._text) - self._hold)
+        new, self._sent = self._text[self._sent : end], end
+        return new, stopped
+
+    def _cut_at_stop(self, checked: int) -> bool:
+        # A stop string found now ends in the new text, so it starts after checked - len(stop).
+        hits = [i for s in self._stop if (i := self._text.find(s, max(0, checked - len(s) + 1))) >= 0]
+        if not hits:
+            return False
+        self._text = self._text[: min(hits)]
+        return True
+
+
+class _Metrics:
+    """chunkserve_* metrics of one replica (Serve adds deployment/replica/application tags)."""
+
+    _COUNTERS = {"prompt_tokens": "prompt tokens of finished requests",
+                 "cached_prompt_tokens": "prompt tokens served from the prefix tree",
+                 "generated_tokens": "tokens generated"}
+    _GAUGES = {"running": ("running_requests", "sequences in the running batch"),
+               "waiting": ("waiting_requests", "sequences waiting for admission"),
+               "kv_chunks_used": ("kv_chunks_used", "KV chunks held by live sequences"),
+               "kv_chunks_total": ("kv_chunks_total", "KV chunks in the pool")}
+    _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60]
+
+    def __init__(self, stats: dict[str, int]):
+        self._last = {k: stats[k] for k in self._COUNTERS}
+        self._counters = {k: metrics.Counter(f"chunkserve_{k}", description=d) for k, d in self._COUNTERS.items()}
+        self._gauges = {k: metrics.Gauge(f"chunkserve_{name}", description=d) for k, (name, d) in self._GAUGES.items()}
+        self.time_to_first_token = metrics.Histogram(
+            "chunkserve_time_to_first_token_seconds", description="arrival at the replica to first token",
+            boundaries=self._LATENCY_BUCKETS)
+        self.time_per_output_token = metrics.Histogram(
+            "chunkserve_time_per_output_token_seconds", description="decode time per token after the first",
+            boundaries=self._LATENCY_BUCKETS)
+        self.update(stats)
+
+    def update(self, stats: dict[str, int]) -> None:
+        for k, counter in self._counters.items():
+            if stats[k] > self._last[k]:
+                counter.inc(stats[k] - self._last[k])
+                self._last[k] = stats[k]
+        for k, gauge in self._gauges.items():
+            gauge.set(stats[k])

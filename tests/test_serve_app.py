@@ -1,0 +1,179 @@
+"""`serve run configs/local.yaml` (the real CLI, in a subprocess) answers OpenAI requests.
+
+Through httpx and the official `openai` client, streaming and not; greedy output over HTTP equals
+LLMEngine.generate on the same prompt. The Ray cluster under it is a 1-node LocalCluster so the
+test controls its size; `serve run` connects to it with --address.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from cluster.local import LocalCluster
+from replicas.engine import LLMEngine, SamplingParams
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "local.yaml"
+SERVE = Path(sys.executable).parent / "serve"
+PROMPT = "The quick brown fox"
+STARTUP_S = 300
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """-> (base URL, the config's AppConfig args) of a running `serve run configs/local.yaml`."""
+    config = yaml.safe_load(CONFIG.read_text())
+    host, port = config["http_options"]["host"], config["http_options"]["port"]
+    with socket.socket() as s:
+        if s.connect_ex((host, port)) == 0:
+            pytest.fail(f"{host}:{port} is taken; configs/local.yaml serves there")
+    base = f"http://{host}:{port}"
+    log_path = tmp_path_factory.mktemp("serve") / "serve-run.log"
+    with LocalCluster(num_nodes=1, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as cluster, \
+            open(log_path, "w") as log:
+        proc = subprocess.Popen([str(SERVE), "run", "--address", cluster.address, str(CONFIG)], cwd=REPO,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_until_serving(base, proc, log_path)
+            yield base, config["applications"][0]["args"]
+        finally:
+            proc.send_signal(signal.SIGINT)  # serve run shuts Serve down on Ctrl-C
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_until_serving(base: str, proc: subprocess.Popen, log_path: Path) -> None:
+    deadline = time.monotonic() + STARTUP_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"serve run exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"serve run did not serve within {STARTUP_S}s:\n{log_path.read_text()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def engine(server):
+    """The engine a replica runs, in this process: same preset, seed and chunk size."""
+    _, args = server
+    return LLMEngine.from_model(args["model"], device="cpu", chunk_size=args["engine"]["chunk_size"],
+                                kv_cache_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    base, args = server
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=120)
+
+
+GREEDY = {"max_tokens": 24, "temperature": 0}
+
+
+def _sse(base: str, path: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", f"{base}{path}", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]]
+
+
+def test_completion_greedy_equals_engine(server, engine):
+    base, args = server
+    r = httpx.post(f"{base}/v1/completions", timeout=120,
+                   json={"model": args["model"], "prompt": PROMPT, "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    expected = engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert choice["prompt_token_ids"] == prompt_ids
+    assert choice["token_ids"] == expected
+    assert choice["text"] == engine.tokenizer.decode(expected)
+    assert choice["finish_reason"] in ("stop", "length")
+    assert body["object"] == "text_completion" and body["model"] == args["model"]
+    assert body["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert body["usage"]["completion_tokens"] == len(expected)
+
+
+def test_completion_stream_matches_non_stream(server):
+    base, _ = server
+    whole = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=120).json()
+    events = _sse(base, "/v1/completions",
+                  {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **GREEDY})
+    *chunks, usage = events
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+
+
+def test_chat_greedy_equals_engine(server, engine):
+    base, _ = server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    r = httpx.post(f"{base}/v1/chat/completions", timeout=120,
+                   json={"messages": messages, "return_token_ids": True, **GREEDY})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    tok = engine.tokenizer
+    prompt_ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    expected = engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0))[0]
+    assert body["object"] == "chat.completion"
+    assert body["prompt_token_ids"] == prompt_ids
+    assert body["choices"][0]["token_ids"] == expected
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": tok.decode(expected)}
+
+    events = _sse(base, "/v1/chat/completions", {"messages": messages, "stream": True, **GREEDY})
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == tok.decode(expected)
+    assert events[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
+
+
+def test_openai_client_completions(server, client):
+    _, args = server
+    assert [m.id for m in client.models.list().data] == [args["model"]]
+    whole = client.completions.create(model=args["model"], prompt=PROMPT, **GREEDY)
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    stream = client.completions.create(model=args["model"], prompt=PROMPT, stream=True, **GREEDY)
+    assert "".join(c.choices[0].text for c in stream) == whole.choices[0].text
+
+
+def test_openai_client_chat(server, client):
+    _, args = server
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    whole = client.chat.completions.create(model=args["model"], messages=messages, **GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.chat.completions.create(model=args["model"], messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_openai_client_errors(server, client):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=server[1]["model"], prompt=PROMPT, max_tokens=2, n=2)

@@ -1,0 +1,266 @@
+"""The Serve application on a 3-node local Ray cluster (cluster/local.py), real HTTP.
+
+App "one" (one LLMReplica, API key, small body limit) shows batching across HTTP requests, prefix
+caching, every error path, overload and disconnects; app "spread" shows 3 replicas on >= 2 nodes.
+Tests run in file order: the batching test comes first so its batch is the first one counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+import ray
+from ray import serve
+from ray.util.state import list_actors
+
+from cluster.app import build_app
+from cluster.ingress import REPLICA_HEADER
+from cluster.local import LocalCluster
+
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MAX_MODEL_LEN = 1024
+MAX_ONGOING = 16
+MAX_QUEUED = 16  # a burst of MAX_ONGOING requests is queued at the ingress until they are assigned
+ONE = {
+    "model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": MAX_ONGOING,
+    "max_queued_requests": MAX_QUEUED, "retry_after_s": 3, "api_key": KEY, "max_request_bytes": 32 * 1024,
+    "engine": {"kv_cache_tokens": 16384, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32},
+}
+TIMEOUT = httpx.Timeout(300.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = _free_port()
+    # the dashboard serves ray.util.state, which tells on which node each replica runs
+    with LocalCluster(num_nodes=3, num_cpus_per_node=2, object_store_bytes=100 * 2**20, include_dashboard=True) as c:
+        ray.init(address=c.address)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one(cluster):
+    serve.run(build_app(ONE), name="one", route_prefix="/one")
+    return f"{cluster}/one", serve.get_deployment_handle("LLMReplica", app_name="one")
+
+
+def _stats(handle) -> dict:
+    return handle.stats.remote().result(timeout_s=60)
+
+
+def _wait_for(handle, done, what: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        s = _stats(handle)
+        if done(s):
+            return s
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: {s}"
+        time.sleep(0.2)
+
+
+def _completion(url: str, **body) -> httpx.Response:
+    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, **body}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, **body) -> list[dict]:
+    """-> the JSON events of one SSE completion stream, checked to end with [DONE]."""
+    body = {"stream": True, "temperature": 0, "ignore_eos": True, **body}
+    events = []
+    async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_concurrent_streams_share_decode_batches(one):
+    url, handle = one
+    assert _stats(handle)["max_decode_batch"] == 0  # nothing ran before
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            return await asyncio.gather(*(
+                _stream(client, url, prompt=f"request {i}:", max_tokens=48, stream_options={"include_usage": True})
+                for i in range(16)))
+
+    for events in asyncio.run(main()):
+        *chunks, usage = events
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 48
+    s = _wait_for(handle, lambda s: s["running"] == 0, "the replica to go idle")
+    assert s["max_decode_batch"] > 1
+    assert s["finished_requests"] == 16 and s["generated_tokens"] == 16 * 48
+
+
+def test_shared_prefix_is_served_from_cache(one):
+    url, _ = one
+    prefix = [(7 * i + 3) % 256 for i in range(256)]
+    first = _completion(url, prompt=prefix + [10], max_tokens=4)
+    second = _completion(url, prompt=prefix + [11], max_tokens=4)
+    assert first.status_code == second.status_code == 200
+    usage = second.json()["usage"]
+    assert usage["prompt_tokens"] == 257
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 192
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+BAD = [  # (id, body bytes or JSON, headers, status, error code)
+    ("malformed-json", b'{"prompt": "x", ', AUTH, 400, "invalid_json"),
+    ("wrong-type", {"prompt": "x", "max_tokens": "5"}, AUTH, 400, None),
+    ("prompt-missing", {"max_tokens": 5}, AUTH, 400, None),
+    ("max-tokens-0", {"prompt": "x", "max_tokens": 0}, AUTH, 400, None),
+    ("temperature-3", {"prompt": "x", "temperature": 3}, AUTH, 400, None),
+    ("top-p-0", {"prompt": "x", "top_p": 0}, AUTH, 400, None),
+    ("n-2", {"prompt": "x", "n": 2}, AUTH, 400, None),
+    ("token-out-of-vocab", {"prompt": [1, 2, 100000]}, AUTH, 400, None),
+    ("unknown-model", {"prompt": "x", "model": "gpt-5"}, AUTH, 404, "model_not_found"),
+    ("too-long", {"prompt": [1] * 1000, "max_tokens": 100}, AUTH, 400, "context_length_exceeded"),
+    ("prompt-fills-context", {"prompt": [1] * MAX_MODEL_LEN}, AUTH, 400, "context_length_exceeded"),
+    ("no-key", {"prompt": "x"}, {}, 401, "invalid_api_key"),
+    ("wrong-key", {"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
+    ("too-large", {"prompt": "x" * 40000}, AUTH, 413, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("body, headers, status, code", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_gets_openai_error_and_replica_survives(one, body, headers, status, code):
+    url, handle = one
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(f"{url}/v1/completions", content=content, timeout=TIMEOUT,
+                   headers={"Content-Type": "application/json", **headers})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["code"] == code
+    ok = _completion(url)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_bad_chat_input(one):
+    url, _ = one
+    for body in ({"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                 {"messages": [{"role": "wizard", "content": "hi"}]}, {"messages": [{"role": "user", "content": "x"}],
+                                                                     "logprobs": True}):
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == 400, (body, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
+                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}})
+    assert r.status_code == 200, r.text  # an OpenAI field we do not use is ignored
+
+
+def test_stop_string_truncates_text(one):
+    url, _ = one
+    full = _completion(url, max_tokens=40, ignore_eos=True).json()["choices"][0]["text"]
+    stop = full[5:8]
+    assert len(stop) == 3, full
+    cut = _completion(url, max_tokens=40, ignore_eos=True, stop=[stop]).json()["choices"][0]
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == full[: full.index(stop)]
+
+
+def test_disconnected_stream_frees_its_chunks(one):
+    url, handle = one
+    generated = _stats(handle)["generated_tokens"]
+
+    async def read_a_little():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0}
+            async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+                lines = r.aiter_lines()
+                for _ in range(3):
+                    await anext(lines)
+        # leaving the block closes the connection mid-stream
+
+    asyncio.run(read_a_little())
+    s = _wait_for(handle, lambda s: s["running"] == 0 and s["kv_chunks_used"] == 0, "the aborted request's chunks")
+    assert s["generated_tokens"] - generated < 960  # it was stopped, not run to the end
+    assert _completion(url).status_code == 200
+
+
+def test_overload_gets_503_with_retry_after(one):
+    url, handle = one
+
+    async def hold(client: httpx.AsyncClient, started: asyncio.Queue | None) -> None:
+        """A long stream that holds one slot of the replica until cancelled (a disconnect)."""
+        body = {"prompt": "hold", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
+            assert r.status_code == 200
+            async for _ in r.aiter_lines():
+                if started is not None:
+                    started.put_nowait(None)
+                    started = None
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            # MAX_ONGOING streams take every slot of the replica (while they run, even handle
+            # calls such as stats() would queue behind them) ...
+            started: asyncio.Queue = asyncio.Queue()
+            holds = [asyncio.create_task(hold(client, started)) for _ in range(MAX_ONGOING)]
+            for _ in holds:
+                await started.get()
+            # ... so these queue at the ingress (MAX_QUEUED at most) and the rest are refused at once; while
+            # the streams hold the replica, nothing queued can finish.
+            extra = [asyncio.create_task(client.post(f"{url}/v1/completions", headers=AUTH,
+                                                     json={"prompt": "x", "max_tokens": 2}))
+                     for _ in range(MAX_QUEUED + 8)]
+            done, _ = await asyncio.wait(extra, return_when=asyncio.FIRST_COMPLETED)
+            assert not any(task.done() for task in holds)
+            assert all(task.result().status_code == 503 for task in done)
+            for task in holds:  # disconnect the long streams: their requests are aborted
+                task.cancel()
+            await asyncio.gather(*holds, return_exceptions=True)
+            return await asyncio.gather(*extra)
+
+    responses = asyncio.run(main())
+    refused = [r for r in responses if r.status_code == 503]
+    assert refused and all(r.status_code in (200, 503) for r in responses)
+    assert all(int(r.headers["retry-after"]) == 3 for r in refused)
+    assert all(r.json()["error"]["code"] == "overloaded" for r in refused)
+    _wait_for(handle, lambda s: s["running"] == 0 and s["kv_chunks_used"] == 0, "the aborted streams' chunks")
+    assert _completion(url).status_code == 200
+
+
+def test_three_replicas_on_three_nodes_all_serve(cluster):
+    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 3,
+                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
+              name="spread", route_prefix="/spread")
+    actors = list_actors(filters=[("class_name", "=", "ServeReplica:spread:LLMReplica"), ("state", "=", "ALIVE")])
+    assert len(actors) == 3
+    node_of = {a.name.rsplit("#", 1)[1]: a.node_id for a in actors}  # SERVE_REPLICA::app#deployment#<replica id>
+    assert len(set(node_of.values())) >= 2
+
+    async def main():
+        seen: set[str] = set()
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            for _ in range(20):  # waves of concurrent requests until every replica has answered one
+                responses = await asyncio.gather(*(
+                    client.post(f"{cluster}/spread/v1/completions", json={"prompt": f"wave {i}", "max_tokens": 2})
+                    for i in range(6)))
+                assert all(r.status_code == 200 for r in responses)
+                seen |= {r.headers[REPLICA_HEADER] for r in responses}
+                if seen == set(node_of):
+                    break
+        return seen
+
+    assert asyncio.run(main()) == set(node_of)
+    serve.delete("spread")

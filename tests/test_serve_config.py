@@ -1,0 +1,138 @@
+"""AppConfig, build_app's deployment options, request schemas and the replica's text stream: no Ray cluster."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from cluster.app import build_app
+from cluster.config import AppConfig
+from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from replicas.deployment import _TextStream
+from replicas.model import load_tokenizer
+
+
+@pytest.mark.parametrize("args, field", [
+    ({"modle": "tiny"}, "modle"),
+    ({"engine": {"chunk_size": 64, "kv_cache": 10}}, "kv_cache"),
+    ({"router": {"route_chunk": 8}}, "route_chunk"),
+    ({"ingress": {"replicas": 2}}, "replicas"),
+])
+def test_unknown_field_is_an_error_naming_it(args, field):
+    with pytest.raises(ValidationError, match=field):
+        AppConfig.model_validate(args)
+
+
+@pytest.mark.parametrize("args", [
+    {"engine": {"chunk_size": 48}},
+    {"num_replicas": 0},
+    {"device": "tpu"},
+    {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}},
+    {"api_key": "a", "api_key_env": "B"},
+    {"tensor_parallel_size": 2, "num_gpus_per_replica": 1},
+])
+def test_bad_values_are_errors(args):
+    with pytest.raises(ValidationError):
+        AppConfig.model_validate(args)
+
+
+def test_api_key_from_the_environment(monkeypatch):
+    config = AppConfig(api_key_env="CHUNKSERVE_TEST_KEY")
+    monkeypatch.delenv("CHUNKSERVE_TEST_KEY", raising=False)
+    with pytest.raises(ValueError, match="CHUNKSERVE_TEST_KEY"):
+        config.resolve_api_key()
+    monkeypatch.setenv("CHUNKSERVE_TEST_KEY", "s3cret")
+    assert config.resolve_api_key() == "s3cret"
+    assert "s3cret" not in repr(AppConfig(api_key="s3cret"))
+    assert AppConfig(model="tiny").model_name == "tiny" and AppConfig(served_model_name="m").model_name == "m"
+
+
+def _replica(app):
+    ingress = app._bound_deployment
+    return ingress, ingress.init_args[0]._bound_deployment
+
+
+def test_build_app_binds_ingress_and_replicas():
+    ingress, llm = _replica(build_app({"device": "cpu", "num_replicas": 3, "max_ongoing_requests": 8,
+                                       "max_queued_requests": 5, "retry_after_s": 2}))
+    assert (ingress.name, llm.name) == ("OpenAIIngress", "LLMReplica")
+    assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
+    assert llm.backpressure_config.retry_after_s == 2
+    assert llm.ray_actor_options["num_gpus"] == 0
+    engine_config, = llm.init_args
+    assert engine_config.device == "cpu" and engine_config.tp_size == 1
+    assert llm._replica_config.placement_group_bundles is None
+
+
+def test_build_app_tensor_parallel_bundles_and_autoscaling():
+    _, llm = _replica(build_app({"device": "cuda", "tensor_parallel_size": 2, "num_cpus_per_replica": 4,
+                                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 6}}))
+    assert llm._replica_config.placement_group_bundles == [{"CPU": 4, "GPU": 1}] * 2
+    assert llm._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert llm.ray_actor_options == {"num_cpus": 4, "num_gpus": 1}
+    assert llm._deployment_config.autoscaling_config.max_replicas == 6
+    assert llm.init_args[0].device == "cuda" and llm.init_args[0].tp_size == 2
+
+
+def test_build_app_gpu_share():
+    _, llm = _replica(build_app({"device": "cuda", "num_gpus_per_replica": 0.5}))
+    assert llm.ray_actor_options == {"num_cpus": 1, "num_gpus": 0.5}
+    _, llm = _replica(build_app({"device": "cpu", "num_gpus_per_replica": 0.5}))
+    assert llm.ray_actor_options["num_gpus"] == 0 and llm.init_args[0].device == "cpu"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+])
+def test_completion_request_rejects(body, param):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest.model_validate(body)
+    assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_requests_accept_prompt_forms_and_ignore_unknown_fields():
+    for prompt in ("hi", ["hi"], [1, 2], [[1, 2]]):
+        assert CompletionRequest.model_validate({"prompt": prompt, "store": True}).prompt == prompt
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, "max_completion_tokens": 7,
+        "parallel_tool_calls": False, "stop": "x", "stream_options": {"include_usage": True}})
+    assert chat.messages[0].text() == "ab" and chat.requested_max_tokens == 7
+    assert chat.stop_strings == ("x",) and chat.include_usage
+
+
+def _run(stream: _TextStream, tokenizer, text: str) -> tuple[str, bool]:
+    """Push `text` one token at a time, the last one final; -> (all text sent, stopped)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    sent = ""
+    for i, t in enumerate(ids):
+        new, stopped = stream.push((t,), final=i == len(ids) - 1)
+        sent += new
+        if stopped:
+            return sent, True
+    return sent, False
+
+
+def test_text_stream_stop_strings_and_utf8():
+    tok = load_tokenizer("tiny")
+    prompt = tuple(tok.encode("p"))
+    assert _run(_TextStream(tok, prompt, ()), tok, "héllo wörld €") == ("héllo wörld €", False)
+    assert _run(_TextStream(tok, prompt, ("wör",)), tok, "héllo wörld") == ("héllo ", True)
+    assert _run(_TextStream(tok, prompt, ("zzz", "lo")), tok, "héllo wörld") == ("hél", True)
+    # the last len(longest stop) - 1 chars are held back (they may begin a stop string) until the end
+    stream = _TextStream(tok, prompt, ("abc",))
+    assert stream.push(tuple(tok.encode("xab", add_special_tokens=False)), final=False) == ("x", False)
+    assert stream.push(tuple(tok.encode("d", add_special_tokens=False)), final=False) == ("a", False)
+    assert stream.push(tuple(tok.encode("e", add_special_tokens=False)), final=True) == ("bde", False)
+    # a trailing incomplete character is flushed when the request ends
+    euro = tok.encode("€", add_special_tokens=False)
+    stream = _TextStream(tok, prompt, ())
+    assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
