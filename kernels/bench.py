@@ -1,0 +1,425 @@
+"""Side-by-side kernel benchmarks, one JSON object per line (DESIGN §7, issue 5).
+
+    python -m kernels.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
+                                   [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]
+    python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
+    python -m kernels.bench sweep                  # launch configs and split sizes of ours
+
+Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
+partition kernel (kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
+our chunk size, HND layout, shared pages physically shared); FlashInfer's
+MultiLevelCascadeAttentionWrapper (one level per tree level); PyTorch SDPA over each row's KV
+gathered into a dense tensor (the gather is not timed); and the bound, unique KV bytes over the
+device-to-device copy bandwidth (bytes read + written) measured in the same run.
+
+Timing: each method is captured in a CUDA graph that calls it over several copies of its inputs
+(together past 4x the L2, so KV comes from HBM as in a real decode step); the graph is replayed
+and the median replay time is divided by the calls in it. Needs CUDA (and flashinfer for its
+columns; a missing or failing baseline prints null and a note).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from kernels import tpp
+from kernels.reference import decode_attention_ref
+
+_L2_FLOOR = 256 << 20  # rotate inputs until one graph replay touches this many bytes
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Case:
+    """A decode batch over a tree given level by level.
+
+    levels[i] = (groups, tokens): level i splits the batch into `groups` equal row ranges, each
+    reading its own `tokens` tokens (all levels but the last are whole chunks and shared by the
+    group's rows; the last level has one group per row and may end in a partial chunk).
+    """
+
+    grid: str
+    batch: int
+    hq: int
+    hkv: int
+    head_dim: int
+    dtype: str
+    levels: tuple[tuple[int, int], ...]
+
+    @property
+    def seq_len(self) -> int:
+        return sum(t for _, t in self.levels)
+
+    @property
+    def shared(self) -> int:
+        return sum(t for g, t in self.levels if g < self.batch)
+
+
+def paper_cases(grid: str, hq: int, hkv: int, dtype: str) -> list[Case]:
+    cases = []
+    for n_p in (1024, 2048, 4096):
+        for n_s in (0, n_p // 2, 3 * n_p // 4, n_p):
+            cases.append(Case(grid, 32, hq, hkv, 128, dtype, _two_level(32, n_s, n_p - n_s)))
+    return cases
+
+
+def _two_level(b: int, shared: int, private: int) -> tuple[tuple[int, int], ...]:
+    return tuple(lv for lv in ((1, shared), (b, private)) if lv[1])
+
+
+def all_cases(grids: list[str]) -> list[Case]:
+    cases = []
+    if "paper" in grids:  # ChunkAttention's grid: b = 32, MHA 32 heads, d = 128, fp16
+        cases += paper_cases("paper", 32, 32, "fp16")
+    if "gqa" in grids:  # the same with Llama-3-8B heads, bf16
+        cases += paper_cases("gqa", 32, 8, "bf16")
+    if "divergence" in grids:  # n_s = 2048 then 256 .. 2048 generated tokens per row (Knowl 8)
+        cases += [Case("divergence", 32, 32, 32, 128, "fp16", _two_level(32, 2048, n)) for n in (256, 512, 1024, 2048)]
+    if "batch" in grids:  # batch scaling at n_s = 2048 with 256 private tokens (Knowl 9)
+        cases += [Case("batch", b, 32, 8, 128, "bf16", _two_level(b, 2048, 256)) for b in (16, 32, 64, 128, 256)]
+    if "tree" in grids:  # system prompt -> 4 few-shot sets -> users with a partial tail chunk
+        cases += [Case("tree", b, 32, 8, 128, "bf16", ((1, 1024), (4, 1024), (b, 300))) for b in (32, 128)]
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a batch: chunk tables over one shuffled pool, dense copies for SDPA
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    tables: list[list[int]]
+    lens: list[int]
+    level_pages: list[list[list[int]]]  # [level][group] -> chunk ids
+    k: torch.Tensor  # [num_chunks, Hkv, c, D]
+    v: torch.Tensor
+    q: torch.Tensor  # [B, Hq, D]
+
+
+def make_batch(case: Case, c: int, seed: int = 0) -> Batch:
+    rng = random.Random(seed)
+    b = case.batch
+    count, level_pages = 0, []
+    for groups, tokens in case.levels:
+        pages = []
+        for _ in range(groups):
+            n = -(-tokens // c)
+            pages.append(list(range(count, count + n)))
+            count += n
+        level_pages.append(pages)
+    perm = list(range(count))
+    rng.shuffle(perm)  # a pool in use is fragmented: no two neighbours adjacent
+    level_pages = [[[perm[x] for x in pg] for pg in lv] for lv in level_pages]
+    tables = []
+    for r in range(b):
+        row = []
+        for (groups, _), pages in zip(case.levels, level_pages):
+            row += pages[r * groups // b]
+        tables.append(row)
+    dt = _DTYPES[case.dtype]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (count, case.hkv, c, case.head_dim)
+    k = torch.randn(shape, generator=gen, device="cuda", dtype=dt)
+    v = torch.randn(shape, generator=gen, device="cuda", dtype=dt)
+    q = torch.randn(b, case.hq, case.head_dim, generator=gen, device="cuda", dtype=dt)
+    return Batch(tables, [case.seq_len] * b, level_pages, k, v, q)
+
+
+def _copies(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    return [x] + [x.clone() for _ in range(n - 1)]
+
+
+def _rotations(nbytes: int) -> int:
+    return max(1, min(32, math.ceil(_L2_FLOOR / max(1, nbytes))))
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing
+# ---------------------------------------------------------------------------------------------
+
+
+def time_calls(calls: list[Callable[[], object]], reps: int = 15, graph: bool = True) -> tuple[float, str]:
+    """Median µs per call of `calls` (one per input copy), from CUDA-graph replays.
+
+    Times eager launches (host overhead included) instead if graph is False or capture fails.
+    """
+    for f in calls:  # compile, plan-time JIT, allocator warm-up
+        f()
+    torch.cuda.synchronize()
+    per_replay = max(1, 24 // len(calls))
+    n = per_replay * len(calls)
+    try:
+        if not graph:
+            raise RuntimeError("eager timing asked for")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for f in calls:
+                f()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(per_replay):
+                for f in calls:
+                    f()
+        run, mode = graph.replay, "graph"
+    except Exception:  # noqa: BLE001 - any capture failure: measure eagerly instead
+        torch.cuda.synchronize()
+
+        def run():
+            for _ in range(per_replay):
+                for f in calls:
+                    f()
+
+        mode = "eager"
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / n)
+    return sorted(times)[len(times) // 2], mode
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    nbytes = 2 << 30
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    # eagerly: a graph would make the copy a memcpy node, run by the slower copy engines
+    us, _ = time_calls([lambda: dst.copy_(src)], reps=10, graph=False)
+    return 2 * nbytes / (us * 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# The methods
+# ---------------------------------------------------------------------------------------------
+
+
+def ours(case: Case, batch: Batch, c: int, ks, vs):
+    plan = tpp.build_plan(batch.tables, batch.lens, c, "cuda", num_q_heads=case.hq, num_kv_heads=case.hkv,
+                          head_dim=case.head_dim)
+    return [lambda k=k, v=v: tpp.tpp_decode(batch.q, k, v, plan) for k, v in zip(ks, vs)]
+
+
+def _i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32, device="cuda")
+
+
+def flashinfer_paged(case: Case, batch: Batch, c: int, ks, vs, tensor_cores: bool = False):
+    import flashinfer
+
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "HND", use_tensor_cores=tensor_cores)
+    indptr = [0]
+    for t in batch.tables:
+        indptr.append(indptr[-1] + len(t))
+    last = [n - (len(t) - 1) * c for t, n in zip(batch.tables, batch.lens)]
+    dt = _DTYPES[case.dtype]
+    w.plan(_i32(indptr), _i32([x for t in batch.tables for x in t]), _i32(last), case.hq, case.hkv,
+           case.head_dim, c, q_data_type=dt, kv_data_type=dt)
+    return [lambda k=k, v=v: w.run(batch.q, (k, v)) for k, v in zip(ks, vs)]
+
+
+def flashinfer_cascade(case: Case, batch: Batch, c: int, ks, vs):
+    import flashinfer
+
+    ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    b = case.batch
+    w = flashinfer.MultiLevelCascadeAttentionWrapper(len(case.levels), ws, "HND")
+    qo, kv_indptr, kv_indices, last = [], [], [], []
+    for (groups, tokens), pages in zip(case.levels, batch.level_pages):
+        qo.append(_i32([g * b // groups for g in range(groups + 1)]))
+        ptr = [0]
+        for pg in pages:
+            ptr.append(ptr[-1] + len(pg))
+        kv_indptr.append(_i32(ptr))
+        kv_indices.append(_i32([x for pg in pages for x in pg]))
+        last.append(_i32([tokens - (len(pg) - 1) * c for pg in pages]))
+    dt = _DTYPES[case.dtype]
+    w.plan(qo, kv_indptr, kv_indices, last, case.hq, case.hkv, case.head_dim, c, q_data_type=dt, kv_data_type=dt)
+    return [lambda k=k, v=v: w.run(batch.q, (k, v)) for k, v in zip(ks, vs)]
+
+
+def sdpa(case: Case, batch: Batch, c: int):
+    b, n = case.batch, case.seq_len
+    idx = torch.tensor(batch.tables, device="cuda")  # [B, pages]
+
+    def dense(cache):  # [B, Hkv, n, D]
+        x = cache[idx]  # [B, pages, Hkv, c, D]
+        return x.transpose(1, 2).reshape(b, case.hkv, -1, case.head_dim)[:, :, :n]
+
+    nbytes = 2 * b * n * case.hkv * case.head_dim * batch.k.element_size()
+    kvs = [(dense(batch.k), dense(batch.v)) for _ in range(max(1, min(8, _rotations(nbytes))))]
+    q = batch.q[:, :, None]  # [B, Hq, 1, D]
+    return [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv)
+            for k, v in kvs]
+
+
+def _try(fn: Callable[[], list], notes: dict, name: str):
+    try:
+        us, mode = time_calls(fn())
+        if mode != "graph":
+            notes[name] = "timed eagerly: graph capture failed"
+        return us
+    except Exception as e:  # noqa: BLE001 - a baseline that cannot run prints null and why
+        notes[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        return None
+
+
+METHODS = ("ours", "fi_paged", "fi_paged_tc", "fi_cascade", "sdpa")
+
+
+def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS) -> dict:
+    batch = make_batch(case, c)
+    unique = 2 * batch.k.numel() * batch.k.element_size()  # every pool chunk is read: unique KV
+    rot = _rotations(unique)
+    ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
+    notes: dict[str, str] = {}
+    row = dict(grid=case.grid, b=case.batch, hq=case.hq, hkv=case.hkv, d=case.head_dim, dtype=case.dtype, c=c,
+               n_p=case.seq_len, n_s=case.shared, levels=[list(lv) for lv in case.levels])
+    runs = {
+        "ours": lambda: ours(case, batch, c, ks, vs),
+        "fi_paged": lambda: flashinfer_paged(case, batch, c, ks, vs),
+        "fi_paged_tc": lambda: flashinfer_paged(case, batch, c, ks, vs, True),  # GQA only
+        "fi_cascade": lambda: flashinfer_cascade(case, batch, c, ks, vs),  # with something shared
+        "sdpa": lambda: sdpa(case, batch, c),
+    }
+    for name in methods:
+        if (name == "fi_paged_tc" and case.hq == case.hkv) or (name == "fi_cascade" and not case.shared):
+            continue
+        row[f"{name}_us"] = _try(runs[name], notes, name)
+    row["bound_us"] = unique / bw * 1e6
+    fi = [row[k] for k in ("fi_paged_us", "fi_paged_tc_us", "fi_cascade_us") if row.get(k)]
+    if row.get("ours_us"):
+        if fi:
+            row["ours_vs_best_fi"] = row["ours_us"] / min(fi)
+        row["ours_tok_per_s"] = case.batch / (row["ours_us"] * 1e-6)
+        row["ours_minus_bound_us"] = row["ours_us"] - row["bound_us"]
+        row["ours_max_abs_err_vs_ref"] = _max_err(case, batch, c, notes)
+    row.update({k: float(f"{v:.3g}") if k.endswith("err_vs_ref") else round(v, 2)
+                for k, v in row.items() if isinstance(v, float)})
+    if notes:
+        row["notes"] = notes
+    return row
+
+
+def _max_err(case: Case, batch: Batch, c: int, notes: dict) -> float | None:
+    """Our output against the dense oracle of kernels/reference.py on this batch."""
+    try:
+        a = ours(case, batch, c, [batch.k], [batch.v])[0]()
+        b = decode_attention_ref(batch.q, batch.k, batch.v, batch.tables, batch.lens)
+        return (a.float() - b.float()).abs().max().item()
+    except Exception as e:  # noqa: BLE001
+        notes["check"] = f"{type(e).__name__}: {str(e)[:200]}"
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch-config sweep of our kernels
+# ---------------------------------------------------------------------------------------------
+
+
+SWEEP = [  # (BLOCK_N, num_warps, num_stages)
+    (64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 3),
+]
+SPLITS = [(2, 512, 256), (4, 512, 256), (2, 256, 128), (2, 1024, 512)]  # (_WAVES, P1 min, P2 min)
+
+
+def sweep(c: int) -> None:
+    """Time our kernel under each SWEEP config of one phase, and under each SPLITS setting."""
+    b256 = Case("sweep", 256, 32, 8, 128, "bf16", _two_level(256, 2048, 256))
+    runs = [  # (case, phase whose config is swept, sweep split sizes too)
+        (Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 0, 4096)), 2, False),
+        (Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, 0, 4096)), 2, True),
+        (Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 4096, 0)), 1, True),
+        (Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, 4096, 0)), 1, False),
+        (b256, 1, True),
+    ]
+    default, splits = tpp._launch_config, (tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS)
+    for case, phase, try_splits in runs:
+        batch = make_batch(case, c)
+        rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
+        ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
+        head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
+        for bn, nw, ns in SWEEP:
+            def cfg(p, d, m, e, bn=bn, nw=nw, ns=ns):
+                return dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if p == phase else default(p, d, m, e)
+
+            tpp._launch_config = cfg
+            notes: dict[str, str] = {}
+            us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
+            print(json.dumps(dict(sweep=phase, **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),
+                                  notes=notes or None)), flush=True)
+        tpp._launch_config = default
+        for waves, m1, m2 in SPLITS if try_splits else []:
+            tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS = waves, m1, m2
+            notes = {}
+            us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
+            print(json.dumps(dict(sweep="split", **head, waves=waves, p1_min=m1, p2_min=m2, us=us and round(us, 2),
+                                  notes=notes or None)), flush=True)
+        tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS = splits
+
+
+def warmup(cases: list[Case], c: int) -> None:
+    """Run every method once on a small batch of each kind the cases need (JIT compiles, no timing)."""
+    kinds = {(cs.hq, cs.hkv, cs.head_dim, cs.dtype, len(cs.levels)) for cs in cases}
+    for hq, hkv, d, dtype, depth in sorted(kinds):
+        levels = ((1, 2 * c), (2, c), (4, c + 3))[-depth:]
+        case = Case("warmup", 4, hq, hkv, d, dtype, levels)
+        batch = make_batch(case, c)
+        notes: dict[str, str] = {}
+        for name, fn in [("ours", lambda: ours(case, batch, c, [batch.k], [batch.v])),
+                         ("fi_paged", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v])),
+                         ("fi_paged_tc", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v], True)),
+                         ("fi_cascade", lambda: flashinfer_cascade(case, batch, c, [batch.k], [batch.v]))]:
+            try:
+                fn()[0]()
+            except Exception as e:  # noqa: BLE001
+                notes[name] = f"{type(e).__name__}: {str(e)[:200]}"
+        torch.cuda.synchronize()
+        print(json.dumps(dict(warmup=[hq, hkv, d, dtype, depth], notes=notes or None)), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    dec = sub.add_parser("decode", help="TPP decode vs FlashInfer paged / cascade, SDPA and the bound")
+    dec.add_argument("--grid", nargs="*", default=["paper", "gqa", "divergence", "batch", "tree"],
+                     choices=["paper", "gqa", "divergence", "batch", "tree"])
+    dec.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
+    dec.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
+    dec.add_argument("--warmup-only", action="store_true", help="only JIT-compile what the grid needs")
+    sw = sub.add_parser("sweep", help="launch configs and split sizes of our kernels")
+    sw.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("kernels.bench needs a CUDA device")
+    if args.cmd == "sweep":
+        sweep(args.chunk_size)
+        return
+    if args.warmup_only:
+        warmup(all_cases(args.grid), args.chunk_size)
+        return
+    bw = copy_bandwidth()
+    print(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth_tb_s=round(bw / 1e12, 3),
+                          torch=torch.__version__, chunk_size=args.chunk_size)), flush=True)
+    for case in all_cases(args.grid):
+        print(json.dumps(run_case(case, args.chunk_size, bw, tuple(args.methods))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""kernels/tpp.py: Triton TPP decode vs kernels/reference.py on random prefix trees.
+
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, small shapes);
+`pytest -m gpu` runs the larger cases for real on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # must be set before the kernels are decorated; reload if another test imported them first
+    os.environ["TRITON_INTERPRET"] = "1"
+    if "kernels.tpp" in sys.modules:
+        importlib.reload(sys.modules["kernels.tpp"])
+
+from kernels import tpp  # noqa: E402
+from kernels.reference import decode_attention_ref, tpp_decode_ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def random_forest(rng: random.Random, c: int, max_rows: int, depth: int):
+    """Chunk tables of a DFS-ordered batch over a random prefix forest, with lengths.
+
+    Every internal node is a run of 1-3 full chunks shared by its subtree; leaves hold 1-3 rows
+    that may add private full chunks and a partial tail, or end exactly on a chunk boundary
+    (nothing private); a lone row is a tree with nothing shared; a row may hold a reserved
+    extra chunk past its length; chunk ids are shuffled so no two neighbours are adjacent.
+    """
+    count = [0]
+    tables, lens = [], []
+
+    def new(n):
+        count[0] += n
+        return list(range(count[0] - n, count[0]))
+
+    def grow(prefix, level):
+        path = prefix + new(rng.randint(1, 3))
+        if level < depth and rng.random() < 0.85:
+            for _ in range(rng.randint(2, 3)):
+                if len(tables) < max_rows:
+                    grow(path, level + 1)
+            return
+        for _ in range(rng.randint(1, 3)):
+            if len(tables) >= max_rows:
+                return
+            table = path + new(rng.randint(0, 2))
+            n = len(table) * c
+            if rng.random() < 0.7:  # partial tail chunk
+                tail = rng.randint(1, c - 1)
+                table += new(1)
+                n += tail
+            if rng.random() < 0.3:  # reserved next chunk, not read
+                table += new(1)
+            tables.append(table)
+            lens.append(n)
+
+    while len(tables) < max_rows:
+        grow([], 1)
+    perm = list(range(count[0]))
+    rng.shuffle(perm)
+    return [[perm[x] for x in t] for t in tables], lens, count[0]
+
+
+def make_case(seed, dtype, head_dim, groups, c, rows, depth=3, hkv=2, device=DEVICE):
+    rng = random.Random(seed)
+    tables, lens, num_chunks = random_forest(rng, c, rows, depth)
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_chunks + 1, hkv, c, head_dim)
+    k = torch.randn(shape, generator=g).to(dtype).to(device)
+    v = torch.randn(shape, generator=g).to(dtype).to(device)
+    q = torch.randn(len(tables), groups * hkv, head_dim, generator=g).to(dtype).to(device)
+    return q, k, v, tables, lens
+
+
+def plan_for(q, k, tables, lens, **kw):
+    return tpp.build_plan(tables, lens, k.shape[2], q.device, num_q_heads=q.shape[1],
+                          num_kv_heads=k.shape[1], head_dim=q.shape[2], **kw)
+
+
+def check(q, k, v, tables, lens, plan, sm_scale=None):
+    got = tpp.tpp_decode(q, k, v, plan, sm_scale)
+    want = decode_attention_ref(q, k, v, tables, lens, sm_scale)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    tol = TOL[q.dtype]
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    return got
+
+
+# (dtype, head_dim, groups, chunk_size, rows, seed): together every dtype, head dim, GQA ratio
+# and chunk size, on trees of depth >= 3 with partial tails; small enough for the interpreter
+CPU_CASES = [
+    (torch.float16, 64, 1, 16, 9, 1),
+    (torch.bfloat16, 64, 4, 32, 12, 2),
+    (torch.float16, 128, 8, 16, 7, 3),
+    (torch.bfloat16, 128, 1, 64, 5, 4),
+    (torch.float16, 256, 4, 16, 4, 5),
+    (torch.bfloat16, 256, 1, 128, 3, 6),
+    (torch.float32, 64, 8, 32, 10, 7),
+    (torch.float16, 64, 4, 128, 2, 8),
+    (torch.bfloat16, 64, 8, 16, 24, 9),
+    (torch.float16, 64, 1, 16, 1, 10),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,groups,c,rows,seed", CPU_CASES,
+                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}-b{a[4]}" for a in CPU_CASES])
+def test_matches_reference_on_random_trees(dtype, head_dim, groups, c, rows, seed):
+    q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, rows)
+    plan = plan_for(q, k, tables, lens)
+    got = check(q, k, v, tables, lens, plan)
+    # the two-phase reference agrees on the same plan too (same partition, same rounding of q/kv)
+    torch.testing.assert_close(got.float(), tpp_decode_ref(q, k, v, plan.tree).float(),
+                               atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_forced_split_k_in_both_phases(monkeypatch):
+    # pieces of one chunk: every segment and every multi-chunk private part is split
+    monkeypatch.setattr(tpp, "_P1_MIN_SPLIT_TOKENS", 1)
+    monkeypatch.setattr(tpp, "_P2_MIN_SPLIT_TOKENS", 1)
+    q, k, v, tables, lens = make_case(11, torch.float32, 64, 4, 16, 8, depth=4)
+    plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
+    assert plan.cb_items.shape[0] > 0  # some rows split in phase 2
+    assert plan.p1_items.shape[0] > len(plan.tree.segments)  # segments cut into pieces
+    check(q, k, v, tables, lens, plan, sm_scale=0.3)
+
+
+def test_phase1_row_tiles():
+    # 40 rows sharing one segment with G = 4: 160 query vectors, tiles of at most 64
+    c, d, hkv, g = 16, 64, 1, 4
+    gen = torch.Generator().manual_seed(12)
+    tables = [[0, 1, 2 + r] for r in range(40)]
+    lens = [2 * c + 1 + r % 7 for r in range(40)]
+    k, v = (torch.randn(45, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(40, g * hkv, d, generator=gen).to(DEVICE)
+    plan = plan_for(q, k, tables, lens, target_programs=1)
+    assert plan.p1_block_m == 64 and plan.p1_items.shape[0] == 3  # 40 rows in 3 tiles of <= 16
+    check(q, k, v, tables, lens, plan)
+
+
+def test_seq_lens_bump_in_place():
+    q, k, v, tables, lens = make_case(13, torch.float32, 64, 1, 16, 8)
+    plan = plan_for(q, k, tables, lens)
+    # rows whose tail chunk has room take one more token, as a plain decode step does
+    c = 16
+    grown = [n + 1 if n % c else n for n in lens]
+    plan.seq_lens.copy_(torch.tensor(grown, dtype=torch.int32))
+    check(q, k, v, tables, grown, plan)
+
+
+def test_edge_rows_and_empty_batch():
+    c, d, hkv, g = 16, 64, 2, 4
+    gen = torch.Generator().manual_seed(14)
+    k, v = (torch.randn(8, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(5, g * hkv, d, generator=gen).to(DEVICE)
+    # rows 0-1 read only a shared segment, row 2 has nothing, row 3 nothing shared, row 4 1 token
+    tables = [[1, 3], [1, 3], [], [4, 5, 6], [7]]
+    lens = [32, 32, 0, 40, 1]
+    plan = plan_for(q, k, tables, lens)
+    got = check(q, k, v, tables, lens, plan)
+    assert torch.all(got[2] == 0)
+    empty = tpp.tpp_decode(q[:0], k, v, plan_for(q[:0], k, [], []))
+    assert empty.shape == (0, g * hkv, d)
+
+
+def test_launcher_rejects_bad_inputs():
+    c, d, hkv, g = 16, 64, 2, 2
+    k = torch.randn(4, hkv, c, d, device=DEVICE)
+    v = torch.randn(4, hkv, c, d, device=DEVICE)
+    q = torch.randn(2, g * hkv, d, device=DEVICE)
+    tables, lens = [[0, 1], [0, 2]], [20, 30]
+    plan = plan_for(q, k, tables, lens)
+    bad = {
+        "q must be": (q[0], k, v, plan),
+        "same strides": (q, k, v.transpose(0, 1).contiguous().transpose(0, 1), plan),
+        "share one dtype": (q, k.half(), v.half(), plan),
+        "does not match the plan": (q[:1], k, v, plan),
+        "contiguous": (q, k.transpose(2, 3).contiguous().transpose(2, 3),
+                       v.transpose(2, 3).contiguous().transpose(2, 3), plan),
+        "head dim": (q[..., :32], k, v, plan),
+    }
+    for msg, args in bad.items():
+        with pytest.raises(ValueError, match=msg):
+            tpp.tpp_decode(*args)
+    with pytest.raises(ValueError, match="multiple"):
+        tpp.build_plan(tables, lens, c, DEVICE, num_q_heads=3, num_kv_heads=2, head_dim=d)
+    with pytest.raises(ValueError, match="non-contiguous"):  # not in DFS order
+        tpp.build_plan([[0, 1], [5, 6], [0, 2]], [32] * 3, c, DEVICE, num_q_heads=4, num_kv_heads=2,
+                       head_dim=d)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real kernels, large batches and bigger trees
+# ---------------------------------------------------------------------------------------------
+
+
+# (dtype, head_dim, groups, chunk_size): every value of each, not their full product (each
+# combination is a separate compile)
+GPU_CASES = [
+    (torch.float16, 128, 1, 64), (torch.bfloat16, 128, 4, 64), (torch.float16, 128, 8, 16),
+    (torch.bfloat16, 64, 1, 16), (torch.float16, 64, 4, 32), (torch.bfloat16, 64, 8, 128),
+    (torch.float16, 256, 1, 128), (torch.bfloat16, 256, 4, 16), (torch.float16, 256, 8, 64),
+    (torch.bfloat16, 128, 1, 32), (torch.float16, 64, 4, 128), (torch.bfloat16, 128, 8, 64),
+]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype,head_dim,groups,c", GPU_CASES,
+                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in GPU_CASES])
+def test_gpu_random_trees(dtype, head_dim, groups, c):
+    for seed, rows, depth in [(1, 300, 4), (2, 37, 3), (3, 1, 3), (4, 120, 6)]:
+        q, k, v, tables, lens = make_case(seed * 1000 + c, dtype, head_dim, groups, c, rows, depth, hkv=4)
+        check(q, k, v, tables, lens, plan_for(q, k, tables, lens))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("c", [16, 32, 64, 128])
+def test_gpu_fp32_ieee_and_split_k(c):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    q, k, v, tables, lens = make_case(c, torch.float32, 128, 4, c, 64, depth=5, hkv=8)
+    check(q, k, v, tables, lens, plan_for(q, k, tables, lens))
+    check(q, k, v, tables, lens, plan_for(q, k, tables, lens, target_programs=1 << 16))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shared,private,batch", [(4096, 0, 32), (2048, 2048, 32), (0, 4096, 32),
+                                                  (2048, 300, 256), (1024, 5000, 2)])
+def test_gpu_paper_shapes(shared, private, batch):
+    # one system prompt of `shared` tokens, then each row's own tokens (c = 64, Llama-3-8B heads)
+    c, d, hq, hkv = 64, 128, 32, 8
+    ns, npriv = shared // c, -(-private // c)
+    tables = [list(range(ns)) + list(range(ns + r * npriv, ns + (r + 1) * npriv)) for r in range(batch)]
+    lens = [shared + private] * batch
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, v = (torch.randn(ns + batch * npriv, hkv, c, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+            for _ in range(2))
+    q = torch.randn(batch, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
+    check(q, k, v, tables, lens, plan_for(q, k, tables, lens))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_cuda_graph_replay_with_length_bumps():
+    q, k, v, tables, lens = make_case(21, torch.float16, 128, 4, 64, 48, depth=3, hkv=8)
+    plan = plan_for(q, k, tables, lens)
+    tpp.tpp_decode(q, k, v, plan)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = tpp.tpp_decode(q, k, v, plan)
+    for step in range(3):
+        cur = [n + step if n % 64 and n % 64 + step < 64 else n for n in lens]
+        plan.seq_lens.copy_(torch.tensor(cur, dtype=torch.int32))
+        graph.replay()
+        want = decode_attention_ref(q, k, v, tables, cur)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
