@@ -1,13 +1,21 @@
-"""Attention over the chunk pool for one engine step (DESIGN §4, §5).
+"""Attention over the chunk pool (DESIGN §4, §5).
 
-Split as in mini-sglang: `plan(batch)` once per step builds what every layer needs (slot
-indices, the decode tree plan, per-sequence prefill spans); `forward(layer, q, k, v)` once per
-layer writes the new K/V into the pool and attends. On CPU (and on GPU until the Triton and
-FlashInfer kernels land) both phases use the plain-torch kernels of `kernels.reference`.
+Split as in mini-sglang: `Attention.plan(batch)` once per step builds what every layer needs
+(slot indices, the decode tree plan, per-sequence prefill spans) and returns a `StepAttention`
+whose `forward(layer, q, k, v)` the model calls once per layer: it writes the new K/V into the
+pool and attends.
+
+Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton) on CUDA,
+`kernels.reference` on the CPU. Its plan lives as long as the tree's shape ("lazy context"):
+a step whose decode rows are the same sequences with the same chunk tables as the last step's
+only advances every row's length by one; a row joining or leaving, or a tail chunk filling
+(a new chunk in a table), rebuilds it. Prefill uses the plain-torch reference until the
+FlashInfer prefill path lands.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +23,8 @@ import torch
 from kernels import reference
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
+
+BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass(frozen=True)
@@ -25,54 +35,102 @@ class PrefillSpan:
     chunk_ids: tuple[int, ...]
 
 
+class Attention:
+    """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
+
+    def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device):
+        if backend not in BACKENDS:
+            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            backend = "triton" if device.type == "cuda" else "reference"
+        if backend == "triton":
+            from kernels import tpp  # imports triton; the reference path must not need it
+            self._tpp = tpp
+        self.backend = backend
+        self.pool, self.device = pool, device
+        self.num_q_heads, self.head_dim = num_q_heads, head_dim
+        self.sm_scale = head_dim ** -0.5
+        self.plan_builds = 0  # decode plans built (not bumped): tests count them
+        self._signature: tuple | None = None
+        self._decode_plan = None
+
+    def plan(self, batch: Batch) -> StepAttention:
+        c = self.pool.chunk_size
+        positions, chunk_idx, prefills = [], [], []
+        row = 0
+        for seq, n in batch.items:
+            table = seq.chunk_table
+            pos = torch.arange(seq.num_computed, seq.num_computed + n)
+            positions.append(pos)
+            chunk_idx.append(torch.tensor(table, dtype=torch.long)[pos // c])
+            if row >= len(batch.decodes):
+                prefills.append(PrefillSpan(row, n, seq.num_computed, tuple(table)))
+            row += n
+        positions = torch.cat(positions)
+        return StepAttention(self, positions.to(self.device), torch.cat(chunk_idx).to(self.device),
+                             (positions % c).to(self.device), len(batch.decodes),
+                             self._plan_decode(batch), tuple(prefills))
+
+    def _plan_decode(self, batch: Batch):
+        if not batch.decodes:
+            self._signature = self._decode_plan = None
+            return None
+        # same rows, same chunk tables => each row advanced one token inside its private tail
+        signature = tuple((s.arrival, len(s.nodes), len(s.private)) for s in batch.decodes)
+        if signature == self._signature:
+            self._decode_plan = self._bump(self._decode_plan)
+            return self._decode_plan
+        tables = [s.chunk_table for s in batch.decodes]
+        lens = [s.num_computed + 1 for s in batch.decodes]  # + the token this step writes
+        c = self.pool.chunk_size
+        if self.backend == "triton":
+            plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
+                                        num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim)
+        else:
+            plan = reference.build_tree_plan(tables, lens, c)
+        self._signature, self._decode_plan = signature, plan
+        self.plan_builds += 1
+        return plan
+
+    def _bump(self, plan):
+        if self.backend == "triton":
+            plan.seq_lens.add_(1)  # on the device, in place
+            return plan
+        # the new token lands in each row's last chunk, which is private (a partial tail)
+        return dataclasses.replace(
+            plan, seq_lens=tuple(n + 1 for n in plan.seq_lens),
+            private_lens=tuple(pl[:-1] + (pl[-1] + 1,) for pl in plan.private_lens))
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._tpp.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
+        return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
+
+
 @dataclass(frozen=True)
-class StepPlan:
+class StepAttention:
+    """One step's attention: what the model calls as `attn.forward(layer, q, k, v)`."""
+    attention: Attention
     positions: torch.Tensor  # [T] position of each new token in its sequence
     chunk_idx: torch.Tensor  # [T] chunk id of each new token's K/V slot
     offset: torch.Tensor  # [T] slot inside that chunk
     num_decodes: int  # rows [0, num_decodes) are decodes, in tree DFS order
-    decode_plan: reference.TreePlan | None
+    decode_plan: object  # reference.TreePlan or tpp.TppPlan; None without decodes
     prefills: tuple[PrefillSpan, ...]
-
-
-def plan_step(batch: Batch, chunk_size: int, device: torch.device) -> StepPlan:
-    positions, chunk_idx, prefills = [], [], []
-    row = 0
-    for seq, n in batch.items:
-        table = seq.chunk_table
-        pos = torch.arange(seq.num_computed, seq.num_computed + n)
-        positions.append(pos)
-        chunk_idx.append(torch.tensor(table, dtype=torch.long)[pos // chunk_size])
-        if row >= len(batch.decodes):
-            prefills.append(PrefillSpan(row, n, seq.num_computed, tuple(table)))
-        row += n
-    decode_plan = None
-    if batch.decodes:
-        decode_plan = reference.build_tree_plan(
-            [s.chunk_table for s in batch.decodes], [s.num_computed + 1 for s in batch.decodes], chunk_size)
-    positions = torch.cat(positions)
-    return StepPlan(positions.to(device), torch.cat(chunk_idx).to(device), (positions % chunk_size).to(device),
-                    len(batch.decodes), decode_plan, tuple(prefills))
-
-
-class ReferenceAttention:
-    """The attention backend the model calls: `forward(layer, q, k, v) -> o`."""
-
-    def __init__(self, pool: KVPool, plan: StepPlan, sm_scale: float):
-        self.pool, self.plan, self.sm_scale = pool, plan, sm_scale
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
-        k_cache, v_cache, p = self.pool.k(layer), self.pool.v(layer), self.plan
+        a = self.attention
+        k_cache, v_cache = a.pool.k(layer), a.pool.v(layer)
         # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
-        k_cache[p.chunk_idx, :, p.offset] = k.to(k_cache.dtype)
-        v_cache[p.chunk_idx, :, p.offset] = v.to(v_cache.dtype)
+        k_cache[self.chunk_idx, :, self.offset] = k.to(k_cache.dtype)
+        v_cache[self.chunk_idx, :, self.offset] = v.to(v_cache.dtype)
         out = torch.empty_like(q)
-        b = p.num_decodes
+        b = self.num_decodes
         if b:
-            out[:b] = reference.tpp_decode_ref(q[:b], k_cache, v_cache, p.decode_plan, self.sm_scale)
-        for s in p.prefills:
+            out[:b] = a.decode(q[:b], k_cache, v_cache, self.decode_plan)
+        for s in self.prefills:
             rows = slice(s.start, s.start + s.num_new)
             out[rows] = reference.prefill_attention_ref(
-                q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, self.sm_scale)
+                q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale)
         return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from replicas.attention import Attention
 from replicas.kv_pool import KVPool
 from replicas.model import load_model
 from replicas.prefix_tree import PrefixTree
@@ -45,6 +46,7 @@ class EngineConfig:
     seed: int = 0  # preset weights and requests' default sampling seeds
     tp_rank: int = 0
     tp_size: int = 1
+    attention_backend: str = "auto"  # auto (triton on CUDA, reference on CPU) | triton | reference
 
     def __post_init__(self):
         if self.chunk_size not in (16, 32, 64, 128):
@@ -96,7 +98,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.tree, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    enable_prefix_sharing=config.enable_prefix_sharing)
-        self.runner = ModelRunner(self.model, self.pool, self.device)
+        self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
+                                   num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim)
+        self.runner = ModelRunner(self.model, self.attention, self.device)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = itertools.count()

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import torch
 
-from replicas.attention import ReferenceAttention, plan_step
-from replicas.kv_pool import KVPool
+from replicas.attention import Attention
 from replicas.sampler import sample
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: torch.device):
-        self.model, self.pool, self.device = model, pool, device
-        self.sm_scale = model.config.head_dim ** -0.5
+    def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device):
+        self.model, self.attention, self.device = model, attention, device
 
     @torch.inference_mode()
     def run(self, batch: Batch, generators: dict[str, torch.Generator]) -> dict[Sequence, int]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill)."""
-        plan = plan_step(batch, self.pool.chunk_size, self.device)
+        attn = self.attention.plan(batch)
         ids, last_rows, samplers, row = [], [], [], 0
         for seq, n in batch.items:
             ids.extend(seq.token_at(i) for i in range(seq.num_computed, seq.num_computed + n))
@@ -29,7 +27,7 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 samplers.append(seq)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, plan.positions, ReferenceAttention(self.pool, plan, self.sm_scale))
+        hidden = self.model(input_ids, attn.positions, attn)
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden[last_rows])  # [S, V] float32
