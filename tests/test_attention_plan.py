@@ -1,11 +1,6 @@
 """Decode plans live as long as the tree's shape: rebuilt when rows join/leave or a tail chunk
 fills, only bumped otherwise; the Triton backend gives the reference backend's tokens."""
 
-import importlib
-import os
-import sys
-
-import pytest
 import torch
 
 from replicas.engine import LLMEngine, SamplingParams
@@ -28,25 +23,9 @@ def test_decode_plan_is_rebuilt_only_when_the_tree_changes():
     assert engine.attention.plan_builds == 3
 
 
-@pytest.fixture
-def triton_interpreter():
-    """Run kernels.tpp under the Triton interpreter when there is no GPU (set before decoration)."""
-    if torch.cuda.is_available():
-        yield "cuda"
-        return
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    importlib.reload(importlib.import_module("kernels.tpp"))
-    yield "cpu"
-    if old is None:
-        del os.environ["TRITON_INTERPRET"]
-    else:
-        os.environ["TRITON_INTERPRET"] = old
-    importlib.reload(sys.modules["kernels.tpp"])
-
-
-def test_triton_backend_matches_reference_backend(triton_interpreter):
-    device = triton_interpreter
+def test_triton_backend_matches_reference_backend():
+    # on the CPU the kernels run under the Triton interpreter (tests/conftest.py)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
     options = dict(chunk_size=16, kv_cache_tokens=2048, device=device, dtype="float32")
     ref = LLMEngine.from_model("tiny", attention_backend="reference", **options)

@@ -1,27 +1,18 @@
 """kernels/tpp.py: Triton TPP decode vs kernels/reference.py on random prefix trees.
 
-Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, small shapes);
+Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set in conftest.py; small shapes);
 `pytest -m gpu` runs the larger cases for real on a CUDA device.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    # must be set before the kernels are decorated; reload if another test imported them first
-    os.environ["TRITON_INTERPRET"] = "1"
-    if "kernels.tpp" in sys.modules:
-        importlib.reload(sys.modules["kernels.tpp"])
-
-from kernels import tpp  # noqa: E402
-from kernels.reference import decode_attention_ref, tpp_decode_ref  # noqa: E402
+from kernels import tpp
+from kernels.reference import decode_attention_ref, tpp_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
