@@ -1,0 +1,259 @@
+"""router/hashing.py, router/policy.py, router/index.py on their own: no Ray, no simulator."""
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.hashing import chunk_hashes, model_seed
+from router.index import PrefixIndex
+from router.policy import Decaying, PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView
+
+REPO = Path(__file__).resolve().parents[1]
+C = 64
+
+
+def _in_subprocess(code: str):
+    """Run `code` in a fresh interpreter (its own hash salt, its own everything); return its JSON."""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def _chain(rng: random.Random, n: int = 32) -> tuple[int, ...]:
+    return tuple(rng.getrandbits(64) for _ in range(n))
+
+
+# -- hashing ---------------------------------------------------------------------------------------
+
+
+def test_hashes_are_identical_in_another_process_and_seeded_by_model():
+    tokens = list(range(1000, 1000 + 2100))
+    here = chunk_hashes(tokens, C, 32, "llama")
+    there = _in_subprocess(
+        "import json; from router.hashing import chunk_hashes; "
+        f"print(json.dumps(chunk_hashes(list(range(1000, 1000 + 2100)), {C}, 32, 'llama')))")
+    assert here == there
+    assert len(here) == 32 and len(set(here)) == 32
+    assert chunk_hashes(tokens, C, 32, "qwen") != here  # another served model never shares
+    assert chunk_hashes(tokens, C, 32, model_seed("llama")) == here
+
+
+def test_hashes_are_chained_over_full_chunks_only():
+    tokens = list(range(5 * C + 10))
+    full = chunk_hashes(tokens, C, 100, "m")
+    assert len(full) == 5  # the partial tail chunk is private on the replica: never hashed
+    assert chunk_hashes(tokens[: 3 * C], C, 100, "m") == full[:3]  # a prefix's hashes are a prefix
+    assert chunk_hashes(tokens, C, 2, "m") == full[:2]  # route_chunks caps the list
+    changed = tokens[:]
+    changed[C] += 1  # chunk 2 differs: it and everything after it change, chunk 1 does not
+    other = chunk_hashes(changed, C, 100, "m")
+    assert other[0] == full[0] and all(a != b for a, b in zip(other[1:], full[1:]))
+    assert chunk_hashes(tokens[: C - 1], C, 32, "m") == []
+
+
+# -- rendezvous ------------------------------------------------------------------------------------
+
+
+def test_two_routers_in_separate_processes_place_a_new_prefix_alike():
+    replicas = [f"replica-{i}" for i in range(12)]
+    rng = random.Random(1)
+    chains = [_chain(rng) for _ in range(40)]
+    here = [PrefixPolicy(replicas=replicas).choose(ch, 2176, 256, 0.0)[0] for ch in chains]
+    there = _in_subprocess(
+        "import json; from router.policy import PrefixPolicy\n"
+        f"p = PrefixPolicy(replicas={list(reversed(replicas))!r}, seed=7)\n"  # other order, other seed
+        f"print(json.dumps([p.choose(tuple(c), 2176, 256, 0.0)[0] for c in {[list(c) for c in chains]!r}]))")
+    assert here == there
+    assert len(set(here)) > 4  # and they are spread, not all on one replica
+
+
+def test_adding_a_replica_moves_about_one_in_n_plus_one_prefixes_all_to_it():
+    rng = random.Random(2)
+    n, keys = 16, [rng.getrandbits(64) for _ in range(20000)]
+    hrw = Rendezvous()
+    hrw.add(f"r{i}" for i in range(n))
+    before = [hrw.order(k, 1)[0] for k in keys]
+    hrw.add(["new"])
+    after = [hrw.order(k, 1)[0] for k in keys]
+    moved = [b for a, b in zip(before, after) if a != b]
+    assert set(moved) == {"new"}  # nothing moves between old replicas
+    p, m = 1 / (n + 1), len(keys)
+    sigma = (m * p * (1 - p)) ** 0.5
+    assert abs(len(moved) - m * p) < 5 * sigma  # binomial(m, 1/(n+1)), with slot quantisation
+
+
+def test_rendezvous_rows_match_a_full_recomputation_after_churn():
+    hrw = Rendezvous()
+    hrw.add(f"r{i}" for i in range(10))
+    hrw.remove("r3")
+    hrw.add(["r10", "r11"])
+    rng = random.Random(3)
+    keys = [rng.getrandbits(64) for _ in range(200)]
+    for k in keys:
+        full = hrw.order(k, 100)  # the whole order, computed from scratch for the slot
+        assert len(full) == 11 and "r3" not in full
+        assert hrw.order(k, 8) == full[:8]  # the incrementally maintained top rows agree
+
+
+def test_a_dead_replica_leaves_every_list_and_its_prefixes_go_to_their_next_choice():
+    replicas = [f"r{i}" for i in range(8)]
+    policy = PrefixPolicy(replicas=replicas)
+    rng = random.Random(4)
+    chains = [_chain(rng) for _ in range(300)]
+    homes = {ch: policy.choose(ch, 2176, 256, 0.0)[0] for ch in chains}
+    dead = "r5"
+    for ch in chains:  # it held prefixes: own decisions and a digest say so
+        if homes[ch] == dead:
+            policy.on_routed(dead, ch, 2176, 256, 0.0)
+    policy.update_digest(dead, [ch[0] for ch in chains if homes[ch] == dead], as_of=0.0)
+    second = {ch: policy._hrw.order(ch[0], 2)[1] for ch in chains if homes[ch] == dead}
+    assert second
+    policy.remove_replica(dead)
+    assert dead not in policy.index.replicas()
+    for ch in chains:
+        ranked = policy.choose(ch, 2176, 256, 1.0)
+        assert dead not in ranked
+        assert ranked[0] == second.get(ch, homes[ch])  # its prefixes: the next in their order; others stay
+
+
+# -- affinity, fan-out, bounded load ---------------------------------------------------------------
+
+
+def test_a_prefix_sticks_to_the_replica_holding_it():
+    policy = PrefixPolicy(replicas=[f"r{i}" for i in range(8)])
+    rng = random.Random(5)
+    ch, others = _chain(rng), [_chain(rng) for _ in range(49)]
+    first = policy.choose(ch, 2176, 256, 0.0)[0]
+    seen = set()
+    for t in range(40 * 50):  # one request at a time, `ch` one in 50: no load to balance
+        c = ch if t % 50 == 0 else others[t % 50 - 1]
+        r = policy.choose(c, 2176, 256, t * 0.01)[0]
+        policy.on_finished(policy.on_routed(r, c, 2176, 256, t * 0.01))
+        if c is ch:
+            seen.add(r)
+    assert seen == {first}
+
+
+def test_a_hot_prefix_spreads_down_its_rendezvous_order_once_it_exceeds_a_replicas_share():
+    replicas = [f"r{i}" for i in range(16)]
+    policy = PrefixPolicy(replicas=replicas)
+    rng = random.Random(6)
+    background = [_chain(rng) for _ in range(64)]
+    for i, ch in enumerate(background):  # every replica carries some load
+        policy.on_routed(policy.choose(ch, 2176, 256, 0.0)[0], ch, 2176, 256, 0.0)
+    hot = _chain(rng)
+    chosen = []
+    for t in range(64):  # the hot prefix's requests pile up (none finishes)
+        r = policy.choose(hot, 2176, 256, 0.0)[0]
+        policy.on_routed(r, hot, 2176, 256, 0.0)
+        chosen.append(r)
+    assert chosen[0] == chosen[1]  # affine while its load is small
+    spread = set(chosen)
+    assert len(spread) >= 4
+    order = policy._hrw.order(hot[0], len(replicas))
+    assert set(order[: len(spread) + PolicyConfig().spare + 2]) >= spread  # along its own order
+    share = policy._total / len(replicas)
+    assert max(policy.load(r) for r in spread) <= (1 + policy.config.epsilon) * share + 2176 + 4 * 256
+
+
+def test_bounded_load_holds_under_random_traffic():
+    replicas = [f"r{i}" for i in range(10)]
+    policy = PrefixPolicy(replicas=replicas)
+    rng = random.Random(7)
+    prefixes = [_chain(rng) for _ in range(5)]  # few prefixes: affinity alone would pile up
+    inflight = []
+    for t in range(2000):
+        ch = prefixes[min(int(rng.expovariate(1.0)), 4)]  # skewed popularity
+        miss = policy.request_work(2176, 256)
+        bound = policy.bound(miss)
+        r = policy.choose(ch, 2176, 256, t * 0.01)[0]
+        assert policy.load(r) <= bound
+        inflight.append(policy.on_routed(r, ch, 2176, 256, t * 0.01))
+        if len(inflight) > 30:
+            policy.on_finished(inflight.pop(rng.randrange(len(inflight))))
+    for ticket in inflight:
+        policy.on_finished(ticket)
+    assert all(abs(policy.load(r)) < 1e-6 for r in replicas) and abs(policy._total) < 1e-6
+
+
+def test_reported_load_counts_beyond_own_requests():
+    policy = PrefixPolicy(replicas=["a", "b"])
+    ch = _chain(random.Random(8))
+    policy.update_replicas([ReplicaView("a", load=1e6), ReplicaView("b")])  # other routers' traffic on a
+    assert policy.load("a") == 1e6
+    assert policy.choose(ch, 2176, 256, 0.0)[0] == "b"
+    policy.update_digest("a", [], as_of=0.0, load=0.0)
+    assert policy.load("a") == 0.0
+    policy.update_replicas([ReplicaView("b"), ReplicaView("c")])
+    assert policy.choose(ch, 2176, 256, 0.0) and "a" not in policy.choose(ch, 2176, 256, 0.0)
+
+
+def test_short_prompts_use_power_of_two_choices():
+    policy = PrefixPolicy(replicas=["a", "b", "c"])
+    policy.on_routed("a", (), 10, 10, 0.0)
+    ranked = policy.choose((), 10, 10, 0.0)
+    assert len(ranked) == 2 and len(set(ranked)) == 2 and policy.load(ranked[0]) <= policy.load(ranked[1])
+
+
+# -- index -----------------------------------------------------------------------------------------
+
+
+def test_index_own_memory_is_lru_bounded_per_replica():
+    index = PrefixIndex(roots_per_replica=4)
+    rng = random.Random(9)
+    chains = [_chain(rng, 8) for _ in range(10)]
+    for t, ch in enumerate(chains):
+        index.record("r", ch, float(t))
+    assert index.own_roots("r") == 4
+    assert index.depth("r", chains[0]) == 0  # the oldest fell out
+    assert index.depth("r", chains[-1]) == 8
+    index.record("r", chains[6], 20.0)  # a hit refreshes: chains[7] is now the oldest
+    index.record("r", chains[0], 21.0)
+    assert index.depth("r", chains[6]) == 8 and index.depth("r", chains[7]) == 0
+    assert index.depth("r", chains[-1][:5] + _chain(rng, 3)) == 5  # a shared head counts
+
+
+def test_digests_replace_wholesale_so_evictions_are_learned():
+    index = PrefixIndex()
+    ch = _chain(random.Random(10), 8)
+    index.replace_digest("r", ch, as_of=1.0)
+    assert index.depth("r", ch) == 8 and index.holders(ch, 4) == ("r",)
+    index.replace_digest("r", ch[:3], as_of=2.0)  # the replica evicted the tail
+    assert index.depth("r", ch) == 3
+    index.replace_digest("r", [], as_of=3.0)
+    assert index.depth("r", ch) == 0 and index.holders(ch, 4) == ()
+
+
+def test_a_digest_supersedes_own_records_up_to_its_snapshot_time():
+    index = PrefixIndex()
+    rng = random.Random(11)
+    old, new = _chain(rng, 8), _chain(rng, 8)
+    index.record("r", old, now=1.0)
+    index.record("r", new, now=5.0)
+    index.replace_digest("r", [], as_of=3.0)  # taken after `old` was sent: it was evicted since
+    assert index.depth("r", old) == 0
+    assert index.depth("r", new) == 8  # sent after the snapshot: still bridged by our own record
+
+
+def test_removing_a_replica_drops_it_from_the_index():
+    index = PrefixIndex()
+    ch = _chain(random.Random(12), 8)
+    index.record("a", ch, 0.0)
+    index.record("b", ch, 0.0)
+    index.replace_digest("a", ch, 0.0)
+    index.remove_replica("a")
+    assert index.replicas() == {"b"} and index.holders(ch, 4) == ("b",) and index.depth("a", ch) == 0
+
+
+def test_decaying_sums_halve_per_half_life_and_keep_their_total():
+    d = Decaying(half_life=2.0, max_keys=2)
+    d.add("x", 8.0, 0.0)
+    d.add("y", 4.0, 2.0)
+    assert d.get("x", 2.0) == pytest.approx(4.0) and d.total(2.0) == pytest.approx(8.0)
+    d.add("z", 1.0, 4.0)  # over max_keys: x, the least recently added, goes
+    assert d.get("x", 4.0) == 0.0 and d.total(4.0) == pytest.approx(3.0)
+    assert d.get("y", 4.0 + 2 * 100) == pytest.approx(2.0 * 2.0 ** -100)  # across a rebase
+    assert d.get("z", 1e9) == 0.0 and d.total(1e9) == 0.0
