@@ -55,7 +55,9 @@ class _EngineDied(Exception):
 
 @serve.deployment
 class LLMReplica:
-    def __init__(self, engine_config: EngineConfig):
+    DIGEST_PERIOD_S = 1.0  # how often the step loop refreshes the cache digest for the router
+
+    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32):
         if engine_config.tp_size > 1:
             raise ValueError(f"tensor_parallel_size={engine_config.tp_size}: a replica needs the tensor-parallel "
                              "worker group (replicas/parallel.py) for that, and this build has none")
@@ -66,6 +68,10 @@ class LLMReplica:
         self._wake = asyncio.Event()
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._stats = self.engine.stats()  # snapshot taken between steps; read by stats/routing stats
+        # the router's view of this replica's tree: hashes seeded by the served model name, as the
+        # ingress hashes prompts (router/hashing.py); refreshed between steps, never during one
+        self._digest_args = (served_model_name or engine_config.model, route_chunks)
+        self._digest, self._digest_at = [], 0.0
         self._metrics = _Metrics(self._stats)
         self._loop = asyncio.get_running_loop().create_task(self._step_loop())
 
@@ -117,7 +123,10 @@ class LLMReplica:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                if not self._inbox and not self.engine.has_unfinished():
+                idle = not self._inbox and not self.engine.has_unfinished()
+                if idle or time.time() - self._digest_at >= self.DIGEST_PERIOD_S:
+                    self._refresh_digest()  # going idle: publish the tree's final state
+                if idle:
                     self._wake.clear()
                     await self._wake.wait()
                 self._apply_inbox()
@@ -136,6 +145,9 @@ class LLMReplica:
                     stream.accepted.set_exception(died)
                 stream.outputs.put_nowait(died)
             raise
+
+    def _refresh_digest(self) -> None:
+        self._digest, self._digest_at = self.engine.cache_digest(*self._digest_args), time.time()
 
     def _apply_inbox(self) -> None:
         ops, self._inbox = self._inbox, []
@@ -165,7 +177,8 @@ class LLMReplica:
     async def record_routing_stats(self) -> dict:
         s = self._stats
         return {"running": s["running"], "waiting": s["waiting"],
-                "kv_chunks_used": s["kv_chunks_used"], "kv_chunks_total": s["kv_chunks_total"]}
+                "kv_chunks_used": s["kv_chunks_used"], "kv_chunks_total": s["kv_chunks_total"],
+                "digest": self._digest, "as_of": self._digest_at}
 
     async def stats(self) -> dict[str, int]:
         """engine.stats() as of the last step (or the last add/abort while idle)."""

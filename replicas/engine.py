@@ -25,6 +25,7 @@ from replicas.prefix_tree import PrefixTree
 from replicas.runner import ModelRunner
 from replicas.scheduler import Scheduler
 from replicas.sequence import SamplingParams, Sequence, Status
+from router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
 
@@ -251,6 +252,11 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             **self._counters,
         }
+
+    def cache_digest(self, model_name: str, route_chunks: int, limit: int = 4096) -> list[int]:
+        """The chained chunk hashes (router.hashing, seeded by the served model name) of the
+        prefixes this engine's tree holds, for the router. Call between steps."""
+        return self.tree.digest(model_seed(model_name), route_chunks, limit)
 
     def check(self) -> None:
         """Assert the KV cache's invariants (tests call this after every step)."""

@@ -12,11 +12,12 @@ import heapq
 from collections.abc import Iterable, Sequence as Seq
 
 from replicas.kv_pool import KVPool
+from router.hashing import chunk_hashes
 from replicas.sequence import Sequence
 
 
 class Node:
-    __slots__ = ("id", "tokens", "chunk_id", "parent", "children", "ref", "last_use")
+    __slots__ = ("id", "tokens", "chunk_id", "parent", "children", "ref", "last_use", "hash")
 
     def __init__(self, id: int, tokens: tuple[int, ...], chunk_id: int, parent: Node | None):
         self.id = id  # creation order: sorting paths of ids gives a DFS order
@@ -26,6 +27,7 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.ref = 0  # live sequences whose path runs through this node
         self.last_use = 0
+        self.hash: int | None = None  # chained chunk hash (router.hashing), computed for digests
 
     def __repr__(self):
         return f"Node(id={self.id}, chunk={self.chunk_id}, ref={self.ref}, children={len(self.children)})"
@@ -40,6 +42,7 @@ class PrefixTree:
         self.num_cached = 0  # nodes with ref 0 (evictable, possibly after their children)
         # lazy min-heap of (last_use, id, node) over ref-0 leaves; stale entries skipped on pop
         self._evictable: list[tuple[int, int, Node]] = []
+        self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
 
     # -- lookups --------------------------------------------------------------------------
     def match(self, token_ids: Seq[int], max_tokens: int) -> list[Node]:
@@ -132,6 +135,30 @@ class PrefixTree:
         while self._evict_one():
             n += 1
         return n
+
+    # -- routing digest ---------------------------------------------------------------------
+    def digest(self, seed: int, max_depth: int, limit: int) -> list[int]:
+        """Chained hashes (`router.hashing.chunk_hashes`, seeded by the served model) of the
+        cached paths up to `max_depth` chunks deep: level by level, most recently used first, so
+        the list (and any prefix of it) holds every listed node's ancestors. At most `limit`."""
+        if seed != self._digest_seed:
+            for n in self.nodes():
+                n.hash = None
+            self._digest_seed = seed
+        out: list[int] = []
+        level, depth = [self.root], 0
+        while level and depth < max_depth and len(out) < limit:
+            below = []
+            for parent in level:
+                for n in parent.children.values():
+                    if n.hash is None:
+                        after = None if parent is self.root else parent.hash
+                        n.hash = chunk_hashes(n.tokens, self.c, 1, seed, after=after)[0]
+                    below.append(n)
+            below.sort(key=lambda n: -n.last_use)
+            out.extend(n.hash for n in below[: limit - len(out)])
+            level, depth = below, depth + 1
+        return out
 
     # -- invariants -------------------------------------------------------------------------
     def nodes(self) -> list[Node]:

@@ -244,3 +244,22 @@ def test_cli_prints_text():
                         "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "Hello there" in r.stdout and "8 generated" in r.stdout
+
+
+def test_cache_digest_names_cached_prefixes_as_the_router_hashes_them():
+    from router.hashing import chunk_hashes
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=1024)
+    rng = random.Random(5)
+    a = [rng.randrange(256) for _ in range(100)]
+    b = a[:48] + [rng.randrange(256) for _ in range(40)]  # shares three chunks with a
+    engine.generate([a, b], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    digest = engine.cache_digest("tiny", route_chunks=32)
+    want_a, want_b = chunk_hashes(a, 16, 32, "tiny"), chunk_hashes(b, 16, 32, "tiny")
+    assert set(want_a) | set(want_b) == set(digest)  # 6 + 2 distinct full chunks of the prompts
+    assert len(digest) == len(set(want_a) | set(want_b))
+    assert set(engine.cache_digest("tiny", route_chunks=2)) == set(want_a[:2])
+    assert digest[:3] != engine.cache_digest("other-model", 32)[:3]  # seeded by the served model
+    head = engine.cache_digest("tiny", 32, limit=4)
+    assert set(want_a[:3]) <= set(head)  # a truncated digest keeps ancestors first
+    engine.tree.evict_all()
+    assert engine.cache_digest("tiny", 32) == []

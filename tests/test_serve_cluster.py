@@ -112,7 +112,7 @@ def test_concurrent_streams_share_decode_batches(one):
 
 
 def test_shared_prefix_is_served_from_cache(one):
-    url, _ = one
+    url, handle = one
     prefix = [(7 * i + 3) % 256 for i in range(256)]
     first = _completion(url, prompt=prefix + [10], max_tokens=4)
     second = _completion(url, prompt=prefix + [11], max_tokens=4)
@@ -121,6 +121,14 @@ def test_shared_prefix_is_served_from_cache(one):
     assert usage["prompt_tokens"] == 257
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 192
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    # the replica publishes the prefix in its routing digest, hashed as the router hashes prompts
+    from router.hashing import chunk_hashes
+    want = set(chunk_hashes(prefix + [10], 64, 32, "tiny"))
+    deadline = time.monotonic() + 60
+    while not want <= set((routing := handle.record_routing_stats.remote().result(timeout_s=60))["digest"]):
+        assert time.monotonic() < deadline, f"digest never held the prefix: {routing}"
+        time.sleep(0.3)
+    assert routing["as_of"] > 0 and routing["kv_chunks_total"] > 0
 
 
 BAD = [  # (id, body bytes or JSON, headers, status, error code)
