@@ -17,13 +17,17 @@ from cluster.ingress import OpenAIIngress
 from replicas.deployment import LLMReplica
 from replicas.engine import EngineConfig
 
+PREFIX_ROUTER = "router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §6)
+
 
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
     use_gpu = _use_gpu(config.device)
     engine_config = EngineConfig(model=config.model, device="cuda" if use_gpu else "cpu", dtype=config.dtype,
                                  tp_size=config.tensor_parallel_size, **config.engine.model_dump())
-    llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(engine_config)
+    # the replica seeds its cache digest as the ingress seeds prompt hashes: by the served model name
+    llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(
+        engine_config, config.model_name, config.router.route_chunks)
     ingress = OpenAIIngress.options(
         name="OpenAIIngress", num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
@@ -47,6 +51,12 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
         options["autoscaling_config"] = config.autoscaling_config
     else:
         options["num_replicas"] = config.num_replicas or 1
+    if config.router.policy == "prefix":
+        options["request_router_config"] = {
+            "request_router_class": PREFIX_ROUTER,
+            "request_router_kwargs": {"chunk_size": config.engine.chunk_size},
+            "request_routing_stats_period_s": config.router.routing_stats_period_s,
+        }
     if tp > 1:
         options["placement_group_bundles"] = [bundle] * tp
         options["placement_group_strategy"] = "STRICT_PACK"

@@ -31,6 +31,9 @@ class EngineOptions(_Strict):
 class RouterOptions(_Strict):
     """Prefix-aware routing (DESIGN §6)."""
     route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
+    # prefix: router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
+    policy: Literal["prefix", "pow2"] = "prefix"
+    routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and digest
 
 
 class IngressOptions(_Strict):

@@ -43,6 +43,7 @@ from cluster.protocol import (
     Usage,
 )
 from replicas.model import load_tokenizer
+from router.hashing import chunk_hashes
 
 logger = logging.getLogger("ray.serve")
 
@@ -329,9 +330,13 @@ class OpenAIIngress:
                           max_tokens: int) -> GenerateRequest:
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
+        # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
+        # length and params.max_tokens from this request
+        hashes = chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
+                              self.model_name)
         return GenerateRequest(request_id=f"{kind}-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt),
                                params=body.sampling_params(max_tokens), stop=body.stop_strings,
-                               model=self.model_name)
+                               model=self.model_name, prefix_hashes=tuple(hashes))
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _model_info(self) -> dict:

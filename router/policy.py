@@ -278,6 +278,11 @@ class PrefixPolicy:
 
     # -- membership and load ------------------------------------------------------------------
 
+    def swap_rendezvous(self, table: Rendezvous) -> None:
+        """Adopt a rendezvous table built elsewhere (a thread: building one for ~1000 replicas takes
+        seconds). The caller then calls `update_replicas` so members and table agree."""
+        self._hrw = table
+
     def update_replicas(self, views: Iterable[ReplicaView]) -> None:
         """Make the live set exactly `views`; apply the load reports they carry."""
         views = list(views)

@@ -59,8 +59,9 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
     assert llm.backpressure_config.retry_after_s == 2
     assert llm.ray_actor_options["num_gpus"] == 0
-    engine_config, = llm.init_args
+    engine_config, served_name, route_chunks = llm.init_args
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
+    assert (served_name, route_chunks) == ("tiny", 32)  # the digest is seeded as the ingress hashes
     assert llm._replica_config.placement_group_bundles is None
 
 

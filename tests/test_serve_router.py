@@ -1,0 +1,219 @@
+"""router/serve_router.py: PrefixAffinityRouter driven directly (fake replicas, no cluster), then
+the application with the prefix router on a local multi-node Ray cluster."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import httpx
+import pytest
+
+from cluster.protocol import GenerateRequest
+from replicas.sequence import SamplingParams
+from router.hashing import chunk_hashes
+
+# -- the router class, no cluster ------------------------------------------------------------------
+
+C = 4  # chunk size of the unit tests
+
+
+def _router_env():
+    from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
+    from ray.serve._private.request_router.common import PendingRequest
+
+    from router.serve_router import PrefixAffinityRouter
+
+    dep = DeploymentID(name="LLMReplica", app_name="test")
+
+    class FakeReplica:
+        max_ongoing_requests = 64
+
+        def __init__(self, uid: str, routing_stats: dict | None = None):
+            self.replica_id = ReplicaID(uid, dep)
+            self.routing_stats = routing_stats or {}
+
+        async def get_queue_len(self, *, deadline_s: float) -> int:
+            return 0
+
+    def pending(prompt: list[int], n: int, max_tokens: int = 8) -> PendingRequest:
+        req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=tuple(prompt),
+                              params=SamplingParams(max_tokens=max_tokens), stop=(), model="tiny",
+                              prefix_hashes=tuple(chunk_hashes(prompt, C, 32, "tiny")))
+        return PendingRequest(args=[req], kwargs={}, metadata=RequestMetadata(f"r{n}", f"internal-{n}"))
+
+    def make(replicas):
+        router = PrefixAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
+                                      use_replica_queue_len_cache=True)
+        router.initialize_state(chunk_size=C)
+        router.update_replicas(replicas)
+        return router
+
+    return FakeReplica, pending, make
+
+
+async def _route(router, pr) -> str:
+    """What Serve does with the ranks when every replica accepts: the first rank's lowest queue."""
+    ranks = await router.choose_replicas(router._replicas_list, pr)
+    replica = ranks[0][0]
+    router.on_request_routed(pr, replica.replica_id, None)
+    return replica.replica_id.unique_id
+
+
+def test_router_keeps_a_prefix_on_one_replica_and_spreads_prefixes():
+    FakeReplica, pending, make = _router_env()
+
+    async def main():
+        router = make([FakeReplica(f"rep{i}") for i in range(3)])
+        homes = {}
+        n = 0
+        for group in range(12):
+            prefix = [group * 7 + j for j in range(8 * C)]
+            seen = set()
+            for q in range(3):
+                n += 1
+                pr = pending(prefix + [500 + q], n)
+                seen.add(await _route(router, pr))
+                router.on_request_completed(None, pr.metadata.internal_request_id)
+            assert len(seen) == 1, f"group {group} went to {seen}"
+            homes[group] = seen.pop()
+        assert len(set(homes.values())) == 3  # different prefixes land on different replicas
+        assert not router._tickets  # every completion released its ticket
+
+        # a non-generate call (model_info) and a prompt shorter than a chunk still get a replica
+        plain = pending([1, 2], 999)
+        plain.args = []
+        assert (await router.choose_replicas(router._replicas_list, plain))[0]
+        assert (await router.choose_replicas(router._replicas_list, pending([1, 2], 1000)))[0]
+
+    asyncio.run(main())
+
+
+def test_router_follows_membership_and_digests():
+    FakeReplica, pending, make = _router_env()
+
+    async def main():
+        reps = [FakeReplica(f"rep{i}") for i in range(3)]
+        router = make(reps)
+        prefix = list(range(8 * C))
+        home = await _route(router, pending(prefix + [1], 1))
+        # the home dies: its prefix goes elsewhere, and the dead one is never offered again
+        router.update_replicas([r for r in reps if r.replica_id.unique_id != home])
+        for n in range(2, 6):
+            ranks = await router.choose_replicas(router._replicas_list, pending(prefix + [n], n))
+            assert home not in {r.replica_id.unique_id for rank in ranks for r in rank}
+        # a newcomer publishing a digest that holds the whole prefix attracts it
+        chain = chunk_hashes(prefix, C, 32, "tiny")
+        newcomer = FakeReplica("rep-new", {"running": 0, "waiting": 0, "kv_chunks_used": 8, "kv_chunks_total": 64,
+                                           "digest": chain, "as_of": time.time()})
+        router.update_replicas([r for r in reps if r.replica_id.unique_id != home] + [newcomer])
+        # nobody else holds the prefix (the choices above were not routed): only the digest points there
+        assert await _route(router, pending(prefix + [9], 9)) == "rep-new"
+        # stats without a digest (before replicas publish one) are accepted
+        router.update_replicas([FakeReplica("rep-new", {"running": 1, "waiting": 0})])
+        assert await _route(router, pending(prefix + [10], 10)) == "rep-new"
+
+    asyncio.run(main())
+
+
+def test_large_join_builds_off_loop():
+    FakeReplica, pending, make = _router_env()
+
+    async def main():
+        router = make([FakeReplica(f"rep{i}") for i in range(40)])  # > INLINE_JOIN_LIMIT
+        assert router._building is not None
+        # routing still answers while the table is built (Serve's power of two)
+        assert (await router.choose_replicas(router._replicas_list, pending(list(range(4 * C)), 1)))[0]
+        await router._building
+        assert router._policy_ids == {f"rep{i}" for i in range(40)}
+        assert await _route(router, pending(list(range(4 * C)), 2)) in router._policy_ids
+
+    asyncio.run(main())
+
+
+# -- the application on a local cluster --------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def serve_url():
+    import ray
+    from ray import serve
+
+    from cluster.local import LocalCluster
+
+    port = _free_port()
+    with LocalCluster(num_nodes=2, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as c:
+        ray.init(address=c.address)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
+
+
+def test_shared_prefixes_stay_on_one_replica(serve_url):
+    from ray import serve
+
+    from cluster.app import build_app
+    from cluster.ingress import REPLICA_HEADER
+
+    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 3, "num_cpus_per_replica": 0.5,
+                         "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
+                         "router": {"policy": "prefix", "routing_stats_period_s": 0.5}}),
+              name="prefix", route_prefix="/prefix")
+    url = f"{serve_url}/prefix/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            async def one(prompt):
+                r = await client.post(url, json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.headers[REPLICA_HEADER], r.json()["usage"]
+
+            out = {}
+            for g in range(4):  # groups of prompts sharing a 256-token prefix, one at a time
+                prefix = [(31 * g + 7 * i + 3) % 256 for i in range(256)]
+                out[g] = [await one(prefix + [10 + q]) for q in range(3)]
+            return out
+
+    out = asyncio.run(main())
+    homes = set()
+    for g, results in out.items():
+        replicas = {rep for rep, _ in results}
+        assert len(replicas) == 1, f"group {g} spread over {replicas}"
+        homes |= replicas
+        for _, usage in results[1:]:
+            assert usage["prompt_tokens_details"]["cached_tokens"] >= 192, usage
+    assert len(homes) >= 2  # groups are placed on different replicas
+    serve.delete("prefix")
+
+
+def test_config_selects_the_router():
+    import yaml
+    from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
+
+    from cluster.app import PREFIX_ROUTER, build_app
+    from cluster.config import AppConfig
+
+    def router_config(args):
+        llm = build_app(args)._bound_deployment.init_args[0]._bound_deployment
+        return llm._deployment_config.request_router_config
+
+    rc = router_config({"device": "cpu", "engine": {"chunk_size": 32}, "router": {"routing_stats_period_s": 2}})
+    assert rc.request_router_class == PREFIX_ROUTER  # prefix is the default
+    assert rc.request_router_kwargs == {"chunk_size": 32} and rc.request_routing_stats_period_s == 2
+    assert router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class \
+        == DEFAULT_REQUEST_ROUTER_PATH
+    with pytest.raises(ValueError, match="policy"):
+        AppConfig.model_validate({"router": {"policy": "random"}})
+    for path in ("configs/local.yaml", "configs/serve.yaml"):
+        with open(path) as f:
+            args = yaml.safe_load(f)["applications"][0]["args"]
+        assert AppConfig.model_validate(args).router.policy == "prefix"
