@@ -18,11 +18,12 @@ digests keep an exact hash -> replicas reverse map, rebuilt off the request path
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
-def common_prefix(a: tuple, b: tuple) -> int:
-    """Length of the longest common prefix of two tuples (C-level slice compares, O(log n) of them)."""
+def common_prefix(a: Sequence, b: Sequence) -> int:
+    """Length of the longest common prefix of two tuples or strings (C-level slice compares,
+    O(log n) of them)."""
     if a == b:
         return len(a)
     n = min(len(a), len(b))

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from router.hashing import chunk_hashes, model_seed
+from router.index import common_prefix
 from router.policy import PolicyConfig, PrefixPolicy, Ticket
 
 CHUNK = 64
@@ -247,21 +248,6 @@ class _TextNode:
         self.tenants: set[int] = set()
 
 
-def _common_prefix(a: str, b: str) -> int:
-    """len(os.path.commonprefix([a, b])), by binary search over C-level slice compares."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) >> 1
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
 class _TextTree:
     """Ray Serve LLM's PrefixTree (prefix_aware/prefix_tree.py at ray-project/ray
     19a1eaa35d84e17c62a759ce6ab92fa1919723d2): a radix tree over prompt *characters* shared by
@@ -285,7 +271,7 @@ class _TextTree:
             child = node.children.get(text[i])
             if child is None:
                 child = node.children[text[i]] = _TextNode(text[i:])
-            shared = _common_prefix(child.text, text[i:])
+            shared = common_prefix(child.text, text[i:])
             if shared < len(child.text):  # split: the new parent inherits the child's tenants
                 parent = _TextNode(child.text[:shared])
                 parent.tenants = set(child.tenants)
@@ -302,7 +288,7 @@ class _TextTree:
             child = node.children.get(text[i])
             if child is None or not any(t in child.tenants for t in available):
                 break
-            shared = _common_prefix(child.text, text[i:])
+            shared = common_prefix(child.text, text[i:])
             i += shared
             node = child
             if shared < len(child.text):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
@@ -21,6 +20,7 @@ from ray.util.state import list_actors
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
 from cluster.local import LocalCluster
+from tests.ports import free_port
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -35,15 +35,9 @@ ONE = {
 TIMEOUT = httpx.Timeout(300.0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    port = _free_port()
+    port = free_port()
     # the dashboard serves ray.util.state, which tells on which node each replica runs
     with LocalCluster(num_nodes=3, num_cpus_per_node=2, object_store_bytes=100 * 2**20, include_dashboard=True) as c:
         ray.init(address=c.address)

@@ -4,7 +4,6 @@ the application with the prefix router on a local multi-node Ray cluster."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
@@ -13,6 +12,7 @@ import pytest
 from cluster.protocol import GenerateRequest
 from replicas.sequence import SamplingParams
 from router.hashing import chunk_hashes
+from tests.ports import free_port
 
 # -- the router class, no cluster ------------------------------------------------------------------
 
@@ -135,12 +135,6 @@ def test_large_join_builds_off_loop():
 # -- the application on a local cluster --------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def serve_url():
     import ray
@@ -148,7 +142,7 @@ def serve_url():
 
     from cluster.local import LocalCluster
 
-    port = _free_port()
+    port = free_port()
     with LocalCluster(num_nodes=2, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as c:
         ray.init(address=c.address)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
