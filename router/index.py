@@ -39,6 +39,19 @@ def common_prefix(a: Sequence, b: Sequence) -> int:
     return lo
 
 
+def _deepest(chain: Sequence[int], known: int, held) -> int:
+    """The largest d with chain[d - 1] in `held`, given chain[known - 1] is. Digests are closed
+    under ancestors, so membership is monotone along the chain: binary search."""
+    lo, hi = known, len(chain)
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if chain[mid - 1] in held:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PrefixIndex:
     """roots_per_replica: prefixes (roots) remembered per replica; chains_per_root: distinct chains
     kept per (replica, root); holders_per_root: replicas remembered per root; roots: roots tracked."""
@@ -136,17 +149,7 @@ class PrefixIndex:
                     best = d
         digest = self._digest.get(replica_id)
         if best < len(chain) and digest and chain[best] in digest:  # it holds more than our records say
-            lo, hi = best + 1, len(chain)  # holds chain[:lo], maybe not chain[:hi]
-            if chain[-1] in digest:
-                return hi
-            hi -= 1
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if chain[mid - 1] in digest:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            best = lo
+            best = _deepest(chain, best + 1, digest)
         return best
 
     def holders(self, chain: tuple[int, ...], limit: int) -> tuple[str, ...]:
@@ -158,13 +161,7 @@ class PrefixIndex:
         found = list(self._roots.get(chain[0], ()))[::-1]  # most recent first
         dh = self._digest_holders
         if chain[0] in dh:
-            lo, hi = 1, len(chain)  # largest depth any digest holds, by binary search
-            while lo < hi:
-                mid = (lo + hi + 1) >> 1
-                if chain[mid - 1] in dh:
-                    lo = mid
-                else:
-                    hi = mid - 1
+            lo = _deepest(chain, 1, dh)  # largest depth any digest holds
             n = 0
             for r in dh[chain[lo - 1]]:
                 if n == limit:

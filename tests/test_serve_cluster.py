@@ -13,14 +13,12 @@ import time
 
 import httpx
 import pytest
-import ray
 from ray import serve
 from ray.util.state import list_actors
 
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
-from cluster.local import LocalCluster
-from tests.ports import free_port
+from tests.serve_cluster import serve_on_local_cluster
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -37,15 +35,9 @@ TIMEOUT = httpx.Timeout(300.0)
 
 @pytest.fixture(scope="module")
 def cluster():
-    port = free_port()
     # the dashboard serves ray.util.state, which tells on which node each replica runs
-    with LocalCluster(num_nodes=3, num_cpus_per_node=2, object_store_bytes=100 * 2**20, include_dashboard=True) as c:
-        ray.init(address=c.address)
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+    with serve_on_local_cluster(num_nodes=3, include_dashboard=True) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import pytest
 from cluster.protocol import GenerateRequest
 from replicas.sequence import SamplingParams
 from router.hashing import chunk_hashes
-from tests.ports import free_port
+from tests.serve_cluster import serve_on_local_cluster
 
 # -- the router class, no cluster ------------------------------------------------------------------
 
@@ -137,19 +137,8 @@ def test_large_join_builds_off_loop():
 
 @pytest.fixture(scope="module")
 def serve_url():
-    import ray
-    from ray import serve
-
-    from cluster.local import LocalCluster
-
-    port = free_port()
-    with LocalCluster(num_nodes=2, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as c:
-        ray.init(address=c.address)
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            serve.shutdown()
+    with serve_on_local_cluster(num_nodes=2) as url:
+        yield url
 
 
 def test_shared_prefixes_stay_on_one_replica(serve_url):

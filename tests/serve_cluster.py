@@ -1,0 +1,29 @@
+"""Serve on a local multi-node Ray cluster, for the end-to-end tests."""
+
+import socket
+from contextlib import contextmanager
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
+    """Yields the HTTP base URL of a Serve proxy on a fresh `num_nodes`-node local cluster."""
+    import ray
+    from ray import serve
+
+    from cluster.local import LocalCluster
+
+    port = free_port()
+    with LocalCluster(num_nodes=num_nodes, num_cpus_per_node=2, object_store_bytes=100 * 2**20,
+                      include_dashboard=include_dashboard) as c:
+        ray.init(address=c.address)
+        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            serve.shutdown()
