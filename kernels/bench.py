@@ -3,7 +3,7 @@
     python -m kernels.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
                                    [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]
     python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
-    python -m kernels.bench sweep                  # launch configs and split sizes of ours
+    python -m kernels.bench sweep                  # launch configs and work dealing of ours
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
@@ -336,42 +336,43 @@ def _max_err(case: Case, batch: Batch, c: int, notes: dict) -> float | None:
 SWEEP = [  # (BLOCK_N, num_warps, num_stages)
     (64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 3),
 ]
-SPLITS = [(2, 512, 256), (4, 512, 256), (2, 256, 128), (2, 1024, 512)]  # (_WAVES, P1 min, P2 min)
+DEALS = [  # (_PROGRAMS_PER_SM, _MIN_PIECE_TOKENS, _P1_MAX_M, _SPLIT_PHASES)
+    (4, 256, 64, True), (4, 256, 64, False), (2, 256, 64, True), (8, 256, 64, True), (4, 512, 64, True),
+    (4, 128, 64, True), (4, 256, 32, True), (4, 256, 128, True), (4, 256, 16, False),
+]
+_DEAL_KNOBS = ("_PROGRAMS_PER_SM", "_MIN_PIECE_TOKENS", "_P1_MAX_M", "_SPLIT_PHASES")
 
 
-def sweep(c: int) -> None:
-    """Time our kernel under each SWEEP config of one phase, and under each SPLITS setting."""
-    b256 = Case("sweep", 256, 32, 8, 128, "bf16", _two_level(256, 2048, 256))
-    runs = [  # (case, phase whose config is swept, sweep split sizes too)
-        (Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 0, 4096)), 2, False),
-        (Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, 0, 4096)), 2, True),
-        (Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 4096, 0)), 1, True),
-        (Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, 4096, 0)), 1, False),
-        (b256, 1, True),
-    ]
-    default, splits = tpp._launch_config, (tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS)
-    for case, phase, try_splits in runs:
+def sweep(c: int, launch_configs: bool = True) -> None:
+    """Time our kernel under each SWEEP launch config and each DEALS setting of the plan."""
+    runs = [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, ns, 4096 - ns)) for ns in (0, 2048, 4096)]
+    runs += [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 512, 512))]
+    runs += [Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, ns, n - ns))
+             for n, ns in ((4096, 0), (1024, 512), (4096, 3072), (4096, 4096), (2048, 2048))]
+    runs += [Case("sweep", 256, 32, 8, 128, "bf16", _two_level(256, 2048, 256))]
+    default = tpp._launch_config
+    knobs = tuple(getattr(tpp, k) for k in _DEAL_KNOBS)
+    for case in runs:
         batch = make_batch(case, c)
         rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
         ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
         head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
-        for bn, nw, ns in SWEEP:
-            def cfg(p, d, m, e, bn=bn, nw=nw, ns=ns):
-                return dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if p == phase else default(p, d, m, e)
-
-            tpp._launch_config = cfg
+        for bn, nw, ns in SWEEP if launch_configs else []:
+            tpp._launch_config = lambda d, m, e, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
             notes: dict[str, str] = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
-            print(json.dumps(dict(sweep=phase, **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),
+            print(json.dumps(dict(sweep="launch", **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),
                                   notes=notes or None)), flush=True)
         tpp._launch_config = default
-        for waves, m1, m2 in SPLITS if try_splits else []:
-            tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS = waves, m1, m2
+        for deal in DEALS:
+            for k, x in zip(_DEAL_KNOBS, deal):
+                setattr(tpp, k, x)
             notes = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
-            print(json.dumps(dict(sweep="split", **head, waves=waves, p1_min=m1, p2_min=m2, us=us and round(us, 2),
-                                  notes=notes or None)), flush=True)
-        tpp._WAVES, tpp._P1_MIN_SPLIT_TOKENS, tpp._P2_MIN_SPLIT_TOKENS = splits
+            print(json.dumps(dict(sweep="deal", **head, deal=deal, us=us and round(us, 2), notes=notes or None)),
+                  flush=True)
+        for k, x in zip(_DEAL_KNOBS, knobs):
+            setattr(tpp, k, x)
 
 
 def warmup(cases: list[Case], c: int) -> None:
@@ -403,13 +404,14 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     dec.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     dec.add_argument("--warmup-only", action="store_true", help="only JIT-compile what the grid needs")
-    sw = sub.add_parser("sweep", help="launch configs and split sizes of our kernels")
+    sw = sub.add_parser("sweep", help="launch configs and work dealing of our kernels")
     sw.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
+    sw.add_argument("--no-launch-configs", action="store_true", help="sweep only how the work is cut")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench needs a CUDA device")
     if args.cmd == "sweep":
-        sweep(args.chunk_size)
+        sweep(args.chunk_size, not args.no_launch_configs)
         return
     if args.warmup_only:
         warmup(all_cases(args.grid), args.chunk_size)

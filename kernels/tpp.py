@@ -2,18 +2,22 @@
 
 Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``; query head
 ``h`` reads KV head ``h // G``. ``build_plan`` turns the decode batch (rows in prefix-tree DFS
-order) into flat device work lists once per tree shape; ``tpp_decode`` runs at most three
-launches per layer (DESIGN §4, ChunkAttention):
+order) into flat device work lists once per tree shape; ``tpp_decode`` runs two or three launches
+per layer (DESIGN §4, ChunkAttention):
 
-- phase 1, chunk-first: one program per (shared segment piece x row tile, KV head). The rows of
-  the tile times the G query heads of the KV head form one [M, D] query matrix (GQA folded into
-  M) that streams the piece's chunks once with ``tl.dot`` (fp32 accumulation) and writes a
-  partial state (o normalised, lse) in fp32 for each of its rows.
-- phase 2, sequence-first: one program per (row, KV head, split). It attends its share of the
-  row's private chunks (the tail chunk masked to the row's length) and, in the row's first split,
-  merges the phase-1 partials of every segment covering the row (online softmax). An unsplit row
-  writes its output directly; a split row writes one more partial per split.
-- combine, only when some row is split: one program per (split row, KV head) merges its splits.
+- attend: the work of both phases cut into pieces of about equal size, one program per (piece,
+  KV head), enough of them to fill the GPU a few times over. A piece is either
+    phase 1, chunk-first: a run of a shared segment's chunks for a tile of its rows; or
+    phase 2, sequence-first: a run of one row's private chunks (the tail chunk masked to the
+      row's length).
+  Either way the piece's rows times the G query heads of the KV head form one [M, D] query
+  matrix (GQA folded into M) that streams the chunks once with ``tl.dot`` (fp32 accumulation).
+  One kernel serves both phases; by default each phase is its own launch with its own M (rows *
+  G for phase 1, G for phase 2: a phase-2 piece in phase 1's tile wastes its exps and MMAs). A
+  piece writes a partial state (o normalised, lse) in fp32 for each of its rows, except a row's
+  whole private part when that is all the row reads: that writes the output directly.
+- merge, only when some row has partials left: one program per (row, query head) folds the row's
+  partials, which sit contiguously, with one vector load (online softmax over blocks of them).
 
 All softmax arithmetic is in base 2: scores are pre-multiplied by ``sm_scale * log2(e)`` and
 ``lse`` is ``log2(sum exp2(s))``. Same semantics as ``kernels.reference.tpp_decode_ref``.
@@ -38,19 +42,23 @@ __all__ = ["TppPlan", "build_plan", "tpp_decode"]
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-# Split-K: a plan aims at `_WAVES` programs per multiprocessor in each phase, never cutting a
-# piece shorter than these many tokens (a phase-1 piece writes rows * G * D fp32 partials per
-# KV head and a phase-2 split G * D, so phase-1 pieces must be longer to amortise them).
-_WAVES = 4
-_P1_MIN_SPLIT_TOKENS = 512
-_P2_MIN_SPLIT_TOKENS = 256
-# Phase-1 query tile: rows * G up to this many query vectors per program.
+# How the work is cut (an H200 sweep, `python -m kernels.bench sweep`, picks these): pieces per
+# multiprocessor to aim at over all KV heads, and the least work worth a piece of its own.
+_PROGRAMS_PER_SM = 2
+_MIN_PIECE_TOKENS = 256
+# Each phase in a launch of its own (phase-2 pieces then use a G-row tile, not phase 1's): on
+# the H200 faster for every mixed batch swept but short GQA ones, where one launch was on par.
+_SPLIT_PHASES = True
+# Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
 
-# Item fields (int32 rows of the plan's work lists), in kernel argument order.
-_P1_FIELDS = 5  # row0, nrows, chunk0 (into p1_chunks), nchunks, slot0 (into the partials)
-_P2_FIELDS = 6  # row, chunk0 (into p2_chunks), nchunks, end (tokens through its last chunk), slot, merge
-_CB_FIELDS = 3  # row, slot0 (into the split partials), nsplits
+# Item fields (int32 rows of the plan's piece list), in kernel argument order.
+_FIELDS = 9  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold
+# phase 1: rows row0 .. row0 + nrows - 1 (end 0); phase 2: row row0 (nrows 1), tokens through
+# its last chunk `end` (masks the tail). The rows store partials to slots
+# slot_list[slot : slot + nrows], or (slot -1) their output directly, after folding in the
+# partials at slots fold0 .. fold0 + nfold - 1 (written by an earlier launch).
+_MERGE_FIELDS = 3  # row, first partial slot, number of partials
 
 
 @dataclass(frozen=True)
@@ -69,22 +77,26 @@ class TppPlan:
     head_dim: int
     chunk_size: int
     seq_lens: Tensor  # [B] int32
-    p1_items: Tensor  # [I1, 5] int32
-    p1_chunks: Tensor  # [sum of segment lengths] int32 chunk ids, one run per segment
-    p1_block_m: int  # phase-1 query tile (rows * G padded to a power of two >= 16)
-    p2_items: Tensor  # [I2, 6] int32, at least one per row
-    p2_chunks: Tensor  # [sum of private chunks] int32 chunk ids, one run per row
-    row_ptr: Tensor  # [B + 1] int32: row r merges phase-1 partials row_parts[row_ptr[r]:row_ptr[r+1]]
-    row_parts: Tensor  # [sum of segment rows over pieces] int32 slots of part_o / part_lse
-    cb_items: Tensor  # [R, 3] int32, rows with more than one phase-2 split
-    part_o: Tensor  # [P, Hq, D] fp32 phase-1 partial outputs (normalised)
+    items: Tensor  # [I, 9] int32 pieces, one program each, see _FIELDS; the same for every KV head
+    launches: tuple[tuple[int, int, int], ...]  # attend launches: (first item, items, query tile BLOCK_M)
+    chunks: Tensor  # int32 chunk ids: each segment's run, then each row's private run
+    slot_list: Tensor  # int32 partial slots of phase-1 pieces' rows
+    merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
+    block_p: int  # partials the merge folds per step (most a row has, a power of two <= 16)
+    part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
-    split_o: Tensor  # [S, Hq, D] fp32 phase-2 split partials
-    split_lse: Tensor  # [S, Hq] fp32
 
     @property
     def batch_size(self) -> int:
         return len(self.tree.seq_lens)
+
+    @property
+    def programs(self) -> int:
+        """Attend programs (pieces) per KV head, over all launches."""
+        return sum(n for _, n, _ in self.launches)
+
+    def phase_items(self, phase: int) -> int:
+        return int((self.items[:, 0] == phase).sum()) if self.items.numel() else 0
 
 
 def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
@@ -115,9 +127,10 @@ def build_plan(
 
     chunk_tables[r], seq_lens[r]: as in ``kernels.reference.build_tree_plan`` (which finds the
     shared segments and raises ValueError on tables that do not form contiguous row ranges).
-    The heads fix the phase-1 row tiles (rows * G query vectors per tile) and the split-K
-    degree; ``target_programs`` (default: 4 per multiprocessor) is the parallelism each phase
-    aims at: segments and long private parts are cut into pieces until it is reached.
+    The heads fix the phase-1 row tiles (rows * G query vectors per tile); ``target_programs``
+    (default: ``_PROGRAMS_PER_SM`` per multiprocessor) is how many attend programs, over all KV
+    heads, the work is cut into at least, no piece shorter than ``_MIN_PIECE_TOKENS`` tokens
+    unless its whole item is.
     """
     device = torch.device(device)
     if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -129,61 +142,83 @@ def build_plan(
     tree = build_tree_plan(chunk_tables, seq_lens, chunk_size)
     c, g, hkv = chunk_size, num_q_heads // num_kv_heads, num_kv_heads
     b = len(tree.seq_lens)
-    target = target_programs or _WAVES * _num_sms(device)
-    per_head = max(1, -(-target // hkv))  # programs per KV head to aim at
 
-    # phase 1: segment -> row tiles x chunk pieces; one partial slot per (piece, row)
+    # whole work items: each segment's row tiles (phase 1), each row's private chunks (phase 2)
     max_rows = max((s.row_end - s.row_start for s in tree.segments), default=1)
-    block_m = max(16, min(triton.next_power_of_2(max_rows * g), max(_P1_MAX_M, triton.next_power_of_2(g))))
-    rows_per_tile = max(1, block_m // g)
-    tiles = [_pieces(s.row_end - s.row_start, rows_per_tile) for s in tree.segments]
-    work = sum(len(t) * len(s.chunk_ids) for s, t in zip(tree.segments, tiles))  # chunk-tiles
-    piece1 = max(-(-_P1_MIN_SPLIT_TOKENS // c), -(-work // per_head))
-    p1_items, p1_chunks, row_parts = [], [], [[] for _ in range(b)]
-    slot = 0
-    for seg, seg_tiles in zip(tree.segments, tiles):
-        base = len(p1_chunks)
-        p1_chunks.extend(seg.chunk_ids)
-        for c0, nc in _pieces(len(seg.chunk_ids), piece1):
-            for t0, nt in seg_tiles:
-                r0 = seg.row_start + t0
-                p1_items.append((r0, nt, base + c0, nc, slot))
-                for r in range(nt):
-                    row_parts[r0 + r].append(slot + r)
-                slot += nt
-    num_parts = slot
-
-    # phase 2: each row's private chunks, cut into splits when long
+    block_m1 = max(16, min(triton.next_power_of_2(max_rows * g), max(_P1_MAX_M, triton.next_power_of_2(g))))
+    chunks: list[int] = []
+    whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
     covered = [set() for _ in range(b)]
     for seg in tree.segments:
-        span = range(seg.chunk_start, seg.chunk_start + len(seg.chunk_ids))
+        whole += [(1, seg.row_start + t0, nt, len(chunks), len(seg.chunk_ids), None)
+                  for t0, nt in _pieces(seg.row_end - seg.row_start, max(1, block_m1 // g))]
+        chunks.extend(seg.chunk_ids)
         for r in range(seg.row_start, seg.row_end):
-            covered[r].update(span)
-    work = sum(len(ids) for ids in tree.private_chunks)
-    piece2 = max(-(-_P2_MIN_SPLIT_TOKENS // c), -(-work // per_head))
-    p2_items, p2_chunks, cb_items = [], [], []
-    splits = 0
+            covered[r].update(range(seg.chunk_start, seg.chunk_start + len(seg.chunk_ids)))
     for r, ids in enumerate(tree.private_chunks):
-        positions = [p for p in range(-(-tree.seq_lens[r] // c)) if p not in covered[r]]
-        base = len(p2_chunks)
-        p2_chunks.extend(ids)
-        pieces = _pieces(len(ids), piece2)
-        if len(pieces) > 1:
-            cb_items.append((r, splits, len(pieces)))
-        for k, (c0, nc) in enumerate(pieces):
-            end = (positions[c0 + nc - 1] + 1) * c if nc else 0
-            slot = splits + k if len(pieces) > 1 else -1
-            p2_items.append((r, base + c0, nc, end, slot, int(k == 0)))
-        if len(pieces) > 1:
-            splits += len(pieces)
+        if ids:
+            positions = [p for p in range(-(-tree.seq_lens[r] // c)) if p not in covered[r]]
+            whole.append((2, r, 1, len(chunks), len(ids), positions))
+            chunks.extend(ids)
+
+    # cut them into pieces of about equal size, one program each: at least _PROGRAMS_PER_SM per
+    # multiprocessor over all KV heads, no piece under _MIN_PIECE_TOKENS unless its item is. Both
+    # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
+    per_head = max(1, (target_programs or _PROGRAMS_PER_SM * _num_sms(device)) // hkv)
+    block_m2 = max(16, triton.next_power_of_2(g))
+    if _SPLIT_PHASES:
+        groups = [([i for i, w in enumerate(whole) if w[0] == p], m) for p, m in ((1, block_m1), (2, block_m2))]
+    else:
+        groups = [(list(range(len(whole))), block_m1 if tree.segments else block_m2)]
+    pieces, launches = [], []
+    for ids, block_m in groups:
+        if ids:
+            size = max(-(-_MIN_PIECE_TOKENS // c), -(-sum(whole[i][4] for i in ids) // per_head))
+            got = [(i, c0, n) for i in ids for c0, n in _pieces(whole[i][4], size)]
+            # a segment's row tiles read the same chunks: launch their pieces of one chunk run
+            # next to each other, so the later tiles find those chunks in L2
+            got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
+            launches.append((len(pieces), len(got), block_m))
+            pieces += got
+
+    # partial slots, a row's contiguous. A row whose private part is one piece gets its output
+    # from that piece: directly when the row reads nothing else, or after folding in its phase-1
+    # partials when phase 1 ran in an earlier launch. The merge kernel folds every other row's.
+    n1, n2 = [0] * b, [0] * b
+    for i, _, _ in pieces:
+        phase, r0, nrows = whole[i][:3]
+        for r in range(r0, r0 + nrows):
+            (n1 if phase == 1 else n2)[r] += 1
+    finish = [n2[r] == 1 and (n1[r] == 0 or _SPLIT_PHASES) for r in range(b)]
+    base, merge_items, slots = [], [], 0
+    for r in range(b):
+        base.append(slots)
+        count = n1[r] + (0 if finish[r] else n2[r])
+        if not finish[r]:  # a row with nothing to read merges zero partials: its output is 0
+            merge_items.append((r, slots, count))
+        slots += count
+    nxt = list(base)
+    items, slot_list = [], []
+    for i, c0, n in pieces:
+        phase, r0, nrows, chunk0, _, positions = whole[i]
+        if phase == 1:
+            items.append((1, r0, nrows, chunk0 + c0, n, 0, len(slot_list), 0, 0))
+            slot_list += nxt[r0:r0 + nrows]
+            for r in range(r0, r0 + nrows):
+                nxt[r] += 1
+            continue
+        end = (positions[c0 + n - 1] + 1) * c
+        if finish[r0]:
+            items.append((2, r0, 1, chunk0 + c0, n, end, -1, base[r0], n1[r0]))
+        else:
+            items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0))
+            slot_list.append(nxt[r0])
+            nxt[r0] += 1
 
     def i32(rows, width=None):
         t = torch.tensor(rows, dtype=torch.int32)
         return (t.view(-1, width) if width else t).to(device)
 
-    ptr = [0]
-    for parts in row_parts:
-        ptr.append(ptr[-1] + len(parts))
     f32 = dict(dtype=torch.float32, device=device)
     return TppPlan(
         tree=tree,
@@ -192,18 +227,14 @@ def build_plan(
         head_dim=head_dim,
         chunk_size=c,
         seq_lens=i32(list(tree.seq_lens)),
-        p1_items=i32(p1_items, _P1_FIELDS),
-        p1_chunks=i32(p1_chunks),
-        p1_block_m=block_m,
-        p2_items=i32(p2_items, _P2_FIELDS),
-        p2_chunks=i32(p2_chunks),
-        row_ptr=i32(ptr),
-        row_parts=i32([s for parts in row_parts for s in parts]),
-        cb_items=i32(cb_items, _CB_FIELDS),
-        part_o=torch.empty(num_parts, num_q_heads, head_dim, **f32),
-        part_lse=torch.empty(num_parts, num_q_heads, **f32),
-        split_o=torch.empty(splits, num_q_heads, head_dim, **f32),
-        split_lse=torch.empty(splits, num_q_heads, **f32),
+        items=i32(items, _FIELDS),
+        chunks=i32(chunks),
+        slot_list=i32(slot_list),
+        launches=tuple(launches),
+        merge_items=i32(merge_items, _MERGE_FIELDS),
+        block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
+        part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
+        part_lse=torch.empty(slots, num_q_heads, **f32),
     )
 
 
@@ -213,14 +244,17 @@ def build_plan(
 
 
 @triton.jit
-def _attend(q, acc, m_i, l_i, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
-            C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_T: tl.constexpr,
-            DOT_PREC: tl.constexpr):
+def _attend(q, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
+            BLOCK_M: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+            DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online softmax of q: [M, D] over tokens [0, n_tok) of the chunk run at `chunks`.
 
-    acc: [M, D] fp32 unnormalised output, m_i / l_i: [M] running max / sum (base 2). Token t
+    Returns acc: [M, D] fp32 unnormalised output and m_i / l_i: [M] max / sum (base 2). Token t
     lives in chunk chunks[t // C] at slot t % C; kv_off selects the KV head inside a chunk.
     """
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     for start in range(0, n_tok, BLOCK_N):
@@ -245,129 +279,91 @@ def _attend(q, acc, m_i, l_i, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
 
 
 @triton.jit
-def _phase1_kernel(Q, K, V, PartO, PartLse, Items, Chunks, qk_scale,
-                   stride_qb, stride_qh, stride_kc, stride_kh,
+def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
+                   stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
-    # grid: (phase-1 items, Hkv); query vector m of the tile = row m // G, head kv * G + m % G
-    item = tl.program_id(0)
+    # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
+    # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
+    # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
+    # streaming loop: nesting it in one measurably slowed the streaming on the H200.
+    it = Items + (first + tl.program_id(0)) * 9
     kv = tl.program_id(1)
-    row0 = tl.load(Items + item * 5 + 0)
-    nrows = tl.load(Items + item * 5 + 1)
-    chunk0 = tl.load(Items + item * 5 + 2)
-    nchunks = tl.load(Items + item * 5 + 3)
-    slot0 = tl.load(Items + item * 5 + 4)
-
+    hq = G * tl.num_programs(1)
+    row0 = tl.load(it + 1)
+    nrows = tl.load(it + 2)
+    chunk0 = tl.load(it + 3)
+    nchunks = tl.load(it + 4)
+    end = tl.load(it + 5)
+    slot = tl.load(it + 6)
+    fold0 = tl.load(it + 7)
+    nfold = tl.load(it + 8)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     r = offs_m // G
     head = kv * G + offs_m % G
     live = r < nrows
-    q_ptrs = Q + (row0 + r).to(tl.int64)[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_M, D]
-
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, K, V, Chunks + chunk0, nchunks * C,
-                            kv.to(tl.int64) * stride_kh, stride_kc, qk_scale, C, D, BLOCK_N, DOT_T, DOT_PREC)
-
-    # part_o: [P, Hq, D], part_lse: [P, Hq], contiguous; a piece always holds >= 1 full chunk
-    hq = G * tl.num_programs(1)
-    slot = (slot0 + r).to(tl.int64) * hq + head
-    tl.store(PartO + slot[:, None] * D + offs_d[None, :], acc / l_i[:, None], mask=live[:, None])
-    tl.store(PartLse + slot, m_i + tl.log2(l_i), mask=live)
-
-
-@triton.jit
-def _phase2_kernel(Q, K, V, Out, PartO, PartLse, SplitO, SplitLse, Items, Chunks, SeqLens,
-                   RowPtr, RowParts, qk_scale,
-                   stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
-                   G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
-    # grid: (phase-2 items, Hkv); query vector m = head kv * G + m, live for m < G
-    item = tl.program_id(0)
-    kv = tl.program_id(1)
-    row = tl.load(Items + item * 6 + 0)
-    chunk0 = tl.load(Items + item * 6 + 1)
-    nchunks = tl.load(Items + item * 6 + 2)
-    end = tl.load(Items + item * 6 + 3)
-    slot = tl.load(Items + item * 6 + 4)
-    merge = tl.load(Items + item * 6 + 5)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D)
-    head = kv * G + offs_m
-    live = offs_m < G
-    row64 = row.to(tl.int64)
-    q = tl.load(Q + row64 * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+    rows = (row0 + r).to(tl.int64)
+    q = tl.load(Q + rows[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_M, D]
-
-    # only the row's last chunk can be partial: cut the tokens past seq_len off this piece
-    n_tok = nchunks * C - tl.maximum(end - tl.load(SeqLens + row), 0)
-    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc, m_i, l_i = _attend(q, acc, m_i, l_i, K, V, Chunks + chunk0, n_tok,
-                            kv.to(tl.int64) * stride_kh, stride_kc, qk_scale, C, D, BLOCK_N, DOT_T, DOT_PREC)
-
-    hq = G * tl.num_programs(1)
-    if merge != 0:
-        # fold in the phase-1 partial (o, lse) of every segment piece covering this row
-        for i in range(tl.load(RowPtr + row), tl.load(RowPtr + row + 1)):
-            p = tl.load(RowParts + i).to(tl.int64) * hq + head  # [BLOCK_M]
-            lse = tl.load(PartLse + p, mask=live, other=0.0)  # 0, not -inf: padded rows stay finite
-            o = tl.load(PartO + p[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-            m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp2(m_i - m_new)
-            beta = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + o * beta[:, None]
-            l_i = l_i * alpha + beta
-            m_i = m_new
-
-    # a row that attended nothing (seq_len 0) has l = 0: write o = 0, lse = -inf, no NaN
+    # only a row's last chunk can be partial (phase 2; phase 1 has end 0): cut the tokens past
+    # seq_len off this piece
+    n_tok = nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0)
+    acc, m_i, l_i = _attend(q, K, V, Chunks + chunk0, n_tok, kv.to(tl.int64) * stride_kh, stride_kc, qk_scale,
+                            BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC)
+    # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
+    for j in range(nfold):
+        part = (fold0 + j).to(tl.int64) * hq + head  # [BLOCK_M]
+        lse = tl.load(PartLse + part, mask=live, other=0.0)  # 0, not -inf: padded rows stay finite
+        o_j = tl.load(PartO + part[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o_j * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    # a piece that attended nothing (a shortened row) has l = 0: o = 0, lse = -inf, no NaN
     nonempty = l_i > 0
-    o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
-    if slot < 0:
-        tl.store(Out + row64 * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    o = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
+    if slot < 0:  # the row's only piece: its output
+        tl.store(Out + rows[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
                  o.to(Out.dtype.element_ty), mask=live[:, None])
-    else:
-        s = slot.to(tl.int64) * hq + head
-        tl.store(SplitO + s[:, None] * D + offs_d[None, :], o, mask=live[:, None])
-        tl.store(SplitLse + s, tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)),
-                                        float("-inf")), mask=live)
+    else:  # part_o: [P, Hq, D], part_lse: [P, Hq], contiguous
+        part = tl.load(SlotList + slot + r, mask=live, other=0).to(tl.int64) * hq + head
+        tl.store(PartO + part[:, None] * D + offs_d[None, :], o, mask=live[:, None])
+        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
 
 
 @triton.jit
-def _combine_kernel(Out, SplitO, SplitLse, Items, stride_ob, stride_oh,
-                    G: tl.constexpr, D: tl.constexpr, BLOCK_G: tl.constexpr):
-    # grid: (split rows, Hkv): merge the row's phase-2 splits (o, lse) into its output
+def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.constexpr, BLOCK_P: tl.constexpr):
+    # grid: (merge rows, Hq): fold the row's partials (o, lse) at slots slot0 .. slot0 + n - 1.
+    # (Blocks of heads per program, as [BLOCK_P, heads, D] loads, measured slower on the H200.)
     item = tl.program_id(0)
-    kv = tl.program_id(1)
+    head = tl.program_id(1)
+    hq = tl.num_programs(1)
     row = tl.load(Items + item * 3 + 0)
     slot0 = tl.load(Items + item * 3 + 1)
-    nsplits = tl.load(Items + item * 3 + 2)
-
-    offs_g = tl.arange(0, BLOCK_G)
+    n = tl.load(Items + item * 3 + 2)
+    offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, D)
-    head = kv * G + offs_g
-    live = offs_g < G
-    hq = G * tl.num_programs(1)
-    # lse of a split may be -inf (nothing attended): the max is taken over all splits first
-    m = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
-    for k in range(nsplits):
-        m = tl.maximum(m, tl.load(SplitLse + (slot0 + k).to(tl.int64) * hq + head, mask=live, other=0.0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-    for k in range(nsplits):
-        s = (slot0 + k).to(tl.int64) * hq + head
-        w = tl.exp2(tl.load(SplitLse + s, mask=live, other=float("-inf")) - m_safe)
-        acc += w[:, None] * tl.load(SplitO + s[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-        l_i += w
-    o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(Out + row.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-             o.to(Out.dtype.element_ty), mask=live[:, None])
+    m_i = tl.max(tl.full([BLOCK_P], float("-inf"), dtype=tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_P], dtype=tl.float32), 0)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for p0 in range(0, n, BLOCK_P):
+        live = p0 + offs_p < n
+        s = (slot0 + p0 + offs_p).to(tl.int64) * hq + head  # [BLOCK_P]
+        lse = tl.load(PartLse + s, mask=live, other=float("-inf"))  # -inf: a piece that read nothing
+        o = tl.load(PartO + s[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)  # [BLOCK_P, D]
+        m_new = tl.maximum(m_i, tl.max(lse, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        w = tl.exp2(lse - m_safe)  # [BLOCK_P]
+        acc = acc * alpha + tl.sum(w[:, None] * o, 0)
+        l_i = l_i * alpha + tl.sum(w, 0)
+        m_i = m_new
+    o = tl.where(l_i > 0, acc / tl.where(l_i > 0, l_i, 1.0), 0.0)
+    tl.store(Out + row.to(tl.int64) * stride_ob + head * stride_oh + offs_d, o.to(Out.dtype.element_ty))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,12 +371,9 @@ def _combine_kernel(Out, SplitO, SplitLse, Items, stride_ob, stride_oh,
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(phase: int, head_dim: int, block_m: int, elem_bytes: int) -> dict:
-    """BLOCK_N (keys per step), warps and pipeline stages of the phase-1 or phase-2 kernel.
-
-    One setting serves both phases today: an H200 sweep (``python -m kernels.bench sweep``) found
-    nothing more than 3 % better for either; the phase argument lets the sweep vary one phase.
-    """
+def _launch_config(head_dim: int, block_m: int, elem_bytes: int) -> dict:
+    """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel
+    (``python -m kernels.bench sweep`` compares others)."""
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
     else:
@@ -412,23 +405,17 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"):
         prec, dot_t = "ieee", tl.float32
     sk = k_cache.stride()
-
-    n1 = plan.p1_items.shape[0]
-    if n1:
-        _phase1_kernel[(n1, hkv)](
-            q, k_cache, v_cache, plan.part_o, plan.part_lse, plan.p1_items, plan.p1_chunks, scale,
-            q.stride(0), q.stride(1), sk[0], sk[1],
-            G=g, C=c, D=d, BLOCK_M=plan.p1_block_m, DOT_T=dot_t, DOT_PREC=prec, **_launch_config(1, d, plan.p1_block_m, q.element_size()))
-    block_m2 = max(16, triton.next_power_of_2(g))
-    _phase2_kernel[(plan.p2_items.shape[0], hkv)](
-        q, k_cache, v_cache, out, plan.part_o, plan.part_lse, plan.split_o, plan.split_lse,
-        plan.p2_items, plan.p2_chunks, plan.seq_lens, plan.row_ptr, plan.row_parts, scale,
-        q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
-        G=g, C=c, D=d, BLOCK_M=block_m2, DOT_T=dot_t, DOT_PREC=prec, **_launch_config(2, d, block_m2, q.element_size()))
-    if plan.cb_items.shape[0]:
-        _combine_kernel[(plan.cb_items.shape[0], hkv)](
-            out, plan.split_o, plan.split_lse, plan.cb_items, out.stride(0), out.stride(1),
-            G=g, D=d, BLOCK_G=triton.next_power_of_2(g), num_warps=4)
+    for first, programs, block_m in plan.launches:
+        _attend_kernel[(programs, hkv)](
+            q, k_cache, v_cache, out, plan.part_o, plan.part_lse, first, plan.items, plan.chunks,
+            plan.seq_lens, plan.slot_list, scale,
+            q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
+            G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
+            **_launch_config(d, block_m, q.element_size()))
+    if plan.merge_items.shape[0]:
+        _merge_kernel[(plan.merge_items.shape[0], hq)](
+            out, plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1),
+            D=d, BLOCK_P=plan.block_p, num_warps=4)
     return out
 
 

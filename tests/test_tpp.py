@@ -115,17 +115,35 @@ def test_matches_reference_on_random_trees(dtype, head_dim, groups, c, rows, see
 
 
 def test_forced_split_k_in_both_phases(monkeypatch):
-    # pieces of one chunk: every segment and every multi-chunk private part is split
-    monkeypatch.setattr(tpp, "_P1_MIN_SPLIT_TOKENS", 1)
-    monkeypatch.setattr(tpp, "_P2_MIN_SPLIT_TOKENS", 1)
+    # pieces of one chunk: every segment and every multi-chunk private part is cut
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
     q, k, v, tables, lens = make_case(11, torch.float32, 64, 4, 16, 8, depth=4)
     plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
-    assert plan.cb_items.shape[0] > 0  # some rows split in phase 2
-    assert plan.p1_items.shape[0] > len(plan.tree.segments)  # segments cut into pieces
+    items = plan.items.tolist()
+    rows2 = [it[1] for it in items if it[0] == 2]
+    assert any(rows2.count(r) > 1 for r in rows2)  # some row's private part is cut
+    assert plan.phase_items(1) > len(plan.tree.segments)  # segments cut into pieces
+    assert plan.programs > 8
     check(q, k, v, tables, lens, plan, sm_scale=0.3)
 
 
-def test_phase1_row_tiles():
+@pytest.mark.parametrize("split", [False, True])
+def test_phases_in_one_or_two_launches(monkeypatch, split):
+    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    q, k, v, tables, lens = make_case(15, torch.float16, 64, 4, 16, 12, depth=3)
+    plan = plan_for(q, k, tables, lens, target_programs=64)
+    assert [m for _, _, m in plan.launches] == ([64, 16] if split else [64])
+    phases = plan.items[:, 0].tolist()
+    launched = [phases[a:a + n] for a, n, _ in plan.launches]
+    assert sum(map(len, launched)) == len(phases) > len(plan.tree.segments) + len(tables)  # cut
+    assert launched == ([[1] * phases.count(1), [2] * phases.count(2)] if split else [phases])
+    check(q, k, v, tables, lens, plan)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_phase1_row_tiles(monkeypatch, split):
+    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
     # 40 rows sharing one segment with G = 4: 160 query vectors, tiles of at most 64
     c, d, hkv, g = 16, 64, 1, 4
     gen = torch.Generator().manual_seed(12)
@@ -134,7 +152,12 @@ def test_phase1_row_tiles():
     k, v = (torch.randn(45, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
     q = torch.randn(40, g * hkv, d, generator=gen).to(DEVICE)
     plan = plan_for(q, k, tables, lens, target_programs=1)
-    assert plan.p1_block_m == 64 and plan.p1_items.shape[0] == 3  # 40 rows in 3 tiles of <= 16
+    assert plan.launches[0][2] == 64 and plan.phase_items(1) == 3  # 40 rows in 3 tiles of <= 16
+    # one piece per item (nothing cut). With the phases in two launches each row's phase-2 piece
+    # folds in its tile's partial; in one launch the merge kernel folds both partials.
+    assert plan.programs == 3 + 40
+    assert plan.merge_items.shape[0] == (0 if split else 40)
+    assert plan.items[:, 8].tolist() == [0] * 3 + [int(split)] * 40
     check(q, k, v, tables, lens, plan)
 
 
