@@ -6,7 +6,9 @@ whose `forward(layer, q, k, v)` the model calls once per layer: it writes the ne
 pool and attends.
 
 Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton) on CUDA,
-`kernels.reference` on the CPU. Its plan lives as long as the tree's shape ("lazy context"):
+`kernels.reference` on the CPU. On CUDA a batch with nothing shared and grouped-query heads
+decodes through FlashInfer's tensor-core paged decode instead when flashinfer is installed
+(`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`). Its plan lives as long as the tree's shape ("lazy context"):
 a step whose decode rows are the same sequences with the same chunk tables as the last step's
 only advances every row's length by one; a row joining or leaving, or a tail chunk filling
 (a new chunk in a table), rebuilds it. Prefill uses the plain-torch reference until the
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import fi_decode, reference  # fi_decode imports flashinfer only when used
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
 
@@ -38,7 +40,8 @@ class PrefillSpan:
 class Attention:
     """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
 
-    def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device):
+    def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device,
+                 flashinfer_fallback: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
@@ -50,7 +53,16 @@ class Attention:
         self.pool, self.device = pool, device
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.sm_scale = head_dim ** -0.5
+        self._fi = None  # kernels.fi_decode.FlashInferDecode for unshared GQA batches, if usable
+        num_kv_heads = pool.kv.shape[3]
+        if (backend == "triton" and flashinfer_fallback and num_q_heads != num_kv_heads
+                and pool.kv.dtype in (torch.float16, torch.bfloat16)):
+            if fi_decode.available():
+                self._fi = fi_decode.FlashInferDecode(
+                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    chunk_size=pool.chunk_size, dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
+        self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
         self._signature: tuple | None = None
         self._decode_plan = None
 
@@ -86,6 +98,9 @@ class Attention:
         if self.backend == "triton":
             plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
                                         num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim)
+            if self._fi is not None and not plan.tree.segments:
+                plan = self._fi.plan(tables, lens)
+                self.fallback_plans += 1
         else:
             plan = reference.build_tree_plan(tables, lens, c)
         self._signature, self._decode_plan = signature, plan
@@ -93,6 +108,8 @@ class Attention:
         return plan
 
     def _bump(self, plan):
+        if isinstance(plan, fi_decode.FiPlan):
+            return self._fi.bump(plan)
         if self.backend == "triton":
             plan.seq_lens.add_(1)  # on the device, in place
             return plan
@@ -102,6 +119,8 @@ class Attention:
             private_lens=tuple(pl[:-1] + (pl[-1] + 1,) for pl in plan.private_lens))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+        if isinstance(plan, fi_decode.FiPlan):
+            return self._fi.run(q, k_cache, v_cache)
         if self.backend == "triton":
             return self._tpp.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
         return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
@@ -115,7 +134,7 @@ class StepAttention:
     chunk_idx: torch.Tensor  # [T] chunk id of each new token's K/V slot
     offset: torch.Tensor  # [T] slot inside that chunk
     num_decodes: int  # rows [0, num_decodes) are decodes, in tree DFS order
-    decode_plan: object  # reference.TreePlan or tpp.TppPlan; None without decodes
+    decode_plan: object  # reference.TreePlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
     prefills: tuple[PrefillSpan, ...]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
