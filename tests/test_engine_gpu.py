@@ -37,6 +37,25 @@ def record_logits(engine):
     return seen
 
 
+def copy_weights(engine, source):
+    with torch.no_grad():
+        for p, w in zip(engine.model.parameters(), source.model.parameters(), strict=True):
+            p.copy_(w)
+
+
+def logit_errors(exact_out, exact, runs, steps):
+    """Per run, |logits - exact logits| (max over the vocabulary) of every token, compared for each
+    request for as long as the exact run and all `runs` ((outputs, logits) pairs) agree on tokens."""
+    errors = [[] for _ in runs]
+    for i, rid in enumerate(sorted(exact, key=lambda r: int(r.rsplit("-", 1)[1]))):
+        for k in range(steps):
+            if any(out[i][:k] != exact_out[i][:k] for out, _ in runs):
+                break
+            for err, (_, logits) in zip(errors, runs):
+                err.append((logits[rid][k] - exact[rid][k]).abs().max().item())
+    return errors
+
+
 def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -63,9 +82,7 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
         engine = LLMEngine.from_model("llama3-8b", device="cuda", dtype=dtype, kv_cache_tokens=32768,
                                       attention_backend=backend)
         if weights is not None:
-            with torch.no_grad():
-                for p, w in zip(engine.model.parameters(), weights.parameters(), strict=True):
-                    p.copy_(w)
+            copy_weights(engine, weights)
         logits = record_logits(engine)
         out = engine.generate(prompts, params)
         s = engine.stats()
@@ -73,19 +90,12 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
         return engine, out, logits
 
     ref_engine, ref_out, ref = run("reference", "bfloat16")
-    _, exact_out, exact = run("reference", "float32", weights=ref_engine.model)
+    _, exact_out, exact = run("reference", "float32", weights=ref_engine)
     del ref_engine
     torch.cuda.empty_cache()
     tri_engine, tri_out, tri = run("triton", "bfloat16")
     assert tri_engine.attention.backend == "triton" and all(len(o) == 16 for o in tri_out)
-    # compare each request's logits for as long as all three runs generated the same tokens
-    err_ref, err_tri = [], []
-    for i, rid in enumerate(sorted(exact, key=lambda r: int(r.rsplit("-", 1)[1]))):
-        for k in range(16):
-            if not exact_out[i][:k] == ref_out[i][:k] == tri_out[i][:k]:
-                break
-            err_ref.append((ref[rid][k] - exact[rid][k]).abs().max().item())
-            err_tri.append((tri[rid][k] - exact[rid][k]).abs().max().item())
+    err_ref, err_tri = logit_errors(exact_out, exact, [(ref_out, ref), (tri_out, tri)], 16)
     assert len(err_tri) >= 64, f"only {len(err_tri)} comparable tokens"
     assert max(err_tri) <= 2 * max(err_ref) + 1e-2, f"triton off by {max(err_tri)}, bf16 reference by {max(err_ref)}"
     assert sum(err_tri) <= 2 * sum(err_ref), f"mean errors: triton {sum(err_tri) / len(err_tri)}, reference {sum(err_ref) / len(err_ref)}"
@@ -104,24 +114,16 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
         engine = LLMEngine.from_model("tiny", device="cuda", dtype=dtype, kv_cache_tokens=8192,
                                       attention_backend=backend, flashinfer_fallback=fallback)
         if weights is not None:
-            with torch.no_grad():
-                for p, w in zip(engine.model.parameters(), weights.parameters(), strict=True):
-                    p.copy_(w)
+            copy_weights(engine, weights)
         logits = record_logits(engine)
         return engine, engine.generate(prompts, params), logits
 
     fi_engine, fi_out, fi = run("bfloat16")
     tri_engine, tri_out, tri = run("bfloat16", fallback=False)
-    _, exact_out, exact = run("float32", backend="reference", weights=fi_engine.model)
+    _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
     assert fi_engine.attention.fallback_plans == fi_engine.attention.plan_builds > 0
     assert tri_engine.attention.fallback_plans == 0
-    err_fi, err_tri = [], []
-    for i, rid in enumerate(sorted(exact, key=lambda r: int(r.rsplit("-", 1)[1]))):
-        for k in range(24):
-            if not exact_out[i][:k] == fi_out[i][:k] == tri_out[i][:k]:
-                break
-            err_fi.append((fi[rid][k] - exact[rid][k]).abs().max().item())
-            err_tri.append((tri[rid][k] - exact[rid][k]).abs().max().item())
+    err_fi, err_tri = logit_errors(exact_out, exact, [(fi_out, fi), (tri_out, tri)], 24)
     assert len(err_fi) >= 64, f"only {len(err_fi)} comparable tokens"
     assert max(err_fi) <= 2 * max(err_tri) + 1e-2, f"flashinfer off by {max(err_fi)}, triton by {max(err_tri)}"
     print(f"compared {len(err_fi)} tokens: max |logit error| flashinfer {max(err_fi):.4f}, triton {max(err_tri):.4f}")
