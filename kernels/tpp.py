@@ -80,7 +80,7 @@ class TppPlan:
     items: Tensor  # [I, 9] int32 pieces, one program each, see _FIELDS; the same for every KV head
     launches: tuple[tuple[int, int, int], ...]  # attend launches: (first item, items, query tile BLOCK_M)
     chunks: Tensor  # int32 chunk ids: each segment's run, then each row's private run
-    slot_list: Tensor  # int32 partial slots of phase-1 pieces' rows
+    slot_list: Tensor  # int32 partial slots: a piece with slot s >= 0 stores its row r to slot_list[s + r]
     merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
     block_p: int  # partials the merge folds per step (most a row has, a power of two <= 16)
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
