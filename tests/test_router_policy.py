@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from router.hashing import chunk_hashes, model_seed
-from router.index import PrefixIndex
-from router.policy import Decaying, PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView
+from router.index import PrefixIndex, chain_prefix, common_prefix, lru_overflow
+from router.policy import DecayClock, Decaying, PolicyConfig, PrefixPolicy, PrefixWork, Rendezvous, ReplicaView
 
 REPO = Path(__file__).resolve().parents[1]
 C = 64
@@ -257,3 +257,102 @@ def test_decaying_sums_halve_per_half_life_and_keep_their_total():
     assert d.get("x", 4.0) == 0.0 and d.total(4.0) == pytest.approx(3.0)
     assert d.get("y", 4.0 + 2 * 100) == pytest.approx(2.0 * 2.0 ** -100)  # across a rebase
     assert d.get("z", 1e9) == 0.0 and d.total(1e9) == 0.0
+
+
+def _chained(rng: random.Random, n: int, after: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """A chain that extends `after` by n hashes (chained: a hash names its whole prefix)."""
+    return after + tuple(rng.getrandbits(64) for _ in range(n))
+
+
+def _reference_depth(index: PrefixIndex, replica: str, chain: tuple[int, ...]) -> int:
+    """depth() from first principles: the longest prefix of `chain` that one of the replica's
+    recorded chains shares (element by element), or that its digest holds."""
+    best = 0
+    entry = index._own.get(replica, {}).get(chain[0])
+    for c in entry[1:] if entry else ():
+        d = 0
+        while d < min(len(c), len(chain)) and c[d] == chain[d]:
+            d += 1
+        best = max(best, d)
+    digest = index._digest.get(replica, frozenset())
+    while best < len(chain) and chain[best] in digest:
+        best += 1
+    return best
+
+
+def test_index_lookups_by_root_agree_with_per_replica_records_through_evictions_and_digests():
+    rng = random.Random(13)
+    index = PrefixIndex(roots_per_replica=5, chains_per_root=2)
+    replicas = [f"r{i}" for i in range(12)]
+    heads = [_chained(rng, 3) for _ in range(8)]
+    chains = [_chained(rng, rng.randrange(0, 4), h) for h in heads for _ in range(3)]
+    for t in range(600):
+        r, ch = rng.choice(replicas), rng.choice(chains)
+        if t % 7 == 0:  # a digest: some of its chains' prefixes, closed under ancestors
+            held = {h for c in rng.sample(chains, 4) for h in c[: rng.randrange(1, len(c) + 1)]}
+            index.replace_digest(r, held, as_of=t - rng.randrange(0, 30))
+        elif t % 97 == 0:
+            index.remove_replica(r)
+        else:
+            index.record(r, ch, float(t))
+        if t % 50 == 0:
+            by_root = {(root, q): e for root, rs in index._recorded.items() for q, e in rs.items()}
+            per_replica = {(root, q): e for q, own in index._own.items() for root, e in own.items()}
+            assert by_root == per_replica and all(index._recorded.values())  # same records, no empty roots
+            assert all(len(own) <= 5 for own in index._own.values())
+            for ch in chains:
+                assert index.depths(replicas, ch) == [_reference_depth(index, q, ch) for q in replicas]
+
+
+def test_digest_holders_stay_exact_from_one_to_many_and_back():
+    rng = random.Random(14)
+    index = PrefixIndex()
+    ch = _chained(rng, 6)
+    replicas = [f"r{i}" for i in range(20)]
+    for i, r in enumerate(replicas):  # more holders than a tuple keeps: the map switches to a set
+        index.replace_digest(r, ch[: 1 + i % 6], as_of=0.0)
+    assert set(index.holders(ch, len(replicas))) == {r for i, r in enumerate(replicas) if i % 6 == 5}
+    assert index.depths(replicas, ch) == [1 + i % 6 for i in range(len(replicas))]
+    for r in replicas[:-1]:
+        index.replace_digest(r, [], as_of=1.0)
+    index.replace_digest(replicas[-1], ch[:2], as_of=1.0)
+    assert {h: set(s) for h, s in index._digest_holders.items()} == {ch[0]: {replicas[-1]}, ch[1]: {replicas[-1]}}
+    index.remove_replica(replicas[-1])
+    assert not index._digest_holders and index.holders(ch, 4) == ()
+
+
+def test_lru_overflow_drops_the_oldest_and_batches_for_large_maps():
+    small = dict.fromkeys(range(6))
+    assert lru_overflow(small, 4) == [0, 1] and lru_overflow(small, 6) == []
+    big = dict.fromkeys(range(1000))
+    for k in range(0, 1000, 2):  # used again: re-inserted, most recent last
+        big[k] = big.pop(k)
+    dropped = lru_overflow(big, 999)
+    assert len(dropped) == 1 + 999 // 16 and dropped[:3] == [1, 3, 5]  # the oldest first, a batch of them
+
+
+def test_chain_prefix_is_the_common_prefix_of_chains():
+    rng = random.Random(15)
+    base = _chained(rng, 20)
+    for n in range(21):
+        for m in range(0, 6):
+            other = _chained(rng, m, base[:n])
+            assert chain_prefix(base, other) == common_prefix(base, other) == n
+    assert chain_prefix((), base) == 0
+
+
+def test_prefix_work_tracks_in_flight_and_recent_work_on_a_shared_clock():
+    clock = DecayClock(half_life=2.0)
+    work, rate = PrefixWork(clock, max_keys=2), Decaying(clock)
+    work.routed(1, 10.0, 0.0)
+    rate.add("x", 8.0, 0.0)
+    work.routed(1, 6.0, 2.0)
+    assert work.get(1, 2.0) == pytest.approx((16.0, 11.0)) and rate.get("x", 2.0) == pytest.approx(4.0)
+    work.finished(1, 10.0)
+    work.finished(1, 6.0)
+    assert work.get(1, 4.0) == pytest.approx((0.0, 5.5))  # nothing in flight; recent work decays on
+    work.routed(2, 1.0, 4.0)
+    work.routed(3, 1.0, 4.0)  # over max_keys: 1, the least recently routed, goes
+    assert work.get(1, 4.0) == (0.0, 0.0) and work.get(3, 4.0) == (1.0, 1.0)
+    far = 4.0 + 2 * 100  # across a rebase of the shared clock: both sums rescaled
+    assert work.get(2, far) == pytest.approx((1.0, 2.0 ** -100)) and rate.get("x", far) == pytest.approx(2.0 ** -101)
