@@ -122,6 +122,7 @@ def build_plan(
     num_kv_heads: int,
     head_dim: int,
     target_programs: int | None = None,
+    tree: TreePlan | None = None,
 ) -> TppPlan:
     """Plan TPP decode for a batch whose rows are in prefix-tree DFS order.
 
@@ -130,7 +131,7 @@ def build_plan(
     The heads fix the phase-1 row tiles (rows * G query vectors per tile); ``target_programs``
     (default: ``_PROGRAMS_PER_SM`` per multiprocessor) is how many attend programs, over all KV
     heads, the work is cut into at least, no piece shorter than ``_MIN_PIECE_TOKENS`` tokens
-    unless its whole item is.
+    unless its whole item is. ``tree``: ``build_tree_plan`` of the same tables, if already at hand.
     """
     device = torch.device(device)
     if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -139,7 +140,8 @@ def build_plan(
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
-    tree = build_tree_plan(chunk_tables, seq_lens, chunk_size)
+    if tree is None:
+        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size)
     c, g, hkv = chunk_size, num_q_heads // num_kv_heads, num_kv_heads
     b = len(tree.seq_lens)
 

@@ -8,10 +8,11 @@ pool and attends.
 Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton) on CUDA,
 `kernels.reference` on the CPU. On CUDA a batch with nothing shared and grouped-query heads
 decodes through FlashInfer's tensor-core paged decode instead when flashinfer is installed
-(`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`). Its plan lives as long as the tree's shape ("lazy context"):
-a step whose decode rows are the same sequences with the same chunk tables as the last step's
-only advances every row's length by one; a row joining or leaving, or a tail chunk filling
-(a new chunk in a table), rebuilds it. Prefill uses the plain-torch reference until the
+(`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`).
+The decode plan lives as long as the tree's shape ("lazy context"): a step whose decode rows
+are the same sequences with the same chunk tables as the last step's only advances every row's
+length by one; a row joining or leaving, or a tail chunk filling (a new chunk in a table),
+rebuilds it. Prefill uses the plain-torch reference until the
 FlashInfer prefill path lands.
 """
 
@@ -95,14 +96,15 @@ class Attention:
         tables = [s.chunk_table for s in batch.decodes]
         lens = [s.num_computed + 1 for s in batch.decodes]  # + the token this step writes
         c = self.pool.chunk_size
-        if self.backend == "triton":
+        tree = reference.build_tree_plan(tables, lens, c)
+        if self._fi is not None and not tree.segments:  # nothing shared: FlashInfer's paged decode
+            plan = self._fi.plan(tables, lens)
+            self.fallback_plans += 1
+        elif self.backend == "triton":
             plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
-                                        num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim)
-            if self._fi is not None and not plan.tree.segments:
-                plan = self._fi.plan(tables, lens)
-                self.fallback_plans += 1
+                                        num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim, tree=tree)
         else:
-            plan = reference.build_tree_plan(tables, lens, c)
+            plan = tree
         self._signature, self._decode_plan = signature, plan
         self.plan_builds += 1
         return plan
