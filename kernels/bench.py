@@ -358,7 +358,7 @@ def sweep(c: int, launch_configs: bool = True) -> None:
         ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
         head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
         for bn, nw, ns in SWEEP if launch_configs else []:
-            tpp._launch_config = lambda d, m, e, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            tpp._launch_config = lambda d, m, e, live, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
             notes: dict[str, str] = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
             print(json.dumps(dict(sweep="launch", **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),

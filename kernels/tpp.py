@@ -13,11 +13,14 @@ per layer (DESIGN §4, ChunkAttention):
   Either way the piece's rows times the G query heads of the KV head form one [M, D] query
   matrix (GQA folded into M) that streams the chunks once with ``tl.dot`` (fp32 accumulation).
   One kernel serves both phases; by default each phase is its own launch with its own M (rows *
-  G for phase 1, G for phase 2: a phase-2 piece in phase 1's tile wastes its exps and MMAs). A
-  piece writes a partial state (o normalised, lse) in fp32 for each of its rows, except a row's
-  whole private part when that is all the row reads: that writes the output directly.
-- merge, only when some row has partials left: one program per (row, query head) folds the row's
-  partials, which sit contiguously, with one vector load (online softmax over blocks of them).
+  G for phase 1, G for phase 2: a phase-2 piece in phase 1's tile wastes its exps and MMAs). On
+  sm90+ the phase-2 launch starts while phase 1 runs (programmatic dependent launch) and waits
+  for it only before it folds phase-1 partials, so the phases stream side by side. A piece
+  writes a partial state (o normalised, lse) in fp32 for each of its rows, except a row's whole
+  private part when that is all the row reads: that writes the output directly.
+- merge, only when some row has partials left: one program (one warp) per (row, query head)
+  folds the row's partials, which sit contiguously, with one vector load (online softmax over
+  blocks of them).
 
 All softmax arithmetic is in base 2: scores are pre-multiplied by ``sm_scale * log2(e)`` and
 ``lse`` is ``log2(sum exp2(s))``. Same semantics as ``kernels.reference.tpp_decode_ref``.
@@ -34,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kernels.reference import TreePlan, build_tree_plan
 
@@ -51,9 +55,12 @@ _MIN_PIECE_TOKENS = 256
 _SPLIT_PHASES = True
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
+# Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
+# in the interpreter), see tpp_decode.
+_PDL = True
 
 # Item fields (int32 rows of the plan's piece list), in kernel argument order.
-_FIELDS = 9  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold
+_FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
 # phase 1: rows row0 .. row0 + nrows - 1 (end 0); phase 2: row row0 (nrows 1), tokens through
 # its last chunk `end` (masks the tail). The rows store partials to slots
 # slot_list[slot : slot + nrows], or (slot -1) their output directly, after folding in the
@@ -77,8 +84,9 @@ class TppPlan:
     head_dim: int
     chunk_size: int
     seq_lens: Tensor  # [B] int32
-    items: Tensor  # [I, 9] int32 pieces, one program each, see _FIELDS; the same for every KV head
-    launches: tuple[tuple[int, int, int], ...]  # attend launches: (first item, items, query tile BLOCK_M)
+    items: Tensor  # [I, 10] int32 pieces, one program each, see _FIELDS; the same for every KV head
+    # attend launches: (first item, items, query tile BLOCK_M, live query vectors per tile at most)
+    launches: tuple[tuple[int, int, int, int], ...]
     chunks: Tensor  # int32 chunk ids: each segment's run, then each row's private run
     slot_list: Tensor  # int32 partial slots: a piece with slot s >= 0 stores its row r to slot_list[s + r]
     merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
@@ -93,17 +101,21 @@ class TppPlan:
     @property
     def programs(self) -> int:
         """Attend programs (pieces) per KV head, over all launches."""
-        return sum(n for _, n, _ in self.launches)
+        return sum(launch[1] for launch in self.launches)
 
     def phase_items(self, phase: int) -> int:
         return int((self.items[:, 0] == phase).sum()) if self.items.numel() else 0
 
 
-def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
-    """[0, total) cut into ceil(total / piece) near-equal (start, length) pieces."""
-    n = max(1, -(-total // max(1, piece)))
+def _even(total: int, n: int) -> list[tuple[int, int]]:
+    """[0, total) cut into n near-equal (start, length) pieces."""
     bounds = [total * i // n for i in range(n + 1)]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+
+def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
+    """[0, total) cut into ceil(total / piece) near-equal (start, length) pieces."""
+    return _even(total, max(1, -(-total // max(1, piece))))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -169,18 +181,23 @@ def build_plan(
     per_head = max(1, (target_programs or _PROGRAMS_PER_SM * _num_sms(device)) // hkv)
     block_m2 = max(16, triton.next_power_of_2(g))
     if _SPLIT_PHASES:
-        groups = [([i for i, w in enumerate(whole) if w[0] == p], m) for p, m in ((1, block_m1), (2, block_m2))]
+        groups = [([i for i, w in enumerate(whole) if w[0] == p], m, live)
+                  for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))]
     else:
-        groups = [(list(range(len(whole))), block_m1 if tree.segments else block_m2)]
+        groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)))]
     pieces, launches = [], []
-    for ids, block_m in groups:
+    for ids, block_m, live in groups:
         if ids:
-            size = max(-(-_MIN_PIECE_TOKENS // c), -(-sum(whole[i][4] for i in ids) // per_head))
-            got = [(i, c0, n) for i in ids for c0, n in _pieces(whole[i][4], size)]
+            target = -(-sum(whole[i][4] for i in ids) // per_head)
+            least = -(-_MIN_PIECE_TOKENS // c)
+            # round, not ceil: an item a bit over the target stays whole (cutting all of them
+            # in two doubles the programs, which can then need a second wave)
+            got = [(i, c0, n) for i in ids
+                   for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))]
             # a segment's row tiles read the same chunks: launch their pieces of one chunk run
             # next to each other, so the later tiles find those chunks in L2
             got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
-            launches.append((len(pieces), len(got), block_m))
+            launches.append((len(pieces), len(got), block_m, live))
             pieces += got
 
     # partial slots, a row's contiguous. A row whose private part is one piece gets its output
@@ -204,16 +221,16 @@ def build_plan(
     for i, c0, n in pieces:
         phase, r0, nrows, chunk0, _, positions = whole[i]
         if phase == 1:
-            items.append((1, r0, nrows, chunk0 + c0, n, 0, len(slot_list), 0, 0))
+            items.append((1, r0, nrows, chunk0 + c0, n, 0, len(slot_list), 0, 0, chunks[chunk0 + c0]))
             slot_list += nxt[r0:r0 + nrows]
             for r in range(r0, r0 + nrows):
                 nxt[r] += 1
             continue
         end = (positions[c0 + n - 1] + 1) * c
         if finish[r0]:
-            items.append((2, r0, 1, chunk0 + c0, n, end, -1, base[r0], n1[r0]))
+            items.append((2, r0, 1, chunk0 + c0, n, end, -1, base[r0], n1[r0], chunks[chunk0 + c0]))
         else:
-            items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0))
+            items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0, chunks[chunk0 + c0]))
             slot_list.append(nxt[r0])
             nxt[r0] += 1
 
@@ -246,24 +263,31 @@ def build_plan(
 
 
 @triton.jit
-def _attend(q, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
+def _attend(q, K, V, chunks, cid0, n_tok, kv_off, stride_kc, qk_scale,
             BLOCK_M: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
             DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
     """Online softmax of q: [M, D] over tokens [0, n_tok) of the chunk run at `chunks`.
 
     Returns acc: [M, D] fp32 unnormalised output and m_i / l_i: [M] max / sum (base 2). Token t
-    lives in chunk chunks[t // C] at slot t % C; kv_off selects the KV head inside a chunk.
+    lives in chunk chunks[t // C] at slot t % C (cid0 = chunks[0]); kv_off selects the KV head
+    inside a chunk.
     """
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
+    # each block's chunk ids are loaded one block ahead: K/V addresses that hang on a load in
+    # the same iteration made Triton's pipeliner spend a stage on it and single-buffer K and V
+    if BLOCK_N <= C:  # the first block is in the first chunk: its id came with the item (one load less in line)
+        cid = tl.zeros([BLOCK_N], dtype=tl.int32) + cid0
+    else:
+        cid = tl.load(chunks + offs_n // C, mask=offs_n < n_tok, other=0)
     for start in range(0, n_tok, BLOCK_N):
         t = start + offs_n
         live = t < n_tok
-        cid = tl.load(chunks + t // C, mask=live, other=0).to(tl.int64)
-        tok = cid * stride_kc + kv_off + (t % C) * D  # [BLOCK_N] element offset of each token
+        cid_next = tl.load(chunks + (t + BLOCK_N) // C, mask=t + BLOCK_N < n_tok, other=0)
+        tok = cid.to(tl.int64) * stride_kc + kv_off + (t % C) * D  # [BLOCK_N] element offset of each token
         ptrs = tok[:, None] + offs_d[None, :]
         k = tl.load(K + ptrs, mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_N, D]
         v = tl.load(V + ptrs, mask=live[:, None], other=0.0).to(DOT_T)
@@ -277,6 +301,7 @@ def _attend(q, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
         # p rounded to the cache dtype, as the tensor cores take it
         acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty).to(DOT_T), v, input_precision=DOT_PREC)
         m_i = m_new
+        cid = cid_next
     return acc, m_i, l_i
 
 
@@ -284,12 +309,15 @@ def _attend(q, K, V, chunks, n_tok, kv_off, stride_kc, qk_scale,
 def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
                    stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
+                   BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr,
+                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr):
     # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
     # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
     # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
     # streaming loop: nesting it in one measurably slowed the streaming on the H200.
-    it = Items + (first + tl.program_id(0)) * 9
+    if LAUNCH_NEXT:  # the next launch may start once every program here is past this (tpp_decode)
+        gdc_launch_dependents()
+    it = Items + (first + tl.program_id(0)) * 10
     kv = tl.program_id(1)
     hq = G * tl.num_programs(1)
     row0 = tl.load(it + 1)
@@ -300,6 +328,7 @@ def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, 
     slot = tl.load(it + 6)
     fold0 = tl.load(it + 7)
     nfold = tl.load(it + 8)
+    cid0 = tl.load(it + 9)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     r = offs_m // G
@@ -311,8 +340,10 @@ def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, 
     # only a row's last chunk can be partial (phase 2; phase 1 has end 0): cut the tokens past
     # seq_len off this piece
     n_tok = nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0)
-    acc, m_i, l_i = _attend(q, K, V, Chunks + chunk0, n_tok, kv.to(tl.int64) * stride_kh, stride_kc, qk_scale,
+    acc, m_i, l_i = _attend(q, K, V, Chunks + chunk0, cid0, n_tok, kv.to(tl.int64) * stride_kh, stride_kc, qk_scale,
                             BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC)
+    if EARLY:  # started before the launch before completed: past this point it has
+        gdc_wait()
     # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
     for j in range(nfold):
         part = (fold0 + j).to(tl.int64) * hq + head  # [BLOCK_M]
@@ -373,13 +404,15 @@ def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.conste
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(head_dim: int, block_m: int, elem_bytes: int) -> dict:
-    """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel
-    (``python -m kernels.bench sweep`` compares others)."""
+def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int) -> dict:
+    """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel for a query tile of
+    block_m vectors, at most `live` of them real (``python -m kernels.bench sweep`` compares others)."""
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
     else:
-        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=3)
+        # one real query vector (MHA phase 2): a single K/V buffer and more programs per SM
+        # measured faster on the H200 than two buffers
+        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 else 3)
     # K and V tiles of every stage in shared memory: keep them under 128 KB (fp32 caches)
     per_stage = 2 * cfg["BLOCK_N"] * head_dim * elem_bytes
     cfg["num_stages"] = max(1, min(cfg["num_stages"], (128 << 10) // per_stage))
@@ -407,17 +440,26 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"):
         prec, dot_t = "ieee", tl.float32
     sk = k_cache.stride()
-    for first, programs, block_m in plan.launches:
+    # Programmatic dependent launch (sm90+): phase 2's launch may start once every phase-1
+    # program has, so the two phases stream side by side. A phase-2 program waits for phase 1
+    # to complete (gdc_wait) after its own streaming, before it folds phase-1 partials; all of
+    # them wait, so phase 2 completes after phase 1 and the merge (and whatever follows),
+    # launched plainly, after both. (The merge launched early too measured slower.)
+    pdl = _PDL and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    n = len(plan.launches)
+    for i, (first, programs, block_m, live) in enumerate(plan.launches):
         _attend_kernel[(programs, hkv)](
             q, k_cache, v_cache, out, plan.part_o, plan.part_lse, first, plan.items, plan.chunks,
             plan.seq_lens, plan.slot_list, scale,
             q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
             G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
-            **_launch_config(d, block_m, q.element_size()))
+            LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0,
+            **_launch_config(d, block_m, q.element_size(), live),
+            **(dict(launch_pdl=True) if pdl and i > 0 else {}))
     if plan.merge_items.shape[0]:
         _merge_kernel[(plan.merge_items.shape[0], hq)](
             out, plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1),
-            D=d, BLOCK_P=plan.block_p, num_warps=4)
+            D=d, BLOCK_P=plan.block_p, num_warps=1)  # one warp: no cross-warp reduction (2x faster)
     return out
 
 

@@ -133,9 +133,9 @@ def test_phases_in_one_or_two_launches(monkeypatch, split):
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
     q, k, v, tables, lens = make_case(15, torch.float16, 64, 4, 16, 12, depth=3)
     plan = plan_for(q, k, tables, lens, target_programs=64)
-    assert [m for _, _, m in plan.launches] == ([64, 16] if split else [64])
+    assert [(m, live) for _, _, m, live in plan.launches] == ([(64, 64), (16, 4)] if split else [(64, 64)])
     phases = plan.items[:, 0].tolist()
-    launched = [phases[a:a + n] for a, n, _ in plan.launches]
+    launched = [phases[a:a + n] for a, n, _, _ in plan.launches]
     assert sum(map(len, launched)) == len(phases) > len(plan.tree.segments) + len(tables)  # cut
     assert launched == ([[1] * phases.count(1), [2] * phases.count(2)] if split else [phases])
     check(q, k, v, tables, lens, plan)
@@ -158,6 +158,26 @@ def test_phase1_row_tiles(monkeypatch, split):
     assert plan.programs == 3 + 40
     assert plan.merge_items.shape[0] == (0 if split else 40)
     assert plan.items[:, 8].tolist() == [0] * 3 + [int(split)] * 40
+    check(q, k, v, tables, lens, plan)
+
+
+def test_items_a_little_over_the_target_stay_whole(monkeypatch):
+    # four rows of 9 private chunks each, nothing shared: 36 chunks over the programs wanted
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    c, d, g = 16, 64, 4
+    gen = torch.Generator().manual_seed(16)
+    tables = [list(range(9 * r, 9 * r + 9)) for r in range(4)]
+    lens = [9 * c - r for r in range(4)]
+    k, v = (torch.randn(36, 1, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(4, g, d, generator=gen).to(DEVICE)
+    # 5 wanted: pieces of about 8 chunks. A row of 9 is nearer one piece than two, so it stays
+    # whole (cutting each in two would double the programs past the target)
+    plan = plan_for(q, k, tables, lens, target_programs=5)
+    assert plan.programs == 4 and plan.merge_items.shape[0] == 0
+    check(q, k, v, tables, lens, plan)
+    # 8 wanted: pieces of about 5 chunks, two per row, merged
+    plan = plan_for(q, k, tables, lens, target_programs=8)
+    assert plan.programs == 8 and plan.merge_items.shape[0] == 4
     check(q, k, v, tables, lens, plan)
 
 
@@ -279,3 +299,20 @@ def test_gpu_cuda_graph_replay_with_length_bumps():
         graph.replay()
         want = decode_attention_ref(q, k, v, tables, cur)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_overlapped_phases_give_the_same_bits(monkeypatch):
+    # phase 2 launched early (programmatic dependent launch) must not change a bit: a missing
+    # wait would fold phase-1 partials before they are written
+    q, k, v, tables, lens = make_case(31, torch.bfloat16, 128, 4, 64, 200, depth=4, hkv=8)
+    plan = plan_for(q, k, tables, lens)
+    assert len(plan.launches) == 2 and plan.merge_items.shape[0] > 0  # both phases, and merges
+    runs = []
+    for pdl in (True, False):
+        monkeypatch.setattr(tpp, "_PDL", pdl)
+        runs.append([tpp.tpp_decode(q, k, v, plan) for _ in range(20)])
+    want = check(q, k, v, tables, lens, plan)
+    for out in runs[0] + runs[1]:
+        assert torch.equal(out, want)
