@@ -4,6 +4,7 @@
                                    [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]
     python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
     python -m kernels.bench sweep                  # launch configs and work dealing of ours
+    python -m kernels.bench kernels                # ours: device time of each kernel, and in total
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
@@ -343,13 +344,18 @@ DEALS = [  # (_PROGRAMS_PER_SM, _MIN_PIECE_TOKENS, _P1_MAX_M, _SPLIT_PHASES)
 _DEAL_KNOBS = ("_PROGRAMS_PER_SM", "_MIN_PIECE_TOKENS", "_P1_MAX_M", "_SPLIT_PHASES")
 
 
-def sweep(c: int, launch_configs: bool = True) -> None:
-    """Time our kernel under each SWEEP launch config and each DEALS setting of the plan."""
+def _sweep_cases() -> list[Case]:
     runs = [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, ns, 4096 - ns)) for ns in (0, 2048, 4096)]
     runs += [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 512, 512))]
     runs += [Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, ns, n - ns))
              for n, ns in ((4096, 0), (1024, 512), (4096, 3072), (4096, 4096), (2048, 2048))]
     runs += [Case("sweep", 256, 32, 8, 128, "bf16", _two_level(256, 2048, 256))]
+    return runs
+
+
+def sweep(c: int, launch_configs: bool = True) -> None:
+    """Time our kernel under each SWEEP launch config and each DEALS setting of the plan."""
+    runs = _sweep_cases()
     default = tpp._launch_config
     knobs = tuple(getattr(tpp, k) for k in _DEAL_KNOBS)
     for case in runs:
@@ -373,6 +379,38 @@ def sweep(c: int, launch_configs: bool = True) -> None:
                   flush=True)
         for k, x in zip(_DEAL_KNOBS, knobs):
             setattr(tpp, k, x)
+
+
+def kernel_times(c: int) -> None:
+    """Our kernels one by one on the sweep's cases: each kernel's mean device time (torch.profiler;
+    the phase-1 and phase-2 launches of the attend kernel are averaged together) beside the graph
+    time of the whole call, so the fixed costs (merge, launch gaps) show apart from the streaming."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for case in _sweep_cases():
+        batch = make_batch(case, c)
+        rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
+        ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
+        notes: dict[str, str] = {}
+        row = dict(kernels="ours", b=case.batch, hkv=case.hkv, levels=case.levels)
+        try:
+            calls = ours(case, batch, c, ks, vs)
+            for f in calls:
+                f()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    for f in calls:
+                        f()
+                torch.cuda.synchronize()
+            for e in prof.key_averages():  # ours: _attend_kernel, _merge_kernel
+                if "kernel" in e.key and e.count:
+                    row[e.key.split("_kernel")[0].lstrip("_") + "_us"] = round(e.device_time_total / e.count, 2)
+            us, mode = time_calls(calls)
+            row.update(total_us=round(us, 2), timing=mode)
+        except Exception as e:  # noqa: BLE001
+            notes["ours"] = f"{type(e).__name__}: {str(e)[:200]}"
+        print(json.dumps(dict(**row, notes=notes or None)), flush=True)
 
 
 def warmup(cases: list[Case], c: int) -> None:
@@ -407,11 +445,16 @@ def main(argv: list[str] | None = None) -> None:
     sw = sub.add_parser("sweep", help="launch configs and work dealing of our kernels")
     sw.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     sw.add_argument("--no-launch-configs", action="store_true", help="sweep only how the work is cut")
+    kt = sub.add_parser("kernels", help="device time of each of our kernels on the sweep's cases")
+    kt.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench needs a CUDA device")
     if args.cmd == "sweep":
         sweep(args.chunk_size, not args.no_launch_configs)
+        return
+    if args.cmd == "kernels":
+        kernel_times(args.chunk_size)
         return
     if args.warmup_only:
         warmup(all_cases(args.grid), args.chunk_size)
