@@ -14,11 +14,13 @@ dense oracle it is tested against; ``prefill_attention_ref`` is the causal prefi
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -164,13 +166,15 @@ class TreePlan:
     seq_lens: valid tokens per row. segments: in DFS pre-order (by row_start, then position); a
     deeper segment's row range nests inside its ancestor's. private_chunks[r]: row r's chunk ids
     not covered by any segment, in sequence order; private_lens[r]: valid tokens in each (only the
-    last one can be partial). Every (row, position < ceil(seq_len / c)) is covered exactly once.
+    last one can be partial); private_positions[r]: their positions in the row's chunk table.
+    Every (row, position < ceil(seq_len / c)) is covered exactly once.
     """
 
     seq_lens: tuple[int, ...]
     segments: tuple[Segment, ...]
     private_chunks: tuple[tuple[int, ...], ...]
     private_lens: tuple[tuple[int, ...], ...]
+    private_positions: tuple[tuple[int, ...], ...]
 
     def row_segments(self) -> tuple[tuple[int, ...], ...]:
         """Per row, indices into ``segments`` of the segments covering it."""
@@ -202,72 +206,77 @@ def build_tree_plan(
     if len(chunk_tables) != len(seq_lens):
         raise ValueError(f"{len(chunk_tables)} chunk tables for {len(seq_lens)} seq_lens")
     lens = tuple(int(n) for n in seq_lens)
-    num_rows = len(lens)
-    used = []  # chunks each row reads
+    need = []  # chunks each row reads
     for r, (table, n) in enumerate(zip(chunk_tables, lens)):
         if n < 0:
             raise ValueError(f"row {r}: negative seq_len {n}")
-        need = -(-n // c)
-        if len(table) < need:
+        need.append(-(-n // c))
+        if len(table) < need[-1]:
             raise ValueError(f"row {r}: {len(table)} chunks of {c} cannot hold {n} tokens")
-        used.append(tuple(int(x) for x in table[:need]))
+    # Vectorised over the [rows, positions] grid (rebuilt whenever the batch's tree changes, so
+    # it must stay cheap at hundreds of rows): ids[r, p] the chunk row r reads at position p.
+    b, width = len(lens), max(need, default=0)
+    used = np.zeros((b, width), dtype=bool)
+    used[:] = np.arange(width) < np.array(need, dtype=np.int64)[:, None]
+    ids = np.zeros((b, width), dtype=np.int64)
+    ids[used] = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(chunk_tables, need)),
+                            dtype=np.int64, count=int(sum(need)))
+    _check_contiguous(ids, used)
+    # link[r, p]: rows r and r + 1 hold the same chunk at p, full for both. Maximal chains of
+    # links are the runs of >= 2 rows that share a chunk.
+    full = (np.arange(1, width + 1) * c)[None, :] <= np.array(lens, dtype=np.int64)[:, None]
+    link = full[:-1] & full[1:] & (ids[:-1] == ids[1:])  # [B - 1, P]
+    shared = np.zeros((b, width), dtype=bool)
+    shared[:-1] |= link
+    shared[1:] |= link
+    edge = np.diff(np.pad(link, ((1, 1), (0, 0))).astype(np.int8), axis=0)  # +1: a chain starts, -1: ends
+    p_start, r_start = np.nonzero(edge.T == 1)  # by position, then row: chains pair up in order
+    _, r_end = np.nonzero(edge.T == -1)
 
-    # shared[r][p] is True when (row r, position p) is read through a segment
-    shared = [[False] * len(u) for u in used]
+    # runs with the same row range at consecutive positions become one segment
     runs: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)  # (i, j) -> [(p, id)]
-    for p in range(max((len(u) for u in used), default=0)):
-        col = [u[p] if p < len(u) else None for u in used]
-        _check_contiguous(col, p)
-        r = 0
-        while r < num_rows:
-            cid = col[r]
-            if cid is None or (p + 1) * c > lens[r]:
-                r += 1
-                continue
-            j = r + 1
-            while j < num_rows and col[j] == cid and (p + 1) * c <= lens[j]:
-                j += 1
-            if j - r >= 2:
-                runs[(r, j)].append((p, cid))
-                for rr in range(r, j):
-                    shared[rr][p] = True
-            r = j
-
-    # merge positions with the same row range into maximal consecutive stretches
+    for p, i, j, cid in zip(p_start.tolist(), r_start.tolist(), (r_end + 1).tolist(), ids[r_start, p_start].tolist()):
+        runs[(i, j)].append((p, cid))
     segments = []
     for (i, j), cols in runs.items():
         start = 0
         for k in range(1, len(cols) + 1):
             if k == len(cols) or cols[k][0] != cols[k - 1][0] + 1:
-                ids = tuple(cid for _, cid in cols[start:k])
-                segments.append(Segment(i, j, ids, cols[start][0]))
+                segments.append(Segment(i, j, tuple(cid for _, cid in cols[start:k]), cols[start][0]))
                 start = k
     segments.sort(key=lambda s: (s.row_start, s.chunk_start))
 
-    private_chunks, private_lens = [], []
-    for r, u in enumerate(used):
-        ps = [p for p in range(len(u)) if not shared[r][p]]
-        private_chunks.append(tuple(u[p] for p in ps))
-        private_lens.append(tuple(min(c, lens[r] - p * c) for p in ps))
-    return TreePlan(lens, tuple(segments), tuple(private_chunks), tuple(private_lens))
+    private = used & ~shared
+    rows, pos = np.nonzero(private)  # row-major: each row's positions in order
+    cuts = np.concatenate([[0], np.cumsum(private.sum(axis=1))]).tolist()
+    bounds = list(zip(cuts, cuts[1:]))
+
+    def per_row(values: list[int]) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(values[i:j]) for i, j in bounds)
+
+    tokens = np.minimum(c, np.array(lens, dtype=np.int64)[rows] - pos * c)
+    return TreePlan(lens, tuple(segments), per_row(ids[rows, pos].tolist()), per_row(tokens.tolist()),
+                    per_row(pos.tolist()))
 
 
-def _check_contiguous(col: list[int | None], pos: int) -> None:
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    count: dict[int, int] = defaultdict(int)
-    for r, cid in enumerate(col):
-        if cid is None:
-            continue
-        first.setdefault(cid, r)
-        last[cid] = r
-        count[cid] += 1
-    for cid, n in count.items():
-        if last[cid] - first[cid] + 1 != n:
-            raise ValueError(
-                f"chunk {cid} at position {pos} is held by non-contiguous rows "
-                f"(rows {first[cid]}..{last[cid]}, {n} of them): batch not in DFS order"
-            )
+def _check_contiguous(ids: np.ndarray, used: np.ndarray) -> None:
+    """Raise unless, at every position, the rows holding each chunk id are contiguous."""
+    p, r = np.nonzero(used.T)  # by position, then row
+    cid = ids[r, p]
+    order = np.lexsort((r, cid, p))  # by position, chunk id, row
+    p, r, cid = p[order], r[order], cid[order]
+    same = (p[1:] == p[:-1]) & (cid[1:] == cid[:-1])
+    gaps = np.flatnonzero(same & (r[1:] != r[:-1] + 1))
+    if gaps.size == 0:
+        return
+    # report the first position's chunk that is first held by the lowest row
+    at = p[gaps[0]]
+    bad = {int(cid[g]) for g in gaps if p[g] == at}
+    held = [(int(r[k]), int(cid[k])) for k in np.flatnonzero(p == at) if int(cid[k]) in bad]
+    first = min(held)[1]
+    rows = [x for x, y in held if y == first]
+    raise ValueError(f"chunk {first} at position {int(at)} is held by non-contiguous rows "
+                     f"(rows {min(rows)}..{max(rows)}, {len(rows)} of them): batch not in DFS order")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -109,6 +110,8 @@ class TppPlan:
 
 def _even(total: int, n: int) -> list[tuple[int, int]]:
     """[0, total) cut into n near-equal (start, length) pieces."""
+    if n == 1:
+        return [(0, total)]
     bounds = [total * i // n for i in range(n + 1)]
     return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
 
@@ -162,16 +165,12 @@ def build_plan(
     block_m1 = max(16, min(triton.next_power_of_2(max_rows * g), max(_P1_MAX_M, triton.next_power_of_2(g))))
     chunks: list[int] = []
     whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
-    covered = [set() for _ in range(b)]
     for seg in tree.segments:
         whole += [(1, seg.row_start + t0, nt, len(chunks), len(seg.chunk_ids), None)
                   for t0, nt in _pieces(seg.row_end - seg.row_start, max(1, block_m1 // g))]
         chunks.extend(seg.chunk_ids)
-        for r in range(seg.row_start, seg.row_end):
-            covered[r].update(range(seg.chunk_start, seg.chunk_start + len(seg.chunk_ids)))
-    for r, ids in enumerate(tree.private_chunks):
+    for r, (ids, positions) in enumerate(zip(tree.private_chunks, tree.private_positions)):
         if ids:
-            positions = [p for p in range(-(-tree.seq_lens[r] // c)) if p not in covered[r]]
             whole.append((2, r, 1, len(chunks), len(ids), positions))
             chunks.extend(ids)
 
@@ -235,8 +234,9 @@ def build_plan(
             nxt[r0] += 1
 
     def i32(rows, width=None):
-        t = torch.tensor(rows, dtype=torch.int32)
-        return (t.view(-1, width) if width else t).to(device)
+        t = torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, width) if width else
+                             np.array(rows, dtype=np.int32))
+        return t.to(device)
 
     f32 = dict(dtype=torch.float32, device=device)
     return TppPlan(

@@ -130,6 +130,7 @@ def test_plan_three_level_tree():
     )
     assert plan.private_chunks == ((50,), (51,), (60,), (70,), ())
     assert plan.private_lens == ((2,), (4,), (2,), (1,), ())
+    assert plan.private_positions == ((4,), (4,), (3,), (4,), ())
     assert plan.row_segments() == ((0, 1, 2), (0, 1, 2), (0, 1), (0, 3), (0, 3))
 
 
@@ -252,6 +253,7 @@ def _check_plan_covers(plan, tables, lens, c):
         positions = [p for p in range(-(-lens[r] // c)) if (r, p) not in covered]
         assert ids == tuple(tables[r][p] for p in positions)
         assert plens == tuple(min(c, lens[r] - p * c) for p in positions)
+        assert plan.private_positions[r] == tuple(positions)
     # segments of a tree nest or are disjoint
     for a in plan.segments:
         for b in plan.segments:
