@@ -69,19 +69,23 @@ class Attention:
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
-        positions, chunk_idx, prefills = [], [], []
-        row = 0
-        for seq, n in batch.items:
-            table = seq.chunk_table
-            pos = torch.arange(seq.num_computed, seq.num_computed + n)
-            positions.append(pos)
-            chunk_idx.append(torch.tensor(table, dtype=torch.long)[pos // c])
-            if row >= len(batch.decodes):
-                prefills.append(PrefillSpan(row, n, seq.num_computed, tuple(table)))
-            row += n
-        positions = torch.cat(positions)
-        return StepAttention(self, positions.to(self.device), torch.cat(chunk_idx).to(self.device),
-                             (positions % c).to(self.device), len(batch.decodes),
+        # the new tokens' positions and chunk ids as flat Python lists, one host-to-device copy:
+        # this runs every step, and per-row tensors cost ~40 us a row (10 ms at 256 rows)
+        positions: list[int] = []
+        chunk_idx: list[int] = []
+        prefills = []
+        for i, (seq, n) in enumerate(batch.items):
+            table, start = seq.chunk_table, seq.num_computed
+            if i >= len(batch.decodes):
+                prefills.append(PrefillSpan(len(positions), n, start, tuple(table)))
+            positions.extend(range(start, start + n))
+            while n:  # the run of positions in each chunk
+                k = start // c
+                take = min(n, (k + 1) * c - start)
+                chunk_idx += [table[k]] * take
+                start, n = start + take, n - take
+        new = torch.tensor([positions, chunk_idx], dtype=torch.long).to(self.device)  # [2, T]
+        return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
                              self._plan_decode(batch), tuple(prefills))
 
     def _plan_decode(self, batch: Batch):
