@@ -3,7 +3,7 @@
     python -m kernels.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
                                    [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]
     python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
-    python -m kernels.bench sweep                  # launch configs and work dealing of ours
+    python -m kernels.bench sweep [--phase1]       # launch configs and work dealing of ours
     python -m kernels.bench kernels                # ours: device time of each kernel, and in total
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
@@ -22,6 +22,7 @@ columns; a missing or failing baseline prints null and a note).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -353,8 +354,16 @@ def _sweep_cases() -> list[Case]:
     return runs
 
 
-def sweep(c: int, launch_configs: bool = True) -> None:
-    """Time our kernel under each SWEEP launch config and each DEALS setting of the plan."""
+PHASE1_SWEEP = [  # (BLOCK_N, num_warps, num_stages) of phase-1 tiles only, each with these programs per SM
+    (64, 4, 3), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 8, 2),
+]
+PHASE1_PROGRAMS_PER_SM = (2, 3, 4)
+
+
+def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
+    """Time our kernel under each SWEEP launch config and each DEALS setting of the plan; with
+    phase1, instead each PHASE1_SWEEP config on phase-1 tiles (rows * G query vectors, all live)
+    only, under each PHASE1_PROGRAMS_PER_SM."""
     runs = _sweep_cases()
     default = tpp._launch_config
     knobs = tuple(getattr(tpp, k) for k in _DEAL_KNOBS)
@@ -363,6 +372,17 @@ def sweep(c: int, launch_configs: bool = True) -> None:
         rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
         ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
         head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
+        if phase1:
+            for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
+                tpp._PROGRAMS_PER_SM = pps
+                tpp._launch_config = lambda d, m, e, live, bn=bn, nw=nw, ns=ns: (
+                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if live == m and m > 16 else default(d, m, e, live))
+                notes = {}
+                us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
+                print(json.dumps(dict(sweep="phase1", **head, block_n=bn, warps=nw, stages=ns, programs_per_sm=pps,
+                                      us=us and round(us, 2), notes=notes or None)), flush=True)
+            tpp._launch_config, tpp._PROGRAMS_PER_SM = default, knobs[0]
+            continue
         for bn, nw, ns in SWEEP if launch_configs else []:
             tpp._launch_config = lambda d, m, e, live, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
             notes: dict[str, str] = {}
@@ -445,13 +465,14 @@ def main(argv: list[str] | None = None) -> None:
     sw = sub.add_parser("sweep", help="launch configs and work dealing of our kernels")
     sw.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     sw.add_argument("--no-launch-configs", action="store_true", help="sweep only how the work is cut")
+    sw.add_argument("--phase1", action="store_true", help="sweep phase-1 tiles' launch configs and programs per SM")
     kt = sub.add_parser("kernels", help="device time of each of our kernels on the sweep's cases")
     kt.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench needs a CUDA device")
     if args.cmd == "sweep":
-        sweep(args.chunk_size, not args.no_launch_configs)
+        sweep(args.chunk_size, not args.no_launch_configs, args.phase1)
         return
     if args.cmd == "kernels":
         kernel_times(args.chunk_size)
