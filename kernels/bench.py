@@ -140,6 +140,12 @@ def _copies(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     return [x] + [x.clone() for _ in range(n - 1)]
 
 
+def _rotated_pools(batch: Batch) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Copies of the batch's K and V pools, enough that one graph replay reads past the L2."""
+    rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
+    return _copies(batch.k, rot), _copies(batch.v, rot)
+
+
 def _rotations(nbytes: int) -> int:
     return max(1, min(32, math.ceil(_L2_FLOOR / max(1, nbytes))))
 
@@ -369,8 +375,7 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
     knobs = tuple(getattr(tpp, k) for k in _DEAL_KNOBS)
     for case in runs:
         batch = make_batch(case, c)
-        rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
-        ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
+        ks, vs = _rotated_pools(batch)
         head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
         if phase1:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
@@ -409,8 +414,7 @@ def kernel_times(c: int) -> None:
 
     for case in _sweep_cases():
         batch = make_batch(case, c)
-        rot = _rotations(2 * batch.k.numel() * batch.k.element_size())
-        ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
+        ks, vs = _rotated_pools(batch)
         notes: dict[str, str] = {}
         row = dict(kernels="ours", b=case.batch, hkv=case.hkv, levels=case.levels)
         try:

@@ -30,8 +30,7 @@ from kernels import tpp
 _SMEM_BYTES = 227 << 10
 _REGISTERS = 64 << 10
 _WARPS = 64
-_INT_ARGS = {"first", "qk_scale"} | {p for p in ("stride_qb", "stride_qh", "stride_kc", "stride_kh", "stride_ob",
-                                                 "stride_oh")}
+_INT_ARGS = {"first", "stride_qb", "stride_qh", "stride_kc", "stride_kh", "stride_ob", "stride_oh"}
 _DTYPES = {"fp16": ("*fp16", tl.float16), "bf16": ("*bf16", tl.bfloat16), "fp32": ("*fp32", tl.float32)}
 
 # (name, dtype, head_dim, G, chunk size, BLOCK_M, live query vectors): the tiles of the bench grid

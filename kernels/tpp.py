@@ -28,6 +28,7 @@ All softmax arithmetic is in base 2: scores are pre-multiplied by ``sm_scale * l
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -419,6 +420,12 @@ def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int) -> d
     return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def _has_pdl(device_index: int) -> bool:
+    """Programmatic dependent launch needs sm90+ (asked once per device: tpp_decode runs per layer)."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None) -> Tensor:
     """Decode attention of one query token per row over the plan's tree. Returns [B, Hq, D] in q.dtype.
 
@@ -445,7 +452,7 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     # to complete (gdc_wait) after its own streaming, before it folds phase-1 partials; all of
     # them wait, so phase 2 completes after phase 1 and the merge (and whatever follows),
     # launched plainly, after both. (The merge launched early too measured slower.)
-    pdl = _PDL and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] >= 9
+    pdl = _PDL and q.is_cuda and _has_pdl(q.device.index)
     n = len(plan.launches)
     for i, (first, programs, block_m, live) in enumerate(plan.launches):
         _attend_kernel[(programs, hkv)](
