@@ -380,7 +380,7 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
         if phase1:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
                 tpp._PROGRAMS_PER_SM = pps
-                tpp._launch_config = lambda d, m, e, live, bn=bn, nw=nw, ns=ns: (
+                tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
                     dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if live == m and m > 16 else default(d, m, e, live))
                 notes = {}
                 us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
@@ -389,7 +389,8 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
             tpp._launch_config, tpp._PROGRAMS_PER_SM = default, knobs[0]
             continue
         for bn, nw, ns in SWEEP if launch_configs else []:
-            tpp._launch_config = lambda d, m, e, live, bn=bn, nw=nw, ns=ns: dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+            tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: dict(
+                BLOCK_N=bn, num_warps=nw, num_stages=ns)
             notes: dict[str, str] = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
             print(json.dumps(dict(sweep="launch", **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),

@@ -33,7 +33,8 @@ _WARPS = 64
 _INT_ARGS = {"first", "stride_qb", "stride_qh", "stride_kc", "stride_kh", "stride_ob", "stride_oh"}
 _DTYPES = {"fp16": ("*fp16", tl.float16), "bf16": ("*bf16", tl.bfloat16), "fp32": ("*fp32", tl.float32)}
 
-# (name, dtype, head_dim, G, chunk size, BLOCK_M, live query vectors): the tiles of the bench grid
+# (name, dtype, head_dim, G, chunk size, BLOCK_M, live query vectors): the tiles of the bench
+# grid; phase-1 tiles compiled with K/V by TMA where tpp._TMA (as on the H200) and without
 TILES = [
     ("mha_phase1", "fp16", 128, 1, 64, 32, 32),
     ("mha_phase2", "fp16", 128, 1, 64, 16, 1),
@@ -42,18 +43,23 @@ TILES = [
 ]
 
 
-def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int) -> dict:
+def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, tma: bool) -> dict:
     """Compile one attend tile for sm90 and describe it (see the module docstring)."""
     ptr, dot_t = _DTYPES[dtype]
     elem = 4 if dtype == "fp32" else 2
     cfg = tpp._launch_config(head_dim, block_m, elem, live)
     const = dict(G=g, C=c, D=head_dim, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DOT_T=dot_t,
-                 DOT_PREC="ieee" if dtype == "fp32" else "tf32", LAUNCH_NEXT=True, EARLY=True)
+                 DOT_PREC="ieee" if dtype == "fp32" else "tf32", LAUNCH_NEXT=True, EARLY=True, TMA=tma,
+                 TAIL=live != block_m)
+    if not tma:
+        const.update(Kd=None, Vd=None)
     params = list(inspect.signature(tpp._attend_kernel.fn).parameters)
     sig = {}
     for p in params:
         if p in const:
             sig[p] = "constexpr"
+        elif p in ("Kd", "Vd"):  # as the JIT types a TensorDescriptor of [BLOCK_N, D] boxes
+            sig[p] = f"tensordesc<{dtype}[{cfg['BLOCK_N']}, {head_dim}]>"
         elif p == "qk_scale":
             sig[p] = "fp32"
         elif p in _INT_ARGS:
@@ -79,7 +85,7 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int) -
     threads = 32 * cfg["num_warps"]
     fit = min(_SMEM_BYTES // max(1, shared + 1024),  # + the driver's 1 KB per program
               _REGISTERS // (threads * _round_up(registers, 8)), _WARPS // cfg["num_warps"])
-    return dict(dtype=dtype, head_dim=head_dim, g=g, c=c, block_m=block_m, live=live, **cfg, shared_bytes=shared,
+    return dict(dtype=dtype, head_dim=head_dim, g=g, c=c, block_m=block_m, live=live, tma=tma, **cfg, shared_bytes=shared,
                 registers=registers, kv_buffers=min(buffers) if buffers else 0, programs_per_sm=fit)
 
 
@@ -106,7 +112,8 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the interpreter cannot compile kernels")
     for name, *tile in TILES:
-        print(json.dumps(dict(tile=name, **report(*tile))), flush=True)
+        for tma in sorted({False, tpp._TMA and tile[-1] == tile[-2]}):  # phase-1 tiles by TMA
+            print(json.dumps(dict(tile=name, **report(*tile, tma))), flush=True)
 
 
 if __name__ == "__main__":

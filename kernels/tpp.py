@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.reference import TreePlan, build_tree_plan
 
@@ -60,6 +61,12 @@ _P1_MAX_M = 64
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
 # in the interpreter), see tpp_decode.
 _PDL = True
+# Phase 2 this many times phase 1's chunk reads or more: phase-1 tiles launch lean (see
+# TppPlan.lean_phase1; H200: GQA 2048/1024 and 4096/2048 read 16x, a 3-level tree and batch
+# scaling 2x, where lean measured slower).
+_LEAN_RATIO = 8
+# Whole K/V blocks loaded through TMA descriptors (sm90+), see _attend and _use_tma.
+_TMA = True
 
 # Item fields (int32 rows of the plan's piece list), in kernel argument order.
 _FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
@@ -87,12 +94,16 @@ class TppPlan:
     chunk_size: int
     seq_lens: Tensor  # [B] int32
     items: Tensor  # [I, 10] int32 pieces, one program each, see _FIELDS; the same for every KV head
-    # attend launches: (first item, items, query tile BLOCK_M, live query vectors per tile at most)
-    launches: tuple[tuple[int, int, int, int], ...]
+    # attend launches: (first item, items, query tile BLOCK_M, live query vectors per tile at
+    # most, phase of its pieces: 1, 2 or 0 for both)
+    launches: tuple[tuple[int, int, int, int, int], ...]
     chunks: Tensor  # int32 chunk ids: each segment's run, then each row's private run
     slot_list: Tensor  # int32 partial slots: a piece with slot s >= 0 stores its row r to slot_list[s + r]
     merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
     block_p: int  # partials the merge folds per step (most a row has, a power of two <= 16)
+    # phase 2 reads over _LEAN_RATIO times the chunks phase 1 does (chunks times row tiles): its
+    # tiles launch lean, so that phase-2 programs fit beside them (see _launch_config)
+    lean_phase1: bool
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
 
@@ -181,12 +192,12 @@ def build_plan(
     per_head = max(1, (target_programs or _PROGRAMS_PER_SM * _num_sms(device)) // hkv)
     block_m2 = max(16, triton.next_power_of_2(g))
     if _SPLIT_PHASES:
-        groups = [([i for i, w in enumerate(whole) if w[0] == p], m, live)
+        groups = [([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
                   for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))]
     else:
-        groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)))]
+        groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)), 0)]
     pieces, launches = [], []
-    for ids, block_m, live in groups:
+    for ids, block_m, live, phase in groups:
         if ids:
             target = -(-sum(whole[i][4] for i in ids) // per_head)
             least = -(-_MIN_PIECE_TOKENS // c)
@@ -197,7 +208,7 @@ def build_plan(
             # a segment's row tiles read the same chunks: launch their pieces of one chunk run
             # next to each other, so the later tiles find those chunks in L2
             got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
-            launches.append((len(pieces), len(got), block_m, live))
+            launches.append((len(pieces), len(got), block_m, live, phase))
             pieces += got
 
     # partial slots, a row's contiguous. A row whose private part is one piece gets its output
@@ -253,6 +264,8 @@ def build_plan(
         launches=tuple(launches),
         merge_items=i32(merge_items, _MERGE_FIELDS),
         block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
+        lean_phase1=sum(n for i, _, n in pieces if whole[i][0] == 2) >= _LEAN_RATIO * sum(
+            n for i, _, n in pieces if whole[i][0] == 1) > 0,
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
         part_lse=torch.empty(slots, num_q_heads, **f32),
     )
@@ -264,54 +277,87 @@ def build_plan(
 
 
 @triton.jit
-def _attend(q, K, V, chunks, cid0, n_tok, kv_off, stride_kc, qk_scale,
+def _step(q, k, v, live, acc, m_i, l_i, qk_scale, MASK: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One block of the online softmax: q: [M, D] against k, v: [BLOCK_N, D] (tokens with
+    live False are masked out where MASK; their v rows must be zeros)."""
+    s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=DOT_PREC) * qk_scale  # [M, BLOCK_N]
+    if MASK:
+        s = tl.where(live[None, :], s, float("-inf"))
+    # every block holds a live token and padded query rows are zero, so m_new is finite
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # p rounded to the cache dtype, as the tensor cores take it
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_T), v.to(DOT_T), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_scale,
             BLOCK_M: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_T: tl.constexpr, DOT_PREC: tl.constexpr):
+            DOT_T: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr):
     """Online softmax of q: [M, D] over tokens [0, n_tok) of the chunk run at `chunks`.
 
     Returns acc: [M, D] fp32 unnormalised output and m_i / l_i: [M] max / sum (base 2). Token t
-    lives in chunk chunks[t // C] at slot t % C (cid0 = chunks[0]); kv_off selects the KV head
-    inside a chunk.
+    lives in chunk chunks[t // C] at slot t % C (cid0 = chunks[0]) of KV head kv.
+
+    TMA (BLOCK_N <= C): the blocks come through the tensor descriptors Kd, Vd over the caches'
+    [chunks * Hkv * C, D] row view, one [BLOCK_N, D] box each (asynchronous copies, no
+    addresses in registers). TAIL: the last block may be partial (a row's tail chunk): tokens
+    past n_tok are masked out. Without TMA a pointer loop takes every block (always masked).
     """
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
-    # each block's chunk ids are loaded one block ahead: K/V addresses that hang on a load in
-    # the same iteration made Triton's pipeliner spend a stage on it and single-buffer K and V
-    if BLOCK_N <= C:  # the first block is in the first chunk: its id came with the item (one load less in line)
-        cid = tl.zeros([BLOCK_N], dtype=tl.int32) + cid0
+    kv_off = kv.to(tl.int64) * stride_kh
+    if TMA:
+        row_kc = stride_kc // D  # rows of the view per chunk (Hkv * C)
+        row_kv = kv * (stride_kh // D)
+        cid = cid0
+        t0 = n_tok // BLOCK_N * BLOCK_N if TAIL else n_tok  # whole blocks
+        for start in range(0, t0, BLOCK_N):
+            # the next block's chunk id a block ahead (see the pointer loop)
+            cid_next = tl.load(chunks + (start + BLOCK_N) // C, mask=start + BLOCK_N < n_tok, other=0)
+            row = cid * row_kc + row_kv + start % C
+            acc, m_i, l_i = _step(q, Kd.load([row, 0]), Vd.load([row, 0]), offs_n, acc, m_i, l_i, qk_scale,
+                                  False, DOT_T, DOT_PREC)
+            cid = cid_next
+        if TAIL:
+            if t0 < n_tok:  # a partial last block: slots past n_tok may hold any bits, NaN too (0 * NaN is NaN)
+                live = t0 + offs_n < n_tok
+                row = cid * row_kc + row_kv + t0 % C
+                v = tl.where(live[:, None], Vd.load([row, 0]), 0.0)
+                acc, m_i, l_i = _step(q, Kd.load([row, 0]), v, live, acc, m_i, l_i, qk_scale, True, DOT_T, DOT_PREC)
     else:
-        cid = tl.load(chunks + offs_n // C, mask=offs_n < n_tok, other=0)
-    for start in range(0, n_tok, BLOCK_N):
-        t = start + offs_n
-        live = t < n_tok
-        cid_next = tl.load(chunks + (t + BLOCK_N) // C, mask=t + BLOCK_N < n_tok, other=0)
-        tok = cid.to(tl.int64) * stride_kc + kv_off + (t % C) * D  # [BLOCK_N] element offset of each token
-        ptrs = tok[:, None] + offs_d[None, :]
-        k = tl.load(K + ptrs, mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_N, D]
-        v = tl.load(V + ptrs, mask=live[:, None], other=0.0).to(DOT_T)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, BLOCK_N]
-        s = tl.where(live[None, :], s, float("-inf"))
-        # every block holds a live token and padded query rows are zero, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # p rounded to the cache dtype, as the tensor cores take it
-        acc = acc * alpha[:, None] + tl.dot(p.to(V.dtype.element_ty).to(DOT_T), v, input_precision=DOT_PREC)
-        m_i = m_new
-        cid = cid_next
+        # each block's chunk ids are loaded one block ahead: K/V addresses that hang on a load
+        # in the same iteration made Triton's pipeliner spend a stage on it and single-buffer
+        # K and V
+        if BLOCK_N <= C:  # the first block is in the first chunk: its id came with the item (one load less in line)
+            cid = tl.zeros([BLOCK_N], dtype=tl.int32) + cid0
+        else:
+            cid = tl.load(chunks + offs_n // C, mask=offs_n < n_tok, other=0)
+        for start in range(0, n_tok, BLOCK_N):
+            t = start + offs_n
+            live = t < n_tok
+            cid_next = tl.load(chunks + (t + BLOCK_N) // C, mask=t + BLOCK_N < n_tok, other=0)
+            tok = cid.to(tl.int64) * stride_kc + kv_off + (t % C) * D  # [BLOCK_N] element offset of each token
+            ptrs = tok[:, None] + offs_d[None, :]
+            k = tl.load(K + ptrs, mask=live[:, None], other=0.0)  # [BLOCK_N, D]
+            v = tl.load(V + ptrs, mask=live[:, None], other=0.0)
+            acc, m_i, l_i = _step(q, k, v, live, acc, m_i, l_i, qk_scale, True, DOT_T, DOT_PREC)
+            cid = cid_next
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
+def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
                    stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr,
-                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr):
+                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr):
     # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
     # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
     # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
@@ -341,8 +387,8 @@ def _attend_kernel(Q, K, V, Out, PartO, PartLse, first, Items, Chunks, SeqLens, 
     # only a row's last chunk can be partial (phase 2; phase 1 has end 0): cut the tokens past
     # seq_len off this piece
     n_tok = nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0)
-    acc, m_i, l_i = _attend(q, K, V, Chunks + chunk0, cid0, n_tok, kv.to(tl.int64) * stride_kh, stride_kc, qk_scale,
-                            BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC)
+    acc, m_i, l_i = _attend(q, K, V, Kd, Vd, Chunks + chunk0, cid0, n_tok, kv, stride_kc, stride_kh, qk_scale,
+                            BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC, TMA, TAIL)
     if EARLY:  # started before the launch before completed: past this point it has
         gdc_wait()
     # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
@@ -405,23 +451,38 @@ def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.conste
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int) -> dict:
+def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int, lean: bool = False) -> dict:
     """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel for a query tile of
-    block_m vectors, at most `live` of them real (``python -m kernels.bench sweep`` compares others)."""
+    block_m vectors, at most `live` of them real (``python -m kernels.bench sweep`` compares others).
+    lean: a phase-1 tile beside a much longer phase 2 (``TppPlan.lean_phase1``)."""
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
     else:
         # one real query vector (MHA phase 2): a single K/V buffer and more programs per SM
-        # measured faster on the H200 than two buffers
-        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 else 3)
+        # measured faster on the H200 than two buffers. A lean 64-vector phase-1 tile: one K/V
+        # buffer less (82 instead of 115 KB of shared memory) lets two phase-2 programs start
+        # beside each phase-1 program (GQA 4096/2048: 90 -> 77 us), where phase 1 is a small
+        # part of the step; a fully shared step loses 15 % by it.
+        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 or (lean and block_m >= 64) else 3)
     # K and V tiles of every stage in shared memory: keep them under 128 KB (fp32 caches)
     per_stage = 2 * cfg["BLOCK_N"] * head_dim * elem_bytes
     cfg["num_stages"] = max(1, min(cfg["num_stages"], (128 << 10) // per_stage))
     return cfg
 
 
+def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
+    """Whether whole K/V blocks can come through TMA descriptors over the caches' [chunks * Hkv
+    * c, D] row view: sm90+ (or the interpreter, for tests), the caches contiguous (the view
+    exists) and a block inside one chunk (one box of rows)."""
+    if not _TMA or block_n > c or not k_cache.is_contiguous():
+        return False
+    if q.is_cuda:
+        return _sm90_plus(q.device.index) and k_cache.data_ptr() % 16 == 0
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 @functools.lru_cache(maxsize=None)
-def _has_pdl(device_index: int) -> bool:
+def _sm90_plus(device_index: int) -> bool:
     """Programmatic dependent launch needs sm90+ (asked once per device: tpp_decode runs per layer)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
@@ -452,17 +513,24 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     # to complete (gdc_wait) after its own streaming, before it folds phase-1 partials; all of
     # them wait, so phase 2 completes after phase 1 and the merge (and whatever follows),
     # launched plainly, after both. (The merge launched early too measured slower.)
-    pdl = _PDL and q.is_cuda and _has_pdl(q.device.index)
+    pdl = _PDL and q.is_cuda and _sm90_plus(q.device.index)
     n = len(plan.launches)
-    for i, (first, programs, block_m, live) in enumerate(plan.launches):
+    for i, (first, programs, block_m, live, phase) in enumerate(plan.launches):
+        cfg = _launch_config(d, block_m, q.element_size(), live, plan.lean_phase1 and phase == 1)
+        # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase
+        # 2: MHA's one-buffer phase-2 tile measured 2-3 % slower (each copy's wait exposed), GQA's
+        # on par.
+        kd = vd = None
+        if phase != 2 and _use_tma(q, k_cache, c, cfg["BLOCK_N"]):
+            kd, vd = (TensorDescriptor.from_tensor(x.view(-1, d), [cfg["BLOCK_N"], d]) for x in (k_cache, v_cache))
         _attend_kernel[(programs, hkv)](
-            q, k_cache, v_cache, out, plan.part_o, plan.part_lse, first, plan.items, plan.chunks,
+            q, k_cache, v_cache, kd, vd, out, plan.part_o, plan.part_lse, first, plan.items, plan.chunks,
             plan.seq_lens, plan.slot_list, scale,
             q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
             G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
-            LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0,
-            **_launch_config(d, block_m, q.element_size(), live),
-            **(dict(launch_pdl=True) if pdl and i > 0 else {}))
+            LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0, TMA=kd is not None,
+            TAIL=phase != 1,  # phase-1 pieces read whole chunks
+            **cfg, **(dict(launch_pdl=True) if pdl and i > 0 else {}))
     if plan.merge_items.shape[0]:
         _merge_kernel[(plan.merge_items.shape[0], hq)](
             out, plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1),

@@ -133,9 +133,9 @@ def test_phases_in_one_or_two_launches(monkeypatch, split):
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
     q, k, v, tables, lens = make_case(15, torch.float16, 64, 4, 16, 12, depth=3)
     plan = plan_for(q, k, tables, lens, target_programs=64)
-    assert [(m, live) for _, _, m, live in plan.launches] == ([(64, 64), (16, 4)] if split else [(64, 64)])
+    assert [launch[2:] for launch in plan.launches] == ([(64, 64, 1), (16, 4, 2)] if split else [(64, 64, 0)])
     phases = plan.items[:, 0].tolist()
-    launched = [phases[a:a + n] for a, n, _, _ in plan.launches]
+    launched = [phases[a:a + n] for a, n, *_ in plan.launches]
     assert sum(map(len, launched)) == len(phases) > len(plan.tree.segments) + len(tables)  # cut
     assert launched == ([[1] * phases.count(1), [2] * phases.count(2)] if split else [phases])
     check(q, k, v, tables, lens, plan)
@@ -179,6 +179,65 @@ def test_items_a_little_over_the_target_stay_whole(monkeypatch):
     plan = plan_for(q, k, tables, lens, target_programs=8)
     assert plan.programs == 8 and plan.merge_items.shape[0] == 4
     check(q, k, v, tables, lens, plan)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("dtype,head_dim,c", [(torch.float16, 128, 64), (torch.bfloat16, 64, 128),
+                                              (torch.float16, 256, 32)])
+def test_blocks_by_tma_or_by_pointers(monkeypatch, dtype, head_dim, c, split):
+    # K/V blocks through TMA descriptors (BLOCK_N <= c: a box of rows inside a chunk, several
+    # boxes per chunk when c > BLOCK_N) give what the masked pointer loads give: phase 1's whole
+    # chunks, and with both phases in one launch also the rows' private runs (partial tail
+    # blocks masked)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    q, k, v, tables, lens = make_case(17, dtype, head_dim, 4, c, 6, depth=3)
+    assert any(n % c for n in lens)  # partial tails
+    plan = plan_for(q, k, tables, lens, target_programs=16)
+    assert plan.phase_items(1) >= len(plan.tree.segments) > 0 and len(plan.launches) == (2 if split else 1)
+    made = []
+    real = tpp.TensorDescriptor.from_tensor
+    monkeypatch.setattr(tpp.TensorDescriptor, "from_tensor", lambda *a: made.append(a) or real(*a))
+    by_tma = check(q, k, v, tables, lens, plan)
+    assert len(made) == 2 and made[0][1][0] <= c  # K and V, for the launch holding phase 1
+    monkeypatch.setattr(tpp, "_TMA", False)
+    by_ptr = check(q, k, v, tables, lens, plan)
+    assert len(made) == 2
+    torch.testing.assert_close(by_tma, by_ptr, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tma,split", [(True, True), (True, False), (False, True)])
+def test_slots_past_a_rows_length_are_never_read(monkeypatch, tma, split):
+    # a tail chunk's slots past the row's length (and unused chunks) hold NaN: the output must
+    # not see them (p = 0 times a NaN value is NaN, so V must be masked, not only the scores).
+    # One launch for both phases: tails by TMA
+    monkeypatch.setattr(tpp, "_TMA", tma)
+    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    q, k, v, tables, lens = make_case(18, torch.float16, 128, 4, 64, 6, depth=3)
+    used = torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool)
+    for table, n in zip(tables, lens):
+        for j, cid in enumerate(table):
+            used[cid, :max(0, min(64, n - 64 * j))] = True
+    assert not used.all()
+    for cache in (k, v):  # [chunk, slot] of every KV head
+        cache.transpose(1, 2)[~used.to(cache.device)] = float("nan")
+    got = check(q, k, v, tables, lens, plan_for(q, k, tables, lens, target_programs=16))
+    assert torch.isfinite(got).all()
+
+
+def test_phase1_tiles_launch_lean_beside_a_long_phase2():
+    # 32 rows, G = 4, one shared segment: two 64-vector row tiles. Phase 2 reading 16x the
+    # chunks phase 1 does makes phase 1's tiles lean (one K/V buffer less); 2x does not
+    def plan(shared, private):
+        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
+                  for r in range(32)]
+        return tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
+                              num_kv_heads=8, head_dim=128)
+    assert plan(8, 8).lean_phase1 and not plan(8, 1).lean_phase1 and not plan(8, 0).lean_phase1
+    assert not plan(0, 8).lean_phase1  # nothing shared
+    full, lean = (tpp._launch_config(128, 64, 2, 64, lean) for lean in (False, True))
+    assert (full["num_stages"], lean["num_stages"]) == (3, 2)
+    assert tpp._launch_config(128, 32, 2, 32, True)["num_stages"] == 3  # MHA's tile leaves room already
 
 
 def test_seq_lens_bump_in_place():
