@@ -101,9 +101,12 @@ class TppPlan:
     slot_list: Tensor  # int32 partial slots: a piece with slot s >= 0 stores its row r to slot_list[s + r]
     merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
     block_p: int  # partials the merge folds per step (most a row has, a power of two <= 16)
-    # phase 2 reads over _LEAN_RATIO times the chunks phase 1 does (chunks times row tiles): its
-    # tiles launch lean, so that phase-2 programs fit beside them (see _launch_config)
+    # Tiles launched lean: one K/V buffer less, so more programs fit on a multiprocessor (see
+    # _launch_config). Phase 1 where phase 2 reads _LEAN_RATIO times its chunks or more (phase-2
+    # programs then fit beside phase 1's); phase 2 where, beside a phase 1, its programs would
+    # not fit in one wave otherwise.
     lean_phase1: bool
+    lean_phase2: bool
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
 
@@ -245,6 +248,10 @@ def build_plan(
             slot_list.append(nxt[r0])
             nxt[r0] += 1
 
+    reads = {1: 0, 2: 0}  # chunks each phase reads (phase 1: times its row tiles)
+    for i, _, n in pieces:
+        reads[whole[i][0]] += n
+
     def i32(rows, width=None):
         t = torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, width) if width else
                              np.array(rows, dtype=np.int32))
@@ -264,8 +271,9 @@ def build_plan(
         launches=tuple(launches),
         merge_items=i32(merge_items, _MERGE_FIELDS),
         block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
-        lean_phase1=sum(n for i, _, n in pieces if whole[i][0] == 2) >= _LEAN_RATIO * sum(
-            n for i, _, n in pieces if whole[i][0] == 1) > 0,
+        lean_phase1=reads[2] >= _LEAN_RATIO * reads[1] > 0,
+        lean_phase2=bool(reads[1]) and g > 1 and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces) > (
+            _num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
         part_lse=torch.empty(slots, num_q_heads, **f32),
     )
@@ -454,16 +462,22 @@ def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.conste
 def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int, lean: bool = False) -> dict:
     """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel for a query tile of
     block_m vectors, at most `live` of them real (``python -m kernels.bench sweep`` compares others).
-    lean: a phase-1 tile beside a much longer phase 2 (``TppPlan.lean_phase1``)."""
+    lean: one K/V buffer less where that helps more programs fit (``TppPlan.lean_phase1/2``)."""
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
     else:
-        # one real query vector (MHA phase 2): a single K/V buffer and more programs per SM
-        # measured faster on the H200 than two buffers. A lean 64-vector phase-1 tile: one K/V
-        # buffer less (82 instead of 115 KB of shared memory) lets two phase-2 programs start
-        # beside each phase-1 program (GQA 4096/2048: 90 -> 77 us), where phase 1 is a small
-        # part of the step; a fully shared step loses 15 % by it.
-        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 or (lean and block_m >= 64) else 3)
+        # One real query vector (MHA phase 2): a single K/V buffer and more programs per SM
+        # measured faster on the H200 than two buffers. Lean, on the H200:
+        # - a 64-vector phase-1 tile (82 instead of 115 KB of shared memory) lets two phase-2
+        #   programs start beside each phase-1 program: GQA 4096/2048 90 -> 77 us, where phase
+        #   1 is a small part of the step (a fully shared step loses 15 % by it);
+        # - a GQA phase-2 tile (5 instead of 3 programs per SM) after a phase 1, where its
+        #   programs would otherwise need a second wave: batch 64 / 128 / 256 at n_s = 2048
+        #   46 / 63 / 99 -> 38 / 59 / 98 us, the 128-row 3-level tree 69 -> 65 us (with one
+        #   wave it measured 0-12 % slower either way).
+        # The 32-vector MHA phase-1 tile leaves room beside it already (lean: no faster).
+        lean = lean and (live < block_m or block_m >= 64)
+        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 or lean else 3)
     # K and V tiles of every stage in shared memory: keep them under 128 KB (fp32 caches)
     per_stage = 2 * cfg["BLOCK_N"] * head_dim * elem_bytes
     cfg["num_stages"] = max(1, min(cfg["num_stages"], (128 << 10) // per_stage))
@@ -479,6 +493,16 @@ def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
     if q.is_cuda:
         return _sm90_plus(q.device.index) and k_cache.data_ptr() % 16 == 0
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) -> int:
+    """How many attend programs of this tile fit on an sm90 multiprocessor by shared memory (227
+    KB, 1 KB of it per program for the driver): the K/V buffers (num_stages - 1 of [BLOCK_N, D]
+    each), q and p tiles (matches ``python -m kernels.sm90_report`` for the 16-row tiles)."""
+    cfg = _launch_config(head_dim, block_m, elem_bytes, live)
+    bn, stages = cfg["BLOCK_N"], cfg["num_stages"]
+    smem = (max(1, stages - 1) * 2 * bn * head_dim + block_m * head_dim + block_m * bn) * elem_bytes
+    return max(1, (227 << 10) // (smem + 1024))
 
 
 @functools.lru_cache(maxsize=None)
@@ -516,7 +540,8 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     pdl = _PDL and q.is_cuda and _sm90_plus(q.device.index)
     n = len(plan.launches)
     for i, (first, programs, block_m, live, phase) in enumerate(plan.launches):
-        cfg = _launch_config(d, block_m, q.element_size(), live, plan.lean_phase1 and phase == 1)
+        lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
+        cfg = _launch_config(d, block_m, q.element_size(), live, lean)
         # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase
         # 2: MHA's one-buffer phase-2 tile measured 2-3 % slower (each copy's wait exposed), GQA's
         # on par.

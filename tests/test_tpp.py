@@ -225,19 +225,28 @@ def test_slots_past_a_rows_length_are_never_read(monkeypatch, tma, split):
     assert torch.isfinite(got).all()
 
 
-def test_phase1_tiles_launch_lean_beside_a_long_phase2():
+def test_lean_tiles(monkeypatch):
     # 32 rows, G = 4, one shared segment: two 64-vector row tiles. Phase 2 reading 16x the
     # chunks phase 1 does makes phase 1's tiles lean (one K/V buffer less); 2x does not
-    def plan(shared, private):
+    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+
+    def plan(shared, private, rows=32):
         tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
-                  for r in range(32)]
-        return tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
+                  for r in range(rows)]
+        return tpp.build_plan(tables, [64 * (shared + private)] * rows, 64, "cpu", num_q_heads=32,
                               num_kv_heads=8, head_dim=128)
     assert plan(8, 8).lean_phase1 and not plan(8, 1).lean_phase1 and not plan(8, 0).lean_phase1
     assert not plan(0, 8).lean_phase1  # nothing shared
     full, lean = (tpp._launch_config(128, 64, 2, 64, lean) for lean in (False, True))
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
     assert tpp._launch_config(128, 32, 2, 32, True)["num_stages"] == 3  # MHA's tile leaves room already
+    # phase 2 lean where, after a phase 1, its programs (rows x 8 KV heads) would not fit one
+    # wave of 3 per multiprocessor: 64 rows do not, 32 do
+    assert tpp._programs_per_sm(128, 16, 2, 4) == 3
+    assert plan(32, 4, rows=64).lean_phase2 and not plan(32, 4).lean_phase2
+    assert not plan(0, 4, rows=64).lean_phase2  # without a phase 1: not measured, not lean
+    full, lean = (tpp._launch_config(128, 16, 2, 4, lean) for lean in (False, True))
+    assert (full["num_stages"], lean["num_stages"]) == (3, 2)
 
 
 def test_seq_lens_bump_in_place():
