@@ -11,7 +11,8 @@ per layer (DESIGN §4, ChunkAttention):
     phase 2, sequence-first: a run of one row's private chunks (the tail chunk masked to the
       row's length).
   Either way the piece's rows times the G query heads of the KV head form one [M, D] query
-  matrix (GQA folded into M) that streams the chunks once with ``tl.dot`` (fp32 accumulation).
+  matrix (GQA folded into M) that streams the chunks once with ``tl.dot`` (fp32 accumulation);
+  on sm90+ phase 1 streams its K/V blocks by TMA (tensor descriptors over the cache's rows).
   One kernel serves both phases; by default each phase is its own launch with its own M (rows *
   G for phase 1, G for phase 2: a phase-2 piece in phase 1's tile wastes its exps and MMAs). On
   sm90+ the phase-2 launch starts while phase 1 runs (programmatic dependent launch) and waits
@@ -488,7 +489,8 @@ def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
     """Whether whole K/V blocks can come through TMA descriptors over the caches' [chunks * Hkv
     * c, D] row view: sm90+ (or the interpreter, for tests), the caches contiguous (the view
     exists) and a block inside one chunk (one box of rows)."""
-    if not _TMA or block_n > c or not k_cache.is_contiguous():
+    # (box coordinates are int32 rows)
+    if not _TMA or block_n > c or not k_cache.is_contiguous() or k_cache.numel() // k_cache.shape[-1] >= 2**31:
         return False
     if q.is_cuda:
         return _sm90_plus(q.device.index) and k_cache.data_ptr() % 16 == 0
@@ -507,7 +509,7 @@ def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) ->
 
 @functools.lru_cache(maxsize=None)
 def _sm90_plus(device_index: int) -> bool:
-    """Programmatic dependent launch needs sm90+ (asked once per device: tpp_decode runs per layer)."""
+    """Programmatic dependent launch and TMA need sm90+ (asked once per device: tpp_decode runs per layer)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
