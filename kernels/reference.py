@@ -166,8 +166,9 @@ class TreePlan:
     seq_lens: valid tokens per row. segments: in DFS pre-order (by row_start, then position); a
     deeper segment's row range nests inside its ancestor's. private_chunks[r]: row r's chunk ids
     not covered by any segment, in sequence order; private_lens[r]: valid tokens in each (only the
-    last one can be partial); private_positions[r]: their positions in the row's chunk table.
-    Every (row, position < ceil(seq_len / c)) is covered exactly once.
+    last nonempty one can be partial; built with `reserved`, empty ones may follow it: chunks the
+    row grows into); private_positions[r]: their positions in the row's chunk table. Every (row,
+    position < ceil(seq_len / c)) is covered exactly once.
     """
 
     seq_lens: tuple[int, ...]
@@ -186,14 +187,16 @@ class TreePlan:
 
 
 def build_tree_plan(
-    chunk_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], chunk_size: int
+    chunk_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], chunk_size: int, *, reserved: bool = False
 ) -> TreePlan:
     """Plan two-phase partition decode for a batch whose rows are in prefix-tree DFS order.
 
-    chunk_tables[r]: row r's chunk ids in order (entries past ceil(seq_lens[r] / c) are ignored,
-    e.g. a reserved next chunk). Raises ValueError if a table is too short for its length, or if
-    the rows holding some chunk id at some position are not contiguous (the batch is not in DFS
-    order, so that chunk cannot be read once for one row range).
+    chunk_tables[r]: row r's chunk ids in order. Entries past ceil(seq_lens[r] / c) (reserved
+    chunks the row will grow into) are ignored, or with `reserved` appended to the row's private
+    chunks with 0 valid tokens: a plan that stays valid while rows grow inside their tables (the
+    lengths bumped, see ``TreePlan``). Raises ValueError if a table is too short for its length,
+    or if the rows holding some chunk id at some position are not contiguous (the batch is not in
+    DFS order, so that chunk cannot be read once for one row range).
 
     At position p, a maximal contiguous run of >= 2 rows holding the same chunk id, full for each
     of them ((p + 1) * c <= seq_len), shares it; a row for which the chunk is partial only reads a
@@ -255,8 +258,12 @@ def build_tree_plan(
         return tuple(tuple(values[i:j]) for i, j in bounds)
 
     tokens = np.minimum(c, np.array(lens, dtype=np.int64)[rows] - pos * c)
-    return TreePlan(lens, tuple(segments), per_row(ids[rows, pos].tolist()), per_row(tokens.tolist()),
-                    per_row(pos.tolist()))
+    chunks, counts, places = per_row(ids[rows, pos].tolist()), per_row(tokens.tolist()), per_row(pos.tolist())
+    if reserved:  # each row's entries past its length: private, empty for now
+        chunks = tuple(ids_r + tuple(t[n:]) for ids_r, t, n in zip(chunks, chunk_tables, need))
+        counts = tuple(k + (0,) * (len(t) - n) for k, t, n in zip(counts, chunk_tables, need))
+        places = tuple(p + tuple(range(n, len(t))) for p, t, n in zip(places, chunk_tables, need))
+    return TreePlan(lens, tuple(segments), chunks, counts, places)
 
 
 def _check_contiguous(ids: np.ndarray, used: np.ndarray) -> None:
@@ -327,6 +334,8 @@ def tpp_decode_ref(
     m = qf.new_full((b, hkv, g), float("-inf"))
     n = qf.new_zeros(b, hkv, g)
     for r, (ids, lens) in enumerate(zip(plan.private_chunks, plan.private_lens)):
+        while lens and lens[-1] == 0:  # reserved chunks past the row's length
+            ids, lens = ids[:-1], lens[:-1]
         if not ids:
             continue
         if any(x != c for x in lens[:-1]) or not 0 < lens[-1] <= c:

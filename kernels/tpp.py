@@ -83,9 +83,10 @@ class TppPlan:
     """Device work lists for one decode batch; reused by every layer until the tree changes.
 
     ``seq_lens: [B]`` int32 may be bumped in place between steps (``plan.seq_lens += 1``) as
-    long as every row's new tokens stay inside its last (private, reserved) chunk; anything else
-    (a row joins or leaves, a tail chunk fills) needs a new plan. The partial buffers belong to
-    the plan, so one plan serves one stream at a time.
+    long as every row's new tokens stay inside the private chunks the plan covers: its partial
+    tail chunk, and with ``build_plan(reserved=True)`` the reserved chunks of its table past its
+    length. Anything else (a row joins or leaves, grows past them) needs a new plan. The partial
+    buffers belong to the plan, so one plan serves one stream at a time.
     """
 
     tree: TreePlan
@@ -154,6 +155,7 @@ def build_plan(
     head_dim: int,
     target_programs: int | None = None,
     tree: TreePlan | None = None,
+    reserved: bool = False,
 ) -> TppPlan:
     """Plan TPP decode for a batch whose rows are in prefix-tree DFS order.
 
@@ -162,7 +164,9 @@ def build_plan(
     The heads fix the phase-1 row tiles (rows * G query vectors per tile); ``target_programs``
     (default: ``_PROGRAMS_PER_SM`` per multiprocessor) is how many attend programs, over all KV
     heads, the work is cut into at least, no piece shorter than ``_MIN_PIECE_TOKENS`` tokens
-    unless its whole item is. ``tree``: ``build_tree_plan`` of the same tables, if already at hand.
+    unless its whole item is. ``tree``: ``build_tree_plan`` of the same tables (and `reserved`),
+    if already at hand. `reserved`: the rows' table entries past their lengths are read too
+    (masked by ``seq_lens``), so the plan stays valid while the rows grow into them.
     """
     device = torch.device(device)
     if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
@@ -172,7 +176,7 @@ def build_plan(
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
     if tree is None:
-        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size)
+        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size, reserved=reserved)
     c, g, hkv = chunk_size, num_q_heads // num_kv_heads, num_kv_heads
     b = len(tree.seq_lens)
 
@@ -395,7 +399,8 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
                 mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_M, D]
     # only a row's last chunk can be partial (phase 2; phase 1 has end 0): cut the tokens past
     # seq_len off this piece
-    n_tok = nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0)
+    # (none at all for a piece of reserved chunks past it: a plan built with `reserved`)
+    n_tok = tl.maximum(nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0), 0)
     acc, m_i, l_i = _attend(q, K, V, Kd, Vd, Chunks + chunk0, cid0, n_tok, kv, stride_kc, stride_kh, qk_scale,
                             BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC, TMA, TAIL)
     if EARLY:  # started before the launch before completed: past this point it has

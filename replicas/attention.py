@@ -9,10 +9,13 @@ Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton)
 `kernels.reference` on the CPU. On CUDA a batch with nothing shared and grouped-query heads
 decodes through FlashInfer's tensor-core paged decode instead when flashinfer is installed
 (`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`).
-The decode plan lives as long as the tree's shape ("lazy context"): a step whose decode rows
-are the same sequences with the same chunk tables as the last step's only advances every row's
-length by one; a row joining or leaving, or a tail chunk filling (a new chunk in a table),
-rebuilds it. Prefill uses the plain-torch reference until the
+The decode plan lives as long as the batch's chunk tables ("lazy context"): it covers each
+row's whole table, the chunks reserved past its length included (the scheduler reserves them
+ahead, for all rows together), so a step whose decode rows are the same sequences with the same
+tables as the last step's only advances every row's length by one, tail fills included. A row
+joining or leaving, or a table that grew or changed (a filled chunk deduplicated on insertion),
+rebuilds it. FlashInfer's plans list only the chunks in use, so they are also rebuilt when a
+row's tail fills. Prefill uses the plain-torch reference until the
 FlashInfer prefill path lands.
 """
 
@@ -92,17 +95,20 @@ class Attention:
         if not batch.decodes:
             self._signature = self._decode_plan = None
             return None
-        # same rows, same chunk tables => each row advanced one token inside its private tail
-        signature = tuple((s.arrival, len(s.nodes), len(s.private)) for s in batch.decodes)
-        if signature == self._signature:
+        # same rows, same chunk tables => each row advanced one token inside its table
+        c = self.pool.chunk_size
+        signature = tuple((s.arrival, s.table_version, len(s.nodes) + len(s.private)) for s in batch.decodes)
+        # FlashInfer's page lists stop at each row's last chunk in use
+        fi_signature = signature + tuple(-(-(s.num_computed + 1) // c) for s in batch.decodes)
+        fi = isinstance(self._decode_plan, fi_decode.FiPlan)
+        if (fi_signature if fi else signature) == self._signature:
             self._decode_plan = self._bump(self._decode_plan)
             return self._decode_plan
         tables = [s.chunk_table for s in batch.decodes]
         lens = [s.num_computed + 1 for s in batch.decodes]  # + the token this step writes
-        c = self.pool.chunk_size
-        tree = reference.build_tree_plan(tables, lens, c)
+        tree = reference.build_tree_plan(tables, lens, c, reserved=True)
         if self._fi is not None and not tree.segments:  # nothing shared: FlashInfer's paged decode
-            plan = self._fi.plan(tables, lens)
+            plan, signature = self._fi.plan(tables, lens), fi_signature
             self.fallback_plans += 1
         elif self.backend == "triton":
             plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
@@ -119,10 +125,17 @@ class Attention:
         if self.backend == "triton":
             plan.seq_lens.add_(1)  # on the device, in place
             return plan
-        # the new token lands in each row's last chunk, which is private (a partial tail)
+        # the new token (position n) lands in the row's private chunk at table position n // c
+        c = self.pool.chunk_size
+
+        def grown(lens: tuple[int, ...], places: tuple[int, ...], n: int) -> tuple[int, ...]:
+            i = places.index(n // c)
+            return lens[:i] + (lens[i] + 1,) + lens[i + 1:]
+
         return dataclasses.replace(
             plan, seq_lens=tuple(n + 1 for n in plan.seq_lens),
-            private_lens=tuple(pl[:-1] + (pl[-1] + 1,) for pl in plan.private_lens))
+            private_lens=tuple(grown(pl, pp, n) for pl, pp, n in
+                               zip(plan.private_lens, plan.private_positions, plan.seq_lens)))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
         if isinstance(plan, fi_decode.FiPlan):

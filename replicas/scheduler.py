@@ -70,6 +70,7 @@ class Scheduler:
         for cid in seq.private:
             self.tree.pool.free(cid)
         seq.nodes, seq.private, seq.num_computed = [], [], 0
+        seq.table_version += 1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -98,12 +99,30 @@ class Scheduler:
             assert cid is not None, "availability was checked"
             seq.private.append(cid)
 
+    def _reserve_ahead(self, decodes: list[Sequence]) -> None:
+        """Give every decode row with less than a chunk of room past this step's token one more
+        chunk, all together at a step where some row needed a new chunk anyway.
+
+        The decode plan covers each row's whole table (reserved chunks included) and is rebuilt
+        only when a table changes, so rows growing in step rebuild it about once per chunk of
+        tokens instead of at every step where some row's tail fills (every step once the batch
+        holds a chunk's worth of rows at staggered lengths). Costs at most one chunk per row,
+        and only from chunks beyond the one per running sequence that admission keeps in hand.
+        """
+        for seq in decodes:
+            room = (len(seq.nodes) + len(seq.private)) * self.c - (seq.num_computed + 1)
+            if room < self.c and self.tree.num_available > len(self.running):
+                cid = self.tree.alloc()
+                assert cid is not None, "availability was checked"
+                seq.private.append(cid)
+
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> Batch:
         self.now += 1
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
+        grew = False  # some decode row needed a new chunk this step
         for decoding in (True, False):
             for seq in list(self.running):
                 if seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
@@ -118,9 +137,12 @@ class Scheduler:
                         break
                 if seq.status is Status.RUNNING:
                     n = min(seq.num_pending, budget, self._coverable(seq, 0))
+                    grew |= decoding and self._chunks_needed(seq, n) > 0
                     self._grow(seq, n)
                     planned[seq] = n
                     budget -= n
+        if grew:
+            self._reserve_ahead([s for s, n in planned.items() if s.num_pending == 1 and n == 1])
         # after a preemption the pool is short: admitting now would only thrash
         admit = self.num_preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -139,10 +161,12 @@ class Scheduler:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
-        # DFS order = lexicographic order of root-to-leaf node-id paths
-        keyed = sorted(((tuple(node.id for node in s.nodes), s) for s in batch.decodes), key=lambda e: e[0])
-        batch.decodes = [s for _, s in keyed]
-        self.last_decode_paths = [k for k, _ in keyed]  # for PrefixTree.check
+        # DFS order (the rows holding any node contiguous): sorted by each row's run of nodes
+        # that more than one live sequence holds (a prefix of its path: a node's ancestors are
+        # held at least as often), then arrival. Nodes only the row holds stay out of the key,
+        # so a tail chunk entering the tree does not reorder the batch (and rebuild the plan).
+        batch.decodes.sort(key=lambda s: (tuple(n.id for n in s.nodes if n.ref > 1), s.arrival))
+        self.last_decode_paths = [tuple(n.id for n in s.nodes) for s in batch.decodes]  # for PrefixTree.check
         return batch
 
     def _admit(self, seq: Sequence, budget: int) -> int:
@@ -180,4 +204,7 @@ class Scheduler:
             k = len(seq.nodes)
             tokens = tuple(seq.token_at(i) for i in range(k * c, (k + 1) * c))
             parent = seq.nodes[-1] if seq.nodes else self.tree.root
-            seq.nodes.append(self.tree.insert(parent, tokens, seq.private.pop(0), self.now))
+            cid = seq.private.pop(0)
+            seq.nodes.append(self.tree.insert(parent, tokens, cid, self.now))
+            if seq.nodes[-1].chunk_id != cid:  # deduplicated: the table changed in place
+                seq.table_version += 1

@@ -55,6 +55,9 @@ class Sequence:
     # filled that are not in the tree yet (the partial tail, or full ones awaiting insertion)
     nodes: list[Node] = field(default_factory=list)
     private: list[int] = field(default_factory=list)
+    # bumped whenever a chunk id already in the table changes (a filled chunk deduplicated on
+    # its way into the tree, the table dropped): with the table's length, what decode plans key on
+    table_version: int = 0
     num_cached_prompt: int | None = None  # prompt tokens served from the cache at first admission
     finish_reason: str | None = None
 

@@ -1,5 +1,6 @@
-"""Decode plans live as long as the tree's shape: rebuilt when rows join/leave or a tail chunk
-fills, only bumped otherwise; the Triton backend gives the reference backend's tokens."""
+"""Decode plans live as long as the batch's chunk tables: rebuilt when rows join/leave or a
+table grows (the scheduler reserves a chunk ahead for every decode row at once), only bumped
+otherwise, tail fills included; the Triton backend gives the reference backend's tokens."""
 
 import torch
 
@@ -17,10 +18,23 @@ def test_decode_plan_is_rebuilt_only_when_the_tree_changes():
     engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=2048, attention_backend="reference")
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     engine.generate(prompts(), params)
-    # step 1 prefills all four; 29 decode steps feed positions 37..65 together; the rows' tails
-    # fill at 48 and 64, so plans are built at 37, 48 and 64 and bumped in the 26 other steps
+    # step 1 prefills all four; 29 decode steps feed positions 37..65 together. Position 48
+    # needs a fourth chunk: every row gets it and a fifth (reserved), so plans are built at 37
+    # and 48, and bumped in the 27 other steps (the tail filling at 64 included)
     assert engine.stats()["steps"] == 30
-    assert engine.attention.plan_builds == 3
+    assert engine.attention.plan_builds == 2
+
+
+def test_staggered_rows_rebuild_about_once_per_chunk_of_tokens():
+    # 8 rows at 8 different lengths: some row's tail fills every other step. Growth is
+    # synchronised, so the plan is rebuilt only when some row runs out of reserved room
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=4096, attention_backend="reference")
+    ps = [SHARED + [i] * (3 + 2 * i) for i in range(8)]
+    engine.generate(ps, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+    steps = engine.stats()["steps"]
+    fills = sum(len(range(len(p) // 16 + 1, (len(p) + 63) // 16 + 1)) for p in ps)  # tail fills while decoding
+    assert fills >= 24
+    assert engine.attention.plan_builds <= 2 + steps // 12, (engine.attention.plan_builds, steps)
 
 
 def test_triton_backend_matches_reference_backend():

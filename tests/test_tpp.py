@@ -249,6 +249,28 @@ def test_lean_tiles(monkeypatch):
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma):
+    # a plan built with reserved=True covers every row's chunks past its length (the engine
+    # reserves one ahead): bumping the lengths across chunk boundaries needs no new plan
+    monkeypatch.setattr(tpp, "_TMA", tma)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    q, k, v, tables, lens = make_case(19, torch.float16, 64, 4, 16, 7, depth=3)
+    spare = k.shape[0]
+    tables = [t[:-(-n // 16)] + [spare + r] for r, (t, n) in enumerate(zip(tables, lens))]  # one reserved each
+    k, v = (torch.cat([x, torch.full_like(x[:len(tables)], float("nan"))]) for x in (k, v))  # never written yet
+    plan = plan_for(q, k, tables, lens, target_programs=24, reserved=True)
+    for step in (0, 3, 7, 12, 19):
+        grown = [min(n + step, len(t) * 16) for t, n in zip(tables, lens)]
+        for r, (t, n, n0) in enumerate(zip(tables, grown, lens)):  # the new tokens' K/V written
+            for pos in range(n0, n):
+                for cache in (k, v):
+                    cache[t[pos // 16], :, pos % 16] = torch.randn(cache.shape[1], cache.shape[3]).to(cache)
+        plan.seq_lens.copy_(torch.tensor(grown, dtype=torch.int32))
+        check(q, k, v, tables, grown, plan)
+    assert any(g > len(t) * 16 - 16 for t, g in zip(tables, grown))  # some row reached its reserved chunk
+
+
 def test_seq_lens_bump_in_place():
     q, k, v, tables, lens = make_case(13, torch.float32, 64, 1, 16, 8)
     plan = plan_for(q, k, tables, lens)
