@@ -1,8 +1,13 @@
 """Engine throughput on a shared-prefix batch: `python -m replicas.bench [options]` prints one JSON
-line per attention backend (prefill seconds, decode tokens/s from the second decode step on, KV
-chunks in use).
+line per attention backend and run (prefill seconds, decode tokens/s from the second decode step
+on, KV chunks in use, decode plans built).
 
     python -m replicas.bench --model llama3-8b --batch 64 --prefix 2048 --suffix 64 --max-tokens 64
+    python -m replicas.bench ... --stagger --repeat 2   # rows' tails at staggered offsets; the
+                                                        # second run finds every kernel compiled
+
+--stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
+fill at different steps (as in a live batch) rather than all at once.
 """
 
 from __future__ import annotations
@@ -24,7 +29,8 @@ def run(args: argparse.Namespace, backend: str) -> dict:
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     for i in range(args.batch):
-        engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(args.suffix)],
+        suffix = args.suffix + (7 * i % args.chunk_size if args.stagger else 0)
+        engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(suffix)],
                            SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
@@ -46,6 +52,7 @@ def run(args: argparse.Namespace, backend: str) -> dict:
     s = engine.stats()
     return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
             "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
+            "stagger": args.stagger,
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
@@ -67,9 +74,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunk-size", type=int, default=64)
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     args = ap.parse_args(argv)
     for backend in args.backend or ["auto"]:
-        print(json.dumps(run(args, backend)), flush=True)
+        for k in range(args.repeat):
+            print(json.dumps(dict(run(args, backend), run=k)), flush=True)
 
 
 if __name__ == "__main__":
