@@ -165,9 +165,17 @@ class Scheduler:
         # that more than one live sequence holds (a prefix of its path: a node's ancestors are
         # held at least as often), then arrival. Nodes only the row holds stay out of the key,
         # so a tail chunk entering the tree does not reorder the batch (and rebuild the plan).
-        batch.decodes.sort(key=lambda s: (tuple(n.id for n in s.nodes if n.ref > 1), s.arrival))
-        self.last_decode_paths = [tuple(n.id for n in s.nodes) for s in batch.decodes]  # for PrefixTree.check
+        batch.decodes.sort(key=self._decode_order)
+        self.last_decode_paths = [s.path_ids() for s in batch.decodes]  # for PrefixTree.check
         return batch
+
+    @staticmethod
+    def _decode_order(seq: Sequence) -> tuple[tuple[int, ...], int]:
+        # the shared run is a prefix of the path: scan back over the row's own nodes only
+        k = len(seq.nodes)
+        while k and seq.nodes[k - 1].ref <= 1:
+            k -= 1
+        return seq.path_ids()[:k], seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the cache, reserve chunks for a first piece (as much of the prompt as the budget

@@ -59,6 +59,7 @@ class Sequence:
     # its way into the tree, the table dropped): with the table's length, what decode plans key on
     table_version: int = 0
     num_cached_prompt: int | None = None  # prompt tokens served from the cache at first admission
+    _path: tuple = field(default=(None, ()), repr=False)  # path_ids() cache: ((len, version), ids)
     finish_reason: str | None = None
 
     @property
@@ -73,6 +74,16 @@ class Sequence:
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next one can be sampled."""
         return self.num_tokens - self.num_computed
+
+    def path_ids(self) -> tuple[int, ...]:
+        """The node ids of the sequence's tree path (cached: the scheduler sorts rows by them
+        every step). `nodes` is set at admission, when it was empty (new, or released: a release
+        bumps table_version), and only grows by appends after that, so (length, version) names
+        its contents."""
+        key = (len(self.nodes), self.table_version)
+        if self._path[0] != key:
+            self._path = (key, tuple(n.id for n in self.nodes))
+        return self._path[1]
 
     @property
     def chunk_table(self) -> list[int]:
