@@ -381,7 +381,7 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
                 tpp._PROGRAMS_PER_SM = pps
                 tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
-                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if live == m and m > 16 else default(d, m, e, live))
+                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if live == m and m > 16 else default(d, m, e, live, lean))
                 notes = {}
                 us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
                 print(json.dumps(dict(sweep="phase1", **head, block_n=bn, warps=nw, stages=ns, programs_per_sm=pps,

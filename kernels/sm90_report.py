@@ -86,6 +86,7 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
     fit = min(_SMEM_BYTES // max(1, shared + 1024),  # + the driver's 1 KB per program
               _REGISTERS // (threads * _round_up(registers, 8)), _WARPS // cfg["num_warps"])
     return dict(dtype=dtype, head_dim=head_dim, g=g, c=c, block_m=block_m, live=live, tma=tma, **cfg, shared_bytes=shared,
+                planned_shared_bytes=tpp._shared_bytes(head_dim, block_m, elem, cfg),  # what build_plan assumes
                 registers=registers, kv_buffers=min(buffers) if buffers else 0, programs_per_sm=fit)
 
 

@@ -324,8 +324,6 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D)
-    kv_off = kv.to(tl.int64) * stride_kh
     if TMA:
         row_kc = stride_kc // D  # rows of the view per chunk (Hkv * C)
         row_kv = kv * (stride_kh // D)
@@ -336,7 +334,7 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
             cid_next = tl.load(chunks + (start + BLOCK_N) // C, mask=start + BLOCK_N < n_tok, other=0)
             row = cid * row_kc + row_kv + start % C
             acc, m_i, l_i = _step(q, Kd.load([row, 0]), Vd.load([row, 0]), offs_n, acc, m_i, l_i, qk_scale,
-                                  False, DOT_T, DOT_PREC)
+                                  False, DOT_T, DOT_PREC)  # whole block: no mask (offs_n unused)
             cid = cid_next
         if TAIL:
             if t0 < n_tok:  # a partial last block: slots past n_tok may hold any bits, NaN too (0 * NaN is NaN)
@@ -345,6 +343,8 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
                 v = tl.where(live[:, None], Vd.load([row, 0]), 0.0)
                 acc, m_i, l_i = _step(q, Kd.load([row, 0]), v, live, acc, m_i, l_i, qk_scale, True, DOT_T, DOT_PREC)
     else:
+        offs_d = tl.arange(0, D)
+        kv_off = kv.to(tl.int64) * stride_kh
         # each block's chunk ids are loaded one block ahead: K/V addresses that hang on a load
         # in the same iteration made Triton's pipeliner spend a stage on it and single-buffer
         # K and V
@@ -502,13 +502,18 @@ def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) -> int:
-    """How many attend programs of this tile fit on an sm90 multiprocessor by shared memory (227
-    KB, 1 KB of it per program for the driver): the K/V buffers (num_stages - 1 of [BLOCK_N, D]
-    each), q and p tiles (matches ``python -m kernels.sm90_report`` for the 16-row tiles)."""
-    cfg = _launch_config(head_dim, block_m, elem_bytes, live)
+def _shared_bytes(head_dim: int, block_m: int, elem_bytes: int, cfg: dict) -> int:
+    """Shared memory of a pointer-loop attend tile under launch config cfg: the K/V buffers
+    (num_stages - 1 of [BLOCK_N, D] each), the q and p tiles. Exact for the 16-row tiles
+    (tests/test_sm90_report.py compares it with the sm90 compile)."""
     bn, stages = cfg["BLOCK_N"], cfg["num_stages"]
-    smem = (max(1, stages - 1) * 2 * bn * head_dim + block_m * head_dim + block_m * bn) * elem_bytes
+    return (max(1, stages - 1) * 2 * bn * head_dim + block_m * head_dim + block_m * bn) * elem_bytes
+
+
+def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) -> int:
+    """How many attend programs of this tile (its default config) fit on an sm90 multiprocessor
+    by shared memory: 227 KB, 1 KB of it per program for the driver."""
+    smem = _shared_bytes(head_dim, block_m, elem_bytes, _launch_config(head_dim, block_m, elem_bytes, live))
     return max(1, (227 << 10) // (smem + 1024))
 
 

@@ -78,14 +78,14 @@ class Attention:
         chunk_idx: list[int] = []
         prefills = []
         for i, (seq, n) in enumerate(batch.items):
-            table, start = seq.chunk_table, seq.num_computed
+            start = seq.num_computed
             if i >= len(batch.decodes):
-                prefills.append(PrefillSpan(len(positions), n, start, tuple(table)))
+                prefills.append(PrefillSpan(len(positions), n, start, tuple(seq.chunk_table)))
             positions.extend(range(start, start + n))
             while n:  # the run of positions in each chunk
                 k = start // c
                 take = min(n, (k + 1) * c - start)
-                chunk_idx += [table[k]] * take
+                chunk_idx += [seq.chunk_at(k)] * take
                 start, n = start + take, n - take
         new = torch.tensor([positions, chunk_idx], dtype=torch.long).to(self.device)  # [2, T]
         return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
@@ -97,27 +97,34 @@ class Attention:
             return None
         # same rows, same chunk tables => each row advanced one token inside its table
         c = self.pool.chunk_size
-        signature = tuple((s.arrival, s.table_version, len(s.nodes) + len(s.private)) for s in batch.decodes)
-        # FlashInfer's page lists stop at each row's last chunk in use
-        fi_signature = signature + tuple(-(-(s.num_computed + 1) // c) for s in batch.decodes)
-        fi = isinstance(self._decode_plan, fi_decode.FiPlan)
-        if (fi_signature if fi else signature) == self._signature:
+        signature = self._signature_of(batch.decodes, isinstance(self._decode_plan, fi_decode.FiPlan))
+        if signature == self._signature:
             self._decode_plan = self._bump(self._decode_plan)
             return self._decode_plan
         tables = [s.chunk_table for s in batch.decodes]
         lens = [s.num_computed + 1 for s in batch.decodes]  # + the token this step writes
         tree = reference.build_tree_plan(tables, lens, c, reserved=True)
         if self._fi is not None and not tree.segments:  # nothing shared: FlashInfer's paged decode
-            plan, signature = self._fi.plan(tables, lens), fi_signature
+            plan = self._fi.plan(tables, lens)
             self.fallback_plans += 1
         elif self.backend == "triton":
             plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
                                         num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim, tree=tree)
         else:
             plan = tree
-        self._signature, self._decode_plan = signature, plan
+        self._signature = self._signature_of(batch.decodes, isinstance(plan, fi_decode.FiPlan))
+        self._decode_plan = plan
         self.plan_builds += 1
         return plan
+
+    def _signature_of(self, decodes, fi: bool) -> tuple:
+        """What a decode plan is valid for: the rows, their tables' versions and lengths; for a
+        FlashInfer plan also each row's chunks in use (its page lists stop at the last one)."""
+        signature = tuple((s.arrival, s.table_version, len(s.nodes) + len(s.private)) for s in decodes)
+        if fi:
+            c = self.pool.chunk_size
+            signature += tuple(-(-(s.num_computed + 1) // c) for s in decodes)
+        return signature
 
     def _bump(self, plan):
         if isinstance(plan, fi_decode.FiPlan):

@@ -89,6 +89,11 @@ class Sequence:
     def chunk_table(self) -> list[int]:
         return [n.chunk_id for n in self.nodes] + self.private
 
+    def chunk_at(self, k: int) -> int:
+        """chunk_table[k] without building the table (a decode row's tail, every step)."""
+        n = len(self.nodes)
+        return self.nodes[k].chunk_id if k < n else self.private[k - n]
+
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]

@@ -19,7 +19,10 @@ def test_every_tile_double_buffers_kv_and_fits_two_programs_per_sm():
                          timeout=600, check=True).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     assert {r["tile"] for r in rows} == {"mha_phase1", "mha_phase2", "gqa_phase1", "gqa_phase2"}
+    assert {r["tile"] for r in rows if r["tma"]} == {"mha_phase1", "gqa_phase1"}  # phase 1 by TMA too
     for r in rows:
+        if r["live"] < r["block_m"]:  # phase-2 tiles: build_plan's lean_phase2 rests on this estimate
+            assert r["planned_shared_bytes"] == r["shared_bytes"], r
         assert r["shared_bytes"] > 0 and 0 < r["registers"] <= 255, r
         assert r["kv_buffers"] >= (2 if r["num_stages"] >= 3 else 1), r
         assert r["programs_per_sm"] >= 2, r
