@@ -57,6 +57,9 @@ _MIN_PIECE_TOKENS = 256
 # Each phase in a launch of its own (phase-2 pieces then use a G-row tile, not phase 1's): on
 # the H200 faster for every mixed batch swept but short GQA ones, where one launch was on par.
 _SPLIT_PHASES = True
+# Phase 1 beside a phase 2 (split launches): cut into about this many pieces per KV head, not
+# _PROGRAMS_PER_SM per multiprocessor, and no piece longer than phase 2's longest (build_plan).
+_P1_BESIDE_PIECES = 4
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
@@ -204,15 +207,29 @@ def build_plan(
                   for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))]
     else:
         groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)), 0)]
+    least = -(-_MIN_PIECE_TOKENS // c)
+
+    def cut(ids: list[int], target: int) -> list[tuple[int, int, int]]:
+        # round, not ceil: an item a bit over the target stays whole (cutting all of them in two
+        # doubles the programs, which can then need a second wave)
+        return [(i, c0, n) for i in ids
+                for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))]
+
+    targets = {phase: -(-sum(whole[i][4] for i in ids) // per_head) for ids, _, _, phase in groups if ids}
+    if len(targets) == 2 and _P1_BESIDE_PIECES:
+        # Beside phase 2, phase 1 streams in the slots phase 2 leaves. Cut as finely as alone,
+        # its programs kept phase-2 programs out of their first wave, and each row folded more
+        # partials. A piece longer than phase 2's longest would outlast it. H200, b = 32, mixed
+        # 2-level rows, 2 to 16 pieces per KV head swept: 4 was best for MHA (32 KV heads) and
+        # GQA (8) alike. MHA 4096 / 2048: 8 -> 4 pieces, 259 -> 255 us. GQA 4096 / 3072: 24 -> 6
+        # (capped), 54 -> 44 us. GQA 2048 / 1024: 8 -> 4, 42.5 -> 40.7 us. 3-level tree: 29 -> 28.
+        longest2 = max(n for *_, n in cut(groups[1][0], targets[2]))
+        reads1 = sum(whole[i][4] for i in groups[0][0])
+        targets[1] = max(targets[1], min(-(-reads1 // _P1_BESIDE_PIECES), longest2))
     pieces, launches = [], []
     for ids, block_m, live, phase in groups:
         if ids:
-            target = -(-sum(whole[i][4] for i in ids) // per_head)
-            least = -(-_MIN_PIECE_TOKENS // c)
-            # round, not ceil: an item a bit over the target stays whole (cutting all of them
-            # in two doubles the programs, which can then need a second wave)
-            got = [(i, c0, n) for i in ids
-                   for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))]
+            got = cut(ids, targets[phase])
             # a segment's row tiles read the same chunks: launch their pieces of one chunk run
             # next to each other, so the later tiles find those chunks in L2
             got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))

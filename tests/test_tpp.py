@@ -249,6 +249,29 @@ def test_lean_tiles(monkeypatch):
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
 
 
+def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
+    # 32 rows, G = 4, 8 KV heads, one shared segment (two 64-vector row tiles), on 132
+    # multiprocessors. Alone, phase 1 is cut for 2 programs per multiprocessor (at least 4-chunk
+    # pieces); beside a phase 2, into about _P1_BESIDE_PIECES per KV head, never longer than
+    # phase 2's longest piece.
+    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+
+    def pieces1(shared, private):
+        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
+                  for r in range(32)]
+        plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
+                              num_kv_heads=8, head_dim=128)
+        items = plan.items.tolist()
+        return sorted(it[4] for it in items if it[0] == 1), max((it[4] for it in items if it[0] == 2), default=0)
+
+    assert pieces1(32, 0) == ([4] * 16, 0)  # alone: 16 pieces of 4 chunks
+    assert pieces1(32, 32) == ([16] * 4, 32)  # beside 32-chunk rows: 4 pieces of 16
+    assert pieces1(48, 16) == ([16] * 6, 16)  # 4 pieces would be 24 chunks, longer than phase 2's 16
+    assert pieces1(32, 4) == ([4] * 16, 4)  # short rows (batch scaling, a decode tail): as alone
+    monkeypatch.setattr(tpp, "_P1_BESIDE_PIECES", 0)  # the rule off: cut as alone
+    assert pieces1(32, 32) == ([4] * 16, 32)
+
+
 @pytest.mark.parametrize("tma", [True, False])
 def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma):
     # a plan built with reserved=True covers every row's chunks past its length (the engine
