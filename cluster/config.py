@@ -26,6 +26,7 @@ class EngineOptions(_Strict):
     max_model_len: PositiveInt | None = None  # None: the model's context, capped by the KV pool
     enable_prefix_sharing: bool = True
     seed: int = 0
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
 
 
 class RouterOptions(_Strict):

@@ -25,7 +25,8 @@ from replicas.engine import LLMEngine, SamplingParams
 def run(args: argparse.Namespace, backend: str) -> dict:
     engine = LLMEngine.from_model(args.model, device=args.device, dtype=args.dtype, chunk_size=args.chunk_size,
                                   kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
-                                  max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens)
+                                  max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+                                  enforce_eager=args.enforce_eager)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     for i in range(args.batch):
@@ -50,6 +51,7 @@ def run(args: argparse.Namespace, backend: str) -> dict:
     sync()
     t2 = time.perf_counter()
     s = engine.stats()
+    graphs = engine.runner.graphs
     return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
             "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
@@ -57,7 +59,8 @@ def run(args: argparse.Namespace, backend: str) -> dict:
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
             "kv_chunks_used_after_prefill": kv_used, "cached_prompt_tokens": s["cached_prompt_tokens"],
-            "plan_builds": engine.attention.plan_builds, "steps": s["steps"]}
+            "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
+            "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -75,6 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--kv-cache-tokens", type=int, default=None)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     args = ap.parse_args(argv)
     for backend in args.backend or ["auto"]:

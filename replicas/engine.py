@@ -51,6 +51,9 @@ class EngineConfig:
     # triton backend: decode a batch with nothing shared through FlashInfer's paged decode (GQA,
     # 16-bit caches, flashinfer installed), measured faster there than TPP without a phase 1
     flashinfer_fallback: bool = True
+    # CUDA: False runs a decode-only step's forward from a CUDA graph of its decode plan
+    # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
+    enforce_eager: bool = False
 
     def __post_init__(self):
         if self.chunk_size not in (16, 32, 64, 128):
@@ -105,7 +108,7 @@ class LLMEngine:
         self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
                                    num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim,
                                    flashinfer_fallback=config.flashinfer_fallback)
-        self.runner = ModelRunner(self.model, self.attention, self.device)
+        self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = itertools.count()

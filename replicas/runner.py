@@ -1,18 +1,25 @@
-"""Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample."""
+"""Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
+
+On CUDA a decode-only step's forward runs from a CUDA graph of its decode plan
+(`replicas.cuda_graph`) unless the engine runs eagerly (`enforce_eager`)."""
 
 from __future__ import annotations
 
 import torch
 
 from replicas.attention import Attention
+from replicas.cuda_graph import DecodeGraphs
 from replicas.sampler import sample
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device):
+    def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
+                 enforce_eager: bool = False):
         self.model, self.attention, self.device = model, attention, device
+        self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
+                       if device.type == "cuda" and not enforce_eager else None)
 
     @torch.inference_mode()
     def run(self, batch: Batch, generators: dict[str, torch.Generator]) -> dict[Sequence, int]:
@@ -27,7 +34,9 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 samplers.append(seq)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, attn.positions, attn)
+        hidden = self.graphs.forward(input_ids, attn) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(input_ids, attn.positions, attn)
         if not samplers:
             return {}
         logits = self.model.compute_logits(hidden[last_rows])  # [S, V] float32

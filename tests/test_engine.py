@@ -267,3 +267,10 @@ def test_cache_digest_names_cached_prefixes_as_the_router_hashes_them():
     assert set(want_a[:3]) <= set(head)  # a truncated digest keeps ancestors first
     engine.tree.evict_all()
     assert engine.cache_digest("tiny", 32) == []
+
+
+def test_cpu_engine_runs_eagerly():
+    # CUDA graphs are for CUDA decode steps (tests/test_engine_gpu.py); on the CPU every step is eager
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096)
+    assert engine.runner.graphs is None
+    assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0]) == 3

@@ -65,10 +65,14 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     cpu = LLMEngine.from_model("tiny", device="cpu", **opts).generate(prompts, params)
     ref = LLMEngine.from_model("tiny", device="cuda", attention_backend="reference", **opts)
     tri = LLMEngine.from_model("tiny", device="cuda", **opts)
-    assert tri.attention.backend == "triton"
-    assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu
+    eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts)
+    assert tri.attention.backend == "triton" and eager.runner.graphs is None
+    assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
     assert tri.stats()["cached_prompt_tokens"] > 0
     assert tri.attention.plan_builds < tri.stats()["steps"] // 2
+    # most decode steps ran from CUDA graphs, one per decode plan at most
+    graphs = tri.runner.graphs
+    assert 1 <= graphs.captures <= tri.attention.plan_builds and graphs.replays >= 16
 
 
 def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
@@ -95,6 +99,7 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     torch.cuda.empty_cache()
     tri_engine, tri_out, tri = run("triton", "bfloat16")
     assert tri_engine.attention.backend == "triton" and all(len(o) == 16 for o in tri_out)
+    assert tri_engine.runner.graphs.replays >= 8  # the logits below came through CUDA graphs
     err_ref, err_tri = logit_errors(exact_out, exact, [(ref_out, ref), (tri_out, tri)], 16)
     assert len(err_tri) >= 64, f"only {len(err_tri)} comparable tokens"
     assert max(err_tri) <= 2 * max(err_ref) + 1e-2, f"triton off by {max(err_tri)}, bf16 reference by {max(err_ref)}"

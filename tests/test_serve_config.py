@@ -137,3 +137,11 @@ def test_text_stream_stop_strings_and_utf8():
     euro = tok.encode("€", add_special_tokens=False)
     stream = _TextStream(tok, prompt, ())
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
+
+
+def test_engine_options_are_engine_config_fields():
+    # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
+    from replicas.engine import EngineConfig
+    options = AppConfig.model_validate({"engine": {"enforce_eager": True}}).engine.model_dump()
+    assert options["enforce_eager"] is True
+    assert EngineConfig(model="tiny", **options).enforce_eager

@@ -1,0 +1,77 @@
+"""The decode step's forward as one CUDA graph, captured per TPP decode plan.
+
+An eager decode step of an 8B model launches some 1,500 small kernels from Python, which costs
+the GPU idle time between them. A graph replays them all in one launch. The graph bakes in
+every launch's grid and arguments, and the TPP plan's grids (its pieces and merge rows) are
+fixed for as long as the plan lives (`Attention` keeps it while the rows and their tables stay,
+about one chunk of tokens; a plain step only bumps the plan's device-side `seq_lens`). So one
+graph serves exactly one plan object:
+
+- the plan's first step runs eagerly (it compiles any kernel variant the plan needs; capture
+  cannot compile);
+- from its `capture_after`-th step on, the forward runs from the graph, captured at the first
+  of them. Inputs (token ids, positions, the new tokens' slots) go through static buffers;
+- a new plan (a row joined or left, a table changed) drops the graph.
+
+Only decode-only steps of the Triton backend with a TPP plan use it. Steps with prefill tokens,
+FlashInfer plans and the reference backend run eagerly. The logits are computed eagerly from
+the graph's hidden states, so a graph holds the model's forward only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from kernels.tpp import TppPlan
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, chunk_size: int, capture_after: int = 2):
+        if capture_after < 2:
+            raise ValueError(f"capture_after must be >= 2 (a plan's first step compiles), got {capture_after}")
+        self.model, self.chunk_size, self.capture_after = model, chunk_size, capture_after
+        self.captures = 0  # graphs captured (tests and benchmarks read these)
+        self.replays = 0
+        self._plan: TppPlan | None = None
+        self._steps = 0  # decode-only steps seen with self._plan
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._ids = self._positions = self._chunk_idx = self._hidden = None
+
+    def forward(self, input_ids: torch.Tensor, step) -> torch.Tensor | None:
+        """The hidden states [B, H] of a decode-only step from the graph of its plan, or None
+        where this step must run eagerly. input_ids: [B]; step: its `StepAttention`."""
+        plan = step.decode_plan
+        if not isinstance(plan, TppPlan) or step.prefills or input_ids.shape[0] != plan.batch_size:
+            return None
+        if plan is not self._plan:
+            self._drop()
+            self._plan = plan
+        self._steps += 1
+        if self._steps < self.capture_after:
+            return None
+        if self._graph is None:
+            self._capture(input_ids, step)
+        self._ids.copy_(input_ids)
+        self._positions.copy_(step.positions)
+        self._chunk_idx.copy_(step.chunk_idx)
+        self._graph.replay()
+        self.replays += 1
+        return self._hidden
+
+    def _capture(self, input_ids: torch.Tensor, step) -> None:
+        self._ids, self._positions, self._chunk_idx = (x.clone() for x in (input_ids, step.positions, step.chunk_idx))
+        graph = torch.cuda.CUDAGraph()
+        # a private memory pool per graph, released with it (a pool shared across graphs is
+        # gone once its last graph is: capturing into its handle then fails)
+        with torch.cuda.graph(graph):
+            static = dataclasses.replace(step, positions=self._positions, chunk_idx=self._chunk_idx,
+                                         offset=self._positions % self.chunk_size)
+            self._hidden = self.model(self._ids, self._positions, static)
+        self._graph = graph
+        self.captures += 1
+
+    def _drop(self) -> None:
+        self._graph = self._hidden = self._ids = self._positions = self._chunk_idx = None
+        self._plan, self._steps = None, 0
