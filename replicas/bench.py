@@ -60,7 +60,8 @@ def run(args: argparse.Namespace, backend: str) -> dict:
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
             "kv_chunks_used_after_prefill": kv_used, "cached_prompt_tokens": s["cached_prompt_tokens"],
             "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
-            "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0}
+            "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
+            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -13,6 +13,11 @@ graph serves exactly one plan object:
   of them. Inputs (token ids, positions, the new tokens' slots) go through static buffers;
 - a new plan (a row joined or left, a table changed) drops the graph.
 
+Under churn (rows joining and leaving every few steps) a capture may not pay for itself: it
+costs about two eager steps (a Python pass over the model, then instantiation). So a graph
+dropped after fewer than `min_replays` replays doubles the steps a plan must live before the
+next capture (up to 64); one that paid off resets it.
+
 Only decode-only steps of the Triton backend with a TPP plan use it. Steps with prefill tokens,
 FlashInfer plans and the reference backend run eagerly. The logits are computed eagerly from
 the graph's hidden states, so a graph holds the model's forward only.
@@ -21,6 +26,7 @@ the graph's hidden states, so a graph holds the model's forward only.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
@@ -28,12 +34,16 @@ from kernels.tpp import TppPlan
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, chunk_size: int, capture_after: int = 2):
+    def __init__(self, model: torch.nn.Module, chunk_size: int, capture_after: int = 2, min_replays: int = 4):
         if capture_after < 2:
             raise ValueError(f"capture_after must be >= 2 (a plan's first step compiles), got {capture_after}")
-        self.model, self.chunk_size, self.capture_after = model, chunk_size, capture_after
-        self.captures = 0  # graphs captured (tests and benchmarks read these)
+        self.model, self.chunk_size = model, chunk_size
+        self.capture_after, self.min_replays = capture_after, min_replays
+        self.after = capture_after  # the decode steps a plan must live before its capture, now
+        self.captures = 0  # graphs captured, replays, seconds spent capturing (tests and benchmarks)
         self.replays = 0
+        self.capture_s = 0.0
+        self._replays_of_graph = 0
         self._plan: TppPlan | None = None
         self._steps = 0  # decode-only steps seen with self._plan
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -49,7 +59,7 @@ class DecodeGraphs:
             self._drop()
             self._plan = plan
         self._steps += 1
-        if self._steps < self.capture_after:
+        if self._steps < self.after:
             return None
         if self._graph is None:
             self._capture(input_ids, step)
@@ -58,9 +68,11 @@ class DecodeGraphs:
         self._chunk_idx.copy_(step.chunk_idx)
         self._graph.replay()
         self.replays += 1
+        self._replays_of_graph += 1
         return self._hidden
 
     def _capture(self, input_ids: torch.Tensor, step) -> None:
+        t0 = time.perf_counter()
         self._ids, self._positions, self._chunk_idx = (x.clone() for x in (input_ids, step.positions, step.chunk_idx))
         graph = torch.cuda.CUDAGraph()
         # a private memory pool per graph, released with it (a pool shared across graphs is
@@ -71,7 +83,12 @@ class DecodeGraphs:
             self._hidden = self.model(self._ids, self._positions, static)
         self._graph = graph
         self.captures += 1
+        self._replays_of_graph = 0
+        self.capture_s += time.perf_counter() - t0
 
     def _drop(self) -> None:
+        if self._graph is not None:
+            paid = self._replays_of_graph >= self.min_replays
+            self.after = self.capture_after if paid else min(2 * self.after, 64)
         self._graph = self._hidden = self._ids = self._positions = self._chunk_idx = None
         self._plan, self._steps = None, 0

@@ -75,6 +75,20 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     assert 1 <= graphs.captures <= tri.attention.plan_builds and graphs.replays >= 16
 
 
+def test_cuda_graphs_under_churn_stop_capturing_and_keep_tokens():
+    """Rows leaving every 3 steps: each decode plan lives 3 steps, too few for its graph to pay
+    off, so after one such graph the engine stops capturing; tokens stay those of eager runs."""
+    prompts = shared_prompts(n=12, prefix_len=200, seed=3)
+    params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(12)]
+    opts = dict(dtype="float32", kv_cache_tokens=8192, max_num_batched_tokens=4096)
+    eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts).generate(prompts, params)
+    engine = LLMEngine.from_model("tiny", device="cuda", **opts)
+    assert engine.generate(prompts, params) == eager
+    graphs = engine.runner.graphs
+    assert engine.attention.plan_builds >= 10
+    assert graphs.captures == 1 and graphs.after == 4, (graphs.captures, graphs.after)
+
+
 def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     """bf16 tolerance, measured: at every step the Triton path's logits are about as far from an
     fp32 run of the same weights as the bf16 reference path's are (a random-weight 8B model
