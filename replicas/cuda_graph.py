@@ -75,9 +75,10 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         self._ids, self._positions, self._chunk_idx = (x.clone() for x in (input_ids, step.positions, step.chunk_idx))
         graph = torch.cuda.CUDAGraph()
-        # a private memory pool per graph, released with it (a pool shared across graphs is
-        # gone once its last graph is: capturing into its handle then fails)
-        with torch.cuda.graph(graph):
+        # A private memory pool per graph, released with it (a pool shared across graphs is gone
+        # once its last graph is: capturing into its handle then fails). thread_local: CUDA
+        # calls of other threads (a replica's event loop) cannot invalidate the capture.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             static = dataclasses.replace(step, positions=self._positions, chunk_idx=self._chunk_idx,
                                          offset=self._positions % self.chunk_size)
             self._hidden = self.model(self._ids, self._positions, static)
