@@ -150,11 +150,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, loader=default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16 matches it.
-        xf = x.float()
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual (h = x + residual) (norm(h), h): the add fused before the
+        norm. Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16 matches.
+        On CUDA rows [T, N] run as one Triton kernel (kernels/norm_rope.py)."""
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+            from kernels.norm_rope import rmsnorm  # imports triton: the CPU path must not need it
+            return rmsnorm(x, self.weight, self.eps, residual)
+        h = x if residual is None else x + residual
+        xf = h.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        y = self.weight * xf.to(h.dtype)
+        return y if residual is None else (y, h)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +194,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """apply_rotary on q: [T, Hq, D] and k: [T, Hkv, D]; on CUDA one Triton kernel per tensor
+    (kernels/norm_rope.py), the same bits."""
+    if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+        from kernels.norm_rope import rope  # imports triton: the CPU path must not need it
+        return rope(q, k, cos, sin)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def _scale_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:

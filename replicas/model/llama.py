@@ -18,7 +18,7 @@ from replicas.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
-    apply_rotary,
+    apply_rotary_qk,
     divide,
     silu_and_mul,
 )
@@ -46,7 +46,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
         return self.o_proj(o.reshape(T, self.num_heads * D))
 
@@ -71,9 +71,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream h is carried beside the layer outputs so that each add fuses into the
+        # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
+        # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`.
+        if residual is None:  # the first layer: x is the embedding
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -87,9 +95,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb(positions, x.dtype)  # [T, D] each
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,70 @@
+"""kernels/norm_rope.py against its plain-torch references (and replicas.model.layers' ops).
+
+Without CUDA the kernels run under the Triton interpreter (conftest.py); with CUDA on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.norm_rope import rmsnorm, rmsnorm_ref, rope, rope_ref
+from replicas.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# The interpreter (Triton 3.9) converts fp32 to bf16 by truncating, not rounding to nearest: there
+# each bf16 rounding may land one place lower (on the GPU the conversion rounds as torch's does)
+TRUNCATES = DEVICE == "cpu"
+
+
+def ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Largest difference in units of the last place of `want`'s dtype."""
+    eps = torch.finfo(want.dtype).eps
+    scale = want.float().abs().clamp_min(torch.finfo(want.dtype).tiny)
+    return int(((got.float() - want.float()).abs() / (scale * eps)).max().ceil().item()) if want.numel() else 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(0, 64), (1, 256), (7, 96), (33, 512)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_torch(dtype, rows, n, with_residual):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x, res = (torch.randn(rows, n, generator=gen).mul(3).to(DEVICE, dtype) for _ in range(2))
+    w = (1 + torch.randn(n, generator=gen) / 4).to(DEVICE, dtype)
+    # rows of a wider tensor: the kernel takes strided rows
+    x = torch.cat([x, torch.zeros_like(x)], 1)[:, :n]
+    got = rmsnorm(x, w, 1e-5, res if with_residual else None)
+    want = rmsnorm_ref(x, w, 1e-5, res if with_residual else None)
+    if with_residual:
+        (got, got_h), (want, want_h) = got, want
+        # the add rounds as torch's
+        assert ulps(got_h, want_h) <= 1 if dtype == torch.bfloat16 and TRUNCATES else torch.equal(got_h, want_h)
+    assert got.dtype == want.dtype and got.shape == (rows, n)
+    # the sum of squares is reduced in another order: at most a last-place difference
+    assert ulps(got, want) <= (4 if dtype == torch.float32 else 3 if dtype == torch.bfloat16 and TRUNCATES else 1)
+    layer = RMSNorm(n, 1e-5).to(DEVICE)
+    layer.weight.data = w
+    out = layer(x, res if with_residual else None)  # the model's layer: the kernel on CUDA, torch on the CPU
+    kernel, ref = (got, got_h) if with_residual else (got,), (want, want_h) if with_residual else (want,)
+    for o, e in zip(out if with_residual else (out,), kernel if DEVICE == "cuda" else ref):
+        assert torch.equal(o, e)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hq,hkv,d", [(0, 4, 2, 64), (1, 4, 2, 64), (5, 8, 2, 128), (9, 6, 3, 32)])
+def test_rope_matches_torch_bit_for_bit(dtype, rows, hq, hkv, d):
+    gen = torch.Generator().manual_seed(rows + d)
+    # q and k as views into one fused qkv output, as the model makes them
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).mul(4).to(DEVICE, dtype)
+    q, k, _ = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k = q.view(rows, hq, d), k.view(rows, hkv, d)
+    positions = torch.randint(0, 4096, (rows,), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(d, 500000.0).to(DEVICE)(positions, dtype)
+    got, want = rope(q, k, cos, sin), rope_ref(q, k, cos, sin)
+    for g, w, x in zip(got, want, (q, k)):
+        assert g.is_contiguous()
+        if dtype == torch.bfloat16 and TRUNCATES and rows:  # three truncations, a sum that may cancel
+            assert (g.float() - w.float()).abs().max() <= 4 * torch.finfo(dtype).eps * x.float().abs().max()
+        else:
+            assert torch.equal(g, w)
+    assert torch.equal(want[0], apply_rotary(q, cos, sin))  # the reference is the model's op
