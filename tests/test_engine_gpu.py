@@ -122,8 +122,9 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
 
 
 def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
-    """Nothing shared + grouped-query heads: the engine decodes through FlashInfer's paged decode
-    (kernels/fi_decode.py), whose logits are as close to an fp32 run as the Triton path's."""
+    """Nothing shared + grouped-query heads, eager engine: the engine decodes through FlashInfer's
+    paged decode (kernels/fi_decode.py), whose logits are as close to an fp32 run as the Triton
+    path's. A graphed engine decodes such a batch through TPP (and its graphs)."""
     pytest.importorskip("flashinfer", reason="the fallback needs flashinfer (on the GPU box: source .gpu/activate)")
     rng = random.Random(7)
     prompts = [[rng.randrange(256) for _ in range(rng.randrange(70, 200))] for _ in range(8)]  # no shared chunk
@@ -131,7 +132,7 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
 
     def run(dtype, backend="triton", fallback=True, weights=None):
         engine = LLMEngine.from_model("tiny", device="cuda", dtype=dtype, kv_cache_tokens=8192,
-                                      attention_backend=backend, flashinfer_fallback=fallback)
+                                      attention_backend=backend, flashinfer_fallback=fallback, enforce_eager=True)
         if weights is not None:
             copy_weights(engine, weights)
         logits = record_logits(engine)
@@ -142,6 +143,9 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
     assert fi_engine.attention.fallback_plans == fi_engine.attention.plan_builds > 0
     assert tri_engine.attention.fallback_plans == 0
+    graphed = LLMEngine.from_model("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=8192)
+    assert graphed.generate(prompts, params) == tri_out  # the same kernels, from CUDA graphs
+    assert graphed.attention.fallback_plans == 0 and graphed.runner.graphs.replays > 0
     err_fi, err_tri = logit_errors(exact_out, exact, [(fi_out, fi), (tri_out, tri)], 24)
     assert len(err_fi) >= 64, f"only {len(err_fi)} comparable tokens"
     assert max(err_fi) <= 2 * max(err_tri) + 1e-2, f"flashinfer off by {max(err_fi)}, triton by {max(err_tri)}"
