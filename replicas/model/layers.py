@@ -154,7 +154,8 @@ class RMSNorm(nn.Module):
         """norm(x), or with a residual (h = x + residual) (norm(h), h): the add fused before the
         norm. Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16 matches.
         On CUDA rows [T, N] run as one Triton kernel (kernels/norm_rope.py)."""
-        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1):
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (residual is None or (
+                residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)):
             from kernels.norm_rope import rmsnorm  # imports triton: the CPU path must not need it
             return rmsnorm(x, self.weight, self.eps, residual)
         h = x if residual is None else x + residual
@@ -200,7 +201,8 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q: [T, Hq, D] and k: [T, Hkv, D]; on CUDA one Triton kernel per tensor
     (kernels/norm_rope.py), the same bits."""
-    if q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and cos.is_contiguous() and sin.is_contiguous():
+    if (q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype == cos.dtype == sin.dtype
+            and cos.is_contiguous() and sin.is_contiguous()):
         from kernels.norm_rope import rope  # imports triton: the CPU path must not need it
         return rope(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
