@@ -216,6 +216,7 @@ def build_plan(
                 for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))]
 
     targets = {phase: -(-sum(whole[i][4] for i in ids) // per_head) for ids, _, _, phase in groups if ids}
+    reads = {p: sum(w[4] for w in whole if w[0] == p) for p in (1, 2)}  # chunks each phase reads (phase 1: per row tile)
     if len(targets) == 2 and _P1_BESIDE_PIECES:
         # Beside phase 2, phase 1 streams in the slots phase 2 leaves. Cut as finely as alone,
         # its programs kept phase-2 programs out of their first wave, and each row folded more
@@ -224,8 +225,7 @@ def build_plan(
         # GQA (8) alike. MHA 4096 / 2048: 8 -> 4 pieces, 259 -> 255 us. GQA 4096 / 3072: 24 -> 6
         # (capped), 54 -> 44 us. GQA 2048 / 1024: 8 -> 4, 42.5 -> 40.7 us. 3-level tree: 29 -> 28.
         longest2 = max(n for *_, n in cut(groups[1][0], targets[2]))
-        reads1 = sum(whole[i][4] for i in groups[0][0])
-        targets[1] = max(targets[1], min(-(-reads1 // _P1_BESIDE_PIECES), longest2))
+        targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
     pieces, launches = [], []
     for ids, block_m, live, phase in groups:
         if ids:
@@ -269,10 +269,6 @@ def build_plan(
             items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0, chunks[chunk0 + c0]))
             slot_list.append(nxt[r0])
             nxt[r0] += 1
-
-    reads = {1: 0, 2: 0}  # chunks each phase reads (phase 1: times its row tiles)
-    for i, _, n in pieces:
-        reads[whole[i][0]] += n
 
     def i32(rows, width=None):
         t = torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, width) if width else

@@ -1,7 +1,8 @@
 """The decode step's forward as one CUDA graph, captured per TPP decode plan.
 
-An eager decode step of an 8B model launches some 1,500 small kernels from Python, which costs
-the GPU idle time between them. A graph replays them all in one launch. The graph bakes in
+An eager decode step launches every kernel from Python (about 40 per layer, counted from the
+ops), and the GPU idles between them. A graph replays them all in one launch (H200, llama3-8b
+b=64: 39.7 ms per step eager, 10.5 graphed). The graph bakes in
 every launch's grid and arguments, and the TPP plan's grids (its pieces and merge rows) are
 fixed for as long as the plan lives (`Attention` keeps it while the rows and their tables stay,
 about one chunk of tokens; a plain step only bumps the plan's device-side `seq_lens`). So one

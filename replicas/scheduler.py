@@ -91,13 +91,15 @@ class Scheduler:
     def _chunks_needed(self, seq: Sequence, n: int) -> int:
         return max(0, -(-(seq.num_computed + n) // self.c) - len(seq.nodes) - len(seq.private))
 
-    def _grow(self, seq: Sequence, n: int) -> None:
+    def _grow(self, seq: Sequence, n: int) -> int:
         """Reserve the chunks that `n` more tokens need, before the step runs, so the tree
-        never changes inside a step. Callers checked availability."""
-        for _ in range(self._chunks_needed(seq, n)):
+        never changes inside a step; returns how many. Callers checked availability."""
+        need = self._chunks_needed(seq, n)
+        for _ in range(need):
             cid = self.tree.alloc()
             assert cid is not None, "availability was checked"
             seq.private.append(cid)
+        return need
 
     def _reserve_ahead(self, decodes: list[Sequence]) -> None:
         """Give every decode row with less than a chunk of room past this step's token one more
@@ -137,8 +139,7 @@ class Scheduler:
                         break
                 if seq.status is Status.RUNNING:
                     n = min(seq.num_pending, budget, self._coverable(seq, 0))
-                    grew |= decoding and self._chunks_needed(seq, n) > 0
-                    self._grow(seq, n)
+                    grew |= self._grow(seq, n) > 0 and decoding
                     planned[seq] = n
                     budget -= n
         if grew:

@@ -151,18 +151,26 @@ class RMSNorm(nn.Module):
         self.weight = _param(dim, loader=default_weight_loader)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x), or with a residual (h = x + residual) (norm(h), h): the add fused before the
-        norm. Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16 matches.
-        On CUDA rows [T, N] run as one Triton kernel (kernels/norm_rope.py)."""
+        """rms_norm(x), or with a residual (norm(x + residual), x + residual). On CUDA rows [T, N]
+        run as one Triton kernel (kernels/norm_rope.py)."""
         if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (residual is None or (
                 residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)):
             from kernels.norm_rope import rmsnorm  # imports triton: the CPU path must not need it
             return rmsnorm(x, self.weight, self.eps, residual)
-        h = x if residual is None else x + residual
-        xf = h.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        y = self.weight * xf.to(h.dtype)
-        return y if residual is None else (y, h)
+        return rms_norm(x, self.weight, self.eps, residual)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Plain torch (the reference of kernels/norm_rope.py's kernel). x, residual: [..., N].
+
+    With a residual, h = x + residual is normalised and returned too: (y, h), the add fused
+    before the norm. Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16
+    matches it."""
+    h = x if residual is None else x + residual
+    xf = h.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = weight * xf.to(h.dtype)
+    return y if residual is None else (y, h)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -191,7 +199,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D]
+    # x: [T, H, D]; cos, sin: [T, D] (plain torch: the reference of kernels/norm_rope.py's kernel)
     x1, x2 = x.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)
     return x * cos[:, None] + rotated * sin[:, None]
