@@ -161,6 +161,30 @@ def test_phase1_row_tiles(monkeypatch, split):
     check(q, k, v, tables, lens, plan)
 
 
+@pytest.mark.parametrize("fold_max", [0, 4])
+def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypatch, fold_max):
+    # 6 rows over a 5-chunk shared segment cut into 5 one-chunk phase-1 pieces (5 partials per
+    # row) and one private chunk each: a row's phase-2 piece folds in at most _FOLD_MAX
+    # partials; past that it stores its own partial and the merge launch folds all six
+    monkeypatch.setattr(tpp, "_FOLD_MAX", fold_max)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    c, d, hkv, g = 16, 64, 2, 2
+    gen = torch.Generator().manual_seed(23)
+    tables = [[0, 1, 2, 3, 4, 5 + r] for r in range(6)]
+    lens = [5 * c + 1 + r for r in range(6)]
+    k, v = (torch.randn(11, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(6, g * hkv, d, generator=gen).to(DEVICE)
+    plan = plan_for(q, k, tables, lens, target_programs=10)  # 5 per KV head: one-chunk pieces
+    assert plan.phase_items(1) == 5 and plan.phase_items(2) == 6
+    folds = plan.items[plan.items[:, 0] == 2, 8].tolist()
+    assert folds == [0] * 6 and plan.merge_items[:, 2].tolist() == [6] * 6
+    check(q, k, v, tables, lens, plan)
+    monkeypatch.setattr(tpp, "_FOLD_MAX", 5)
+    plan = plan_for(q, k, tables, lens, target_programs=10)
+    assert plan.items[plan.items[:, 0] == 2, 8].tolist() == [5] * 6 and plan.merge_items.shape[0] == 0
+    check(q, k, v, tables, lens, plan)
+
+
 def test_items_a_little_over_the_target_stay_whole(monkeypatch):
     # four rows of 9 private chunks each, nothing shared: 36 chunks over the programs wanted
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
