@@ -78,10 +78,12 @@ class Attention:
         positions: list[int] = []
         chunk_idx: list[int] = []
         prefills = []
-        for i, (seq, n) in enumerate(batch.items):
+        for seq in batch.decodes:  # one token each
+            positions.append(seq.num_computed)
+            chunk_idx.append(seq.chunk_at(seq.num_computed // c))
+        for seq, n in batch.prefills:
             start = seq.num_computed
-            if i >= len(batch.decodes):
-                prefills.append(PrefillSpan(len(positions), n, start, tuple(seq.chunk_table)))
+            prefills.append(PrefillSpan(len(positions), n, start, tuple(seq.chunk_table)))
             positions.extend(range(start, start + n))
             while n:  # the run of positions in each chunk
                 k = start // c

@@ -26,8 +26,11 @@ class ModelRunner:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill)."""
         attn = self.attention.plan(batch)
-        ids, last_rows, samplers, row = [], [], [], 0
-        for seq, n in batch.items:
+        # decodes: one token each, and each samples
+        ids = [seq.token_at(seq.num_computed) for seq in batch.decodes]
+        samplers = list(batch.decodes)
+        last_rows, row = list(range(len(ids))), len(ids)
+        for seq, n in batch.prefills:
             ids.extend(seq.token_at(i) for i in range(seq.num_computed, seq.num_computed + n))
             row += n
             if seq.num_computed + n == seq.num_tokens:

@@ -125,12 +125,20 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
-        for decoding in (True, False):
-            for seq in list(self.running):
-                if seq.status is not Status.RUNNING or (seq.num_pending == 1) != decoding:
+        c = self.c
+        decodes, prefills = [], []  # running order within each (one pass: this runs every step)
+        for seq in self.running:
+            (decodes if seq.num_pending == 1 else prefills).append(seq)
+        for decoding, seqs in ((True, decodes), (False, prefills)):
+            for seq in seqs:
+                if seq.status is not Status.RUNNING:  # preempted above
                     continue
                 if budget == 0:
                     break
+                if decoding and (len(seq.nodes) + len(seq.private)) * c > seq.num_computed:
+                    planned[seq] = 1  # the token's slot is in the row's chunks: nothing to grow
+                    budget -= 1
+                    continue
                 while self._coverable(seq, 0) < 1:  # not even one token fits: preempt the newest
                     victim = max(self.running, key=lambda s: s.arrival)
                     budget += planned.pop(victim, 0)
