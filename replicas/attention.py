@@ -123,7 +123,7 @@ class Attention:
     def _signature_of(self, decodes, fi: bool) -> tuple:
         """What a decode plan is valid for: the rows, their tables' versions and lengths; for a
         FlashInfer plan also each row's chunks in use (its page lists stop at the last one)."""
-        signature = tuple((s.arrival, s.table_version, len(s.nodes) + len(s.private)) for s in decodes)
+        signature = tuple((s.arrival, s.table_version, s.num_chunks) for s in decodes)
         if fi:
             c = self.pool.chunk_size
             signature += tuple(-(-(s.num_computed + 1) // c) for s in decodes)

@@ -42,6 +42,7 @@ class ModelRunner:
             hidden = self.model(input_ids, attn.positions, attn)
         if not samplers:
             return {}
-        logits = self.model.compute_logits(hidden[last_rows])  # [S, V] float32
+        # [S, V] float32; a decode-only step samples every row (no gather)
+        logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         tokens = sample(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
         return dict(zip(samplers, tokens))

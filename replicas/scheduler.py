@@ -85,11 +85,11 @@ class Scheduler:
     # -- chunks -----------------------------------------------------------------------------
     def _coverable(self, seq: Sequence, keep: int) -> int:
         """How many more tokens `seq` could get K/V slots for, leaving `keep` chunks in hand."""
-        chunks = len(seq.nodes) + len(seq.private) + self.tree.num_available - keep
+        chunks = seq.num_chunks + self.tree.num_available - keep
         return chunks * self.c - seq.num_computed
 
     def _chunks_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, -(-(seq.num_computed + n) // self.c) - len(seq.nodes) - len(seq.private))
+        return max(0, -(-(seq.num_computed + n) // self.c) - seq.num_chunks)
 
     def _grow(self, seq: Sequence, n: int) -> int:
         """Reserve the chunks that `n` more tokens need, before the step runs, so the tree
@@ -112,7 +112,7 @@ class Scheduler:
         and only from chunks beyond the one per running sequence that admission keeps in hand.
         """
         for seq in decodes:
-            room = (len(seq.nodes) + len(seq.private)) * self.c - (seq.num_computed + 1)
+            room = seq.num_chunks * self.c - (seq.num_computed + 1)
             if room < self.c and self.tree.num_available > len(self.running):
                 cid = self.tree.alloc()
                 assert cid is not None, "availability was checked"
@@ -125,7 +125,6 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
-        c = self.c
         decodes, prefills = [], []  # running order within each (one pass: this runs every step)
         for seq in self.running:
             (decodes if seq.num_pending == 1 else prefills).append(seq)
@@ -135,7 +134,7 @@ class Scheduler:
                     continue
                 if budget == 0:
                     break
-                if decoding and (len(seq.nodes) + len(seq.private)) * c > seq.num_computed:
+                if decoding and seq.num_chunks * self.c > seq.num_computed:
                     planned[seq] = 1  # the token's slot is in the row's chunks: nothing to grow
                     budget -= 1
                     continue

@@ -89,6 +89,11 @@ class Sequence:
     def chunk_table(self) -> list[int]:
         return [n.chunk_id for n in self.nodes] + self.private
 
+    @property
+    def num_chunks(self) -> int:
+        """len(chunk_table): the chunks the sequence holds, in the tree and private."""
+        return len(self.nodes) + len(self.private)
+
     def chunk_at(self, k: int) -> int:
         """chunk_table[k] without building the table (a decode row's tail, every step)."""
         n = len(self.nodes)

@@ -19,7 +19,7 @@ def make_tree(num_chunks=8):
 def fill(tree, seq, now=1):
     """Give `seq` computed K/V for all its tokens, inserting its full chunks as the engine does."""
     n_chunks = -(-seq.num_tokens // C)
-    while len(seq.nodes) + len(seq.private) < n_chunks:
+    while seq.num_chunks < n_chunks:
         seq.private.append(tree.alloc())
     seq.num_computed = seq.num_tokens
     while seq.private and (len(seq.nodes) + 1) * C <= seq.num_computed:

@@ -33,8 +33,8 @@ def test_seeded_rows_draw_what_each_row_alone_draws():
         assert got == want
 
 
-def test_unseeded_rows_share_one_draw_and_keep_the_filters():
-    # 64 unseeded rows, one global-RNG draw per step: every token inside its row's top-k / top-p
+def test_unseeded_rows_keep_their_filters_and_probabilities():
+    # 64 unseeded rows drawn from the global RNG: every token inside its row's top-k / top-p
     # set, and the frequencies of a plain temperature row follow its probabilities
     torch.manual_seed(1)
     v = 50
