@@ -62,6 +62,18 @@ _SPLIT_PHASES = True
 _P1_BESIDE_PIECES = 4
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
+# Phase 1 with no phase 2 beside it (every row's chunks shared, as in the fully shared benchmark
+# rows): a 32-vector tile launches as _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA
+# (64 rows a warpgroup), and a segment that one row tile reads is cut for
+# _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (fewer partials to merge). H200, 32 heads
+# (MHA), fp16, b = 32, fully shared (kernels.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048
+# 17.1 -> 15.6, 1024 12.2 -> 11.5. Not for fewer
+# live vectors (b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us
+# faster, kept), nor where a segment has several tiles (MHA b = 128, 2048 tokens: 20.2 -> 21.3
+# with one program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048:
+# 1.5-2 us slower: it crowds phase-2 programs out).
+_P1_ALONE_M = 64
+_P1_ALONE_PROGRAMS_PER_SM = 1
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
 # in the interpreter), see tpp_decode.
 _PDL = True
@@ -78,6 +90,13 @@ _TMA = True
 # 35.7 us, GQA 22.6 -> 19.6, divergence 2048 + 256 55.7 -> 52.4; rows with 2-4 partials as before
 # (2 at most: GQA rows with 3 or 4 partials 1 us slower).
 _FOLD_MAX = 4
+# MHA (G = 1): that piece loads its row's phase-1 partials, if it has this many at least, in one
+# [FOLD_P, D] block: one L2 round trip where a loop over them takes one each (0: always the loop).
+# H200, b = 32, rows with 4 partials (loop -> one load): 2048 shared / 1024 private 134.5 -> 133.3
+# us, 4096 / 2048 254.2 -> 253.4, 2048 / 1536 78.8 -> 77.5, 1024 + 40-token tails 23.8 -> 23.1;
+# rows with 2 (1024 / 512) measured 0.5 us slower with one load (it gathers vector 0's state
+# across the tile first), so they keep the loop.
+_FOLD_VEC_MIN = 3
 
 # Item fields (int32 rows of the plan's piece list), in kernel argument order.
 _FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
@@ -193,6 +212,10 @@ def build_plan(
     # whole work items: each segment's row tiles (phase 1), each row's private chunks (phase 2)
     max_rows = max((s.row_end - s.row_start for s in tree.segments), default=1)
     block_m1 = max(16, min(triton.next_power_of_2(max_rows * g), max(_P1_MAX_M, triton.next_power_of_2(g))))
+    alone = not any(tree.private_chunks)  # phase 1 only (see _P1_ALONE_M)
+    one_tile = max_rows * g <= block_m1
+    if alone and block_m1 == 32:
+        block_m1 = _P1_ALONE_M
     chunks: list[int] = []
     whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
     for seg in tree.segments:
@@ -207,7 +230,8 @@ def build_plan(
     # cut them into pieces of about equal size, one program each: at least _PROGRAMS_PER_SM per
     # multiprocessor over all KV heads, no piece under _MIN_PIECE_TOKENS unless its item is. Both
     # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
-    per_head = max(1, (target_programs or _PROGRAMS_PER_SM * _num_sms(device)) // hkv)
+    pps = _P1_ALONE_PROGRAMS_PER_SM if alone and one_tile else _PROGRAMS_PER_SM
+    per_head = max(1, (target_programs or pps * _num_sms(device)) // hkv)
     block_m2 = max(16, triton.next_power_of_2(g))
     if _SPLIT_PHASES:
         groups = [([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
@@ -387,11 +411,54 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
 
 
 @triton.jit
+def _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr):
+    """Fold the partials at slots fold0 .. fold0 + nfold - 1 (o normalised, lse) into the tile's
+    state acc: [M, D], m_i / l_i: [M], one slot (one L2 round trip) at a time."""
+    for j in range(nfold):
+        part = (fold0 + j).to(tl.int64) * hq + head  # [M]
+        lse = tl.load(PartLse + part, mask=live, other=0.0)  # 0, not -inf: padded rows stay finite
+        o_j = tl.load(PartO + part[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o_j * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, offs_m, offs_d, BLOCK_M: tl.constexpr,
+                 D: tl.constexpr, FOLD_P: tl.constexpr):
+    """_fold_each for a tile of one query vector (MHA phase 2: vector 0 of head `head`; the
+    others are padding, never stored): its nfold <= FOLD_P partials in one [FOLD_P, D] load."""
+    offs_f = tl.arange(0, FOLD_P)
+    fl = offs_f < nfold
+    part = (fold0 + offs_f).to(tl.int64) * hq + head  # [FOLD_P]
+    lse = tl.load(PartLse + part, mask=fl, other=float("-inf"))
+    o_f = tl.load(PartO + part[:, None] * D + offs_d[None, :], mask=fl[:, None], other=0.0)  # [FOLD_P, D]
+    first = offs_m == 0
+    m0 = tl.max(tl.where(first, m_i, float("-inf")), 0)
+    l0 = tl.sum(tl.where(first, l_i, 0.0), 0)
+    acc0 = tl.sum(tl.where(first[:, None], acc, 0.0), 0)  # [D]
+    m_new = tl.maximum(m0, tl.max(lse, 0))  # finite: a phase-1 partial read whole chunks
+    alpha = tl.exp2(m0 - m_new)
+    w = tl.exp2(lse - m_new)  # [FOLD_P]
+    acc0 = acc0 * alpha + tl.sum(w[:, None] * o_f, 0)
+    # every vector of the tile takes vector 0's state
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32) + acc0[None, :]
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + (l0 * alpha + tl.sum(w, 0))
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
                    stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr,
-                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr):
+                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr,
+                   FOLD_P: tl.constexpr, FOLD_VEC_MIN: tl.constexpr):
     # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
     # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
     # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
@@ -427,16 +494,14 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
     if EARLY:  # started before the launch before completed: past this point it has
         gdc_wait()
     # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
-    for j in range(nfold):
-        part = (fold0 + j).to(tl.int64) * hq + head  # [BLOCK_M]
-        lse = tl.load(PartLse + part, mask=live, other=0.0)  # 0, not -inf: padded rows stay finite
-        o_j = tl.load(PartO + part[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + o_j * beta[:, None]
-        l_i = l_i * alpha + beta
-        m_i = m_new
+    if G == 1 and FOLD_P > 1:
+        if nfold >= FOLD_VEC_MIN:
+            acc, m_i, l_i = _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, kv, hq, offs_m, offs_d, BLOCK_M,
+                                         D, FOLD_P)
+        else:
+            acc, m_i, l_i = _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D)
+    else:
+        acc, m_i, l_i = _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D)
     # a piece that attended nothing (a shortened row) has l = 0: o = 0, lse = -inf, no NaN
     nonempty = l_i > 0
     l_safe = tl.where(nonempty, l_i, 1.0)
@@ -588,6 +653,8 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
             G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
             LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0, TMA=kd is not None,
             TAIL=phase != 1,  # phase-1 pieces read whole chunks
+            FOLD_P=triton.next_power_of_2(_FOLD_MAX) if _FOLD_VEC_MIN and phase == 2 else 1,  # see _FOLD_VEC_MIN
+            FOLD_VEC_MIN=_FOLD_VEC_MIN,
             **cfg, **(dict(launch_pdl=True) if pdl and i > 0 else {}))
     if plan.merge_items.shape[0]:
         _merge_kernel[(plan.merge_items.shape[0], hq)](

@@ -185,6 +185,25 @@ def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypat
     check(q, k, v, tables, lens, plan)
 
 
+@pytest.mark.parametrize("vec_min", [0, 3, 4])
+def test_mha_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min):
+    # G = 1: a row's finishing phase-2 piece loads all its phase-1 partials (3 here) in one
+    # [FOLD_P, D] block when it has _FOLD_VEC_MIN of them (3); otherwise (0: never, 4) the loop
+    # folds the same partials one at a time
+    monkeypatch.setattr(tpp, "_FOLD_VEC_MIN", vec_min)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    c, d, hkv = 16, 64, 2
+    gen = torch.Generator().manual_seed(29)
+    tables = [[0, 1, 2, 3 + r] for r in range(5)]
+    lens = [3 * c + 1 + 3 * r for r in range(5)]
+    k, v = (torch.randn(8, hkv, c, d, generator=gen).to(torch.float16).to(DEVICE) for _ in range(2))
+    q = torch.randn(5, hkv, d, generator=gen).to(torch.float16).to(DEVICE)
+    plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
+    assert plan.phase_items(1) == 3 and plan.merge_items.shape[0] == 0
+    assert [it[8] for it in plan.items.tolist() if it[0] == 2] == [3] * 5
+    check(q, k, v, tables, lens, plan, sm_scale=0.4)
+
+
 def test_items_a_little_over_the_target_stay_whole(monkeypatch):
     # four rows of 9 private chunks each, nothing shared: 36 chunks over the programs wanted
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
@@ -294,6 +313,29 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     assert pieces1(32, 4) == ([4] * 16, 4)  # short rows (batch scaling, a decode tail): as alone
     monkeypatch.setattr(tpp, "_P1_BESIDE_PIECES", 0)  # the rule off: cut as alone
     assert pieces1(32, 32) == ([4] * 16, 32)
+
+
+@pytest.mark.parametrize("rows", [16, 32])
+def test_phase1_alone_tile_and_cut(monkeypatch, rows):
+    # MHA rows whose chunks are all shared (no phase 2): a 32-vector phase-1 tile launches as
+    # _P1_ALONE_M vectors, and a segment read by one row tile is cut for
+    # _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor. A private chunk in any row restores
+    # the 32-vector tile and _PROGRAMS_PER_SM; 16 rows keep their 16-vector tile.
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    c, d, hkv = 16, 64, 2
+    gen = torch.Generator().manual_seed(31)
+    k, v = (torch.randn(8 + rows, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    q = torch.randn(rows, hkv, d, generator=gen).to(DEVICE)
+    shared = [list(range(8))] * rows
+    plan = plan_for(q, k, shared, [8 * c] * rows)
+    per_head = 4 * tpp._P1_ALONE_PROGRAMS_PER_SM // hkv  # 4 multiprocessors in the interpreter
+    assert plan.launches == ((0, per_head, 64 if rows == 32 else 16, 64 if rows == 32 else 16, 1),)
+    assert plan.phase_items(1) == per_head == 2 and plan.merge_items.shape[0] == rows
+    check(q, k, v, shared, [8 * c] * rows, plan)
+    tails = [list(range(8)) + [8 + r] for r in range(rows)]
+    plan = plan_for(q, k, tails, [8 * c + 1] * rows)
+    assert plan.launches[0][2] == (32 if rows == 32 else 16) and plan.phase_items(1) > 2
+    check(q, k, v, tails, [8 * c + 1] * rows, plan)
 
 
 @pytest.mark.parametrize("tma", [True, False])
