@@ -37,6 +37,7 @@ _DTYPES = {"fp16": ("*fp16", tl.float16), "bf16": ("*bf16", tl.bfloat16), "fp32"
 # grid; phase-1 tiles compiled with K/V by TMA where tpp._TMA (as on the H200) and without
 TILES = [
     ("mha_phase1", "fp16", 128, 1, 64, 32, 32),
+    ("mha_phase1_alone", "fp16", 128, 1, 64, 64, 64),  # nothing private: tpp._P1_ALONE_M
     ("mha_phase2", "fp16", 128, 1, 64, 16, 1),
     ("gqa_phase1", "bf16", 128, 4, 64, 64, 64),
     ("gqa_phase2", "bf16", 128, 4, 64, 16, 4),
@@ -50,7 +51,9 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
     cfg = tpp._launch_config(head_dim, block_m, elem, live)
     const = dict(G=g, C=c, D=head_dim, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DOT_T=dot_t,
                  DOT_PREC="ieee" if dtype == "fp32" else "tf32", LAUNCH_NEXT=True, EARLY=True, TMA=tma,
-                 TAIL=live != block_m)
+                 TAIL=live != block_m,  # phase 2 (live < block_m) folds, as tpp_decode launches it
+                 FOLD_P=triton.next_power_of_2(tpp._FOLD_MAX) if tpp._FOLD_VEC_MIN and live < block_m else 1,
+                 FOLD_VEC_MIN=tpp._FOLD_VEC_MIN)
     if not tma:
         const.update(Kd=None, Vd=None)
     params = list(inspect.signature(tpp._attend_kernel.fn).parameters)
