@@ -5,6 +5,14 @@ rows at temperature 0.8, V = 128256: 64.9 ms per step row by row, 1.1 batched).
 Per row the result is what ``sample_row_ref`` gives for that row alone: a seeded request (its own
 generator) draws its token from its own probabilities with its own generator, so its tokens do
 not depend on the rest of the batch; the unseeded rows draw in one call from the global RNG.
+
+Top-k keeps the tokens that reach the row's k-th largest logit. Top-p then keeps a token unless
+the tokens more likely than it already hold top_p of the probability (summed in float64): tied
+tokens stay or go together, and the most likely token always stays. A row with top-k finds its
+cut among its k + 1 largest logits, with no sort of the vocabulary unless ties of its k-th value
+reach past them (H200, V = 128256, top-k 50
+and top-p 0.9: 256 rows 5.7 -> 3.3 ms, 64 rows 2.3 -> 1.9, measured with 1024 candidates, a
+superset of these); other top-p rows are sorted whole.
 """
 
 from __future__ import annotations
@@ -35,22 +43,49 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     dev, v = logits.device, logits.shape[-1]
     logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
     ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]  # 0: whole vocabulary
+    cand = None
     if any(ks):
-        # each row's k-th largest value, from one top-k of the largest k; -inf where k is off
-        top = torch.topk(logits, max(ks), dim=-1).values  # [S, kmax]
-        kth = top.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])  # [S, 1]
+        # one top-k of the largest k + 1: each row's k-th largest value, and the candidates of
+        # its nucleus (past its k-th, top-k leaves only ties of it: the nucleus needs no sort)
+        cand = torch.topk(logits, min(v, max(ks) + 1), dim=-1).values  # [S, kmax + 1], descending
+        kth = cand.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])  # [S, 1]
         kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th stay
+        cand = cand.masked_fill(cand < kth, float("-inf"))
     nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        sub = logits[nucleus]  # [P, V]
-        sorted_logits, order = torch.sort(sub, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        top_p = torch.tensor([params[j].top_p for j in nucleus], dtype=sub.dtype, device=dev)[:, None]
-        # drop a token when the tokens before it already reach top_p (the first always stays)
-        drop = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        logits[nucleus] = sub.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        rows = torch.tensor(nucleus, device=dev)
+        sub = logits[rows]  # [P, V]
+        top_p = torch.tensor([params[j].top_p for j in nucleus], dtype=torch.float64, device=dev)[:, None]
+        if cand is None:
+            floor, found = torch.empty_like(sub[:, :1]), torch.zeros(len(nucleus), dtype=torch.bool, device=dev)
+        else:
+            floor, found = _nucleus_floor(cand[rows], sub, top_p)
+        if not bool(found.all()):  # rows without top-k (or past their candidates): sorted whole
+            rest = (~found).nonzero()[:, 0]
+            floor[rest] = _nucleus_floor(torch.sort(sub[rest], dim=-1, descending=True).values, sub[rest],
+                                         top_p[rest])[0]
+        logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
     return logits.softmax(-1)
+
+
+def _nucleus_floor(cand: torch.Tensor, logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over P rows: each row's lowest logit that stays, [P, 1], and whether that cut was
+    found among the candidates, [P] (False: a row needs more of them).
+
+    cand: [P, K] each row's K largest logits of logits: [P, V], descending (-inf: filtered out);
+    top_p: [P, 1] float64. A token stays unless the tokens more likely than it already reach
+    top_p: tokens of one value stay or go together, and the most likely always stays.
+    """
+    lse = logits.logsumexp(-1, keepdim=True)  # [P, 1]
+    probs = (cand - lse).exp().double()  # [P, K]
+    before = probs.cumsum(-1) - probs  # the mass of the candidates before each one
+    # a prefix of each row, at least one long. The first of a run of equal values has the mass
+    # strictly above the value before it, so the floor, its value, keeps the whole run.
+    keep = (before < top_p) & (cand > float("-inf"))
+    n = keep.sum(-1, keepdim=True)
+    found = (n[:, 0] < cand.shape[-1]) | (cand[:, -1] == float("-inf")) | (cand.shape[-1] == logits.shape[-1])
+    return cand.gather(1, n - 1), found
 
 
 def sample_row_ref(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
@@ -60,9 +95,11 @@ def sample_row_ref(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if p.top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        logits = logits.scatter(0, idx[drop], float("-inf"))
+        # the distinct values, descending, and each one's probability mass (all its tokens')
+        values, counts = torch.unique_consecutive(torch.sort(logits, descending=True).values, return_counts=True)
+        mass = (values - logits.logsumexp(-1)).exp().double() * counts
+        above = mass.cumsum(0) - mass  # the mass of the values above each
+        keep = (above < p.top_p) & (values > float("-inf"))
+        logits = logits.masked_fill(logits < values[keep][-1], float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=gen)[0])

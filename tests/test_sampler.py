@@ -1,8 +1,11 @@
 """Batched sampling (replicas.sampler.sample) against the one-row reference, and the filters."""
 
+import math
+
 import pytest
 import torch
 
+from replicas import sampler
 from replicas.sampler import sample, sample_row_ref
 from replicas.sequence import SamplingParams
 
@@ -78,3 +81,57 @@ def test_same_seed_same_tokens_anywhere_in_the_batch():
 def test_all_greedy_is_the_argmax(n):
     logits = torch.randn(n, 99, generator=torch.Generator().manual_seed(n))
     assert sample(logits, [SamplingParams(temperature=0)] * n, [None] * n) == logits.argmax(-1).tolist()
+
+
+def _nucleus_by_hand(logits: list[float], top_p: float) -> set[int]:
+    """Tokens top-p keeps: a token stays unless the tokens more likely than it reach top_p (top_p
+    1: every token not filtered out already)."""
+    z = sum(math.exp(x) for x in logits)
+    return {t for t, x in enumerate(logits)
+            if x > -math.inf and (top_p >= 1 or sum(math.exp(y) / z for y in logits if y > x) < top_p)}
+
+
+@pytest.mark.parametrize("top_p", [0.2, 0.45, 0.5, 0.7, 0.95])
+def test_top_p_keeps_or_drops_tied_tokens_together(top_p):
+    # three tokens tied at the cut: the tokens above them hold ~0.47 of the mass
+    logits = [2.0, 1.0, 1.0, 1.0, 0.0, -1.0, -1.0, -3.0]
+    probs = sampler._probs([SamplingParams(temperature=1.0, top_p=top_p)], torch.tensor([logits]))
+    assert set((probs[0] > 0).nonzero()[:, 0].tolist()) == _nucleus_by_hand(logits, top_p)
+
+
+@pytest.mark.parametrize("top_k", [2, 40, 300])
+def test_top_k_rows_cut_their_nucleus_among_the_top_k(top_k):
+    # rows with top-k find their nucleus among their k + 1 largest logits (no sort), rows
+    # without sort theirs; peaked rows (a nucleus of a few tokens) beside flat ones (hundreds).
+    # Every row keeps what the hand rule keeps, and seeded rows draw what the one-row reference
+    # draws (bf16-rounded logits: many ties, the k-th's too)
+    torch.manual_seed(3)
+    v = 600
+    scale = torch.tensor([8.0, 0.3, 5.0, 0.05] * 3)[:, None]
+    logits = (torch.randn(12, v) * scale).bfloat16().float()
+    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.6, top_k=top_k),
+              SamplingParams(temperature=1.2, top_p=0.95, top_k=top_k), SamplingParams(temperature=0.9, top_k=top_k)] * 3
+    probs = sampler._probs(params, logits.clone())
+    for i, p in enumerate(params):
+        x = logits[i] / p.temperature
+        if p.top_k > 0:
+            x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+        assert set((probs[i] > 0).nonzero()[:, 0].tolist()) == _nucleus_by_hand(x.tolist(), p.top_p)
+    got = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(12)])
+    assert got == [sample_row_ref(logits[i], p, torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+
+
+def test_top_k_and_top_p_rows_are_not_sorted(monkeypatch):
+    # every nucleus row has a top-k and a peaked distribution: its cut is among the k + 1
+    # largest logits, so no row is sorted; a flat row without top-k, whose nucleus reaches past
+    # them, is
+    sorts = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **kw: sorts.append(a[0].shape) or real_sort(*a, **kw))
+    logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(5)) * 6
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)] * 3 + [SamplingParams(temperature=0.8)]
+    sample(logits, params, [None] * 4)
+    assert sorts == []
+    logits[3] *= 0.01
+    sample(logits, params[:3] + [SamplingParams(temperature=0.8, top_p=0.9)], [None] * 4)
+    assert sorts == [torch.Size([1, 500])]
