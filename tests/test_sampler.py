@@ -1,5 +1,6 @@
 """Batched sampling (replicas.sampler.sample) against the one-row reference, and the filters."""
 
+import json
 import math
 
 import pytest
@@ -135,3 +136,14 @@ def test_top_k_and_top_p_rows_are_not_sorted(monkeypatch):
     logits[3] *= 0.01
     sample(logits, params[:3] + [SamplingParams(temperature=0.8, top_p=0.9)], [None] * 4)
     assert sorts == [torch.Size([1, 500])]
+
+
+def test_sampler_bench_prints_a_line_per_case(capsys):
+    from replicas import bench_sampler
+
+    bench_sampler.main(["--rows", "3", "--vocab", "300", "--scales", "2", "--reps", "1", "--reference"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["case"] for r in rows] == list(bench_sampler.CASES)
+    kept = {r["case"]: r["kept_max"] for r in rows}
+    assert kept["temperature 0.8"] == 300 and kept["top-k 50"] == 50 and kept["top-k 50, top-p 0.9"] <= 50
+    assert all(r["batched_ms"] > 0 and r["row_by_row_ms"] > 0 for r in rows)
