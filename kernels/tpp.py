@@ -65,13 +65,13 @@ _P1_MAX_M = 64
 # Phase 1 with no phase 2 beside it (every row's chunks shared, as in the fully shared benchmark
 # rows): a 32-vector tile launches as _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA
 # (64 rows a warpgroup), and a segment that one row tile reads is cut for
-# _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (fewer partials to merge). H200, 32 heads
-# (MHA), fp16, b = 32, fully shared (kernels.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048
-# 17.1 -> 15.6, 1024 12.2 -> 11.5. Not for fewer
-# live vectors (b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us
-# faster, kept), nor where a segment has several tiles (MHA b = 128, 2048 tokens: 20.2 -> 21.3
-# with one program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048:
-# 1.5-2 us slower: it crowds phase-2 programs out).
+# _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (fewer partials to merge). H200, fully
+# shared, b = 32, MHA fp16 (kernels.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048 17.1 -> 15.6,
+# 1024 12.2 -> 11.5; GQA b = 8 (32 vectors), 4096 tokens: 12.5 -> 11.8. Not for fewer live vectors
+# (MHA b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us faster,
+# kept), nor where a segment has several tiles (MHA b = 128, 2048 tokens: 20.2 -> 21.3 with one
+# program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us
+# slower: it crowds phase-2 programs out).
 _P1_ALONE_M = 64
 _P1_ALONE_PROGRAMS_PER_SM = 1
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
