@@ -199,7 +199,10 @@ class LLMEngine:
         c["steps"] += 1
         c["last_decode_batch"] = len(batch.decodes)
         c["max_decode_batch"] = max(c["max_decode_batch"], len(batch.decodes))
-        for seq, n in batch.items:  # prompt positions among the tokens that just ran
+        # prompt positions among the tokens that just ran: a decode row's one token is the
+        # prompt's last when the row had nothing but it left to compute (its first output)
+        c["computed_prompt_tokens"] += sum(seq.num_computed <= len(seq.prompt_ids) for seq in batch.decodes)
+        for seq, n in batch.prefills:
             start = seq.num_computed - n
             c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
 

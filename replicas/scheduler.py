@@ -209,9 +209,14 @@ class Scheduler:
     def advance(self, batch: Batch) -> None:
         """After the forward pass: the new tokens' K/V are in the cache; chunks that became full
         enter the tree (deduplicated against identical chunks computed concurrently)."""
-        for seq, n in batch.items:
+        for seq in batch.decodes:  # one token each (Batch.items would build the pairs)
+            seq.num_computed += 1
+        for seq, n in batch.prefills:
             seq.num_computed += n
-            if self.sharing:
+        if self.sharing:
+            for seq in batch.decodes:
+                self._insert_full_chunks(seq)
+            for seq, _ in batch.prefills:
                 self._insert_full_chunks(seq)
 
     def _insert_full_chunks(self, seq: Sequence) -> None:

@@ -116,6 +116,19 @@ def test_shared_prefix_memory_and_retention():
     assert used[True] <= 0.25 * used[False]
 
 
+def test_a_cached_prompt_runs_only_its_last_token_and_counts_it():
+    # a prompt one token past a chunk boundary, run again: its chunks come from the cache, so
+    # its last token runs alone (as a decode row) and is the one prompt token computed
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=4096)
+    prompt = [5 + i % 90 for i in range(3 * 16 + 1)]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first = engine.generate([prompt], params)
+    before = engine.stats()["computed_prompt_tokens"]
+    assert engine.generate([prompt], params) == first
+    assert engine.stats()["computed_prompt_tokens"] - before == 1
+    assert engine.stats()["cached_prompt_tokens"] == 48
+
+
 def test_preemption_under_pressure_keeps_outputs_exact():
     rng = random.Random(3)
     common = [rng.randrange(256) for _ in range(40)]
