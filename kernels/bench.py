@@ -13,8 +13,8 @@ MultiLevelCascadeAttentionWrapper (one level per tree level); PyTorch SDPA over 
 gathered into a dense tensor (the gather is not timed); and the bound, unique KV bytes over the
 device-to-device copy bandwidth (bytes read + written) measured in the same run. A partially
 shared row also gives ours and FlashInfer's paged decode over the rows' private tokens alone
-(`private_only_*_us`): reading them is part of every method's step, so no method's time on the
-row can be under the faster of the two.
+(`private_only_*_us`): every method reads that KV in the row's step too, so at the speed these
+kernels read it the row cannot take less than the faster of the two.
 
 Timing: each method is captured in a CUDA graph that calls it over several copies of its inputs
 (together past 4x the L2, so KV comes from HBM as in a real decode step); the graph is replayed
@@ -305,7 +305,7 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
     """One JSON row: each method's time on the case, the bound, ours against the fastest
     FlashInfer path and the reference. `own`: for a partially shared case also the time ours and
     FlashInfer's paged decode take over the rows' private tokens alone (the shared levels
-    dropped): KV that any method reads, a floor under the row's own figures."""
+    dropped): KV that every method reads, a floor under the row's figures at these read speeds."""
     batch = make_batch(case, c)
     unique = 2 * batch.k.numel() * batch.k.element_size()  # every pool chunk is read: unique KV
     rot = _rotations(unique)
