@@ -6,7 +6,8 @@ whose `forward(layer, q, k, v)` the model calls once per layer: it writes the ne
 pool and attends.
 
 Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton) on CUDA,
-`kernels.reference` on the CPU. On CUDA a batch with nothing shared and grouped-query heads
+`kernels.tpp_torch` (batched torch ops) on the CPU; `kernels.reference`, the plain-torch oracle
+the others are checked against, on request (backend "reference"). On CUDA a batch with nothing shared and grouped-query heads
 decodes through FlashInfer's tensor-core paged decode instead when flashinfer is installed
 (`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`, which
 the engine turns off unless it runs eagerly: its CUDA graphs cover TPP plans only).
@@ -27,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import fi_decode, reference  # fi_decode imports flashinfer only when used
+from kernels import fi_decode, reference, tpp_torch  # fi_decode imports flashinfer only when used
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
 
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,7 @@ class Attention:
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "reference"
+            backend = "triton" if device.type == "cuda" else "torch"
         if backend == "triton":
             from kernels import tpp  # imports triton; the reference path must not need it
             self._tpp = tpp
@@ -113,6 +114,8 @@ class Attention:
         elif self.backend == "triton":
             plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
                                         num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim, tree=tree)
+        elif self.backend == "torch":
+            plan = tpp_torch.build_plan(tree, c, self.device)
         else:
             plan = tree
         self._signature = self._signature_of(batch.decodes, isinstance(plan, fi_decode.FiPlan))
@@ -135,6 +138,11 @@ class Attention:
         if self.backend == "triton":
             plan.seq_lens.add_(1)  # on the device, in place
             return plan
+        if self.backend == "torch":
+            return tpp_torch.build_plan(self._bump_tree(plan.tree), self.pool.chunk_size, self.device)
+        return self._bump_tree(plan)
+
+    def _bump_tree(self, plan: reference.TreePlan) -> reference.TreePlan:
         # the new token (position n) lands in the row's private chunk at table position n // c
         c = self.pool.chunk_size
 
@@ -152,6 +160,8 @@ class Attention:
             return self._fi.run(q, k_cache, v_cache)
         if self.backend == "triton":
             return self._tpp.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
+        if self.backend == "torch":
+            return tpp_torch.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
         return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
 
 
@@ -163,7 +173,7 @@ class StepAttention:
     chunk_idx: torch.Tensor  # [T] chunk id of each new token's K/V slot
     offset: torch.Tensor  # [T] slot inside that chunk
     num_decodes: int  # rows [0, num_decodes) are decodes, in tree DFS order
-    decode_plan: object  # reference.TreePlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
+    decode_plan: object  # reference.TreePlan, tpp_torch.TorchPlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
     prefills: tuple[PrefillSpan, ...]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

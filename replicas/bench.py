@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--backend", action="append", choices=["reference", "triton"],
+    ap.add_argument("--backend", action="append", choices=["reference", "torch", "triton"],
                     help="attention backend(s) to run (default: auto)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=1024)

@@ -47,7 +47,7 @@ class EngineConfig:
     seed: int = 0  # preset weights and requests' default sampling seeds
     tp_rank: int = 0
     tp_size: int = 1
-    attention_backend: str = "auto"  # auto (triton on CUDA, reference on CPU) | triton | reference
+    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch | reference
     # triton backend, eager engines (enforce_eager): decode a batch with nothing shared through
     # FlashInfer's paged decode (GQA, 16-bit caches, flashinfer installed), measured a few percent
     # faster there than TPP without a phase 1. Graphed engines decode it through TPP, whose plans

@@ -48,3 +48,16 @@ def test_triton_backend_matches_reference_backend():
     assert tri.generate(ps, params) == ref.generate(ps, params)
     assert tri.attention.backend == "triton"
     assert tri.attention.plan_builds < tri.stats()["steps"] // 2
+
+
+def test_torch_backend_is_the_cpu_default_and_matches_reference_backend():
+    # staggered rows (tails filling at different steps, plans bumped between rebuilds), one
+    # row sharing nothing, a deeper branch: the batched torch decode gives the reference's tokens
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    options = dict(chunk_size=16, kv_cache_tokens=4096, device="cpu", dtype="float32")
+    ref = LLMEngine.from_model("tiny", attention_backend="reference", **options)
+    auto = LLMEngine.from_model("tiny", **options)
+    assert auto.attention.backend == "torch"
+    ps = [SHARED + [i] * (3 + 2 * i) for i in range(6)] + [[7] * 11, SHARED + [3] * 20]
+    assert auto.generate(ps, params) == ref.generate(ps, params)
+    assert auto.attention.plan_builds == ref.attention.plan_builds < auto.stats()["steps"] // 2
