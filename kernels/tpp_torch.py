@@ -7,9 +7,10 @@ tokens past a chunk's length masked), and one masked attention of the [B, Hkv, G
 the gathered [B, Hkv, P * c, D] keys and values gives every row's partial state. Phase 1, per
 shared segment, and the merge are the reference's (``partial_attn``, ``attn_reduce``).
 Engine decode steps against the reference backend, CPU (2 threads), tiny preset (`python -m
-replicas.bench --model tiny --backend reference --backend torch ...`): b = 64 after a 256-token
-shared prefix 88.9 -> 25.8 ms; b = 256, 512-token prefix, staggered tails 103.0 -> 48.7; b = 64
-sharing nothing, 300-token staggered prompts 105.6 -> 71.5; b = 8 12.7 -> 7.9.
+replicas.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
+runs vary by up to 25 %), ms per step: b = 64 after a 256-token shared prefix 67.4 -> 23.8;
+b = 256, 512-token prefix, staggered tails 101.5 -> 38.7; b = 64 sharing nothing, 300-token
+staggered prompts 91.9 -> 54.4; b = 8 14.3 -> 8.6.
 """
 
 from __future__ import annotations
@@ -31,16 +32,19 @@ class TorchPlan:
     """A tree plan with its private chunks as padded tensors (rebuilt whenever the lengths move)."""
 
     tree: TreePlan
-    chunk_ids: Tensor  # [B, P] long: row r's private chunks, padded with chunk 0
+    chunk_ids: Tensor  # [B, P] long: row r's private chunks holding tokens, padded with chunk 0
     live: Tensor  # [B, P * c] bool: token t of the padded run is one of the row's
 
 
 def build_plan(tree: TreePlan, chunk_size: int, device: torch.device | str) -> TorchPlan:
     c = int(chunk_size)
-    b, p = len(tree.seq_lens), max((len(ids) for ids in tree.private_chunks), default=0)
+    # a row's reserved chunks (0 tokens, the last of its list) are left out: nothing to read
+    used = [len(counts) - next((i for i, n in enumerate(reversed(counts)) if n), len(counts))
+            for counts in tree.private_lens]
+    b, p = len(tree.seq_lens), max(used, default=0)
     ids, lens = np.zeros((b, p), dtype=np.int64), np.zeros((b, p), dtype=np.int64)
-    for r, (chunks, counts) in enumerate(zip(tree.private_chunks, tree.private_lens)):
-        ids[r, :len(chunks)], lens[r, :len(counts)] = chunks, counts
+    for r, (chunks, counts, n) in enumerate(zip(tree.private_chunks, tree.private_lens, used)):
+        ids[r, :n], lens[r, :n] = chunks[:n], counts[:n]
     live = (np.arange(c)[None, None, :] < lens[:, :, None]).reshape(b, p * c)
     return TorchPlan(tree, torch.from_numpy(ids).to(device), torch.from_numpy(live).to(device))
 
@@ -57,10 +61,10 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TorchPlan, sm_
     # phase 2: every row's private chunks at once, [B, Hkv, G, ...] states
     p = plan.chunk_ids.shape[1]
     if p:
-        def gather(cache: Tensor) -> Tensor:  # [B, P, Hkv, c, D] -> [B, Hkv, P * c, D]
-            return cache[plan.chunk_ids].permute(0, 2, 1, 3, 4).reshape(b, hkv, p * c, d)
-        o, m, n = reference.partial_attn(qf, gather(k_cache), gather(v_cache), sm_scale,
-                                         mask=plan.live[:, None, None, :])
+        def gather(cache: Tensor) -> Tensor:  # [Hkv, B, P * c, D]: heads first, so the gather is the only copy
+            return cache.transpose(0, 1)[:, plan.chunk_ids].reshape(hkv, b, p * c, d)
+        o, m, n = (x.transpose(0, 1) for x in reference.partial_attn(
+            qf.transpose(0, 1), gather(k_cache), gather(v_cache), sm_scale, mask=plan.live[None, :, None, :]))
     else:
         o, m, n = qf.new_zeros(b, hkv, g, d), qf.new_full((b, hkv, g), float("-inf")), qf.new_zeros(b, hkv, g)
 
@@ -77,4 +81,4 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TorchPlan, sm_
         pn = pn.view(hkv, j - i, g).transpose(0, 1)
         o[i:j], m[i:j], n[i:j] = reference.attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
 
-    return reference._normalise(o, n).view(b, hq, d).to(q.dtype)
+    return reference._normalise(o, n).reshape(b, hq, d).to(q.dtype)
