@@ -2,10 +2,12 @@
 
 Same tree plan and semantics as ``kernels.reference.tpp_decode_ref``, which loops over rows in
 phase 2 (about ten small ops a row, each layer). Here phase 2 attends every row's private chunks
-at once: ``build_plan`` pads each row's private chunk list to the longest (P chunks; padding and
-tokens past a chunk's length masked), and one masked attention of the [B, Hkv, G] queries over
-the gathered [B, Hkv, P * c, D] keys and values gives every row's partial state. Phase 1, per
-shared segment, and the merge are the reference's (``partial_attn``, ``attn_reduce``).
+at once: ``build_plan`` pads each row's private chunks that hold tokens to the longest such list
+(P chunks; padding and tokens past a chunk's length masked), and one masked attention of the
+[Hkv, B, G] queries over the gathered [Hkv, B, P * c, D] keys and values gives every row's
+partial state. Phase 1, per shared segment, and the merge are the reference's (``partial_attn``,
+``attn_reduce``).
+
 Engine decode steps against the reference backend, CPU (2 threads), tiny preset (`python -m
 replicas.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
 runs vary by up to 25 %), ms per step: b = 64 after a 256-token shared prefix 67.4 -> 23.8;
