@@ -7,10 +7,11 @@ pool and attends.
 
 Decode runs the two-phase partition over the prefix tree: `kernels.tpp` (Triton) on CUDA,
 `kernels.tpp_torch` (batched torch ops) on the CPU; `kernels.reference`, the plain-torch oracle
-the others are checked against, on request (backend "reference"). On CUDA a batch with nothing shared and grouped-query heads
-decodes through FlashInfer's tensor-core paged decode instead when flashinfer is installed
-(`kernels.fi_decode`: measured a few percent faster there; off with `flashinfer_fallback`, which
-the engine turns off unless it runs eagerly: its CUDA graphs cover TPP plans only).
+the others are checked against, on request (backend "reference"). On CUDA a batch with nothing
+shared and grouped-query heads decodes through FlashInfer's tensor-core paged decode instead
+when flashinfer is installed (`kernels.fi_decode`: measured a few percent faster there; off with
+`flashinfer_fallback`, which the engine turns off unless it runs eagerly: its CUDA graphs cover
+TPP plans only).
 The decode plan lives as long as the batch's chunk tables ("lazy context"): it covers each
 row's whole table, the chunks reserved past its length included (the scheduler reserves them
 ahead, for all rows together), so a step whose decode rows are the same sequences with the same
