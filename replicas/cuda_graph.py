@@ -21,7 +21,7 @@ dropped after fewer than `min_replays` replays doubles the steps a plan must liv
 next capture (up to 64); one that paid off resets it.
 
 Only decode-only steps of the Triton backend with a TPP plan use it. Steps with prefill tokens,
-FlashInfer plans and the reference backend run eagerly. The logits are computed eagerly from
+FlashInfer plans and the torch and reference backends run eagerly. The logits are computed eagerly from
 the graph's hidden states, so a graph holds the model's forward only.
 """
 
