@@ -173,17 +173,9 @@ class Scheduler:
         # that more than one live sequence holds (a prefix of its path: a node's ancestors are
         # held at least as often), then arrival. Nodes only the row holds stay out of the key,
         # so a tail chunk entering the tree does not reorder the batch (and rebuild the plan).
-        batch.decodes.sort(key=self._decode_order)
+        _sort_dfs(batch.decodes)
         self.last_decode_paths = [s.path_ids() for s in batch.decodes]  # for PrefixTree.check
         return batch
-
-    @staticmethod
-    def _decode_order(seq: Sequence) -> tuple[tuple[int, ...], int]:
-        # the shared run is a prefix of the path: scan back over the row's own nodes only
-        k = len(seq.nodes)
-        while k and seq.nodes[k - 1].ref <= 1:
-            k -= 1
-        return seq.path_ids()[:k], seq.arrival
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the cache, reserve chunks for a first piece (as much of the prompt as the budget
@@ -229,3 +221,24 @@ class Scheduler:
             seq.nodes.append(self.tree.insert(parent, tokens, cid, self.now))
             if seq.nodes[-1].chunk_id != cid:  # deduplicated: the table changed in place
                 seq.table_version += 1
+
+
+def _sort_dfs(rows: list[Sequence]) -> None:
+    """Sort decode rows by their shared runs' paths, then arrival (see Scheduler.schedule).
+
+    The rows' shared runs end at a few distinct nodes: those are ranked by path once and the rows
+    sorted by (rank, arrival), instead of comparing paths row against row (256 rows after a
+    32-chunk shared prefix: 645 -> 281 us a step; 4 chunks: 297 -> 262).
+    """
+    deepest = {}  # row -> the last node of its shared run (None: it shares nothing)
+    paths: dict = {}  # that node -> its path
+    for seq in rows:
+        k = len(seq.nodes)  # the shared run is a prefix of the path: scan back over the row's own nodes
+        while k and seq.nodes[k - 1].ref <= 1:
+            k -= 1
+        node = seq.nodes[k - 1] if k else None
+        deepest[seq] = node
+        if node not in paths:
+            paths[node] = seq.path_ids()[:k]
+    rank = {node: i for i, node in enumerate(sorted(paths, key=paths.__getitem__))}
+    rows.sort(key=lambda seq: (rank[deepest[seq]], seq.arrival))

@@ -106,3 +106,38 @@ def test_pool_double_free_is_an_error():
     tree.pool.free(cid)
     with pytest.raises(RuntimeError, match="double free"):
         tree.pool.free(cid)
+
+
+def test_decode_rows_sort_by_shared_path_then_arrival():
+    # random forests of shared runs (refs > 1) with private tails (ref 1): _sort_dfs orders the
+    # rows as the plain key (the path of the row's shared run, then arrival) does
+    import random
+
+    from replicas.scheduler import _sort_dfs
+
+    class Node:  # a tree node as _sort_dfs reads it: its id, how many live sequences hold it
+        def __init__(self, ref):
+            self.id, self.ref = next(ids), ref
+
+    class Row:  # what _sort_dfs reads of a Sequence: nodes (id, ref), arrival, path_ids()
+        def __init__(self, nodes, arrival):
+            self.nodes, self.arrival = nodes, arrival
+
+        def path_ids(self):
+            return tuple(n.id for n in self.nodes)
+
+    rng = random.Random(0)
+    ids = iter(range(10**6))
+    for trial in range(30):
+        roots = [[Node(9)] for _ in range(rng.randint(1, 3))]
+        branches = [r + [Node(5) for _ in range(rng.randint(0, 3))]
+                    for r in roots for _ in range(rng.randint(1, 3))] + [[]]
+        rows = [Row(rng.choice(branches) + [Node(1) for _ in range(rng.randint(0, 2))], a)
+                for a in rng.sample(range(100), 40)]
+
+        def plain(row):
+            k = sum(n.ref > 1 for n in row.nodes)
+            return row.path_ids()[:k], row.arrival
+        want = sorted(rows, key=plain)
+        _sort_dfs(rows)
+        assert rows == want, trial
