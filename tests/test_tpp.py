@@ -322,13 +322,14 @@ def test_phase1_alone_tile_and_cut(monkeypatch, rows):
     # _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor. A private chunk in any row restores
     # the 32-vector tile and _PROGRAMS_PER_SM; 16 rows keep their 16-vector tile.
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp, "_num_sms", lambda device: 4)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(31)
     k, v = (torch.randn(8 + rows, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
     q = torch.randn(rows, hkv, d, generator=gen).to(DEVICE)
     shared = [list(range(8))] * rows
     plan = plan_for(q, k, shared, [8 * c] * rows)
-    per_head = 4 * tpp._P1_ALONE_PROGRAMS_PER_SM // hkv  # 4 multiprocessors in the interpreter
+    per_head = 4 * tpp._P1_ALONE_PROGRAMS_PER_SM // hkv  # 4 multiprocessors
     assert plan.launches == ((0, per_head, 64 if rows == 32 else 16, 64 if rows == 32 else 16, 1),)
     assert plan.phase_items(1) == per_head == 2 and plan.merge_items.shape[0] == rows
     check(q, k, v, shared, [8 * c] * rows, plan)
