@@ -291,6 +291,22 @@ def _check_contiguous(ids: np.ndarray, used: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def segment_partial(qf: Tensor, k_cache: Tensor, v_cache: Tensor, seg: Segment,
+                    sm_scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """Phase 1 of one shared segment: each KV head's G query heads of rows [i, j) stacked into
+    one [(j - i) * G, D] matrix (rows major) attend the segment's K/V once (the GPU kernel's
+    tensor-core tile), vectorised over KV heads. qf: [B, Hkv, G, D] float32. Returns the rows'
+    partial states o: [j - i, Hkv, G, D], m, n: [j - i, Hkv, G]."""
+    _, hkv, g, d = qf.shape
+    i, j = seg.row_start, seg.row_end
+    length = len(seg.chunk_ids) * k_cache.shape[2]  # segments hold full chunks only
+    k = gather_kv(k_cache, seg.chunk_ids, length)  # [Hkv, L, D]
+    v = gather_kv(v_cache, seg.chunk_ids, length)
+    o, m, n = partial_attn(qf[i:j].transpose(0, 1).reshape(hkv, (j - i) * g, d), k, v, sm_scale)
+    return (o.view(hkv, j - i, g, d).transpose(0, 1), m.view(hkv, j - i, g).transpose(0, 1),
+            n.view(hkv, j - i, g).transpose(0, 1))
+
+
 def tpp_decode_ref(
     q: Tensor,
     k_cache: Tensor,
@@ -319,15 +335,8 @@ def tpp_decode_ref(
     scale = _scale(sm_scale, d)
     qf = q.float().view(b, hkv, g, d)  # query head h = kv * G + g
 
-    # phase 1: one partial state per segment, [Hkv, (j - i) * G, ...] with rows major in M
-    partials = []
-    for seg in plan.segments:
-        rows = seg.row_end - seg.row_start
-        length = len(seg.chunk_ids) * c  # segments hold full chunks only
-        k = gather_kv(k_cache, seg.chunk_ids, length)  # [Hkv, L, D]
-        v = gather_kv(v_cache, seg.chunk_ids, length)
-        qs = qf[seg.row_start : seg.row_end].transpose(0, 1).reshape(hkv, rows * g, d)
-        partials.append(partial_attn(qs, k, v, scale))
+    # phase 1: one partial state per segment, per row of it
+    partials = [segment_partial(qf, k_cache, v_cache, seg, scale) for seg in plan.segments]
 
     # phase 2: per row, private chunks (state [Hkv, G, ...]) ...
     o = qf.new_zeros(b, hkv, g, d)
@@ -349,9 +358,6 @@ def tpp_decode_ref(
     # rows at once, which is the same per-row merge vectorised (merge order only changes rounding)
     for seg, (po, pm, pn) in zip(plan.segments, partials):
         i, j = seg.row_start, seg.row_end
-        po = po.view(hkv, j - i, g, d).transpose(0, 1)  # [rows, Hkv, G, D]
-        pm = pm.view(hkv, j - i, g).transpose(0, 1)
-        pn = pn.view(hkv, j - i, g).transpose(0, 1)
         o[i:j], m[i:j], n[i:j] = attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
 
     return _normalise(o, n).view(b, hq, d).to(q.dtype)

@@ -5,8 +5,8 @@ phase 2 (about ten small ops a row, each layer). Here phase 2 attends every row'
 at once: ``build_plan`` pads each row's private chunks that hold tokens to the longest such list
 (P chunks; padding and tokens past a chunk's length masked), and one masked attention of the
 [Hkv, B, G] queries over the gathered [Hkv, B, P * c, D] keys and values gives every row's
-partial state. Phase 1, per shared segment, and the merge are the reference's (``partial_attn``,
-``attn_reduce``).
+partial state. Phase 1, per shared segment, and the merge are the reference's
+(``segment_partial``, ``attn_reduce``).
 
 Engine decode steps against the reference backend, CPU (2 threads), tiny preset (`python -m
 replicas.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
@@ -73,14 +73,7 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TorchPlan, sm_
     # phase 1: each shared segment's K/V once for its rows' stacked queries, merged into them
     for seg in plan.tree.segments:
         i, j = seg.row_start, seg.row_end
-        length = len(seg.chunk_ids) * c  # segments hold full chunks only
-        k = reference.gather_kv(k_cache, seg.chunk_ids, length)  # [Hkv, L, D]
-        v = reference.gather_kv(v_cache, seg.chunk_ids, length)
-        qs = qf[i:j].transpose(0, 1).reshape(hkv, (j - i) * g, d)
-        po, pm, pn = reference.partial_attn(qs, k, v, sm_scale)
-        po = po.view(hkv, j - i, g, d).transpose(0, 1)  # [rows, Hkv, G, D]
-        pm = pm.view(hkv, j - i, g).transpose(0, 1)
-        pn = pn.view(hkv, j - i, g).transpose(0, 1)
+        po, pm, pn = reference.segment_partial(qf, k_cache, v_cache, seg, sm_scale)
         o[i:j], m[i:j], n[i:j] = reference.attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
 
     return reference._normalise(o, n).reshape(b, hq, d).to(q.dtype)

@@ -174,7 +174,8 @@ class StepAttention:
     chunk_idx: torch.Tensor  # [T] chunk id of each new token's K/V slot
     offset: torch.Tensor  # [T] slot inside that chunk
     num_decodes: int  # rows [0, num_decodes) are decodes, in tree DFS order
-    decode_plan: object  # reference.TreePlan, tpp_torch.TorchPlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
+    # reference.TreePlan, tpp_torch.TorchPlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
+    decode_plan: object
     prefills: tuple[PrefillSpan, ...]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
