@@ -16,6 +16,8 @@ shared row also gives ours and FlashInfer's paged decode over the rows' private 
 (`private_only_*_us`): every method reads that KV in the row's step too, so at the speed these
 kernels read it the row cannot take less than the faster of the two.
 
+The last line checks issue 5's targets on the run's rows (``targets``): the rows that miss each.
+
 Timing: each method is captured in a CUDA graph that calls it over several copies of its inputs
 (together past 4x the L2, so KV comes from HBM as in a real decode step); the graph is replayed
 and the median replay time is divided by the calls in it. Needs CUDA (and flashinfer for its
@@ -345,6 +347,49 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
     return row
 
 
+def targets(rows: list[dict]) -> dict:
+    """Issue 5's targets checked on a decode run's rows: for each, the rows that miss it
+    (label, figure, limit) and how many checks it made. Fully shared rows (n_s = n_p): ours
+    within the bound + 10 us; the MHA paper row at n_p = 4096 also at most 26 us and at least
+    7.7x faster than FlashInfer's paged decode and 2.5x than its cascade. Partially shared rows:
+    at most 0.8x the fastest FlashInfer path. Nothing shared (n_s = 0): at most 1.05x FlashInfer's
+    paged decode. Batch scaling: our tokens per second rising with b."""
+    def label(r: dict) -> str:
+        return f"{r['grid']} b={r['b']} {r['n_p']}/{r['n_s']}"
+
+    checks: dict[str, list] = {"fully_shared": [], "partially_shared": [], "nothing_shared": [], "batch_scaling": []}
+    missed: dict[str, list] = {k: [] for k in checks}
+
+    def check(name: str, r: dict, what: str, got, limit, ok: bool) -> None:
+        checks[name].append(label(r))
+        if not ok:
+            missed[name].append([f"{label(r)} {what}", got, limit])
+
+    timed = [r for r in rows if r.get("ours_us") is not None]
+    for r in timed:
+        best = [r[k] for k in ("fi_paged_us", "fi_paged_tc_us", "fi_cascade_us") if r.get(k)]
+        if r["n_s"] == r["n_p"]:
+            limit = round(r["bound_us"] + 10, 2)
+            check("fully_shared", r, "us", r["ours_us"], limit, r["ours_us"] <= limit)
+            if r["grid"] == "paper" and r["n_p"] == 4096:
+                check("fully_shared", r, "us", r["ours_us"], 26, r["ours_us"] <= 26)
+                for k, x in (("fi_paged_us", 7.7), ("fi_cascade_us", 2.5)):
+                    if r.get(k):
+                        speedup = round(r[k] / r["ours_us"], 2)
+                        check("fully_shared", r, f"x faster than {k[:-3]}", speedup, x, speedup >= x)
+        elif r["n_s"] > 0 and best:
+            limit = round(0.8 * min(best), 2)
+            check("partially_shared", r, "us", r["ours_us"], limit, r["ours_us"] <= limit)
+        elif r["n_s"] == 0 and r.get("fi_paged_us"):
+            limit = round(1.05 * r["fi_paged_us"], 2)
+            check("nothing_shared", r, "us", r["ours_us"], limit, r["ours_us"] <= limit)
+    scaling = sorted((r for r in timed if r["grid"] == "batch"), key=lambda r: r["b"])
+    for prev, r in zip(scaling, scaling[1:]):
+        check("batch_scaling", r, f"tok/s (b={prev['b']}: {round(prev['ours_tok_per_s'])})",
+              round(r["ours_tok_per_s"]), round(prev["ours_tok_per_s"]), r["ours_tok_per_s"] > prev["ours_tok_per_s"])
+    return {k: dict(checks=len(v), missed=missed[k]) for k, v in checks.items()}
+
+
 def _max_err(case: Case, batch: Batch, c: int, notes: dict) -> float | None:
     """Our output against the dense oracle of kernels/reference.py on this batch."""
     try:
@@ -508,8 +553,11 @@ def main(argv: list[str] | None = None) -> None:
     bw = copy_bandwidth()
     print(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth_tb_s=round(bw / 1e12, 3),
                           torch=torch.__version__, chunk_size=args.chunk_size)), flush=True)
+    rows = []
     for case in all_cases(args.grid):
-        print(json.dumps(run_case(case, args.chunk_size, bw, tuple(args.methods))), flush=True)
+        rows.append(run_case(case, args.chunk_size, bw, tuple(args.methods)))
+        print(json.dumps(rows[-1]), flush=True)
+    print(json.dumps(dict(targets=targets(rows))), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,31 @@
+"""kernels.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA)."""
+
+from kernels.bench import targets
+
+
+def row(grid, b, n_p, n_s, ours, paged, cascade=None, bound=10.0, tc=None):
+    return dict(grid=grid, b=b, n_p=n_p, n_s=n_s, ours_us=ours, fi_paged_us=paged, fi_cascade_us=cascade,
+                fi_paged_tc_us=tc, bound_us=bound, ours_tok_per_s=b / ours * 1e6)
+
+
+def test_targets_name_the_rows_that_miss():
+    rows = [
+        row("paper", 32, 1024, 0, 100.0, 96.0),  # 1.04x paged: holds
+        row("paper", 32, 2048, 0, 110.0, 100.0),  # 1.10x: misses
+        row("paper", 32, 1024, 512, 70.0, 90.0, 120.0),  # 0.78x the faster path: holds
+        row("gqa", 32, 1024, 512, 24.0, 50.0, 100.0, tc=29.0),  # 0.83x the tensor-core paged: misses
+        row("paper", 32, 4096, 4096, 25.0, 200.0, 60.0, bound=15.0),  # within 26 us, 8x, 2.4x: misses 2.5x
+        row("gqa", 32, 4096, 4096, 14.1, 190.0, 60.0, bound=4.0),  # bound + 10.1: misses
+        row("batch", 16, 2304, 2048, 15.0, 60.0, 66.0),
+        row("batch", 32, 2304, 2048, 21.0, 110.0, 90.0),  # more tokens per second: holds
+        row("batch", 64, 2304, 2048, 45.0, 210.0, 140.0),  # fewer: misses
+        dict(row("tree", 32, 2348, 2048, 1.0, 40.0), ours_us=None),  # not timed: not checked
+    ]
+    got = targets(rows)
+    assert got["nothing_shared"] == dict(checks=2, missed=[["paper b=32 2048/0 us", 110.0, 105.0]])
+    assert got["partially_shared"]["missed"] == [["gqa b=32 1024/512 us", 24.0, 23.2]]
+    assert got["partially_shared"]["checks"] == 5  # the batch rows are partially shared too
+    assert got["fully_shared"] == dict(checks=5, missed=[["paper b=32 4096/4096 x faster than fi_cascade", 2.4, 2.5],
+                                                         ["gqa b=32 4096/4096 us", 14.1, 14.0]])
+    assert got["batch_scaling"]["checks"] == 2
+    assert [m[0] for m in got["batch_scaling"]["missed"]] == ["batch b=64 2304/2048 tok/s (b=32: 1523810)"]
