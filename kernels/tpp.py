@@ -69,9 +69,11 @@ _P1_MAX_M = 64
 # shared, b = 32, MHA fp16 (kernels.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048 17.1 -> 15.6,
 # 1024 12.2 -> 11.5; GQA b = 8 (32 vectors), 4096 tokens: 12.5 -> 11.8. Not for fewer live vectors
 # (MHA b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us faster,
-# kept), nor where a segment has several tiles (MHA b = 128, 2048 tokens: 20.2 -> 21.3 with one
-# program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us
-# slower: it crowds phase-2 programs out).
+# kept), nor where an MHA segment has several tiles (b = 128, 2048 tokens: 20.2 -> 21.3 with one
+# program per SM; GQA segments of several tiles are cut for one program per SM: b = 32, 4096
+# tokens 14.04 / 13.8 -> 13.5 / 13.44 us, b = 64, 2048 tokens 13.3 -> 13.1, 1024 tokens on par),
+# nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us slower: it crowds
+# phase-2 programs out).
 _P1_ALONE_M = 64
 _P1_ALONE_PROGRAMS_PER_SM = 1
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
@@ -230,7 +232,7 @@ def build_plan(
     # cut them into pieces of about equal size, one program each: at least _PROGRAMS_PER_SM per
     # multiprocessor over all KV heads, no piece under _MIN_PIECE_TOKENS unless its item is. Both
     # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
-    pps = _P1_ALONE_PROGRAMS_PER_SM if alone and one_tile else _PROGRAMS_PER_SM
+    pps = _P1_ALONE_PROGRAMS_PER_SM if alone and (one_tile or g > 1) else _PROGRAMS_PER_SM
     per_head = max(1, (target_programs or pps * _num_sms(device)) // hkv)
     block_m2 = max(16, triton.next_power_of_2(g))
     if _SPLIT_PHASES:

@@ -339,6 +339,23 @@ def test_phase1_alone_tile_and_cut(monkeypatch, rows):
     check(q, k, v, tails, [8 * c + 1] * rows, plan)
 
 
+def test_gqa_phase1_alone_over_several_tiles_cut_for_one_program_per_sm(monkeypatch):
+    # rows whose chunks are all shared, 128 query vectors: their segment is read by 2 row tiles
+    # of 64. GQA cuts it for _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (4 here, over
+    # 2 KV heads: one piece per tile), MHA for _PROGRAMS_PER_SM (two per tile)
+    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp, "_num_sms", lambda device: 4)
+    c, d, hkv = 16, 64, 2
+    gen = torch.Generator().manual_seed(32)
+    k, v = (torch.randn(8, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
+    for g, rows, pieces in ((4, 32, 2), (1, 128, 4)):
+        q = torch.randn(rows, hkv * g, d, generator=gen).to(DEVICE)
+        tables = [list(range(8))] * rows
+        plan = plan_for(q, k, tables, [8 * c] * rows)
+        assert plan.launches == ((0, pieces, 64, 64, 1),)
+        check(q, k, v, tables, [8 * c] * rows, plan)
+
+
 @pytest.mark.parametrize("tma", [True, False])
 def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma):
     # a plan built with reserved=True covers every row's chunks past its length (the engine
