@@ -70,10 +70,10 @@ _P1_MAX_M = 64
 # 1024 12.2 -> 11.5; GQA b = 8 (32 vectors), 4096 tokens: 12.5 -> 11.8. Not for fewer live vectors
 # (MHA b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us faster,
 # kept), nor where an MHA segment has several tiles (b = 128, 2048 tokens: 20.2 -> 21.3 with one
-# program per SM; GQA segments of several tiles are cut for one program per SM: b = 32, 4096
-# tokens 14.04 / 13.8 -> 13.5 / 13.44 us, b = 64, 2048 tokens 13.3 -> 13.1, 1024 tokens on par),
-# nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us slower: it crowds
-# phase-2 programs out).
+# program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us
+# slower: it crowds phase-2 programs out). A GQA segment of several tiles is cut for one program
+# per SM too (b = 32, 4096 tokens: 14.04 / 13.8 -> 13.5 / 13.44 us; b = 64, 2048 tokens:
+# 13.3 -> 13.1; b = 32, 1024 tokens on par).
 _P1_ALONE_M = 64
 _P1_ALONE_PROGRAMS_PER_SM = 1
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
