@@ -404,7 +404,7 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
             # ptxas): MHA and lean GQA phase 2 114 -> 106 / 105, GQA 118 -> 140 (shared memory
             # bounds it at 3 programs per multiprocessor either way). Offsets built in the loop
             # from the run's start instead took 140-144, and cost MHA and lean GQA a program per
-            # multiprocessor (4 -> 3) and up to 10.5 us.
+            # multiprocessor (4 -> 3) and up to 11.5 us.
             offs_blk = offs_n[:, None] * D + offs_d[None, :]
             cid = cid0
             for start in range(0, n_tok, BLOCK_N):
