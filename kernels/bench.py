@@ -357,11 +357,11 @@ def targets(rows: list[dict]) -> dict:
     def label(r: dict) -> str:
         return f"{r['grid']} b={r['b']} {r['n_p']}/{r['n_s']}"
 
-    checks: dict[str, list] = {"fully_shared": [], "partially_shared": [], "nothing_shared": [], "batch_scaling": []}
+    checks = dict.fromkeys(("fully_shared", "partially_shared", "nothing_shared", "batch_scaling"), 0)
     missed: dict[str, list] = {k: [] for k in checks}
 
     def check(name: str, r: dict, what: str, got, limit, ok: bool) -> None:
-        checks[name].append(label(r))
+        checks[name] += 1
         if not ok:
             missed[name].append([f"{label(r)} {what}", got, limit])
 
@@ -387,7 +387,7 @@ def targets(rows: list[dict]) -> dict:
     for prev, r in zip(scaling, scaling[1:]):
         check("batch_scaling", r, f"tok/s (b={prev['b']}: {round(prev['ours_tok_per_s'])})",
               round(r["ours_tok_per_s"]), round(prev["ours_tok_per_s"]), r["ours_tok_per_s"] > prev["ours_tok_per_s"])
-    return {k: dict(checks=len(v), missed=missed[k]) for k, v in checks.items()}
+    return {k: dict(checks=n, missed=missed[k]) for k, n in checks.items()}
 
 
 def _max_err(case: Case, batch: Batch, c: int, notes: dict) -> float | None:
