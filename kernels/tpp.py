@@ -60,6 +60,14 @@ _SPLIT_PHASES = True
 # Phase 1 beside a phase 2 (split launches): cut into about this many pieces per KV head, not
 # _PROGRAMS_PER_SM per multiprocessor, and no piece longer than phase 2's longest (build_plan).
 _P1_BESIDE_PIECES = 4
+# MHA (G = 1) phase 1 beside a phase 2 whose longest piece is as long as any segment: one piece
+# per row tile (the segment whole), so each row folds one phase-1 partial. H200, b = 32, same
+# call, 2 runs each: 1024 shared / 512 private 74.1 / 74.4 -> 69.7 / 70.3 us (2 pieces before),
+# 2048 / 1024 135.0 / 134.7 -> 131.2 / 131.4, 4096 / 2048 257.9 / 257.9 -> 253.1 / 253.3 (4
+# before). Two or three pieces (where a segment is longer than that piece) measured 1.5-4.7 us
+# slower than four, and GQA's two 64-vector tiles in one piece each 2.5-13 us slower (1024 /
+# 512 to 4096 / 2048): both keep _P1_BESIDE_PIECES.
+_P1_BESIDE_WHOLE_MHA = True
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
 # Phase 1 with no phase 2 beside it (every row's chunks shared, as in the fully shared benchmark
@@ -259,6 +267,8 @@ def build_plan(
         # (capped), 54 -> 44 us. GQA 2048 / 1024: 8 -> 4, 42.5 -> 40.7 us. 3-level tree: 29 -> 28.
         longest2 = max(n for *_, n in cut(groups[1][0], targets[2]))
         targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
+        if g == 1 and _P1_BESIDE_WHOLE_MHA and all(whole[i][4] <= longest2 for i in groups[0][0]):
+            targets[1] = max(whole[i][4] for i in groups[0][0])  # see _P1_BESIDE_WHOLE_MHA
     pieces, launches = [], []
     for ids, block_m, live, phase in groups:
         if ids:

@@ -315,6 +315,28 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     assert pieces1(32, 32) == ([4] * 16, 32)
 
 
+def test_mha_phase1_beside_phase2_is_one_piece_per_row_tile(monkeypatch):
+    # 32 rows, MHA (G = 1), 32 KV heads: one 32-vector row tile. Where phase 2's longest piece is
+    # as long as the segment, the segment is one piece per KV head (_P1_BESIDE_WHOLE_MHA), and
+    # each row folds that one partial; otherwise about _P1_BESIDE_PIECES per KV head, as for GQA.
+    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+
+    def pieces1(shared, private):
+        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
+                  for r in range(32)]
+        plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
+                              num_kv_heads=32, head_dim=128)
+        items = plan.items.tolist()
+        folds = {it[8] for it in items if it[0] == 2}
+        return sorted(it[4] for it in items if it[0] == 1), max(it[4] for it in items if it[0] == 2), folds
+
+    assert pieces1(8, 8) == ([8], 8, {1})  # 1024 shared / 512 private: 2 pieces of 4 before
+    assert pieces1(32, 32) == ([32], 32, {1})  # 4096 / 2048: 4 of 8 before
+    assert pieces1(32, 16) == ([8] * 4, 16, {4})  # segment longer than phase 2's pieces: 4 pieces
+    monkeypatch.setattr(tpp, "_P1_BESIDE_WHOLE_MHA", False)
+    assert pieces1(32, 32) == ([8] * 4, 32, {4})
+
+
 @pytest.mark.parametrize("rows", [16, 32])
 def test_phase1_alone_tile_and_cut(monkeypatch, rows):
     # MHA rows whose chunks are all shared (no phase 2): a 32-vector phase-1 tile launches as
