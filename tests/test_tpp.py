@@ -292,6 +292,18 @@ def test_lean_tiles(monkeypatch):
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
 
 
+def _cut_of_two_levels(shared: int, private: int, num_kv_heads: int):
+    """The cut of 32 rows (32 query heads, c = 64) that share `shared` chunks and each read
+    `private` of their own, on 132 multiprocessors: (phase-1 piece lengths in chunks, sorted;
+    phase 2's longest piece; the phase-1 partials phase-2 pieces fold, as a set)."""
+    tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1))) for r in range(32)]
+    plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
+                          num_kv_heads=num_kv_heads, head_dim=128)
+    items = plan.items.tolist()
+    return (sorted(it[4] for it in items if it[0] == 1), max((it[4] for it in items if it[0] == 2), default=0),
+            {it[8] for it in items if it[0] == 2})
+
+
 def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     # 32 rows, G = 4, 8 KV heads, one shared segment (two 64-vector row tiles), on 132
     # multiprocessors. Alone, phase 1 is cut for 2 programs per multiprocessor (at least 4-chunk
@@ -300,12 +312,7 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
 
     def pieces1(shared, private):
-        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
-                  for r in range(32)]
-        plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
-                              num_kv_heads=8, head_dim=128)
-        items = plan.items.tolist()
-        return sorted(it[4] for it in items if it[0] == 1), max((it[4] for it in items if it[0] == 2), default=0)
+        return _cut_of_two_levels(shared, private, 8)[:2]
 
     assert pieces1(32, 0) == ([4] * 16, 0)  # alone: 16 pieces of 4 chunks
     assert pieces1(32, 32) == ([16] * 4, 32)  # beside 32-chunk rows: 4 pieces of 16
@@ -322,13 +329,7 @@ def test_mha_phase1_beside_phase2_is_one_piece_per_row_tile(monkeypatch):
     monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
 
     def pieces1(shared, private):
-        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
-                  for r in range(32)]
-        plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
-                              num_kv_heads=32, head_dim=128)
-        items = plan.items.tolist()
-        folds = {it[8] for it in items if it[0] == 2}
-        return sorted(it[4] for it in items if it[0] == 1), max(it[4] for it in items if it[0] == 2), folds
+        return _cut_of_two_levels(shared, private, 32)
 
     assert pieces1(8, 8) == ([8], 8, {1})  # 1024 shared / 512 private: 2 pieces of 4 before
     assert pieces1(32, 32) == ([32], 32, {1})  # 4096 / 2048: 4 of 8 before
