@@ -60,14 +60,14 @@ _SPLIT_PHASES = True
 # Phase 1 beside a phase 2 (split launches): cut into about this many pieces per KV head, not
 # _PROGRAMS_PER_SM per multiprocessor, and no piece longer than phase 2's longest (build_plan).
 _P1_BESIDE_PIECES = 4
-# MHA (G = 1) phase 1 beside a phase 2 whose longest piece is as long as any segment: one piece
-# per row tile (the segment whole), so each row folds one phase-1 partial. H200, b = 32, same
-# call, 2 runs each: 1024 shared / 512 private 74.1 / 74.4 -> 69.7 / 70.3 us (2 pieces before),
-# 2048 / 1024 135.0 / 134.7 -> 131.2 / 131.4, 4096 / 2048 257.9 / 257.9 -> 253.1 / 253.3 (4
-# before). Measured slower, so left as before: two or three pieces per tile instead of four
-# (+1.4 to +4.9 us), one piece where a segment is longer than phase 2's pieces (+2.1 to +19:
-# it outlasts them), and GQA's two 64-vector tiles in one piece each (+2.3 to +13, 1024 / 512
-# to 4096 / 2048).
+# MHA (G = 1) phase 1 beside a phase 2 whose longest piece is at least as long as every segment:
+# one piece per row tile (the segment whole), so each row folds one phase-1 partial. H200, b = 32,
+# same call, 2 runs each: 1024 shared / 512 private 74.1 / 74.4 -> 69.7 / 70.3 us (2 pieces
+# before), 2048 / 1024 135.0 / 134.7 -> 131.2 / 131.4, 4096 / 2048 257.9 / 257.9 -> 253.1 / 253.3
+# (4 before). Measured slower, so left as before: two or three pieces per tile instead of four
+# (+1.4 to +4.9 us), one piece where a segment is longer than phase 2's pieces (+2.1 to +19: it
+# outlasts them), and GQA's two 64-vector tiles in one piece each (+2.3 to +13, 1024 / 512 to
+# 4096 / 2048).
 _P1_BESIDE_WHOLE_MHA = True
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64

@@ -323,8 +323,8 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
 
 
 def test_mha_phase1_beside_phase2_is_one_piece_per_row_tile(monkeypatch):
-    # 32 rows, MHA (G = 1), 32 KV heads: one 32-vector row tile. Where phase 2's longest piece is
-    # as long as the segment, the segment is one piece per KV head (_P1_BESIDE_WHOLE_MHA), and
+    # 32 rows, MHA (G = 1), 32 KV heads: one 32-vector row tile. Where phase 2's longest piece is at
+    # least as long as the segment, the segment is one piece per KV head (_P1_BESIDE_WHOLE_MHA), and
     # each row folds that one partial; otherwise about _P1_BESIDE_PIECES per KV head, as for GQA.
     monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
 
