@@ -31,8 +31,10 @@ __all__ = [
     "build_tree_plan",
     "decode_attention_ref",
     "gather_kv",
+    "normalise",
     "partial_attn",
     "prefill_attention_ref",
+    "segment_partial",
     "tpp_decode_ref",
 ]
 
@@ -115,8 +117,8 @@ def attn_reduce(
     return o, m, n
 
 
-def _normalise(o: Tensor, n: Tensor) -> Tensor:
-    # rows that attended nothing (n = 0) come out as 0 rather than 0/0
+def normalise(o: Tensor, n: Tensor) -> Tensor:
+    """o / n of a partial state; rows that attended nothing (n = 0) come out as 0, not 0/0."""
     return torch.where((n > 0).unsqueeze(-1), o / n.clamp_min(1e-38).unsqueeze(-1), 0.0)
 
 
@@ -360,7 +362,7 @@ def tpp_decode_ref(
         i, j = seg.row_start, seg.row_end
         o[i:j], m[i:j], n[i:j] = attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
 
-    return _normalise(o, n).view(b, hq, d).to(q.dtype)
+    return normalise(o, n).view(b, hq, d).to(q.dtype)
 
 
 def decode_attention_ref(

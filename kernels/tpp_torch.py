@@ -6,7 +6,7 @@ at once: ``build_plan`` pads each row's private chunks that hold tokens to the l
 (P chunks; padding and tokens past a chunk's length masked), and one masked attention of the
 [Hkv, B, G] queries over the gathered [Hkv, B, P * c, D] keys and values gives every row's
 partial state. Phase 1, per shared segment, and the merge are the reference's
-(``segment_partial``, ``attn_reduce``).
+(``segment_partial``, ``attn_reduce``, ``normalise``).
 
 Engine decode steps against the reference backend, CPU (2 threads), tiny preset (`python -m
 replicas.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
@@ -76,4 +76,4 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TorchPlan, sm_
         po, pm, pn = reference.segment_partial(qf, k_cache, v_cache, seg, sm_scale)
         o[i:j], m[i:j], n[i:j] = reference.attn_reduce(o[i:j], m[i:j], n[i:j], po, pm, pn)
 
-    return reference._normalise(o, n).reshape(b, hq, d).to(q.dtype)
+    return reference.normalise(o, n).reshape(b, hq, d).to(q.dtype)
