@@ -12,6 +12,7 @@ def test_targets_name_the_rows_that_miss():
     rows = [
         row("paper", 32, 1024, 0, 100.0, 96.0),  # 1.04x paged: holds
         row("paper", 32, 2048, 0, 110.0, 100.0),  # 1.10x: misses
+        row("gqa", 32, 1024, 0, 35.0, 54.0, tc=32.0),  # 0.65x paged, 1.09x its tensor-core path: misses
         row("paper", 32, 1024, 512, 70.0, 90.0, 120.0),  # 0.78x the faster path: holds
         row("gqa", 32, 1024, 512, 24.0, 50.0, 100.0, tc=29.0),  # 0.83x the tensor-core paged: misses
         row("paper", 32, 4096, 4096, 25.0, 200.0, 60.0, bound=15.0),  # within 26 us, 8x, 2.4x: misses 2.5x
@@ -22,7 +23,8 @@ def test_targets_name_the_rows_that_miss():
         dict(row("tree", 32, 2348, 2048, 1.0, 40.0), ours_us=None),  # not timed: not checked
     ]
     got = targets(rows)
-    assert got["nothing_shared"] == dict(checks=2, missed=[["paper b=32 2048/0 us", 110.0, 105.0]])
+    assert got["nothing_shared"] == dict(checks=3, missed=[["paper b=32 2048/0 us", 110.0, 105.0],
+                                                           ["gqa b=32 1024/0 us", 35.0, 33.6]])
     assert got["partially_shared"]["missed"] == [["gqa b=32 1024/512 us", 24.0, 23.2]]
     assert got["partially_shared"]["checks"] == 5  # the batch rows are partially shared too
     assert got["fully_shared"] == dict(checks=5, missed=[["paper b=32 4096/4096 x faster than fi_cascade", 2.4, 2.5],
