@@ -14,7 +14,10 @@ gathered into a dense tensor (the gather is not timed); and the bound, unique KV
 device-to-device copy bandwidth (bytes read + written) measured in the same run. A partially
 shared row also gives ours and FlashInfer's paged decode over the rows' private tokens alone
 (`private_only_*_us`): every method reads that KV in the row's step too, so at the speed these
-kernels read it the row cannot take less than the faster of the two.
+kernels read it the row cannot take less than the faster of the two. `read_us`: a plain
+streaming kernel reading the row's unique KV once (summing it, no attention), timed the same way:
+how long reading those bytes takes at all, a floor under every method that is measured where the
+bound is computed from the copy bandwidth.
 
 The last line checks issue 5's targets on the run's rows (``targets``): the rows that miss each.
 
@@ -36,6 +39,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from kernels import tpp
 from kernels.reference import decode_attention_ref
@@ -207,6 +212,49 @@ def time_calls(calls: list[Callable[[], object]], reps: int = 15, graph: bool = 
     return sorted(times)[len(times) // 2], mode
 
 
+# The read floor: every element of the K and V pools read once, in the order they lie. H200, a
+# 268 MB pool: 16 programs per multiprocessor per tensor, 2048-element blocks and 8 warps read it
+# at 4.41 TB/s (the fastest of 1-32 programs per multiprocessor, 1024-8192 elements, 4 or 8 warps).
+_READ_PROGRAMS_PER_SM = 16
+_READ_BLOCK = 2048
+
+
+@triton.jit
+def _sum_run(X, start, n, per, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, per, BLOCK):
+        i = start + s + offs
+        acc += tl.load(X + i, mask=i < n, other=0.0).to(tl.float32)
+    return tl.sum(acc, 0)
+
+
+@triton.jit
+def _read_kernel(K, V, Out, n, per, BLOCK: tl.constexpr):
+    # grid (P, 2): program (p, 0) sums K's elements [p * per, (p + 1) * per), program (p, 1) V's
+    start = tl.program_id(0).to(tl.int64) * per
+    if tl.program_id(1) == 0:
+        total = _sum_run(K, start, n, per, BLOCK)
+    else:
+        total = _sum_run(V, start, n, per, BLOCK)
+    tl.store(Out + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0), total)
+
+
+def read_kv(k: torch.Tensor, v: torch.Tensor, programs: int) -> torch.Tensor:
+    """Every element of k and v (contiguous, the same shape) read once: [2, programs] fp32 sums,
+    row 0 of k's elements, row 1 of v's (k.sum() == row 0's sum)."""
+    n = k.numel()
+    per = -(-n // programs // _READ_BLOCK) * _READ_BLOCK
+    out = torch.empty(2, programs, dtype=torch.float32, device=k.device)
+    _read_kernel[(programs, 2)](k, v, out, n, per, BLOCK=_READ_BLOCK, num_warps=8)
+    return out
+
+
+def reader(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> list[Callable[[], object]]:
+    programs = _READ_PROGRAMS_PER_SM * torch.cuda.get_device_properties(ks[0].device).multi_processor_count
+    return [lambda k=k, v=v: read_kv(k, v, programs) for k, v in zip(ks, vs)]
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     nbytes = 2 << 30
@@ -327,6 +375,8 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
             continue
         row[f"{name}_us"] = _try(runs[name], notes, name)
     row["bound_us"] = unique / bw * 1e6
+    if own:
+        row["read_us"] = _try(lambda: reader(ks, vs), notes, "read")
     fi = [row[k] for k in ("fi_paged_us", "fi_paged_tc_us", "fi_cascade_us") if row.get(k)]
     if row.get("ours_us"):
         if fi:

@@ -1,6 +1,10 @@
-"""kernels.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA)."""
+"""kernels.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA),
+and its read floor's kernel (under the Triton interpreter without CUDA)."""
 
-from kernels.bench import targets
+import pytest
+import torch
+
+from kernels.bench import _READ_BLOCK, read_kv, targets
 
 
 def row(grid, b, n_p, n_s, ours, paged, cascade=None, bound=10.0, tc=None):
@@ -31,3 +35,18 @@ def test_targets_name_the_rows_that_miss():
                                                          ["gqa b=32 4096/4096 us", 14.1, 14.0]])
     assert got["batch_scaling"]["checks"] == 2
     assert [m[0] for m in got["batch_scaling"]["missed"]] == ["batch b=64 2304/2048 tok/s (b=32: 1523810)"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("programs", [1, 3])
+def test_read_kv_reads_every_element_once(dtype, programs):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    k, v = (torch.randn(21, 2, 16, 16, generator=gen).to(dtype).to(device) for _ in range(2))  # 10752 elements
+    got = read_kv(k, v, programs).cpu()
+    assert got.shape == (2, programs)
+    per = -(-k.numel() // programs // _READ_BLOCK) * _READ_BLOCK  # each program's run, the last one cut short
+    for row, x in enumerate((k, v)):
+        flat = x.flatten().float().cpu()
+        want = torch.stack([flat[p * per:(p + 1) * per].sum() for p in range(programs)])
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)
