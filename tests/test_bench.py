@@ -18,6 +18,7 @@ def test_targets_name_the_rows_that_miss():
         row("paper", 32, 2048, 0, 110.0, 100.0),  # 1.10x: misses
         row("gqa", 32, 1024, 0, 35.0, 54.0, tc=32.0),  # 0.65x paged, 1.09x its tensor-core path: misses
         row("paper", 32, 1024, 512, 70.0, 90.0, 120.0),  # 0.78x the faster path: holds
+        dict(row("paper", 32, 2048, 1024, 130.0, 155.0), read_us=124.5),  # misses; limit 124 under the read floor
         row("gqa", 32, 1024, 512, 24.0, 50.0, 100.0, tc=29.0),  # 0.83x the tensor-core paged: misses
         row("paper", 32, 4096, 4096, 25.0, 200.0, 60.0, bound=15.0),  # within 26 us, 8x, 2.4x: misses 2.5x
         row("gqa", 32, 4096, 4096, 14.1, 190.0, 60.0, bound=4.0),  # bound + 10.1: misses
@@ -29,8 +30,10 @@ def test_targets_name_the_rows_that_miss():
     got = targets(rows)
     assert got["nothing_shared"] == dict(checks=3, missed=[["paper b=32 2048/0 us", 110.0, 105.0],
                                                            ["gqa b=32 1024/0 us", 35.0, 33.6]])
-    assert got["partially_shared"]["missed"] == [["gqa b=32 1024/512 us", 24.0, 23.2]]
-    assert got["partially_shared"]["checks"] == 5  # the batch rows are partially shared too
+    assert got["partially_shared"]["missed"] == [["paper b=32 2048/1024 us", 130.0, 124.0],
+                                                 ["gqa b=32 1024/512 us", 24.0, 23.2]]
+    assert got["partially_shared"]["below_read"] == [["paper b=32 2048/1024", 124.0, 124.5]]
+    assert got["partially_shared"]["checks"] == 6  # the batch rows are partially shared too
     assert got["fully_shared"] == dict(checks=5, missed=[["paper b=32 4096/4096 x faster than fi_cascade", 2.4, 2.5],
                                                          ["gqa b=32 4096/4096 us", 14.1, 14.0]])
     assert got["batch_scaling"]["checks"] == 2
