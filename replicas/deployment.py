@@ -11,22 +11,30 @@ The engine is touched only by the step loop: `step()` runs in one dedicated thre
 a whole forward pass) while the event loop keeps serving; adds and aborts wait in the inbox and are
 applied on the event loop between two steps, so they never race a step. A request whose caller
 goes away (client disconnect: Serve cancels the generator) is aborted, which frees its chunks.
+
+With tensor_parallel_size n > 1 the replica is rank 0 of n (replicas/parallel.py): it starts ranks
+1 .. n-1 as Ray actors in its placement group's other bundles (build_app asks for n bundles, one
+GPU each, on one node), and its engine is a TPEngine that drives them through every step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import ray
 from ray import serve
 from ray.serve import metrics
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.protocol import GenerateOutput, GenerateRequest
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.model import IncrementalDetokenizer, Tokenizer
+from replicas.parallel import TPEngine, TPWorker, init_group, worker_config
 from replicas.sequence import SamplingParams
 
 
@@ -57,11 +65,9 @@ class _EngineDied(Exception):
 class LLMReplica:
     DIGEST_PERIOD_S = 1.0  # how often the step loop refreshes the cache digest for the router
 
-    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32):
-        if engine_config.tp_size > 1:
-            raise ValueError(f"tensor_parallel_size={engine_config.tp_size}: a replica needs the tensor-parallel "
-                             "worker group (replicas/parallel.py) for that, and this build has none")
-        self.engine = LLMEngine(engine_config)
+    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
+                 cpus_per_rank: float = 1):
+        self.engine = LLMEngine(engine_config) if engine_config.tp_size == 1 else _start_tp(engine_config, cpus_per_rank)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._inbox: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
@@ -187,6 +193,65 @@ class LLMReplica:
     async def model_info(self) -> dict:
         """What the ingress validates requests against."""
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size}
+
+
+@ray.remote
+class _TPRank:
+    """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.worker: TPWorker | None = None
+
+    def start(self, addr: str, port: int) -> None:
+        """Join the group, then build the engine (with every other rank: the pool size is agreed)."""
+        init_group(self.config.tp_rank, self.config.tp_size, addr, port, _rank_device(self.config))
+        self.worker = TPWorker(self.config)
+
+    def step(self, ops: list[tuple]) -> list:
+        return self.worker.step(ops)
+
+
+def _rank_device(config: EngineConfig) -> str:
+    # each rank's actor sees its own GPU only (Ray sets CUDA_VISIBLE_DEVICES): cuda means cuda:0
+    return "cuda:0" if config.device == "cuda" else config.device
+
+
+def _start_tp(config: EngineConfig, cpus_per_rank: float) -> TPEngine:
+    """Start ranks 1 .. n-1 in the replica's placement group and join them as rank 0."""
+    group = ray.util.get_current_placement_group()
+    if group is None or len(group.bundle_specs) < config.tp_size:
+        raise ValueError(f"tensor_parallel_size={config.tp_size} needs a placement group of that many bundles "
+                         "(cluster.app.build_app asks Serve for one)")
+    if config.device not in ("cpu", "cuda"):
+        raise ValueError(f"tensor_parallel_size > 1 takes device cpu or cuda (a GPU per rank), got {config.device!r}")
+    config = worker_config(config, 0)
+    addr = ray.util.get_node_ip_address()
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        port = s.getsockname()[1]
+    ranks = [_TPRank.options(num_cpus=cpus_per_rank, num_gpus=1 if config.device == "cuda" else 0,
+                             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
+             .remote(worker_config(config, r)) for r in range(1, config.tp_size)]
+    started = [rank.start.remote(addr, port) for rank in ranks]
+    # rank 0 joins (which waits for every rank) and builds its engine while the others build theirs;
+    # a rank that fails to start raises here instead of leaving rank 0 waiting for it
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-start") as pool:
+        own = pool.submit(lambda: (init_group(0, config.tp_size, addr, port, _rank_device(config)),
+                                   LLMEngine(config))[1])
+        pending = started
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            ray.get(done)
+        engine = own.result()
+
+    def remote_step(rank):
+        def start(ops):
+            ref = rank.step.remote(ops)
+            return lambda: ray.get(ref)
+        return start
+
+    return TPEngine(engine, [remote_step(rank) for rank in ranks])
 
 
 class _TextStream:

@@ -86,6 +86,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = _resolve_device(config.device)
+        _check_tp_group(config)
         dtype = _resolve_dtype(config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = load_model(
             config.model, dtype=dtype, device=self.device, tp_rank=config.tp_rank,
@@ -111,7 +112,8 @@ class LLMEngine:
         self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
                                    num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim,
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager)
-        self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager)
+        self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
+                                  tp_size=config.tp_size)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = itertools.count()
@@ -131,6 +133,13 @@ class LLMEngine:
         return cls(EngineConfig(model=model, **options))
 
     def _num_chunks(self, bytes_per_chunk: int) -> int:
+        n = self._own_num_chunks(bytes_per_chunk)
+        if self.config.tp_size > 1:  # every rank's pool the same size, or their schedules part
+            from replicas.parallel import agree_min  # (parallel builds on this module)
+            n = agree_min(n, self.device)
+        return n
+
+    def _own_num_chunks(self, bytes_per_chunk: int) -> int:
         c = self.config.chunk_size
         if self.config.kv_cache_tokens is not None:
             return -(-self.config.kv_cache_tokens // c)
@@ -274,6 +283,22 @@ class LLMEngine:
     def check(self) -> None:
         """Assert the KV cache's invariants (tests call this after every step)."""
         self.tree.check(self.scheduler.running, self.scheduler.last_decode_paths)
+
+
+def _check_tp_group(config: EngineConfig) -> None:
+    """tp_size > 1 runs inside a torch.distributed group of that many ranks (replicas.parallel)."""
+    if not 0 <= config.tp_rank < config.tp_size:
+        raise ValueError(f"tp_rank must be in [0, tp_size={config.tp_size}), got {config.tp_rank}")
+    if config.tp_size == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError(f"tp_size={config.tp_size} needs a torch.distributed group of its ranks: "
+                         "join it first (replicas.parallel.init_group), one process per rank")
+    if (dist.get_world_size(), dist.get_rank()) != (config.tp_size, config.tp_rank):
+        raise ValueError(f"tp_size={config.tp_size}, tp_rank={config.tp_rank} but this process is rank "
+                         f"{dist.get_rank()} of {dist.get_world_size()}")
 
 
 def _resolve_device(device: str) -> torch.device:

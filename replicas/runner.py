@@ -16,8 +16,8 @@ from replicas.sequence import Sequence
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
-                 enforce_eager: bool = False):
-        self.model, self.attention, self.device = model, attention, device
+                 enforce_eager: bool = False, tp_size: int = 1):
+        self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
 
@@ -45,4 +45,7 @@ class ModelRunner:
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         tokens = sample(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
+        if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
+            from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
+            tokens = broadcast_from_first(tokens, self.device)
         return dict(zip(samplers, tokens))

@@ -1,7 +1,8 @@
 """The Serve application on a 3-node local Ray cluster (cluster/local.py), real HTTP.
 
 App "one" (one LLMReplica, API key, small body limit) shows batching across HTTP requests, prefix
-caching, every error path, overload and disconnects; app "spread" shows 3 replicas on >= 2 nodes.
+caching, every error path, overload and disconnects; app "spread" shows 3 replicas on >= 2 nodes;
+app "tp" a replica of two tensor-parallel ranks.
 Tests run in file order: the batching test comes first so its batch is the first one counted.
 """
 
@@ -18,6 +19,7 @@ from ray.util.state import list_actors
 
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
+from replicas.engine import LLMEngine, SamplingParams
 from tests.serve_cluster import serve_on_local_cluster
 
 KEY = "test-key"
@@ -258,3 +260,39 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
 
     assert asyncio.run(main()) == set(node_of)
     serve.delete("spread")
+
+
+def test_tensor_parallel_replica_serves_what_one_rank_does(cluster):
+    """tensor_parallel_size 2 on CPU: the replica starts its second rank as a Ray actor in its
+    placement group (both on one node), the ranks run every step together over gloo, and greedy
+    output over HTTP, with a shared prefix cached, is one rank's. Deleting the app ends the rank."""
+    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "tensor_parallel_size": 2,
+                         "num_cpus_per_replica": 0.5,
+                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
+              name="tp", route_prefix="/tp")
+    ranks = list_actors(filters=[("class_name", "=", "_TPRank"), ("state", "=", "ALIVE")])
+    replicas = list_actors(filters=[("class_name", "=", "ServeReplica:tp:LLMReplica"), ("state", "=", "ALIVE")])
+    assert len(ranks) == 1 and len(replicas) == 1 and ranks[0].node_id == replicas[0].node_id
+
+    engine = LLMEngine.from_model("tiny", device="cpu", kv_cache_tokens=4096)
+    shared = "You are a terse assistant who answers in one line. " * 3
+    prompts = [shared + q for q in ("Name a colour.", "Name a fruit.", "Name a city.")]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            return await asyncio.gather(*(client.post(f"{cluster}/tp/v1/completions", json={
+                "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                for p in prompts))
+
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    want = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [r.json()["choices"][0]["token_ids"] for r in responses] == want
+    again = _completion(f"{cluster}/tp", prompt=prompts[0], max_tokens=4)  # the prefix from the tree
+    assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+    serve.delete("tp")
+    deadline = time.monotonic() + 60
+    while list_actors(filters=[("class_name", "=", "_TPRank"), ("state", "=", "ALIVE")]):
+        assert time.monotonic() < deadline, "the tensor-parallel rank outlived its replica"
+        time.sleep(0.5)

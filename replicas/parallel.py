@@ -1,0 +1,143 @@
+"""Tensor parallelism inside one replica: one process per rank, each with a whole engine.
+
+Every rank holds its shard of the weights (replicas/model/layers.py: heads and MLP columns split,
+all-reduce after the row-parallel layers) and the KV of its own heads, so attention, its plans and
+its chunk pool are local to the rank (DESIGN §5). What must agree across ranks is the work: each
+step every rank must run the same batch, or their all-reduces pair up wrongly and hang.
+
+So every rank runs the same engine (scheduler, prefix tree, pool of the same size) and is fed the
+same operations in the same order; all of it is deterministic given those operations:
+
+    rank 0 (the replica)                       ranks 1 .. n-1 (TPWorker, one process each)
+    TPEngine.add_request / abort ──record──▶ ops
+    TPEngine.step(): ops ──────────────────▶ TPWorker.step(ops): apply ops, engine.step()
+                     engine.step()  ◀═══ all-reduces in the forward pass ═══▶ engine.step()
+                     sampled tokens ═══════ broadcast from rank 0 ════════▶ the same tokens
+                     compare outputs ◀────── the worker's outputs
+
+The broadcast makes ranks agree on sampled tokens even where their logits differ in the last bit;
+the comparison turns any divergence into an error instead of a hang at the next step. No Ray
+here: the replica (replicas/deployment.py) starts the workers as Ray actors and hands TPEngine a
+function per worker that starts its step and returns a function that waits for the result.
+
+The process group: NCCL between GPUs, gloo between CPU ranks (tests, CPU serving).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from replicas.engine import EngineConfig, LLMEngine, RequestOutput
+from replicas.sequence import SamplingParams
+
+__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "init_group"]
+
+# (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
+Fingerprint = list[tuple[str, tuple[int, ...], bool]]
+# start a worker's step on these ops -> a function that waits for (and returns) its fingerprint
+StartStep = Callable[[list[tuple]], Callable[[], Fingerprint]]
+
+
+def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.device,
+               timeout_s: float = 600.0) -> None:
+    """Join the replica's tensor-parallel group (blocks until all `size` ranks have joined).
+    device: the rank's engine device; CUDA ranks use NCCL (each on its own GPU), CPU ranks gloo."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
+                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _group_device(device: torch.device) -> torch.device:
+    return device if device.type == "cuda" else torch.device("cpu")
+
+
+def agree_min(n: int, device: torch.device) -> int:
+    """The least of every rank's n (the pool size all ranks can hold)."""
+    t = torch.tensor([n], dtype=torch.long, device=_group_device(device))
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_from_first(values: list[int], device: torch.device) -> list[int]:
+    """Rank 0's values on every rank (each rank passes a list of the same length)."""
+    t = torch.tensor(values, dtype=torch.long, device=_group_device(device))
+    dist.broadcast(t, src=0)
+    return t.tolist()
+
+
+def _fingerprint(outputs: Sequence[RequestOutput]) -> Fingerprint:
+    return [(o.request_id, tuple(o.new_token_ids), o.finished) for o in outputs]
+
+
+def _apply(engine: LLMEngine, ops: list[tuple]) -> None:
+    for op in ops:
+        if op[0] == "add":
+            engine.add_request(op[1], op[2], op[3])
+        else:
+            engine.abort(op[1])
+
+
+class TPWorker:
+    """Rank r > 0: an engine on the rank's shard that repeats rank 0's operations."""
+
+    def __init__(self, config: EngineConfig):
+        if config.tp_rank == 0:
+            raise ValueError("rank 0 is the replica's own engine (TPEngine), not a worker")
+        self.engine = LLMEngine(config)
+
+    def step(self, ops: list[tuple]) -> Fingerprint:
+        """Apply rank 0's adds and aborts since the last step, then step with it."""
+        _apply(self.engine, ops)
+        return _fingerprint(self.engine.step())
+
+
+class TPEngine:
+    """Rank 0: the replica's engine, driving the worker ranks through every step.
+
+    The LLMEngine interface (reads go to rank 0's engine): add_request and abort apply on rank 0
+    at once (a bad request raises there and reaches no worker) and go to the workers with the
+    next step; step() runs all ranks' steps together and checks that they produced the same."""
+
+    def __init__(self, engine: LLMEngine, workers: Sequence[StartStep]):
+        self.engine, self.workers = engine, list(workers)
+        self._ops: list[tuple] = []
+
+    def __getattr__(self, name: str) -> Any:  # tokenizer, stats, cache_digest, has_unfinished, ...
+        return getattr(self.engine, name)
+
+    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                    params: SamplingParams | None = None) -> None:
+        self.engine.add_request(request_id, prompt_token_ids, params)
+        self._ops.append(("add", request_id, list(prompt_token_ids), params))
+
+    def abort(self, request_id: str) -> bool:
+        if not self.engine.abort(request_id):
+            return False
+        self._ops.append(("abort", request_id))
+        return True
+
+    def step(self) -> list[RequestOutput]:
+        ops, self._ops = self._ops, []
+        waits = [start(ops) for start in self.workers]
+        outputs = self.engine.step()
+        mine = _fingerprint(outputs)
+        for rank, wait in enumerate(waits, 1):
+            theirs = wait()
+            if theirs != mine:
+                raise RuntimeError(f"tensor-parallel rank {rank} diverged from rank 0 in step "
+                                   f"{self.engine.stats()['steps']}: {theirs[:4]} against {mine[:4]}")
+        return outputs
+
+    generate = LLMEngine.generate  # through this class's add_request / step / abort
+
+
+def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
+    return dataclasses.replace(config, tp_rank=rank)

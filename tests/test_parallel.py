@@ -1,0 +1,159 @@
+"""Tensor parallelism across engine ranks (replicas/parallel.py): two gloo ranks, each a forked
+process with its own engine on its shard, rank 0 driving rank 1 over a pipe the way the replica
+drives its Ray worker actors. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import pickle
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from replicas.engine import EngineConfig, LLMEngine
+from replicas.parallel import TPEngine, TPWorker, init_group, worker_config
+from replicas.sequence import SamplingParams
+
+CONFIG = EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16,
+                      max_num_batched_tokens=64)  # prompts prefill in several pieces
+CONFIG2 = dataclasses.replace(CONFIG, tp_size=2)
+SHARED = list(range(40, 40 + 70))  # 70 shared tokens: 4 whole chunks and a partial one
+PROMPTS = [SHARED + [300 + i] * (i + 1) for i in range(6)] + [[7, 8, 9]]
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+JOIN_S = 120
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank1(port: int, conn) -> None:
+    """Rank 1: repeat every step rank 0 sends (None ends it); send back each step's outputs."""
+    torch.set_num_threads(1)
+    try:
+        init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
+        worker = TPWorker(worker_config(CONFIG2, 1))
+        while (ops := conn.recv()) is not None:
+            conn.send(("ok", worker.step(ops)))
+    except BaseException:  # noqa: BLE001 - rank 0 raises it
+        conn.send(("error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _rank0(port: int, conn, scenario: str, out_path: str) -> None:
+    torch.set_num_threads(1)
+    result: dict = {}
+    try:
+        init_group(0, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
+        engine = TPEngine(LLMEngine(CONFIG2), [_pipe_worker(conn)])
+        result = SCENARIOS[scenario](engine)
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        result = {"error": traceback.format_exc()}
+    finally:
+        with open(out_path, "wb") as f:
+            pickle.dump(result, f)
+        conn.send(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _pipe_worker(conn):
+    def start(ops):
+        conn.send(ops)
+
+        def wait():
+            status, value = conn.recv()
+            if status != "ok":
+                raise RuntimeError(f"rank 1 failed:\n{value}")
+            return value
+        return wait
+    return start
+
+
+# Scenarios: run on rank 0's TPEngine, and on a one-rank LLMEngine for what they should give.
+def _generate(engine) -> dict:
+    params = [GREEDY] * (len(PROMPTS) - 1) + [SAMPLED]
+    return {"tokens": engine.generate(PROMPTS, params), "stats": engine.stats()}
+
+
+def _bad_input_and_abort(engine) -> dict:
+    """A bad request raises on rank 0 and reaches no rank; an abort mid-decode reaches all."""
+    errors = []
+    for bad in ([], [10**6], "text"):
+        try:
+            engine.add_request("bad", bad, GREEDY)
+        except ValueError as e:
+            errors.append(str(e))
+    engine.add_request("gone", SHARED + [1, 2], GREEDY)
+    engine.add_request("kept", SHARED + [3, 4], GREEDY)
+    for _ in range(4):  # prefill pieces, then the first decodes
+        engine.step()
+    engine.abort("gone")
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    return {"errors": errors, "kept_tail": tokens, "stats": engine.stats()}
+
+
+SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort}
+
+
+def _run_tp2(scenario: str, tmp_path) -> dict:
+    port, out = _port(), str(tmp_path / f"{scenario}.pkl")
+    ctx = mp.get_context("fork")  # as in tests/test_model.py: a spawned rank re-imports torch (slow)
+    a, b = ctx.Pipe()
+    ranks = [ctx.Process(target=_rank0, args=(port, a, scenario, out)), ctx.Process(target=_rank1, args=(port, b))]
+    for p in ranks:
+        p.start()
+    try:
+        for p in ranks:
+            p.join(timeout=JOIN_S)
+    finally:
+        for p in ranks:
+            if p.is_alive():  # the other rank failed and this one waits in a collective
+                p.kill()
+    codes = [p.exitcode for p in ranks]
+    try:
+        with open(out, "rb") as f:
+            result = pickle.load(f)
+    except FileNotFoundError:
+        pytest.fail(f"rank 0 left no result (exit codes {codes})")
+    assert "error" not in result, result["error"]
+    assert codes == [0, 0]
+    return result
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_engine_generates_what_tp1_does(tmp_path):
+    """Greedy rows and a seeded sampled row over a shared prefix: the same tokens, steps and cache
+    use as one rank, the ranks' outputs compared at every step (TPEngine.step)."""
+    want = _generate(LLMEngine(CONFIG))
+    assert want["stats"]["cached_prompt_tokens"] >= 5 * 64  # the shared prefix is served from the tree
+    assert _run_tp2("generate", tmp_path) == want
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_bad_input_raises_on_rank0_and_abort_reaches_every_rank(tmp_path):
+    want = _bad_input_and_abort(LLMEngine(CONFIG))
+    assert len(want["errors"]) == 3 and want["stats"]["running"] == want["stats"]["kv_chunks_used"] == 0
+    # had the bad adds or the abort reached one rank only, the ranks' next steps would differ:
+    # TPEngine.step raises on that, and the scenario returns an error
+    assert _run_tp2("bad_input_and_abort", tmp_path) == want
+
+
+def test_tp_size_without_a_group_is_refused():
+    with pytest.raises(ValueError, match="torch.distributed group"):
+        LLMEngine(CONFIG2)
+    with pytest.raises(ValueError, match="tp_rank"):
+        LLMEngine(dataclasses.replace(CONFIG2, tp_rank=2))
+    with pytest.raises(ValueError, match="rank 0"):
+        TPWorker(CONFIG)
