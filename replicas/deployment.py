@@ -64,10 +64,15 @@ class _EngineDied(Exception):
 @serve.deployment
 class LLMReplica:
     DIGEST_PERIOD_S = 1.0  # how often the step loop refreshes the cache digest for the router
+    TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
     def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
                  cpus_per_rank: float = 1):
-        self.engine = LLMEngine(engine_config) if engine_config.tp_size == 1 else _start_tp(engine_config, cpus_per_rank)
+        self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
+        if engine_config.tp_size == 1:
+            self.engine = LLMEngine(engine_config)
+        else:
+            self.engine, self._tp_ranks = _start_tp(engine_config, cpus_per_rank)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._inbox: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
@@ -179,6 +184,11 @@ class LLMReplica:
     # -- Serve hooks and introspection ------------------------------------------------------
     async def check_health(self) -> None:
         self._raise_if_dead()
+        # a rank that died leaves rank 0 waiting in a collective, its step loop still "running":
+        # failing the check makes Serve replace the replica (and with it the other ranks)
+        if self._tp_ranks:
+            await asyncio.wait_for(asyncio.gather(*(rank.ping.remote() for rank in self._tp_ranks)),
+                                   timeout=self.TP_PING_TIMEOUT_S)
 
     async def record_routing_stats(self) -> dict:
         s = self._stats
@@ -195,7 +205,7 @@ class LLMReplica:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size}
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # ping answers while a step runs
 class _TPRank:
     """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process."""
 
@@ -211,14 +221,18 @@ class _TPRank:
     def step(self, ops: list[tuple]) -> list:
         return self.worker.step(ops)
 
+    def ping(self) -> None:
+        """The replica's health check: this rank's process is alive."""
+
 
 def _rank_device(config: EngineConfig) -> str:
     # each rank's actor sees its own GPU only (Ray sets CUDA_VISIBLE_DEVICES): cuda means cuda:0
     return "cuda:0" if config.device == "cuda" else config.device
 
 
-def _start_tp(config: EngineConfig, cpus_per_rank: float) -> TPEngine:
-    """Start ranks 1 .. n-1 in the replica's placement group and join them as rank 0."""
+def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, list]:
+    """Start ranks 1 .. n-1 in the replica's placement group and join them as rank 0.
+    -> (rank 0's TPEngine, the other ranks' actors)."""
     group = ray.util.get_current_placement_group()
     if group is None or len(group.bundle_specs) < config.tp_size:
         raise ValueError(f"tensor_parallel_size={config.tp_size} needs a placement group of that many bundles "
@@ -251,7 +265,7 @@ def _start_tp(config: EngineConfig, cpus_per_rank: float) -> TPEngine:
             return lambda: ray.get(ref)
         return start
 
-    return TPEngine(engine, [remote_step(rank) for rank in ranks])
+    return TPEngine(engine, [remote_step(rank) for rank in ranks]), ranks
 
 
 class _TextStream:

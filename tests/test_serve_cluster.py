@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import httpx
@@ -262,16 +264,25 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
     serve.delete("spread")
 
 
-def test_tensor_parallel_replica_serves_what_one_rank_does(cluster):
+TP = {"model": "tiny", "device": "cpu", "num_replicas": 1, "tensor_parallel_size": 2, "num_cpus_per_replica": 0.5,
+      "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}
+
+
+def _alive(class_name: str) -> list:
+    return list_actors(filters=[("class_name", "=", class_name), ("state", "=", "ALIVE")])
+
+
+@pytest.fixture(scope="module")
+def tp(cluster):
+    serve.run(build_app(TP), name="tp", route_prefix="/tp")
+    return f"{cluster}/tp"
+
+
+def test_tensor_parallel_replica_serves_what_one_rank_does(tp):
     """tensor_parallel_size 2 on CPU: the replica starts its second rank as a Ray actor in its
     placement group (both on one node), the ranks run every step together over gloo, and greedy
-    output over HTTP, with a shared prefix cached, is one rank's. Deleting the app ends the rank."""
-    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "tensor_parallel_size": 2,
-                         "num_cpus_per_replica": 0.5,
-                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
-              name="tp", route_prefix="/tp")
-    ranks = list_actors(filters=[("class_name", "=", "_TPRank"), ("state", "=", "ALIVE")])
-    replicas = list_actors(filters=[("class_name", "=", "ServeReplica:tp:LLMReplica"), ("state", "=", "ALIVE")])
+    output over HTTP, with a shared prefix cached, is one rank's."""
+    ranks, replicas = _alive("_TPRank"), _alive("ServeReplica:tp:LLMReplica")
     assert len(ranks) == 1 and len(replicas) == 1 and ranks[0].node_id == replicas[0].node_id
 
     engine = LLMEngine.from_model("tiny", device="cpu", kv_cache_tokens=4096)
@@ -280,7 +291,7 @@ def test_tensor_parallel_replica_serves_what_one_rank_does(cluster):
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            return await asyncio.gather(*(client.post(f"{cluster}/tp/v1/completions", json={
+            return await asyncio.gather(*(client.post(f"{tp}/v1/completions", json={
                 "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
                 for p in prompts))
 
@@ -289,10 +300,28 @@ def test_tensor_parallel_replica_serves_what_one_rank_does(cluster):
     ids = [engine.tokenizer.encode(p) for p in prompts]
     want = engine.generate(ids, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     assert [r.json()["choices"][0]["token_ids"] for r in responses] == want
-    again = _completion(f"{cluster}/tp", prompt=prompts[0], max_tokens=4)  # the prefix from the tree
+    again = _completion(tp, prompt=prompts[0], max_tokens=4)  # the prefix from the tree
     assert again.status_code == 200 and again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 128
+
+
+def test_tensor_parallel_replica_with_a_dead_rank_is_replaced(tp):
+    """A rank's process killed: rank 0 would wait in its next collective, so the replica's health
+    check pings its ranks and fails; Serve replaces the replica (ranks and all) and it serves
+    again. Deleting the app then ends every rank."""
+    [rank] = _alive("_TPRank")
+    old = _completion(tp).headers[REPLICA_HEADER]
+    os.kill(rank.pid, signal.SIGKILL)
+    # no requests meanwhile: an idle rank 0 never steps, so only the health check can notice
+    deadline = time.monotonic() + 150
+    while not [r for r in _alive("_TPRank") if r.pid != rank.pid]:
+        assert time.monotonic() < deadline, "the replica with a dead rank was not replaced"
+        time.sleep(1)
+    while (r := _completion(tp)).status_code != 200:  # the new replica may still be starting
+        assert time.monotonic() < deadline and r.status_code == 503, r.text
+        time.sleep(1)
+    assert r.headers[REPLICA_HEADER] != old
     serve.delete("tp")
     deadline = time.monotonic() + 60
-    while list_actors(filters=[("class_name", "=", "_TPRank"), ("state", "=", "ALIVE")]):
-        assert time.monotonic() < deadline, "the tensor-parallel rank outlived its replica"
+    while _alive("_TPRank"):
+        assert time.monotonic() < deadline, "a tensor-parallel rank outlived its replica"
         time.sleep(0.5)
