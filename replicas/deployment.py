@@ -205,24 +205,33 @@ class LLMReplica:
         return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size}
 
 
-@ray.remote(max_concurrency=2)  # ping answers while a step runs
+@ray.remote(max_concurrency=2)  # ping answers while serve runs
 class _TPRank:
-    """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process."""
+    """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process, stepping
+    with rank 0 over the group (replicas/parallel.py), not through Ray calls."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.worker: TPWorker | None = None
+        self.stopped: str | None = None  # why serve returned, once it has
 
     def start(self, addr: str, port: int) -> None:
         """Join the group, then build the engine (with every other rank: the pool size is agreed)."""
         init_group(self.config.tp_rank, self.config.tp_size, addr, port, _rank_device(self.config))
         self.worker = TPWorker(self.config)
 
-    def step(self, ops: list[tuple]) -> list:
-        return self.worker.step(ops)
+    def serve(self) -> None:
+        try:
+            self.worker.serve()
+            self.stopped = "rank 0 closed the group"
+        except BaseException as e:
+            self.stopped = f"{type(e).__name__}: {e}"
+            raise
 
     def ping(self) -> None:
-        """The replica's health check: this rank's process is alive."""
+        """The replica's health check: this rank's process is alive and still stepping."""
+        if self.stopped is not None:
+            raise RuntimeError(f"tensor-parallel rank {self.config.tp_rank} stopped: {self.stopped}")
 
 
 def _rank_device(config: EngineConfig) -> str:
@@ -250,22 +259,22 @@ def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, lis
     started = [rank.start.remote(addr, port) for rank in ranks]
     # rank 0 joins (which waits for every rank) and builds its engine while the others build theirs;
     # a rank that fails to start raises here instead of leaving rank 0 waiting for it
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-start") as pool:
-        own = pool.submit(lambda: (init_group(0, config.tp_size, addr, port, _rank_device(config)),
-                                   LLMEngine(config))[1])
+    # (no `with`: its exit would wait for rank 0's join, which a failed rank never completes)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-start")
+    own = pool.submit(lambda: (init_group(0, config.tp_size, addr, port, _rank_device(config)), LLMEngine(config))[1])
+    try:
         pending = started
         while pending:
+            if own.done():
+                own.result()  # rank 0's own failure raises here
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
-            ray.get(done)
+            ray.get(done)  # another rank's failure raises here
         engine = own.result()
-
-    def remote_step(rank):
-        def start(ops):
-            ref = rank.step.remote(ops)
-            return lambda: ray.get(ref)
-        return start
-
-    return TPEngine(engine, [remote_step(rank) for rank in ranks]), ranks
+    finally:
+        pool.shutdown(wait=False)
+    for rank in ranks:
+        rank.serve.remote()  # runs until the replica (the ranks' owner) goes; ping tells if it ends
+    return TPEngine(engine), ranks
 
 
 class _TextStream:

@@ -8,26 +8,27 @@ step every rank must run the same batch, or their all-reduces pair up wrongly an
 So every rank runs the same engine (scheduler, prefix tree, pool of the same size) and is fed the
 same operations in the same order; all of it is deterministic given those operations:
 
-    rank 0 (the replica)                       ranks 1 .. n-1 (TPWorker, one process each)
+    rank 0 (the replica)                       ranks 1 .. n-1 (TPWorker.serve, one process each)
     TPEngine.add_request / abort ──record──▶ ops
-    TPEngine.step(): ops ──────────────────▶ TPWorker.step(ops): apply ops, engine.step()
+    TPEngine.step(): ops ══ broadcast (control group) ══▶ apply ops
                      engine.step()  ◀═══ all-reduces in the forward pass ═══▶ engine.step()
                      sampled tokens ═══════ broadcast from rank 0 ════════▶ the same tokens
-                     compare outputs ◀────── the worker's outputs
+                     compare outputs ◀══ gather (control group) ══ each rank's outputs
 
-The broadcast makes ranks agree on sampled tokens even where their logits differ in the last bit;
-the comparison turns any divergence into an error instead of a hang at the next step. No Ray
-here: the replica (replicas/deployment.py) starts the workers as Ray actors and hands TPEngine a
-function per worker that starts its step and returns a function that waits for the result.
+The token broadcast makes ranks agree on sampled tokens even where their logits differ in the last
+bit; the comparison turns any divergence into an error instead of a hang at the next step.
 
-The process group: NCCL between GPUs, gloo between CPU ranks (tests, CPU serving).
+Two process groups: the default one for the model's collectives (NCCL between GPUs, gloo between
+CPU ranks), and a gloo control group for the ops and outputs (pickled, on the CPU; a worker waits
+in it while the replica is idle, so it has no timeout). No Ray here: the replica
+(replicas/deployment.py) starts the workers as Ray actors running TPWorker.serve.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -40,19 +41,28 @@ __all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "init_gr
 
 # (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
 Fingerprint = list[tuple[str, tuple[int, ...], bool]]
-# start a worker's step on these ops -> a function that waits for (and returns) its fingerprint
-StartStep = Callable[[list[tuple]], Callable[[], Fingerprint]]
+_IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group: workers wait there while the replica idles
+_control: dist.ProcessGroup | None = None
 
 
 def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.device,
                timeout_s: float = 600.0) -> None:
-    """Join the replica's tensor-parallel group (blocks until all `size` ranks have joined).
-    device: the rank's engine device; CUDA ranks use NCCL (each on its own GPU), CPU ranks gloo."""
+    """Join the replica's tensor-parallel groups (blocks until all `size` ranks have joined).
+    device: the rank's engine device; CUDA ranks use NCCL (each on its own GPU), CPU ranks gloo.
+    timeout_s bounds each model collective: a rank that stops answering fails the others."""
+    global _control
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
                             rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    _control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+
+
+def _control_group() -> dist.ProcessGroup:
+    if _control is None:
+        raise RuntimeError("no tensor-parallel group: call init_group first")
+    return _control
 
 
 def _group_device(device: torch.device) -> torch.device:
@@ -98,16 +108,31 @@ class TPWorker:
         _apply(self.engine, ops)
         return _fingerprint(self.engine.step())
 
+    def serve(self) -> None:
+        """Step with rank 0 until it closes the group (TPEngine.close)."""
+        group = _control_group()
+        while True:
+            box: list[Any] = [None]
+            dist.broadcast_object_list(box, src=0, group=group)
+            if box[0] is None:
+                return
+            try:
+                got: Any = self.step(box[0])
+            except Exception as e:  # noqa: BLE001 - rank 0 raises it (this rank's collectives are off now)
+                dist.gather_object(("error", f"{type(e).__name__}: {e}"), None, dst=0, group=group)
+                raise
+            dist.gather_object(got, None, dst=0, group=group)
+
 
 class TPEngine:
-    """Rank 0: the replica's engine, driving the worker ranks through every step.
+    """Rank 0: the replica's engine, driving the worker ranks (TPWorker.serve) through every step.
 
     The LLMEngine interface (reads go to rank 0's engine): add_request and abort apply on rank 0
     at once (a bad request raises there and reaches no worker) and go to the workers with the
     next step; step() runs all ranks' steps together and checks that they produced the same."""
 
-    def __init__(self, engine: LLMEngine, workers: Sequence[StartStep]):
-        self.engine, self.workers = engine, list(workers)
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
         self._ops: list[tuple] = []
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, stats, cache_digest, has_unfinished, ...
@@ -125,16 +150,22 @@ class TPEngine:
         return True
 
     def step(self) -> list[RequestOutput]:
+        group = _control_group()
         ops, self._ops = self._ops, []
-        waits = [start(ops) for start in self.workers]
+        dist.broadcast_object_list([ops], src=0, group=group)
         outputs = self.engine.step()
         mine = _fingerprint(outputs)
-        for rank, wait in enumerate(waits, 1):
-            theirs = wait()
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.gather_object(mine, every, dst=0, group=group)
+        for rank, theirs in enumerate(every[1:], 1):
             if theirs != mine:
                 raise RuntimeError(f"tensor-parallel rank {rank} diverged from rank 0 in step "
-                                   f"{self.engine.stats()['steps']}: {theirs[:4]} against {mine[:4]}")
+                                   f"{self.engine.stats()['steps']}: {str(theirs)[:300]} against {str(mine)[:300]}")
         return outputs
+
+    def close(self) -> None:
+        """End the workers' serve loops (they return)."""
+        dist.broadcast_object_list([None], src=0, group=_control_group())
 
     generate = LLMEngine.generate  # through this class's add_request / step / abort
 

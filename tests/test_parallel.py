@@ -1,6 +1,6 @@
 """Tensor parallelism across engine ranks (replicas/parallel.py): two gloo ranks, each a forked
-process with its own engine on its shard, rank 0 driving rank 1 over a pipe the way the replica
-drives its Ray worker actors. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
+process with its own engine on its shard, rank 1 serving rank 0's steps as the replica's Ray
+worker actors do. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -34,49 +34,31 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank1(port: int, conn) -> None:
-    """Rank 1: repeat every step rank 0 sends (None ends it); send back each step's outputs."""
+def _rank1(port: int) -> None:
+    """Rank 1: step with rank 0 until it closes the group."""
     torch.set_num_threads(1)
+    init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
     try:
-        init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
-        worker = TPWorker(worker_config(CONFIG2, 1))
-        while (ops := conn.recv()) is not None:
-            conn.send(("ok", worker.step(ops)))
-    except BaseException:  # noqa: BLE001 - rank 0 raises it
-        conn.send(("error", traceback.format_exc()))
+        TPWorker(worker_config(CONFIG2, 1)).serve()
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
-def _rank0(port: int, conn, scenario: str, out_path: str) -> None:
+def _rank0(port: int, scenario: str, out_path: str) -> None:
     torch.set_num_threads(1)
     result: dict = {}
     try:
         init_group(0, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
-        engine = TPEngine(LLMEngine(CONFIG2), [_pipe_worker(conn)])
+        engine = TPEngine(LLMEngine(CONFIG2))
         result = SCENARIOS[scenario](engine)
+        engine.close()
     except BaseException:  # noqa: BLE001 - the parent reports it
         result = {"error": traceback.format_exc()}
     finally:
         with open(out_path, "wb") as f:
             pickle.dump(result, f)
-        conn.send(None)
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _pipe_worker(conn):
-    def start(ops):
-        conn.send(ops)
-
-        def wait():
-            status, value = conn.recv()
-            if status != "ok":
-                raise RuntimeError(f"rank 1 failed:\n{value}")
-            return value
-        return wait
-    return start
 
 
 # Scenarios: run on rank 0's TPEngine, and on a one-rank LLMEngine for what they should give.
@@ -110,8 +92,7 @@ SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort}
 def _run_tp2(scenario: str, tmp_path) -> dict:
     port, out = _port(), str(tmp_path / f"{scenario}.pkl")
     ctx = mp.get_context("fork")  # as in tests/test_model.py: a spawned rank re-imports torch (slow)
-    a, b = ctx.Pipe()
-    ranks = [ctx.Process(target=_rank0, args=(port, a, scenario, out)), ctx.Process(target=_rank1, args=(port, b))]
+    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out)), ctx.Process(target=_rank1, args=(port,))]
     for p in ranks:
         p.start()
     try:
