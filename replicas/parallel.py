@@ -44,7 +44,7 @@ import torch.distributed as dist
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.sequence import SamplingParams
 
-__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "init_group"]
+__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "init_group", "worker_config"]
 
 # (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
 Fingerprint = list[tuple[str, tuple[int, ...], bool]]
@@ -192,4 +192,5 @@ class TPEngine:
 
 
 def worker_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """config for rank `rank` of its tensor-parallel group."""
     return dataclasses.replace(config, tp_rank=rank)
