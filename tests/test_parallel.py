@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.engine import EngineConfig, LLMEngine
-from replicas.parallel import TPEngine, TPWorker, init_group, worker_config
+from replicas.parallel import TPEngine, TPWorker, init_group
 from replicas.sequence import SamplingParams
 
 CONFIG = EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16,
@@ -34,12 +34,18 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _rank1(port: int) -> None:
+def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
+    sizes = KV_TOKENS.get(scenario, (CONFIG.kv_cache_tokens,) * 2)
+    return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank,
+                               kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes))
+
+
+def _rank1(port: int, scenario: str) -> None:
     """Rank 1: step with rank 0 until it closes the group."""
     torch.set_num_threads(1)
     init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
     try:
-        TPWorker(worker_config(CONFIG2, 1)).serve()
+        TPWorker(_config(scenario, 2, 1)).serve()
     finally:
         dist.destroy_process_group()
 
@@ -49,7 +55,7 @@ def _rank0(port: int, scenario: str, out_path: str) -> None:
     result: dict = {}
     try:
         init_group(0, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
-        engine = TPEngine(LLMEngine(CONFIG2))
+        engine = TPEngine(LLMEngine(_config(scenario, 2)))
         result = SCENARIOS[scenario](engine)
         engine.close()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -86,13 +92,22 @@ def _bad_input_and_abort(engine) -> dict:
     return {"errors": errors, "kept_tail": tokens, "stats": engine.stats()}
 
 
-SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort}
+def _preemption(engine) -> dict:
+    """A pool of 10 chunks that the rows outgrow: the newest are preempted and recomputed."""
+    out = engine.generate(PROMPTS, [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)] * len(PROMPTS))
+    return {"tokens": out, "stats": engine.stats()}
+
+
+SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort, "preemption": _preemption}
+# the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
+# pools (free GPU memory) agree on the smaller one, which one rank alone then has
+KV_TOKENS = {"preemption": (4096, 160)}
 
 
 def _run_tp2(scenario: str, tmp_path) -> dict:
     port, out = _port(), str(tmp_path / f"{scenario}.pkl")
     ctx = mp.get_context("fork")  # as in tests/test_model.py: a spawned rank re-imports torch (slow)
-    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out)), ctx.Process(target=_rank1, args=(port,))]
+    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out)), ctx.Process(target=_rank1, args=(port, scenario))]
     for p in ranks:
         p.start()
     try:
@@ -129,6 +144,15 @@ def test_tp2_bad_input_raises_on_rank0_and_abort_reaches_every_rank(tmp_path):
     # had the bad adds or the abort reached one rank only, the ranks' next steps would differ:
     # TPEngine.step raises on that, and the scenario returns an error
     assert _run_tp2("bad_input_and_abort", tmp_path) == want
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_preempts_and_recomputes_as_one_rank_does(tmp_path):
+    """Each rank decides preemptions from its own pool: rank 0 could hold 256 chunks and rank 1
+    10, both take 10 (agree_min), and the same operations make the same preemptions on both."""
+    want = _preemption(LLMEngine(_config("preemption")))
+    assert want["stats"]["preemptions"] >= 2
+    assert _run_tp2("preemption", tmp_path) == want
 
 
 def test_tp_size_without_a_group_is_refused():
