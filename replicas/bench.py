@@ -5,6 +5,8 @@ on, KV chunks in use, decode plans built).
     python -m replicas.bench --model llama3-8b --batch 64 --prefix 2048 --suffix 64 --max-tokens 64
     python -m replicas.bench ... --stagger --repeat 2   # rows' tails at staggered offsets; the
                                                         # second run finds every kernel compiled
+    python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
+                                                        # processes, replicas/parallel.py)
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -14,19 +16,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import socket
 import time
 
 import torch
+import torch.multiprocessing as mp
 
-from replicas.engine import LLMEngine, SamplingParams
+from replicas.engine import EngineConfig, LLMEngine, SamplingParams
 
 
-def run(args: argparse.Namespace, backend: str) -> dict:
-    engine = LLMEngine.from_model(args.model, device=args.device, dtype=args.dtype, chunk_size=args.chunk_size,
-                                  kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
-                                  max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-                                  enforce_eager=args.enforce_eager)
+def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConfig:
+    device = args.device
+    if args.tp > 1 and device in ("auto", "cuda"):  # a GPU per rank, when there are GPUs
+        device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
+    return EngineConfig(model=args.model, device=device, dtype=args.dtype, chunk_size=args.chunk_size,
+                        kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
+                        max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
+                        enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank)
+
+
+def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
+    """One run on a fresh engine (or on `engine`: rank 0's TPEngine under --tp)."""
+    engine = engine or LLMEngine(_config(args, backend))
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     for i in range(args.batch):
@@ -53,7 +66,7 @@ def run(args: argparse.Namespace, backend: str) -> dict:
     s = engine.stats()
     graphs = engine.runner.graphs
     return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
-            "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
+            "tp": args.tp, "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
@@ -81,10 +94,37 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)
+    if args.tp > 1:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mp.start_processes(_rank, args=(args, port), nprocs=args.tp, start_method="spawn")
+        return
     for backend in args.backend or ["auto"]:
         for k in range(args.repeat):
             print(json.dumps(dict(run(args, backend), run=k)), flush=True)
+
+
+def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+    """--tp: rank 0 makes each run through a TPEngine; the other ranks step with it until it closes."""
+    from replicas.parallel import TPEngine, TPWorker, init_group
+
+    backends = args.backend or ["auto"]
+    device = _config(args, backends[0], rank).device
+    if device == "cpu":  # the cores shared out: ranks spinning on more threads than cores stall each other's collectives
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
+    init_group(rank, args.tp, "127.0.0.1", port, device)
+    for backend in backends:
+        for k in range(args.repeat):
+            config = _config(args, backend, rank)
+            if rank:
+                TPWorker(config).serve()
+                continue
+            engine = TPEngine(LLMEngine(config))
+            print(json.dumps(dict(run(args, backend, engine), run=k)), flush=True)
+            engine.close()
 
 
 if __name__ == "__main__":
