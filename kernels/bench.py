@@ -16,8 +16,8 @@ shared row also gives ours and FlashInfer's paged decode over the rows' private 
 (`private_only_*_us`): every method reads that KV in the row's step too, so at the speed these
 kernels read it the row cannot take less than the faster of the two. `read_us`: a plain
 streaming kernel reading the row's unique KV once (summing it, no attention), timed the same way:
-how long reading those bytes takes at all, a floor under every method that is measured where the
-bound is computed from the copy bandwidth.
+how long reading those bytes takes at all, a measured floor under every method (the bound is
+computed from the copy bandwidth instead).
 
 The last line checks issue 5's targets on the run's rows (``targets``): the rows that miss each.
 
@@ -403,8 +403,9 @@ def targets(rows: list[dict]) -> dict:
     within the bound + 10 us; the MHA paper row at n_p = 4096 also at most 26 us and at least
     7.7x faster than FlashInfer's paged decode and 2.5x than its cascade. Partially shared rows:
     at most 0.8x the fastest FlashInfer path (`below_read` lists those whose limit is under the
-    row's read floor, `read_us`: no kernel that reads the row's KV at that speed can meet it). Nothing shared (n_s = 0): at most 1.05x FlashInfer's
-    paged decode, the faster of its two paths (CUDA cores, tensor cores). Batch scaling: our tokens per second rising with b."""
+    row's read floor `read_us`: no kernel that reads the row's KV at that speed can meet it).
+    Nothing shared (n_s = 0): at most 1.05x FlashInfer's paged decode, the faster of its two paths
+    (CUDA cores, tensor cores). Batch scaling: our tokens per second rising with b."""
     def label(r: dict) -> str:
         return f"{r['grid']} b={r['b']} {r['n_p']}/{r['n_s']}"
 
