@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import socket
 import time
 
 import torch
@@ -39,7 +38,8 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     """One run on a fresh engine (or on `engine`: rank 0's TPEngine under --tp)."""
-    engine = engine or LLMEngine(_config(args, backend))
+    if engine is None:
+        engine = LLMEngine(_config(args, backend))
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     for i in range(args.batch):
@@ -97,10 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)
     if args.tp > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.start_processes(_rank, args=(args, port), nprocs=args.tp, start_method="spawn")
+        from replicas.parallel import free_port
+
+        mp.start_processes(_rank, args=(args, free_port()), nprocs=args.tp, start_method="spawn")
         return
     for backend in args.backend or ["auto"]:
         for k in range(args.repeat):

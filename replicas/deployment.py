@@ -20,7 +20,6 @@ GPU each, on one node), and its engine is a TPEngine that drives them through ev
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from cluster.protocol import GenerateOutput, GenerateRequest
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.model import IncrementalDetokenizer, Tokenizer
-from replicas.parallel import TPEngine, TPWorker, init_group, worker_config
+from replicas.parallel import TPEngine, TPWorker, free_port, init_group, worker_config
 from replicas.sequence import SamplingParams
 
 
@@ -250,9 +249,7 @@ def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, lis
         raise ValueError(f"tensor_parallel_size > 1 takes device cpu or cuda (a GPU per rank), got {config.device!r}")
     config = worker_config(config, 0)
     addr = ray.util.get_node_ip_address()
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        port = s.getsockname()[1]
+    port = free_port(addr)
     ranks = [_TPRank.options(num_cpus=cpus_per_rank, num_gpus=1 if config.device == "cuda" else 0,
                              scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
              .remote(worker_config(config, r)) for r in range(1, config.tp_size)]

@@ -35,6 +35,7 @@ import dataclasses
 import datetime
 import hashlib
 import pickle
+import socket
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,12 +45,19 @@ import torch.distributed as dist
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.sequence import SamplingParams
 
-__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "init_group", "worker_config"]
+__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "free_port", "init_group", "worker_config"]
 
 # (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
 Fingerprint = list[tuple[str, tuple[int, ...], bool]]
 _IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group: workers wait there while the replica idles
 _control: dist.ProcessGroup | None = None
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A port on addr free now, for rank 0's rendezvous (init_group)."""
+    with socket.socket() as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
 
 
 def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.device,
@@ -116,7 +124,7 @@ def _recv_ops() -> list[tuple] | None:
     return pickle.loads(buf.numpy().tobytes())
 
 
-def _check_same(outputs: Sequence[RequestOutput], steps: int) -> None:
+def _check_same(outputs: Sequence[RequestOutput], engine: LLMEngine) -> None:
     """Every rank: all ranks' outputs of this step hash alike, or raise (on every rank)."""
     digest = hashlib.blake2b(pickle.dumps(_fingerprint(outputs)), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
@@ -124,7 +132,8 @@ def _check_same(outputs: Sequence[RequestOutput], steps: int) -> None:
     dist.all_gather(every, mine, group=_control_group())
     differ = [r for r, h in enumerate(every) if int(h) != int(every[0])]
     if differ:
-        raise RuntimeError(f"tensor-parallel ranks {differ} diverged from rank 0 in step {steps} (this is rank "
+        raise RuntimeError(f"tensor-parallel ranks {differ} diverged from rank 0 in step {engine.stats()['steps']} "
+                           f"(this is rank "
                            f"{dist.get_rank()}; its outputs: {str(_fingerprint(outputs))[:300]})")
 
 
@@ -149,7 +158,7 @@ class TPWorker:
         since the last step, step, check that every rank's outputs are alike."""
         while (ops := _recv_ops()) is not None:
             _apply(self.engine, ops)
-            _check_same(self.engine.step(), self.engine.stats()["steps"])
+            _check_same(self.engine.step(), self.engine)
 
 
 class TPEngine:
@@ -181,7 +190,7 @@ class TPEngine:
         ops, self._ops = self._ops, []
         _send_ops(ops)
         outputs = self.engine.step()
-        _check_same(outputs, self.engine.stats()["steps"])
+        _check_same(outputs, self.engine)
         return outputs
 
     def close(self) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing as mp
 import pickle
-import socket
 import traceback
 
 import pytest
@@ -15,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.engine import EngineConfig, LLMEngine
-from replicas.parallel import TPEngine, TPWorker, init_group
+from replicas.parallel import TPEngine, TPWorker, free_port, init_group
 from replicas.sequence import SamplingParams
 
 CONFIG = EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16,
@@ -28,16 +27,11 @@ SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, igno
 JOIN_S = 120
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
     sizes = KV_TOKENS.get(scenario, (CONFIG.kv_cache_tokens,) * 2)
     return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank,
-                               kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes))
+                               kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
+                               max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0])
 
 
 def _rank1(port: int, scenario: str) -> None:
@@ -102,10 +96,13 @@ SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort,
 # the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
 # pools (free GPU memory) agree on the smaller one, which one rank alone then has
 KV_TOKENS = {"preemption": (4096, 160)}
+# (rank 0, rank 1): a rank 1 that ends the longest prompts' rows at 80 tokens, rank 0 at 12 new ones
+MAX_MODEL_LEN = {"diverge": (None, 80)}
+SCENARIOS["diverge"] = _generate
 
 
-def _run_tp2(scenario: str, tmp_path) -> dict:
-    port, out = _port(), str(tmp_path / f"{scenario}.pkl")
+def _run_tp2(scenario: str, tmp_path, fails: bool = False) -> dict:
+    port, out = free_port(), str(tmp_path / f"{scenario}.pkl")
     ctx = mp.get_context("fork")  # as in tests/test_model.py: a spawned rank re-imports torch (slow)
     ranks = [ctx.Process(target=_rank0, args=(port, scenario, out)), ctx.Process(target=_rank1, args=(port, scenario))]
     for p in ranks:
@@ -123,6 +120,9 @@ def _run_tp2(scenario: str, tmp_path) -> dict:
             result = pickle.load(f)
     except FileNotFoundError:
         pytest.fail(f"rank 0 left no result (exit codes {codes})")
+    if fails:
+        assert "error" in result and codes[1] != 0, (result, codes)
+        return result
     assert "error" not in result, result["error"]
     assert codes == [0, 0]
     return result
@@ -153,6 +153,14 @@ def test_tp2_preempts_and_recomputes_as_one_rank_does(tmp_path):
     want = _preemption(LLMEngine(_config("preemption")))
     assert want["stats"]["preemptions"] >= 2
     assert _run_tp2("preemption", tmp_path) == want
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_ranks_that_part_ways_raise_on_both(tmp_path):
+    """Rank 1 ends a row (max_model_len) a step before rank 0 does: the batches still match in
+    shape, so the collectives cannot tell; the outputs' hashes do, and both ranks raise."""
+    got = _run_tp2("diverge", tmp_path, fails=True)
+    assert "tensor-parallel ranks [1] diverged from rank 0 in step" in got["error"]
 
 
 def test_tp_size_without_a_group_is_refused():
