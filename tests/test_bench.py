@@ -1,10 +1,10 @@
 """kernels.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA),
-and its read floor's kernel (under the Triton interpreter without CUDA)."""
+and its read floor's kernels (under the Triton interpreter without CUDA)."""
 
 import pytest
 import torch
 
-from kernels.bench import _READ_BLOCK, read_kv, targets
+from kernels.bench import _READ_BLOCK, read_kv, read_kv_tma, targets
 
 
 def row(grid, b, n_p, n_s, ours, paged, cascade=None, bound=10.0, tc=None):
@@ -52,4 +52,21 @@ def test_read_kv_reads_every_element_once(dtype, programs):
     for row, x in enumerate((k, v)):
         flat = x.flatten().float().cpu()
         want = torch.stack([flat[p * per:(p + 1) * per].sum() for p in range(programs)])
+        torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("programs, box", [(1, 16), (3, 16), (4, 32)])
+def test_read_kv_tma_reads_every_row_once(dtype, programs, box):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    k, v = (torch.randn(21, 2, 16, 16, generator=gen).to(dtype).to(device) for _ in range(2))  # 672 rows of 16
+    got = read_kv_tma(k, v, programs, box).cpu()
+    rows = k.numel() // 16
+    per = -(-rows // programs // box) * box  # each program's rows, whole boxes; the last cut short
+    assert got.shape == (2, -(-rows // per))
+    assert per * (got.shape[1] - 1) < rows <= per * got.shape[1]
+    for row, x in enumerate((k, v)):
+        flat = x.reshape(rows, 16).float().cpu()
+        want = torch.stack([flat[p * per:(p + 1) * per].sum() for p in range(got.shape[1])])
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)
