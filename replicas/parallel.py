@@ -91,11 +91,10 @@ def agree_min(n: int, device: torch.device) -> int:
     return int(t.item())
 
 
-def broadcast_from_first(values: list[int], device: torch.device) -> list[int]:
-    """Rank 0's values on every rank (each rank passes a list of the same length)."""
-    t = torch.tensor(values, dtype=torch.long, device=_group_device(device))
+def broadcast_from_first(t: torch.Tensor) -> None:
+    """Rank 0's t on every rank, in place (each rank passes a tensor of the same shape and
+    dtype, on its engine device: a GPU tensor goes by NCCL without a trip through the host)."""
     dist.broadcast(t, src=0)
-    return t.tolist()
 
 
 def _fingerprint(outputs: Sequence[RequestOutput]) -> Fingerprint:

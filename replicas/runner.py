@@ -9,7 +9,7 @@ import torch
 
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
-from replicas.sampler import sample
+from replicas.sampler import sample_ids
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
 
@@ -44,8 +44,8 @@ class ModelRunner:
             return {}
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
-        tokens = sample(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
+        tokens = sample_ids(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
-            tokens = broadcast_from_first(tokens, self.device)
-        return dict(zip(samplers, tokens))
+            broadcast_from_first(tokens)
+        return dict(zip(samplers, tokens.tolist()))

@@ -24,7 +24,13 @@ from replicas.sequence import SamplingParams
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    # logits: [N, V] float32, one row per sequence that samples this step
+    """One token id per row of logits: [N, V] float32, one row per sequence that samples this step."""
+    return sample_ids(logits, params, generators).tolist()
+
+
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
+               generators: list[torch.Generator | None]) -> torch.Tensor:
+    """``sample`` left on logits' device: [N] int64 token ids."""
     out = logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -35,7 +41,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(rows):
             if generators[i] is not None:
                 out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
-    return out.tolist()
+    return out
 
 
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:

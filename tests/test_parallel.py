@@ -37,6 +37,10 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
 def _rank1(port: int, scenario: str) -> None:
     """Rank 1: step with rank 0 until it closes the group."""
     torch.set_num_threads(1)
+    if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
+        import replicas.runner
+        sample_ids = replicas.runner.sample_ids
+        replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
     init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
     try:
         TPWorker(_config(scenario, 2, 1)).serve()
@@ -99,6 +103,7 @@ KV_TOKENS = {"preemption": (4096, 160)}
 # (rank 0, rank 1): a rank 1 that ends the longest prompts' rows at 80 tokens, rank 0 at 12 new ones
 MAX_MODEL_LEN = {"diverge": (None, 80)}
 SCENARIOS["diverge"] = _generate
+SCENARIOS["samples_apart"] = _generate
 
 
 def _run_tp2(scenario: str, tmp_path, fails: bool = False) -> dict:
@@ -135,6 +140,14 @@ def test_tp2_engine_generates_what_tp1_does(tmp_path):
     want = _generate(LLMEngine(CONFIG))
     assert want["stats"]["cached_prompt_tokens"] >= 5 * 64  # the shared prefix is served from the tree
     assert _run_tp2("generate", tmp_path) == want
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_ranks_take_rank0s_sampled_tokens(tmp_path):
+    """Ranks whose logits differ (in the last bit, on GPUs) could sample different tokens: here
+    rank 1's sampler is off by one on every row. Rank 0's tokens, broadcast, are what every rank
+    appends, so the ranks stay together (without the broadcast the outputs' check raises)."""
+    assert _run_tp2("samples_apart", tmp_path) == _generate(LLMEngine(CONFIG))
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
