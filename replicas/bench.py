@@ -15,6 +15,7 @@ fill at different steps (as in a live batch) rather than all at once.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -71,7 +72,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
-            "kv_chunks_used_after_prefill": kv_used, "cached_prompt_tokens": s["cached_prompt_tokens"],
+            "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used, "cached_prompt_tokens": s["cached_prompt_tokens"],
+            "preemptions": s["preemptions"],
             "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0}
@@ -104,6 +106,14 @@ def main(argv: list[str] | None = None) -> None:
     for backend in args.backend or ["auto"]:
         for k in range(args.repeat):
             print(json.dumps(dict(run(args, backend), run=k)), flush=True)
+            _release()
+
+
+def _release() -> None:
+    """Free the last run's engine: the next one sizes its KV pool from the free memory."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
@@ -120,10 +130,12 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
             config = _config(args, backend, rank)
             if rank:
                 TPWorker(config).serve()
-                continue
-            engine = TPEngine(LLMEngine(config))
-            print(json.dumps(dict(run(args, backend, engine), run=k)), flush=True)
-            engine.close()
+            else:
+                engine = TPEngine(LLMEngine(config))
+                print(json.dumps(dict(run(args, backend, engine), run=k)), flush=True)
+                engine.close()
+                del engine
+            _release()
 
 
 if __name__ == "__main__":
