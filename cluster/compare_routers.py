@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import time
 
 import httpx
@@ -36,12 +35,7 @@ from ray import serve
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
 from cluster.local import LocalCluster
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from replicas.parallel import free_port
 
 
 def workload(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int) -> list[list[int]]:
@@ -102,7 +96,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="prefix,pow2")
     args = p.parse_args()
-    port = _free_port()
+    port = free_port()
     with LocalCluster(num_nodes=args.nodes, num_cpus_per_node=args.cpus_per_node) as cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})

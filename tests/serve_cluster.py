@@ -1,13 +1,8 @@
 """Serve on a local multi-node Ray cluster, for the end-to-end tests."""
 
-import socket
 from contextlib import contextmanager
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from replicas.parallel import free_port
 
 
 @contextmanager

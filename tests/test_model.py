@@ -6,7 +6,6 @@ import json
 import math
 import multiprocessing as mp
 import re
-import socket
 from datetime import timedelta
 
 import pytest
@@ -21,6 +20,7 @@ from replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_
 from replicas.model.config import read_json
 from replicas.model.layers import RotaryEmbedding
 from replicas.model.loader import PRESETS_DIR
+from replicas.parallel import free_port
 from tests.hf_checkpoints import ARCHS, make_hf_checkpoint
 
 PROMPT = "the weather in the north is fine, and then we went on to see the sea"
@@ -268,9 +268,7 @@ def test_tp2_gloo_matches_tp1(tmp_path):
     path = make_hf_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", vocab_size=321, attention_bias=True)
     model, _, tok = load_model(str(path), dtype=torch.float32, device="cpu")
     ids = tok.encode(PROMPT)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = str(tmp_path / "logits.pt")
     ctx = mp.get_context("fork")
     workers = [ctx.Process(target=_tp_worker, args=(rank, port, str(path), ids, out)) for rank in range(2)]
