@@ -218,9 +218,9 @@ def time_calls(calls: list[Callable[[], object]], reps: int = 15, graph: bool = 
 # multiprocessor per tensor, 2048-element blocks and 8 warps read at 4.41 TB/s (the fastest of
 # 1-32 programs per multiprocessor, 1024-8192 elements, 4 or 8 warps). TMA (sm90+): 32 KB boxes of
 # rows, 3 stages, 4 programs per multiprocessor per tensor read the MHA 2048 / 1024 row's 553 MB at
-# 4.49-4.52 TB/s and the GQA 1024 / 512 row's pool 5-7 % faster than the pointer loads (against
-# 16 programs with 64-row boxes and 2 stages: on par or up to 0.7 us slower; 8 with 3 or 4 stages:
-# 4 % slower).
+# 4.49-4.52 TB/s (pointer loads: 4.34-4.41) and the GQA 1024 / 512 row's pool 4-7 % faster than
+# the pointer loads (16 programs with 64-row boxes and 2 stages: within 1 us of it; 8 with 3 or 4
+# stages: up to 5 % slower).
 _READ_PROGRAMS_PER_SM = 16
 _READ_BLOCK = 2048
 _READ_TMA_PROGRAMS_PER_SM = 4

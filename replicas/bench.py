@@ -72,8 +72,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
-            "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used, "cached_prompt_tokens": s["cached_prompt_tokens"],
-            "preemptions": s["preemptions"],
+            "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used,
+            "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],
             "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0}
