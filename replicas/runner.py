@@ -5,6 +5,8 @@ On CUDA a decode-only step's forward runs from a CUDA graph of its decode plan
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from replicas.attention import Attention
@@ -20,6 +22,9 @@ class ModelRunner:
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
+        # seconds the host spent waiting for the device's sampled tokens: a step's time less this
+        # is host work the device did not overlap (replicas.bench's host_ms_per_step)
+        self.wait_s = 0.0
 
     @torch.inference_mode()
     def run(self, batch: Batch, generators: dict[str, torch.Generator]) -> dict[Sequence, int]:
@@ -48,4 +53,7 @@ class ModelRunner:
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)
-        return dict(zip(samplers, tokens.tolist()))
+        t = time.perf_counter()
+        ids = tokens.tolist()  # waits for the device
+        self.wait_s += time.perf_counter() - t
+        return dict(zip(samplers, ids))

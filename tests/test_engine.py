@@ -287,3 +287,19 @@ def test_cpu_engine_runs_eagerly():
     engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096)
     assert engine.runner.graphs is None
     assert len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))[0]) == 3
+
+
+def test_bench_cli_prints_a_run_per_repeat():
+    """`python -m replicas.bench` on the CPU: one JSON line per run, the shared prefix cached for
+    every row but the first, the decode timed step by step (host share within the step)."""
+    r = subprocess.run([sys.executable, "-m", "replicas.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
+                        "--max-tokens", "6", "--repeat", "2", "--max-num-batched-tokens", "69"],  # row 1 prefills alone
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [run["run"] for run in runs] == [0, 1]
+    for run in runs:
+        assert run["device"] == "cpu" and run["preemptions"] == 0 and run["kv_pool_chunks"] >= 4 * 2
+        assert run["cached_prompt_tokens"] == 3 * 64  # rows 2-4 find row 1's prefix chunk in the tree
+        assert run["steps"] >= 6 and run["decode_tok_per_s"] > 0
+        assert 0 < run["host_ms_per_step"] <= run["decode_step_ms"]
