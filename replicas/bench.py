@@ -72,8 +72,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
-            # of which the host's own work, not overlapped by the device (the step less its wait
-            # for the sampled tokens): what overlapping the next step's preparation could hide
+            # of which the host's own time (the step less its wait for the sampled tokens): at most
+            # what preparing the next step while the device runs this one could hide
             "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
             "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used,
             "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],

@@ -23,7 +23,7 @@ class ModelRunner:
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
-        # is host work the device did not overlap (replicas.bench's host_ms_per_step)
+        # is the host's own time in it (replicas.bench's host_ms_per_step)
         self.wait_s = 0.0
 
     @torch.inference_mode()
