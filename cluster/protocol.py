@@ -11,19 +11,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from replicas.sequence import SamplingParams
 
 # -- requests --------------------------------------------------------------------------------
 
+MAX_STOP_STRINGS = 64  # each one is searched for in the text at every token (OpenAI allows 4)
+MAX_STOP_TOKEN_IDS = 4096
 
-class StreamOptions(BaseModel):
+
+class _NullMeansDefault(BaseModel):
+    """An explicit null for a field with a non-null default means that default, as OpenAI's API
+    and vLLM take it (openai-python sends null for arguments passed as None). Except max_tokens:
+    null there is no limit but the context's, as in vLLM."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
+                    or k == "max_tokens"}
+        return data
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False  # one last chunk with `usage` and no choices
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_NullMeansDefault):
     """Fields common to /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(strict=True, extra="ignore")
     # field -> the values that mean "feature off"; anything else is refused
@@ -39,7 +58,7 @@ class _SamplingRequest(BaseModel):
     top_k: int = Field(-1, ge=-1)  # extension; -1 or 0: whole vocabulary
     n: int = 1
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None  # extension
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -63,6 +82,8 @@ class _SamplingRequest(BaseModel):
     def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
         if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
             raise ValueError("stop strings must not be empty")
+        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
     @field_validator("*", mode="after")

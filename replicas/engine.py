@@ -223,7 +223,7 @@ class LLMEngine:
         seq.output_ids.append(token)
         p = seq.params
         reason = None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.model_config.eos_token_ids):
+        if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
         elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

@@ -10,10 +10,16 @@ if TYPE_CHECKING:
     from replicas.prefix_tree import Node
 
 
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS). Far smaller ones turn
+# logits / temperature into inf in float32 and the probabilities into NaN, on which
+# torch.multinomial raises: for every row of the step's batch, not only the one that asked.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # below GREEDY_BELOW_TEMPERATURE (0 too): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0 = whole vocabulary
     seed: int | None = None
@@ -22,6 +28,8 @@ class SamplingParams:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        # membership at every generated token (LLMEngine._append): a set, not a scan of the tuple
+        object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
@@ -33,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 class Status(enum.Enum):

@@ -37,6 +37,19 @@ def test_seeded_rows_draw_what_each_row_alone_draws():
         assert got == want
 
 
+def test_tiny_temperatures_sample_greedily_beside_other_rows():
+    """Temperatures under 1e-5 are greedy (as vLLM's): far smaller ones overflowed logits / T to
+    inf, torch.multinomial raised on the NaN probabilities, and every row of the batch failed
+    with the one that asked (a replica's step loop died of a request with temperature 1e-40)."""
+    torch.manual_seed(2)
+    logits = torch.randn(4, 300) * 30
+    params = [SamplingParams(temperature=t) for t in (1e-40, 1e-45, 9e-6, 0.8)]
+    assert [p.greedy for p in params] == [True, True, True, False]
+    got = sample(logits, params, [None, None, None, torch.Generator().manual_seed(3)])
+    assert got[:3] == logits[:3].argmax(-1).tolist()
+    assert got[3] == sample_row_ref(logits[3], params[3], torch.Generator().manual_seed(3))
+
+
 def test_unseeded_rows_keep_their_filters_and_probabilities():
     # 64 unseeded rows drawn from the global RNG: every token inside its row's top-k / top-p
     # set, and the frequencies of a plain temperature row follow its probabilities

@@ -95,11 +95,29 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
+    ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
+    ({"prompt": None}, "prompt"),  # null is no prompt, not a default
 ])
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_null_means_the_default():
+    """openai-python sends null for arguments passed as None: OpenAI and vLLM take it as the
+    default (max_tokens: no limit but the context, as vLLM)."""
+    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "seed", "stop",
+                           "stop_token_ids", "stream_options", "max_tokens", "return_token_ids", "user"))
+    got = CompletionRequest.model_validate({"prompt": "x", **nulls})
+    want = CompletionRequest.model_validate({"prompt": "x"})
+    assert got.model_dump() == dict(want.model_dump(), max_tokens=None)
+    assert CompletionRequest.model_validate({"prompt": "x", "stream_options": {"include_usage": None}}).stream_options \
+        .include_usage is False
+    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **nulls,
+                                                 "max_completion_tokens": None})
+    assert chat.temperature == 1.0 and chat.requested_max_tokens is None and not chat.stream
 
 
 def test_requests_accept_prompt_forms_and_ignore_unknown_fields():
