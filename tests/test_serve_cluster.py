@@ -136,6 +136,9 @@ BAD = [  # (id, body bytes or JSON, headers, status, error code)
     ("no-key", {"prompt": "x"}, {}, 401, "invalid_api_key"),
     ("wrong-key", {"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
     ("too-large", {"prompt": "x" * 40000}, AUTH, 413, "request_too_large"),
+    ("nested-too-deep", b"[" * 20000, AUTH, 400, "invalid_json"),  # parsed off the event loop (> 16 KB)
+    ("big-body-bad-field", {"prompt": "x" * 20000, "top_p": 2}, AUTH, 400, None),  # validated off the loop too
+    ("too-many-stops", {"prompt": "x", "stop": ["s"] * 65}, AUTH, 400, None),
 ]
 
 
@@ -151,6 +154,22 @@ def test_bad_input_gets_openai_error_and_replica_survives(one, body, headers, st
     assert error["code"] == code
     ok = _completion(url)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_requests_that_once_broke_the_replica_or_the_api(one):
+    """A temperature of 1e-40 (greedy now: logits / T overflowed and the replica's step loop died
+    with every request in it); null for fields with defaults, as openai-python sends None; a text
+    prompt long enough to be tokenized off the event loop."""
+    url, _ = one
+    greedy = _completion(url, max_tokens=4, ignore_eos=True).json()["choices"][0]["text"]
+    tiny = _completion(url, max_tokens=4, ignore_eos=True, temperature=1e-40)
+    assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy
+    nulls = _completion(url, max_tokens=4, ignore_eos=True, temperature=None, top_p=None, n=None, stream=None,
+                        stop=None, seed=None)
+    assert nulls.status_code == 200, nulls.text  # temperature null is 1.0: sampled, so no text to compare
+    long = _completion(url, prompt="ab" * 9000, max_tokens=1)  # 18000 characters (byte tokenizer: 18000 ids)
+    assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
+    assert _completion(url).status_code == 200
 
 
 def test_bad_chat_input(one):
