@@ -59,7 +59,7 @@ class _SamplingRequest(_NullMeansDefault):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator.manual_seed takes
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension

@@ -36,6 +36,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and not (isinstance(self.seed, int) and -2**63 <= self.seed < 2**64):
+            # what torch.Generator.manual_seed takes; past it the engine's add_request would raise
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 

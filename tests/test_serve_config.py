@@ -98,6 +98,7 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
     ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
     ({"prompt": None}, "prompt"),  # null is no prompt, not a default
+    ({"prompt": "x", "seed": 2**64}, "seed"),
 ])
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
