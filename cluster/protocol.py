@@ -49,6 +49,10 @@ class _SamplingRequest(_NullMeansDefault):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
         "logit_bias": (None, {}),
+        # vLLM's extensions we do not implement: their non-default values would change the answer
+        "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+        "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
+        "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     }
 
     model: str | None = None  # None: the served model
@@ -69,6 +73,15 @@ class _SamplingRequest(_NullMeansDefault):
     frequency_penalty: Any = None
     repetition_penalty: Any = None
     logit_bias: Any = None
+    min_tokens: Any = None
+    min_p: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
     @field_validator("n")
     @classmethod
@@ -162,7 +175,8 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **_SamplingRequest.NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-        "response_format": (None, {"type": "text"}),
+        "response_format": (None, {"type": "text"}), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+        "function_call": (None, "none", "auto"),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -172,6 +186,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Any = None
     tools: Any = None
     response_format: Any = None
+    functions: Any = None  # the deprecated form of tools
+    tool_choice: Any = None
+    function_call: Any = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -99,6 +99,9 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
     ({"prompt": None}, "prompt"),  # null is no prompt, not a default
     ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "min_tokens": 5}, "min_tokens"),  # vLLM extensions we do not implement: refused
+    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
 ])
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
