@@ -99,6 +99,13 @@ class _SamplingRequest(_NullMeansDefault):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_with_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if options is not None and not info.data.get("stream", False):  # `stream` is declared (validated) first
+            raise ValueError("stream_options is only allowed with stream=true")  # as OpenAI and vLLM
+        return options
+
     @field_validator("*", mode="after")
     @classmethod
     def _neutral(cls, value: Any, info: ValidationInfo) -> Any:

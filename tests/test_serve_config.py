@@ -99,6 +99,7 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
     ({"prompt": None}, "prompt"),  # null is no prompt, not a default
     ({"prompt": "x", "seed": 2**64}, "seed"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"prompt": "x", "min_tokens": 5}, "min_tokens"),  # vLLM extensions we do not implement: refused
     ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
@@ -117,8 +118,8 @@ def test_null_means_the_default():
     got = CompletionRequest.model_validate({"prompt": "x", **nulls})
     want = CompletionRequest.model_validate({"prompt": "x"})
     assert got.model_dump() == dict(want.model_dump(), max_tokens=None)
-    assert CompletionRequest.model_validate({"prompt": "x", "stream_options": {"include_usage": None}}).stream_options \
-        .include_usage is False
+    streamed = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.stream_options.include_usage is False
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **nulls,
                                                  "max_completion_tokens": None})
     assert chat.temperature == 1.0 and chat.requested_max_tokens is None and not chat.stream
@@ -129,7 +130,7 @@ def test_requests_accept_prompt_forms_and_ignore_unknown_fields():
         assert CompletionRequest.model_validate({"prompt": prompt, "store": True}).prompt == prompt
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, "max_completion_tokens": 7,
-        "parallel_tool_calls": False, "stop": "x", "stream_options": {"include_usage": True}})
+        "parallel_tool_calls": False, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
     assert chat.messages[0].text() == "ab" and chat.requested_max_tokens == 7
     assert chat.stop_strings == ("x",) and chat.include_usage
 
