@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -69,6 +70,13 @@ class APIError(Exception):
 @app.exception_handler(APIError)
 async def _api_error(_: Request, e: APIError) -> JSONResponse:
     return e.response()
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+    # an unknown route (404) or method (405): OpenAI's error body rather than FastAPI's {"detail"}
+    return APIError(e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404 else
+                    "invalid_request_error", headers=getattr(e, "headers", None)).response()
 
 
 @app.exception_handler(Exception)

@@ -172,6 +172,17 @@ def test_requests_that_once_broke_the_replica_or_the_api(one):
     assert _completion(url).status_code == 200
 
 
+def test_unknown_routes_and_methods_get_openai_errors(one):
+    url, _ = one
+    for method, path, status in (("GET", "/v1/nonexistent", 404), ("POST", "/v1/models", 405),
+                                 ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, f"{url}{path}", headers=AUTH, timeout=TIMEOUT)
+        assert r.status_code == status, (path, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"], r.text
+    assert r.headers.get("allow")  # a 405 names the methods the route takes
+
+
 def test_bad_chat_input(one):
     url, _ = one
     for body in ({"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
