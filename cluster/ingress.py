@@ -219,6 +219,7 @@ def _sse(first: GenerateOutput, rest: DeploymentResponseGenerator, fmt: _Complet
             logger.exception("stream failed")
             error = ErrorDetail(message=f"generation failed: {e}", type="server_error")
             yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
+            yield "data: [DONE]\n\n"  # the stream still ends as every stream does (vLLM's too)
             return
         finally:
             if not done:

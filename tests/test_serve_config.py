@@ -7,7 +7,7 @@ from pydantic import ValidationError
 
 from cluster.app import build_app
 from cluster.config import AppConfig
-from cluster.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput
 from replicas.deployment import _TextStream
 from replicas.model import load_tokenizer
 
@@ -170,3 +170,36 @@ def test_engine_options_are_engine_config_fields():
     options = AppConfig.model_validate({"engine": {"enforce_eager": True}}).engine.model_dump()
     assert options["enforce_eager"] is True
     assert EngineConfig(model="tiny", **options).enforce_eager
+
+
+def test_stream_that_fails_midway_says_so_and_ends():
+    """The replica fails after the first output: the client gets that output, an error event, and
+    the stream's usual end (data: [DONE]), as vLLM's streams end; the replica's generator is cancelled."""
+    import asyncio
+    import json
+
+    from cluster.ingress import _CompletionFormat, _sse
+
+    out = GenerateOutput(replica_id="r", text="Hel", token_ids=(1,), finish_reason=None, prompt_tokens=3,
+                         cached_tokens=0, completion_tokens=1)
+
+    class Failing:
+        cancelled = False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise RuntimeError("replica died")
+
+        def cancel(self):
+            Failing.cancelled = True
+
+    async def body() -> list[str]:
+        response = _sse(out, Failing(), _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False), False, {})
+        return [piece async for piece in response.body_iterator]
+
+    events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
+    assert json.loads(events[0])["choices"][0]["text"] == "Hel"
+    assert "replica died" in json.loads(events[1])["error"]["message"]
+    assert events[2:] == ["[DONE]"] and Failing.cancelled
