@@ -90,11 +90,11 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 # module globals defined by then.
 
 
-# Bodies and text prompts past these sizes are parsed, validated and tokenized in a worker thread:
-# the event loop also drives every open stream, and a 9 MB body took 1.1 s to validate and a MB of
-# text 1.6 s to tokenize (the byte tokenizer) on it, stalling them all.
-_OFF_LOOP_BYTES = 16 << 10
-_OFF_LOOP_CHARS = 16 << 10
+# Bodies (bytes) and text prompts (characters) past this size are parsed, validated and tokenized
+# in a worker thread: the event loop also drives every open stream, and on it (dev CPU) a 12 MB
+# token-id body took 1.2 s to parse and validate and a MB of text 0.9 s to tokenize (tiny's byte
+# tokenizer), stalling them all.
+_OFF_LOOP_SIZE = 16 << 10
 
 
 def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
@@ -114,7 +114,7 @@ def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
 
 
 async def _off_loop_if(big: bool, fn, *args):
-    """fn(*args), in a worker thread when `big` (see _OFF_LOOP_BYTES)."""
+    """fn(*args), in a worker thread when `big` (see _OFF_LOOP_SIZE)."""
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
@@ -273,7 +273,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_CHARS
+        long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
         prompt = await _off_loop_if(long, self._chat_prompt, body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -311,7 +311,7 @@ class OpenAIIngress:
             body += piece
             if len(body) > limit:
                 raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="request_too_large")
-        return await _off_loop_if(len(body) > _OFF_LOOP_BYTES, _validate, bytes(body), model)
+        return await _off_loop_if(len(body) > _OFF_LOOP_SIZE, _validate, bytes(body), model)
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -322,7 +322,7 @@ class OpenAIIngress:
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
             else body.prompt
         if isinstance(prompt, str):
-            return await _off_loop_if(len(prompt) > _OFF_LOOP_CHARS, self._tokenizer_for("text prompts").encode, prompt)
+            return await _off_loop_if(len(prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode, prompt)
         vocab = (await self._model_info())["vocab_size"]
         bad = None if 0 <= min(prompt) and max(prompt) < vocab else next(t for t in prompt if not 0 <= t < vocab)
         if bad is not None:

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from replicas.sequence import SamplingParams
+from replicas.sequence import SEED_RANGE, SamplingParams
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -63,7 +63,7 @@ class _SamplingRequest(_NullMeansDefault):
     n: int = 1
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    seed: int | None = Field(None, ge=-2**63, lt=2**64)  # what torch.Generator.manual_seed takes
+    seed: int | None = Field(None, ge=SEED_RANGE.start, lt=SEED_RANGE.stop)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
