@@ -108,6 +108,14 @@ _FOLD_MAX = 4
 # rows with 2 (1024 / 512) measured 0.5 us slower with one load (it gathers vector 0's state
 # across the tile first), so they keep the loop.
 _FOLD_VEC_MIN = 3
+# GQA (G > 1): the same, all the tile's vectors' partials in one [M, FOLD_P, D] load (each vector
+# keeps its own state, so nothing is gathered first), for rows with this many partials at least
+# (0: always the loop). H200, b = 32, same call, 2 runs each: 1024 shared + 40-token tails (4
+# partials) 11.3 -> 10.4 us, 2048 / 1536 and 4096 / 3072 (3) 0.3-0.4 us faster, 3-level trees on
+# par. With 2 (1024 / 512 to 4096 / 2048, 256 rows) 0.9-2.4 us slower, so they keep the loop.
+# Either fold is compiled in only where the plan has rows that take it (TppPlan.most_folds):
+# with the [M, FOLD_P, D] fold compiled in but not taken, 64- and 256-row steps ran 1.7-4.6 us slower.
+_FOLD_VEC_MIN_GQA = 3
 
 # Item fields (int32 rows of the plan's piece list), in kernel argument order.
 _FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
@@ -149,6 +157,7 @@ class TppPlan:
     # not fit in one wave otherwise.
     lean_phase1: bool
     lean_phase2: bool
+    most_folds: int  # phase-1 partials the most a phase-2 piece folds (picks the fold compiled)
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
 
@@ -337,6 +346,7 @@ def build_plan(
         lean_phase1=reads[2] >= _LEAN_RATIO * reads[1] > 0,
         lean_phase2=bool(reads[1]) and g > 1 and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces) > (
             _num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
+        most_folds=max((it[8] for it in items if it[0] == 2), default=0),
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
         part_lse=torch.empty(slots, num_q_heads, **f32),
     )
@@ -459,6 +469,26 @@ def _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs
 
 
 @triton.jit
+def _fold_rows(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr,
+               FOLD_P: tl.constexpr):
+    """_fold_each with every live vector's nfold <= FOLD_P partials in one [M, FOLD_P, D] load
+    (GQA phase 2: the G heads of a row; padded vectors load nothing)."""
+    offs_f = tl.arange(0, FOLD_P)
+    fl = live[:, None] & (offs_f[None, :] < nfold)  # [M, FOLD_P]
+    part = (fold0 + offs_f[None, :]).to(tl.int64) * hq + head[:, None]
+    lse = tl.load(PartLse + part, mask=fl, other=float("-inf"))
+    o_f = tl.load(PartO + part[:, :, None] * D + offs_d[None, None, :], mask=fl[:, :, None], other=0.0)
+    m_new = tl.maximum(m_i, tl.max(lse, 1))
+    # -inf only on a padded vector of a piece that read nothing: keep it NaN-free
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    w = tl.exp2(lse - m_safe[:, None])  # [M, FOLD_P]
+    acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_f, 1)
+    l_i = l_i * alpha + tl.sum(w, 1)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, offs_m, offs_d, BLOCK_M: tl.constexpr,
                  D: tl.constexpr, FOLD_P: tl.constexpr):
     """_fold_each for a tile of one query vector (MHA phase 2: vector 0 of head `head`; the
@@ -525,10 +555,14 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
     if EARLY:  # started before the launch before completed: past this point it has
         gdc_wait()
     # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
-    if G == 1 and FOLD_P > 1:
+    if FOLD_P > 1:
         if nfold >= FOLD_VEC_MIN:
-            acc, m_i, l_i = _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, kv, hq, offs_m, offs_d, BLOCK_M,
-                                         D, FOLD_P)
+            if G == 1:
+                acc, m_i, l_i = _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, kv, hq, offs_m, offs_d,
+                                             BLOCK_M, D, FOLD_P)
+            else:
+                acc, m_i, l_i = _fold_rows(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D,
+                                           FOLD_P)
         else:
             acc, m_i, l_i = _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D)
     else:
@@ -668,6 +702,9 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     # launched plainly, after both. (The merge launched early too measured slower.)
     pdl = _PDL and q.is_cuda and _sm90_plus(q.device.index)
     n = len(plan.launches)
+    vec_min = _FOLD_VEC_MIN if g == 1 else _FOLD_VEC_MIN_GQA
+    if plan.most_folds < vec_min:  # no row takes the vector fold: compile the loop alone
+        vec_min = 0
     for i, (first, programs, block_m, live, phase) in enumerate(plan.launches):
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
         cfg = _launch_config(d, block_m, q.element_size(), live, lean)
@@ -684,8 +721,8 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
             G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
             LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0, TMA=kd is not None,
             TAIL=phase != 1,  # phase-1 pieces read whole chunks
-            FOLD_P=triton.next_power_of_2(_FOLD_MAX) if _FOLD_VEC_MIN and phase == 2 else 1,  # see _FOLD_VEC_MIN
-            FOLD_VEC_MIN=_FOLD_VEC_MIN,
+            FOLD_P=triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # see _FOLD_VEC_MIN
+            FOLD_VEC_MIN=vec_min,
             **cfg, **(dict(launch_pdl=True) if pdl and i > 0 else {}))
     if plan.merge_items.shape[0]:
         _merge_kernel[(plan.merge_items.shape[0], hq)](

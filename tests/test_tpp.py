@@ -185,22 +185,23 @@ def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypat
     check(q, k, v, tables, lens, plan)
 
 
+@pytest.mark.parametrize("g", [1, 4])
 @pytest.mark.parametrize("vec_min", [0, 3, 4])
-def test_mha_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min):
-    # G = 1: a row's finishing phase-2 piece loads all its phase-1 partials (3 here) in one
-    # [FOLD_P, D] block when it has _FOLD_VEC_MIN of them (3); otherwise (0: never, 4) the loop
-    # folds the same partials one at a time
-    monkeypatch.setattr(tpp, "_FOLD_VEC_MIN", vec_min)
+def test_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min, g):
+    # a row's finishing phase-2 piece loads all its phase-1 partials (3 here) in one block when
+    # it has _FOLD_VEC_MIN (G = 1: [FOLD_P, D]) or _FOLD_VEC_MIN_GQA (G = 4: [M, FOLD_P, D]) of
+    # them (3); otherwise (0: never, 4) the loop folds the same partials one at a time
+    monkeypatch.setattr(tpp, "_FOLD_VEC_MIN" if g == 1 else "_FOLD_VEC_MIN_GQA", vec_min)
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(29)
     tables = [[0, 1, 2, 3 + r] for r in range(5)]
     lens = [3 * c + 1 + 3 * r for r in range(5)]
     k, v = (torch.randn(8, hkv, c, d, generator=gen).to(torch.float16).to(DEVICE) for _ in range(2))
-    q = torch.randn(5, hkv, d, generator=gen).to(torch.float16).to(DEVICE)
+    q = torch.randn(5, g * hkv, d, generator=gen).to(torch.float16).to(DEVICE)
     plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
     assert plan.phase_items(1) == 3 and plan.merge_items.shape[0] == 0
-    assert [it[8] for it in plan.items.tolist() if it[0] == 2] == [3] * 5
+    assert [it[8] for it in plan.items.tolist() if it[0] == 2] == [3] * 5 and plan.most_folds == 3
     check(q, k, v, tables, lens, plan, sm_scale=0.4)
 
 
