@@ -104,20 +104,18 @@ class LLMReplica:
                     batch.append(stream.outputs.get_nowait())
                 if isinstance(batch[-1], _EngineDied):
                     raise batch[-1]
-                last = batch[-1]
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
                     self._metrics.time_to_first_token.observe(first_token_at - arrival)
-                token_ids = tuple(t for out in batch for t in out.new_token_ids)
-                engine_done = last.finished
-                new_text, stopped = text.push(token_ids, final=engine_done)
-                reason = "stop" if stopped else last.finish_reason
-                if reason is not None and last.output_tokens > 1:
+                out = _take(text, batch)
+                engine_done = out.engine_done
+                if out.reason is not None and out.output_tokens > 1:
                     self._metrics.time_per_output_token.observe(
-                        (time.perf_counter() - first_token_at) / (last.output_tokens - 1))
-                yield GenerateOutput(self.replica_id, new_text, token_ids, reason, last.prompt_tokens,
-                                     last.cached_tokens, last.output_tokens)
-                if stopped:
+                        (time.perf_counter() - first_token_at) / (out.output_tokens - 1))
+                last = batch[-1]
+                yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
+                                     last.cached_tokens, out.output_tokens)
+                if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
             del self._streams[rid]
@@ -272,6 +270,39 @@ def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, lis
     for rank in ranks:
         rank.serve.remote()  # runs until the replica (the ranks' owner) goes; ping tells if it ends
     return TPEngine(engine), ranks
+
+
+@dataclass(frozen=True)
+class _Taken:
+    """What one yield sends of a batch of a request's step outputs (see _take)."""
+    text: str
+    token_ids: tuple[int, ...]
+    reason: str | None
+    output_tokens: int  # completion tokens so far, the last one sent included
+    stopped: bool  # a stop string ended the text
+    engine_done: bool  # the engine finished the request (no abort needed): the batch's last output did
+
+
+def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
+    """Push a batch of step outputs (oldest first) through the request's text stream, token by
+    token: a stop string ends the text, and the tokens after the one that completed it are
+    neither sent nor counted, as in vLLM, even when several steps arrive at once."""
+    ids: list[int] = []
+    pieces: list[str] = []
+    for out in batch:
+        new = out.new_token_ids
+        for j in range(max(1, len(new))):  # an output with no tokens may still end the request
+            piece, stopped = text.push(tuple(new[j:j + 1]), final=out.finished and j >= len(new) - 1)
+            pieces.append(piece)
+            ids += new[j:j + 1]
+            if stopped:
+                unsent = len(new) - j - 1
+                return _Taken("".join(pieces), tuple(ids), "stop", out.output_tokens - unsent, True,
+                              batch[-1].finished)
+        if out.finished:
+            return _Taken("".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True)
+    last = batch[-1]
+    return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False)
 
 
 class _TextStream:

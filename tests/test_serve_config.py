@@ -8,7 +8,8 @@ from pydantic import ValidationError
 from cluster.app import build_app
 from cluster.config import AppConfig
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput
-from replicas.deployment import _TextStream
+from replicas.deployment import _take, _TextStream
+from replicas.engine import RequestOutput
 from replicas.model import load_tokenizer
 
 
@@ -162,6 +163,43 @@ def test_text_stream_stop_strings_and_utf8():
     euro = tok.encode("€", add_special_tokens=False)
     stream = _TextStream(tok, prompt, ())
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
+
+
+def _outputs(ids: list[int], per_step: int, finish: str | None, prompt: int = 3) -> list[RequestOutput]:
+    """The engine's step outputs of one request that generates ids, per_step tokens a step."""
+    steps = [ids[i:i + per_step] for i in range(0, len(ids), per_step)]
+    return [RequestOutput("r", s, finish is not None and i == len(steps) - 1, finish if i == len(steps) - 1 else None,
+                          prompt, 0, per_step * i + len(s)) for i, s in enumerate(steps)]
+
+
+@pytest.mark.parametrize("per_step", [1, 2])
+@pytest.mark.parametrize("finish", [None, "length"])
+def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(per_step, finish):
+    # a caller that fell behind gets several steps as one batch: the stop string's token ends
+    # it, and the steps' later tokens are neither sent nor counted (vLLM counts through that token)
+    tok = load_tokenizer("tiny")
+    prompt = tuple(tok.encode("p"))
+    ids = tok.encode("ab cd STOP ef gh", add_special_tokens=False)
+    upto = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[:i + 1])) + 1  # tokens through the stop
+    assert upto < len(ids) - 2
+    batch = _outputs(ids, per_step, finish)
+    got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
+    assert got.stopped and got.reason == "stop" and got.text == "ab cd "
+    assert got.token_ids == tuple(ids[:upto]) and got.output_tokens == upto
+    assert got.engine_done == (finish is not None)  # only then does the engine hold it no more
+    # without the stop string the whole batch goes, and its end with the last step
+    got = _take(_TextStream(tok, prompt, ()), batch)
+    assert not got.stopped and got.token_ids == tuple(ids) and got.output_tokens == len(ids)
+    assert got.reason == finish and got.engine_done == (finish is not None)
+    assert got.text == (tok.decode(ids) if finish else got.text) and tok.decode(ids).startswith(got.text)
+    # step by step, the same text and the same end
+    stream, sent = _TextStream(tok, prompt, ("STOP",)), ""
+    for out in batch:
+        got = _take(stream, [out])
+        sent += got.text
+        if got.stopped:
+            break
+    assert sent == "ab cd " and got.output_tokens == upto
 
 
 def test_engine_options_are_engine_config_fields():
