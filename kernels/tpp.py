@@ -116,6 +116,25 @@ _FOLD_VEC_MIN = 3
 # Either fold is compiled in only where the plan has rows that take it (TppPlan.most_folds):
 # with the [M, FOLD_P, D] fold compiled in but not taken, 64- and 256-row steps ran 1.7-4.6 us slower.
 _FOLD_VEC_MIN_GQA = 3
+# Short private parts, many of them: a phase-2 program takes _ROWS rows, one after another in
+# one streaming loop (_attend_rows_kernel), where every phase-2 piece is a row's whole private
+# part of _ROWS_MAX_CHUNKS chunks at most that ends the row (no partials of its own), there are
+# _ROWS_MIN_PROGRAMS phase-2 programs (pieces * Hkv) or more, and the rows' G-vector groups fill
+# one 16-vector tile at most. Each program's start (its item, q, the first block's latency) is
+# paid once per _ROWS rows, and the pipeline runs on across row boundaries. H200, same call, 2
+# runs each (us, a row per program -> 4):
+# - MHA b = 32 (1024 programs): 1024 shared + 40-token tails 23.6 -> 17.3, 1024 / 768 (4
+#   chunks) 46.3 -> 42.6; 8 or 16 rows slower (19.5, 27.1 on the tails);
+# - GQA (G = 4, one full tile): 256 rows at 2304 / 2048 (4 chunks) 97.0 -> 95.4, 128 and 256
+#   rows at 2048 + 100 tokens 37.3 -> 35.4 and 60.3 -> 59.0; at 256 or 512 programs (b = 32,
+#   64) on par or up to 0.5 slower, hence _ROWS_MIN_PROGRAMS;
+# - 8-chunk private parts mixed (MHA 2048 / 1536 -1.7, 1024 / 512 +0.4 to +0.7), so they keep
+#   a row per program.
+_ROWS = 4
+_ROWS_MAX_CHUNKS = 4
+_ROWS_MIN_PROGRAMS = 1024
+_ROWS_CONFIG = dict(num_warps=4, num_stages=3)
+_ROWS_BLOCK_BYTES = 16 << 10  # a chunk's [c, D] block of one head at most this (fp32 or D = 256: the plain kernel)
 
 # Item fields (int32 rows of the plan's piece list), in kernel argument order.
 _FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
@@ -158,6 +177,7 @@ class TppPlan:
     lean_phase1: bool
     lean_phase2: bool
     most_folds: int  # phase-1 partials the most a phase-2 piece folds (picks the fold compiled)
+    rows_per_program: int  # phase-2 rows per program (_attend_rows_kernel, see _ROWS) where > 1
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
 
@@ -172,6 +192,19 @@ class TppPlan:
 
     def phase_items(self, phase: int) -> int:
         return int((self.items[:, 0] == phase).sum()) if self.items.numel() else 0
+
+
+def _rows_per_program(items: list[tuple], g: int, hkv: int) -> int:
+    """Phase-2 rows per program (see _ROWS): > 1 only where phases launch apart and every phase-2
+    piece is a whole row's private part of _ROWS_MAX_CHUNKS chunks at most that ends the row
+    (slot -1). Their chunk runs then lie back to back in row order, as one program reads them."""
+    two = [it for it in items if it[0] == 2]
+    if _ROWS < 2 or _ROWS * g > 16 or not _SPLIT_PHASES or len(two) * hkv < max(1, _ROWS_MIN_PROGRAMS):
+        return 1
+    if any(it[6] != -1 or it[4] > _ROWS_MAX_CHUNKS for it in two):
+        return 1
+    assert all(b[3] == a[3] + a[4] for a, b in zip(two, two[1:])), "phase-2 chunk runs back to back"
+    return _ROWS
 
 
 def _even(total: int, n: int) -> list[tuple[int, int]]:
@@ -347,6 +380,7 @@ def build_plan(
         lean_phase2=bool(reads[1]) and g > 1 and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces) > (
             _num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
         most_folds=max((it[8] for it in items if it[0] == 2), default=0),
+        rows_per_program=_rows_per_program(items, g, hkv),
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
         part_lse=torch.empty(slots, num_q_heads, **f32),
     )
@@ -581,6 +615,90 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
 
 
 @triton.jit
+def _attend_rows_kernel(Q, K, V, Out, PartO, PartLse, first, n_items, Items, Chunks, SeqLens, qk_scale,
+                        stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
+                        G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr, EARLY: tl.constexpr):
+    # Phase 2, grid (ceil(items / ROWS), Hkv): items first + p * ROWS .. + ROWS - 1, each a row's
+    # whole private part ending the row (slot -1), their chunk runs back to back in Chunks. One
+    # flat loop streams the runs one after another, a chunk per step; query vector m is row slot
+    # m // G, head kv * G + m % G, and a chunk's scores are masked to the row slot that owns it
+    # (every vector keeps its own online-softmax state; one that owns no block yet has m = -inf).
+    kv = tl.program_id(1)
+    hq = G * tl.num_programs(1)
+    offs_t = tl.arange(0, ROWS)
+    base = tl.program_id(0) * ROWS
+    it_ok = base + offs_t < n_items
+    its = Items + (first + base + offs_t) * 10
+    rows = tl.load(its + 1, mask=it_ok, other=0)
+    nch = tl.load(its + 4, mask=it_ok, other=0)  # [ROWS] chunks of each row slot (0 past the items)
+    ends = tl.cumsum(nch, 0)  # the flat block index where each row slot's run ends
+    starts = ends - nch
+    endtok = tl.load(its + 5, mask=it_ok, other=0)
+    lens = tl.load(SeqLens + rows, mask=it_ok, other=0)
+    ntok = tl.maximum(nch * C - tl.maximum(endtok - lens, 0), 0)  # [ROWS] tokens to attend
+    fold0s = tl.load(its + 7, mask=it_ok, other=0)
+    nfolds = tl.load(its + 8, mask=it_ok, other=0)
+    chunk0 = tl.load(Items + (first + base) * 10 + 3)
+    total = tl.sum(nch, 0)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    offs_n = tl.arange(0, C)
+    t_m = offs_m // G
+    live = t_m < tl.minimum(ROWS, n_items - base)
+    sel = t_m[:, None] == offs_t[None, :]  # [BLOCK_M, ROWS]: vector m's row slot
+    row_m = tl.sum(tl.where(sel, rows[None, :], 0), 1).to(tl.int64)
+    fold0 = tl.sum(tl.where(sel, fold0s[None, :], 0), 1)
+    nfold = tl.sum(tl.where(sel, nfolds[None, :], 0), 1)
+    head = kv * G + offs_m % G
+    q = tl.load(Q + row_m[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=live[:, None], other=0.0).to(DOT_T)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    kv_off = kv.to(tl.int64) * stride_kh
+    offs_blk = offs_n[:, None] * D + offs_d[None, :]
+    cid = tl.load(Chunks + chunk0)
+    for i in range(0, total):
+        # the next chunk id a block ahead (see _attend's pointer loop)
+        cid_next = tl.load(Chunks + chunk0 + i + 1, mask=i + 1 < total, other=0)
+        rb = tl.sum((ends <= i).to(tl.int32), 0)  # the row slot this chunk belongs to
+        start_rb = tl.sum(tl.where(offs_t == rb, starts, 0), 0)
+        ntok_rb = tl.sum(tl.where(offs_t == rb, ntok, 0), 0)
+        tok_live = (i - start_rb) * C + offs_n < ntok_rb
+        run = cid.to(tl.int64) * stride_kc + kv_off
+        k = tl.load(K + run + offs_blk, mask=tok_live[:, None], other=0.0)  # [C, D]
+        v = tl.load(V + run + offs_blk, mask=tok_live[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k.to(DOT_T)), input_precision=DOT_PREC) * qk_scale
+        s = tl.where((t_m == rb)[:, None] & tok_live[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # vectors that own nothing yet
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(DOT_T), v.to(DOT_T), input_precision=DOT_PREC)
+        m_i = m_new
+        cid = cid_next
+    if EARLY:  # started before phase 1 completed: past this point it has
+        gdc_wait()
+    for j in range(0, tl.max(tl.where(live, nfold, 0), 0)):  # each row's phase-1 partials
+        fl = live & (j < nfold)
+        part = (fold0 + j).to(tl.int64) * hq + head
+        lse = tl.load(PartLse + part, mask=fl, other=float("-inf"))
+        o_j = tl.load(PartO + part[:, None] * D + offs_d[None, :], mask=fl[:, None], other=0.0)
+        m_new = tl.maximum(m_i, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        beta = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + o_j * beta[:, None]
+        l_i = l_i * alpha + beta
+        m_i = m_new
+    o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    tl.store(Out + row_m[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+             o.to(Out.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
 def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.constexpr, BLOCK_P: tl.constexpr):
     # grid: (merge rows, Hq): fold the row's partials (o, lse) at slots slot0 .. slot0 + n - 1.
     # (Blocks of heads per program, as [BLOCK_P, heads, D] loads, measured slower on the H200.)
@@ -706,6 +824,15 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     if plan.most_folds < vec_min:  # no row takes the vector fold: compile the loop alone
         vec_min = 0
     for i, (first, programs, block_m, live, phase) in enumerate(plan.launches):
+        if phase == 2 and plan.rows_per_program > 1 and c * d * q.element_size() <= _ROWS_BLOCK_BYTES:  # see _ROWS
+            rows = plan.rows_per_program
+            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](
+                q, k_cache, v_cache, out, plan.part_o, plan.part_lse, first, programs, plan.items, plan.chunks,
+                plan.seq_lens, scale, q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
+                G=g, C=c, D=d, ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * g)), DOT_T=dot_t,
+                DOT_PREC=prec, EARLY=pdl and i > 0, **_ROWS_CONFIG,
+                **(dict(launch_pdl=True) if pdl and i > 0 else {}))
+            continue
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
         cfg = _launch_config(d, block_m, q.element_size(), live, lean)
         # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase

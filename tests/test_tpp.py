@@ -163,6 +163,7 @@ def test_phase1_row_tiles(monkeypatch, split):
 
 @pytest.mark.parametrize("fold_max", [0, 4])
 def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypatch, fold_max):
+    monkeypatch.setattr(tpp, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
     # 6 rows over a 5-chunk shared segment cut into 5 one-chunk phase-1 pieces (5 partials per
     # row) and one private chunk each: a row's phase-2 piece folds in at most _FOLD_MAX
     # partials; past that it stores its own partial and the merge launch folds all six
@@ -192,6 +193,7 @@ def test_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min, g):
     # it has _FOLD_VEC_MIN (G = 1: [FOLD_P, D]) or _FOLD_VEC_MIN_GQA (G = 4: [M, FOLD_P, D]) of
     # them (3); otherwise (0: never, 4) the loop folds the same partials one at a time
     monkeypatch.setattr(tpp, "_FOLD_VEC_MIN" if g == 1 else "_FOLD_VEC_MIN_GQA", vec_min)
+    monkeypatch.setattr(tpp, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(29)
@@ -203,6 +205,35 @@ def test_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min, g):
     assert plan.phase_items(1) == 3 and plan.merge_items.shape[0] == 0
     assert [it[8] for it in plan.items.tolist() if it[0] == 2] == [3] * 5 and plan.most_folds == 3
     check(q, k, v, tables, lens, plan, sm_scale=0.4)
+
+
+ROWS_CASES = [(torch.float16, 64, 1, 16, 31), (torch.bfloat16, 128, 1, 64, 32), (torch.float16, 64, 2, 32, 33),
+              (torch.float32, 64, 1, 16, 34), (torch.bfloat16, 64, 4, 16, 35)]
+
+
+@pytest.mark.parametrize("dtype,head_dim,groups,c,seed", ROWS_CASES,
+                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in ROWS_CASES])
+def test_short_private_parts_take_several_rows_per_program(monkeypatch, dtype, head_dim, groups, c, seed):
+    # every row's private part whole, at most _ROWS_MAX_CHUNKS chunks and ending the row, enough
+    # of them: one phase-2 program streams _ROWS rows one after another, each folding its own
+    # phase-1 partials (11 rows: the last program has fewer)
+    monkeypatch.setattr(tpp, "_FOLD_MAX", 16)
+    monkeypatch.setattr(tpp, "_ROWS_MAX_CHUNKS", 8)
+    monkeypatch.setattr(tpp, "_ROWS_MIN_PROGRAMS", 2)
+    q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, 11, depth=3)
+    plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
+    two = [it for it in plan.items.tolist() if it[0] == 2]
+    assert plan.rows_per_program == tpp._ROWS == 4
+    assert len(two) % plan.rows_per_program and max(it[8] for it in two) > 1  # a short program, folds
+    assert c * head_dim * q.element_size() <= tpp._ROWS_BLOCK_BYTES  # so the rows kernel runs
+    check(q, k, v, tables, lens, plan, sm_scale=0.35)
+    # a row per program where a private part is longer, or some row leaves partials to a merge,
+    # or the programs are fewer
+    for name, value in (("_ROWS_MAX_CHUNKS", max(it[4] for it in two) - 1), ("_FOLD_MAX", 1),
+                        ("_ROWS_MIN_PROGRAMS", len(two) * k.shape[1] + 1)):
+        with monkeypatch.context() as m:
+            m.setattr(tpp, name, value)
+            assert plan_for(q, k, tables, lens, target_programs=1 << 20).rows_per_program == 1, name
 
 
 def test_items_a_little_over_the_target_stay_whole(monkeypatch):
