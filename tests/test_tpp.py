@@ -278,7 +278,11 @@ def test_blocks_by_tma_or_by_pointers(monkeypatch, dtype, head_dim, c, split):
     monkeypatch.setattr(tpp, "_TMA", False)
     by_ptr = check(q, k, v, tables, lens, plan)
     assert len(made) == 2
-    torch.testing.assert_close(by_tma, by_ptr, atol=0, rtol=0)
+    # the same bits under the interpreter; compiled for sm90 the two load paths feed different
+    # MMA instructions and an output may round an ulp apart (seen on the H200, 1 of 6144
+    # elements, with the kernels of 9df99d3 too), so there they agree within an ulp or two
+    ulps = 0 if not by_tma.is_cuda else 2 * 2.0 ** -(8 if dtype == torch.bfloat16 else 10)
+    torch.testing.assert_close(by_tma, by_ptr, atol=ulps / 64, rtol=ulps)
 
 
 @pytest.mark.parametrize("tma,split", [(True, True), (True, False), (False, True)])
