@@ -16,7 +16,9 @@ per layer (DESIGN §4, ChunkAttention):
   One kernel serves both phases; by default each phase is its own launch with its own M (rows *
   G for phase 1, G for phase 2: a phase-2 piece in phase 1's tile wastes its exps and MMAs). On
   sm90+ the phase-2 launch starts while phase 1 runs (programmatic dependent launch) and waits
-  for it only before it folds phase-1 partials, so the phases stream side by side. A piece
+  for it only before it folds phase-1 partials, so the phases stream side by side. Where many
+  rows' private parts are short and whole, a phase-2 program streams several rows one after
+  another in one loop instead (``_attend_rows_kernel``, see ``_ROWS``). A piece
   writes a partial state (o normalised, lse) in fp32 for each of its rows, except a row's whole
   private part when that is all the row reads: that writes the output directly.
 - merge, only when some row has partials left: one program (one warp) per (row, query head)
