@@ -80,9 +80,11 @@ class Attention:
         positions: list[int] = []
         chunk_idx: list[int] = []
         prefills = []
-        for seq in batch.decodes:  # one token each
-            positions.append(seq.num_computed)
-            chunk_idx.append(seq.chunk_at(seq.num_computed // c))
+        for seq in batch.decodes:  # one token each (Sequence.chunk_at inlined: per row per step)
+            n = seq.num_computed
+            positions.append(n)
+            k, nodes = n // c, seq.nodes
+            chunk_idx.append(nodes[k].chunk_id if k < len(nodes) else seq.private[k - len(nodes)])
         for seq, n in batch.prefills:
             start = seq.num_computed
             prefills.append(PrefillSpan(len(positions), n, start, tuple(seq.chunk_table)))
@@ -127,7 +129,7 @@ class Attention:
     def _signature_of(self, decodes, fi: bool) -> tuple:
         """What a decode plan is valid for: the rows, their tables' versions and lengths; for a
         FlashInfer plan also each row's chunks in use (its page lists stop at the last one)."""
-        signature = tuple((s.arrival, s.table_version, s.num_chunks) for s in decodes)
+        signature = tuple((s.arrival, s.table_version, len(s.nodes) + len(s.private)) for s in decodes)
         if fi:
             c = self.pool.chunk_size
             signature += tuple(-(-(s.num_computed + 1) // c) for s in decodes)

@@ -205,6 +205,7 @@ class LLMEngine:
         sampled = self.runner.run(batch, self._generators)
         self.scheduler.advance(batch)
         self._count_step(batch)
+        self._counters["generated_tokens"] += len(sampled)
         return [self._append(seq, token) for seq, token in sampled.items()]
 
     def _count_step(self, batch) -> None:
@@ -220,12 +221,14 @@ class LLMEngine:
             c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        seq.output_ids.append(token)
+        # (runs per row per step: attribute lookups kept few)
+        out = seq.output_ids
+        out.append(token)
         p = seq.params
         reason = None
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
-        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif len(out) >= p.max_tokens or len(seq.prompt_ids) + len(out) >= self.max_model_len:
             reason = "length"
         if reason is not None:
             self.scheduler.finish(seq, reason)
@@ -235,9 +238,8 @@ class LLMEngine:
             c["finished_requests"] += 1
             c["prompt_tokens"] += len(seq.prompt_ids)
             c["cached_prompt_tokens"] += seq.num_cached_prompt
-        self._counters["generated_tokens"] += 1
         return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_cached_prompt, len(seq.output_ids))
+                             seq.num_cached_prompt, len(out))
 
     def generate(self, prompts: Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:

@@ -31,8 +31,8 @@ class ModelRunner:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill)."""
         attn = self.attention.plan(batch)
-        # decodes: one token each, and each samples
-        ids = [seq.token_at(seq.num_computed) for seq in batch.decodes]
+        # decodes: one token each (the sequence's last: its only one pending), and each samples
+        ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
         samplers = list(batch.decodes)
         last_rows, row = list(range(len(ids))), len(ids)
         for seq, n in batch.prefills:

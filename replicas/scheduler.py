@@ -126,15 +126,17 @@ class Scheduler:
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
         decodes, prefills = [], []  # running order within each (one pass: this runs every step)
-        for seq in self.running:
-            (decodes if seq.num_pending == 1 else prefills).append(seq)
+        c = self.c
+        for seq in self.running:  # (num_pending inlined: this loop and the next run per row per step)
+            pending = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+            (decodes if pending == 1 else prefills).append(seq)
         for decoding, seqs in ((True, decodes), (False, prefills)):
             for seq in seqs:
                 if seq.status is not Status.RUNNING:  # preempted above
                     continue
                 if budget == 0:
                     break
-                if decoding and seq.num_chunks * self.c > seq.num_computed:
+                if decoding and (len(seq.nodes) + len(seq.private)) * c > seq.num_computed:
                     planned[seq] = 1  # the token's slot is in the row's chunks: nothing to grow
                     budget -= 1
                     continue
@@ -165,7 +167,7 @@ class Scheduler:
             budget -= n
         batch = Batch()
         for seq, n in planned.items():
-            if seq.num_pending == 1 and n == 1:
+            if n == 1 and seq.num_pending == 1:
                 batch.decodes.append(seq)
             else:
                 batch.prefills.append((seq, n))
