@@ -415,17 +415,25 @@ def test_gqa_phase1_alone_over_several_tiles_cut_for_one_program_per_sm(monkeypa
         check(q, k, v, tables, [8 * c] * rows, plan)
 
 
-@pytest.mark.parametrize("tma", [True, False])
-def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma):
+@pytest.mark.parametrize("tma,rows", [(True, False), (False, False), (False, True)])
+def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma, rows):
     # a plan built with reserved=True covers every row's chunks past its length (the engine
-    # reserves one ahead): bumping the lengths across chunk boundaries needs no new plan
+    # reserves one ahead): bumping the lengths across chunk boundaries needs no new plan; also
+    # (rows) with several rows per phase-2 program, each row's whole private part in one piece
     monkeypatch.setattr(tpp, "_TMA", tma)
     monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    if rows:
+        monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1 << 20)  # no piece cut
+        monkeypatch.setattr(tpp, "_FOLD_MAX", 16)
+        monkeypatch.setattr(tpp, "_ROWS_MAX_CHUNKS", 16)
+        monkeypatch.setattr(tpp, "_ROWS_MIN_PROGRAMS", 1)
+        monkeypatch.setattr(tpp, "_ROWS", 2)  # G = 4: 2 rows of 4 vectors in the tile
     q, k, v, tables, lens = make_case(19, torch.float16, 64, 4, 16, 7, depth=3)
     spare = k.shape[0]
     tables = [t[:-(-n // 16)] + [spare + r] for r, (t, n) in enumerate(zip(tables, lens))]  # one reserved each
     k, v = (torch.cat([x, torch.full_like(x[:len(tables)], float("nan"))]) for x in (k, v))  # never written yet
     plan = plan_for(q, k, tables, lens, target_programs=24, reserved=True)
+    assert (plan.rows_per_program > 1) == rows
     for step in (0, 3, 7, 12, 19):
         grown = [min(n + step, len(t) * 16) for t, n in zip(tables, lens)]
         for r, (t, n, n0) in enumerate(zip(tables, grown, lens)):  # the new tokens' K/V written
