@@ -184,7 +184,9 @@ class TppPlan:
     lean_phase1: bool
     lean_phase2: bool
     most_folds: int  # phase-1 partials the most a phase-2 piece folds (picks the fold compiled)
-    rows_per_program: int  # phase-2 rows per program (_attend_rows_kernel, see _ROWS) where > 1
+    # phase-2 rows per program (_attend_rows_kernel, see _ROWS) where > 1; tpp_decode still runs a
+    # row per program where a chunk's block passes _ROWS_BLOCK_BYTES (the dtype is known only there)
+    rows_per_program: int
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
 

@@ -107,7 +107,8 @@ class Sequence:
         return len(self.nodes) + len(self.private)
 
     def chunk_at(self, k: int) -> int:
-        """chunk_table[k] without building the table (a decode row's tail, every step)."""
+        """chunk_table[k] without building the table (prefill pieces; Attention.plan's per-step
+        loop over decode rows inlines it)."""
         n = len(self.nodes)
         return self.nodes[k].chunk_id if k < n else self.private[k - n]
 
