@@ -135,7 +135,7 @@ _FOLD_PAIRS = True
 # - GQA (G = 4, one full tile): 256 rows at 2304 / 2048 (4 chunks) 97.0 -> 95.4, 128 and 256
 #   rows at 2048 + 100 tokens 37.3 -> 35.4 and 60.3 -> 59.0; at 256 or 512 programs (b = 32,
 #   64) on par or up to 0.5 slower, hence _ROWS_MIN_PROGRAMS;
-# - 8-chunk private parts mixed (MHA 2048 / 1536 -1.7, 1024 / 512 +0.4 to +0.7), so they keep
+# - 8-chunk private parts mixed (MHA 2048 / 1536 -1.7, 1024 / 512 +0.3 to +1.1), so they keep
 #   a row per program.
 _ROWS = 4
 _ROWS_MAX_CHUNKS = 4
