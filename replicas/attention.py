@@ -94,7 +94,7 @@ class Attention:
                 take = min(n, (k + 1) * c - start)
                 chunk_idx += [seq.chunk_at(k)] * take
                 start, n = start + take, n - take
-        new = torch.tensor([positions, chunk_idx], dtype=torch.long).to(self.device)  # [2, T]
+        new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
         return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
                              self._plan_decode(batch), tuple(prefills))
 
@@ -166,6 +166,16 @@ class Attention:
         if self.backend == "torch":
             return tpp_torch.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
         return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
+
+
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """A list of ints as an int64 tensor on `device`. To a GPU through pinned memory without
+    blocking: a pageable (blocking) copy would wait for the steps already queued, beside which
+    the engine's asynchronous scheduling prepares this one."""
+    t = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

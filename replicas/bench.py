@@ -7,6 +7,8 @@ on, KV chunks in use, decode plans built).
                                                         # second run finds every kernel compiled
     python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
+    python -m replicas.bench ... --sync                 # each step prepared after the one before
+                                                        # (default on CUDA: while it runs)
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -34,7 +36,8 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
     return EngineConfig(model=args.model, device=device, dtype=args.dtype, chunk_size=args.chunk_size,
                         kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-                        enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank)
+                        enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
+                        async_scheduling=False if args.sync else None)
 
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
@@ -67,13 +70,14 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     s = engine.stats()
     graphs = engine.runner.graphs
     return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
-            "tp": args.tp, "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
+            "tp": args.tp, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
             "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
-            # of which the host's own time (the step less its wait for the sampled tokens): at most
-            # what preparing the next step while the device runs this one could hide
+            # of which the host's own time (the step less its wait for the sampled tokens): with
+            # async_scheduling it runs while the device runs the step before; without, the device
+            # waits for part of it
             "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
             "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used,
             "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    ap.add_argument("--sync", action="store_true",
+                    help="no asynchronous scheduling (the host prepares each step after the one before)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)

@@ -23,7 +23,7 @@ from replicas.attention import Attention
 from replicas.kv_pool import KVPool
 from replicas.model import load_model
 from replicas.prefix_tree import PrefixTree
-from replicas.runner import ModelRunner
+from replicas.runner import Launched, ModelRunner
 from replicas.scheduler import Scheduler
 from replicas.sequence import SamplingParams, Sequence, Status
 from router.hashing import model_seed
@@ -58,6 +58,11 @@ class EngineConfig:
     # CUDA: False runs a decode-only step's forward from a CUDA graph of its decode plan
     # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
     enforce_eager: bool = False
+    # Prepare and queue each step while the device runs the one before, collecting that one's
+    # tokens after (vLLM's option of the name); None: on CUDA. A sequence's next step is then
+    # scheduled before its last token is known: one that ends on a stop token has run one token
+    # more, which is dropped (never emitted or counted); one that ends by length does not.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.chunk_size not in (16, 32, 64, 128):
@@ -112,12 +117,16 @@ class LLMEngine:
         self.tree = PrefixTree(self.pool)
         self.scheduler = Scheduler(self.tree, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_prefix_sharing=config.enable_prefix_sharing)
+                                   enable_prefix_sharing=config.enable_prefix_sharing,
+                                   max_model_len=self.max_model_len)
         self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
                                    num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim,
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
                                   tp_size=config.tp_size)
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
+        self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._generators: dict[str, torch.Generator] = {}
         self._arrivals = itertools.count()
@@ -198,15 +207,37 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run the model -> append tokens, finish what is done."""
+        """One iteration: schedule -> run the model -> append tokens, finish what is done.
+
+        With async_scheduling: schedule and launch this step, then collect the step launched
+        before (its tokens: what this returns) while the device runs this one."""
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        sampled = self.runner.run(batch, self._generators)
-        self.scheduler.advance(batch)
-        self._count_step(batch)
-        self._counters["generated_tokens"] += len(sampled)
-        return [self._append(seq, token) for seq, token in sampled.items()]
+        if not self.async_scheduling:
+            if not batch:
+                return []
+            sampled = self.runner.run(batch, self._generators)
+            self.scheduler.advance(batch)
+            self._count_step(batch)
+            self._counters["generated_tokens"] += len(sampled)
+            return [self._append(seq, token) for seq, token in sampled.items()]
+        launched = self.runner.launch(batch, self._generators, self._inflight) if batch else None
+        outputs = self._collect(self._inflight) if self._inflight is not None else []
+        self._inflight = launched
+        if batch:  # after the collect: the chunks this step fills hold the tokens it collected
+            self.scheduler.advance(batch)
+            self._count_step(batch)
+        return outputs
+
+    def _collect(self, launched: Launched) -> list[RequestOutput]:
+        """A launched step's tokens into their placeholders; a sequence that finished since
+        (its token before ended it, or an abort) drops its own."""
+        outputs, finished = [], Status.FINISHED
+        for seq, slot, token in zip(launched.samplers, launched.slots, self.runner.collect(launched)):
+            if seq.status is not finished:
+                seq.output_ids[slot] = token
+                outputs.append(self._settle(seq, token, slot + 1))
+        self._counters["generated_tokens"] += len(outputs)
+        return outputs
 
     def _count_step(self, batch) -> None:
         c = self._counters
@@ -215,22 +246,31 @@ class LLMEngine:
         c["max_decode_batch"] = max(c["max_decode_batch"], len(batch.decodes))
         # prompt positions among the tokens that just ran: a decode row's one token is the
         # prompt's last when the row had nothing but it left to compute (its first output)
-        c["computed_prompt_tokens"] += sum(seq.num_computed <= len(seq.prompt_ids) for seq in batch.decodes)
+        # (a row that finished while the step ran, async_scheduling, computed no prompt token)
+        running = Status.RUNNING
+        c["computed_prompt_tokens"] += sum(seq.num_computed <= len(seq.prompt_ids) and seq.status is running
+                                           for seq in batch.decodes)
         for seq, n in batch.prefills:
+            if seq.status is not running:
+                continue
             start = seq.num_computed - n
             c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
 
     def _append(self, seq: Sequence, token: int) -> RequestOutput:
-        # (runs per row per step: attribute lookups kept few)
-        out = seq.output_ids
-        out.append(token)
+        seq.output_ids.append(token)
+        return self._settle(seq, token, len(seq.output_ids))
+
+    def _settle(self, seq: Sequence, token: int, n: int) -> RequestOutput:
+        """The output of `token`, the sequence's n-th; finishes the sequence if it ends there
+        (dropping a placeholder past it). Runs per row per step: attribute lookups kept few."""
         p = seq.params
         reason = None
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
-        elif len(out) >= p.max_tokens or len(seq.prompt_ids) + len(out) >= self.max_model_len:
+        elif n >= p.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
             reason = "length"
         if reason is not None:
+            del seq.output_ids[n:]
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
             self._generators.pop(seq.request_id, None)
@@ -239,7 +279,7 @@ class LLMEngine:
             c["prompt_tokens"] += len(seq.prompt_ids)
             c["cached_prompt_tokens"] += seq.num_cached_prompt
         return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_cached_prompt, len(out))
+                             seq.num_cached_prompt, n)
 
     def generate(self, prompts: Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:

@@ -1,19 +1,35 @@
 """Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
 
 On CUDA a decode-only step's forward runs from a CUDA graph of its decode plan
-(`replicas.cuda_graph`) unless the engine runs eagerly (`enforce_eager`)."""
+(`replicas.cuda_graph`) unless the engine runs eagerly (`enforce_eager`). `run` waits for the
+step's sampled tokens; `launch` queues the step and returns, and `collect` waits for them later
+(the engine's asynchronous scheduling)."""
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 
-from replicas.attention import Attention
+from replicas.attention import Attention, to_device
 from replicas.cuda_graph import DecodeGraphs
 from replicas.sampler import sample_ids
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
+
+
+class Launched(NamedTuple):
+    """A step whose forward and sampling are queued on the device (ModelRunner.launch).
+
+    Each sampling sequence got a placeholder output token, -1 - i for samplers[i], at
+    output_ids[slots[i]], until the engine collects the step; a later step that runs that
+    position takes the token from `tokens` on the device."""
+    samplers: list[Sequence]
+    slots: list[int]
+    tokens: torch.Tensor | None  # [S] int64 on the device
+    host: torch.Tensor | None  # [S] int64 on the host (pinned on CUDA), filled once `done` has passed
+    done: torch.cuda.Event | None  # CUDA: recorded after the copy to `host`
 
 
 class ModelRunner:
@@ -26,10 +42,53 @@ class ModelRunner:
         # is the host's own time in it (replicas.bench's host_ms_per_step)
         self.wait_s = 0.0
 
-    @torch.inference_mode()
     def run(self, batch: Batch, generators: dict[str, torch.Generator]) -> dict[Sequence, int]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill)."""
+        samplers, tokens = self._forward(batch, generators, None)
+        if not samplers:
+            return {}
+        t = time.perf_counter()
+        ids = tokens.tolist()  # waits for the device
+        self.wait_s += time.perf_counter() - t
+        return dict(zip(samplers, ids))
+
+    def launch(self, batch: Batch, generators: dict[str, torch.Generator], prev: Launched | None) -> Launched:
+        """``run`` without waiting for the device: queue the step and return at once (see
+        Launched). prev: the step launched before, not collected yet, whose placeholder tokens
+        this step's inputs may hold."""
+        samplers, tokens = self._forward(batch, generators, prev)
+        if not samplers:
+            return Launched([], [], None, None, None)
+        host, done = tokens, None
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        slots = []
+        for i, seq in enumerate(samplers):
+            out = seq.output_ids
+            slots.append(len(out))
+            out.append(-1 - i)
+        return Launched(samplers, slots, tokens, host, done)
+
+    def collect(self, launched: Launched) -> list[int]:
+        """The launched step's sampled tokens, samplers' order (waits for the device)."""
+        if launched.host is None:
+            return []
+        t = time.perf_counter()
+        if launched.done is not None:
+            launched.done.synchronize()
+        ids = launched.host.tolist()
+        self.wait_s += time.perf_counter() - t
+        return ids
+
+    @torch.inference_mode()
+    def _forward(self, batch: Batch, generators: dict[str, torch.Generator],
+                 prev: Launched | None) -> tuple[list[Sequence], torch.Tensor | None]:
+        """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
+        on the device), nothing waited for."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
         ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
@@ -41,19 +100,19 @@ class ModelRunner:
             if seq.num_computed + n == seq.num_tokens:
                 last_rows.append(row - 1)
                 samplers.append(seq)
-        input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+        input_ids = to_device(ids, self.device)
+        if prev is not None and prev.tokens is not None and min(ids) < 0:
+            # placeholders of prev's tokens (Launched): taken on the device, not waited for
+            input_ids = torch.where(input_ids < 0, prev.tokens[(-1 - input_ids).clamp(min=0)], input_ids)
         hidden = self.graphs.forward(input_ids, attn) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(input_ids, attn.positions, attn)
         if not samplers:
-            return {}
+            return [], None
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         tokens = sample_ids(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)
-        t = time.perf_counter()
-        ids = tokens.tolist()  # waits for the device
-        self.wait_s += time.perf_counter() - t
-        return dict(zip(samplers, ids))
+        return samplers, tokens

@@ -40,8 +40,9 @@ class Batch:
 
 class Scheduler:
     def __init__(self, tree: PrefixTree, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_sharing: bool):
+                 enable_prefix_sharing: bool, max_model_len: int | None = None):
         self.tree = tree
+        self.max_model_len = max_model_len
         self.c = tree.c
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -126,9 +127,14 @@ class Scheduler:
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
         decodes, prefills = [], []  # running order within each (one pass: this runs every step)
-        c = self.c
+        c, limit = self.c, self.max_model_len or 1 << 62
         for seq in self.running:  # (num_pending inlined: this loop and the next run per row per step)
-            pending = len(seq.prompt_ids) + len(seq.output_ids) - seq.num_computed
+            out = len(seq.output_ids)
+            if out >= seq.params.max_tokens or len(seq.prompt_ids) + out >= limit:
+                # its last token is still on the device (the engine's asynchronous scheduling):
+                # the sequence ends on it by length once it arrives, so it runs nothing more
+                continue
+            pending = len(seq.prompt_ids) + out - seq.num_computed
             (decodes if pending == 1 else prefills).append(seq)
         for decoding, seqs in ((True, decodes), (False, prefills)):
             for seq in seqs:
@@ -202,7 +208,9 @@ class Scheduler:
 
     def advance(self, batch: Batch) -> None:
         """After the forward pass: the new tokens' K/V are in the cache; chunks that became full
-        enter the tree (deduplicated against identical chunks computed concurrently)."""
+        enter the tree (deduplicated against identical chunks computed concurrently). A sequence
+        that finished while the step ran (the engine's asynchronous scheduling) has released its
+        chunks: it has none to insert."""
         for seq in batch.decodes:  # one token each (Batch.items would build the pairs)
             seq.num_computed += 1
         for seq, n in batch.prefills:

@@ -129,7 +129,8 @@ def test_a_cached_prompt_runs_only_its_last_token_and_counts_it():
     assert engine.stats()["cached_prompt_tokens"] == 48
 
 
-def test_preemption_under_pressure_keeps_outputs_exact():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preemption_under_pressure_keeps_outputs_exact(async_scheduling):
     rng = random.Random(3)
     common = [rng.randrange(256) for _ in range(40)]
     prompts = [(common if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(20, 90))]
@@ -138,7 +139,8 @@ def test_preemption_under_pressure_keeps_outputs_exact():
     roomy = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=16_384)
     expected = roomy.generate(prompts, params)
     need = sum(-(-(len(p) + 30) // 16) for p in prompts)
-    tight = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=512, max_model_len=512)
+    tight = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=512, max_model_len=512,
+                                 async_scheduling=async_scheduling)
     assert need >= 3 * tight.pool.num_chunks
     for i, p in enumerate(prompts):
         tight.add_request(str(i), p, params)
@@ -153,10 +155,10 @@ def test_preemption_under_pressure_keeps_outputs_exact():
     assert tight.pool.num_free == tight.pool.num_chunks
 
 
-@pytest.fixture(scope="module")
-def small_pool():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def small_pool(request):
     return LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=320, max_model_len=160,
-                                max_num_batched_tokens=64, max_num_seqs=6)
+                                max_num_batched_tokens=64, max_num_seqs=6, async_scheduling=request.param)
 
 
 ops = st.lists(st.one_of(
@@ -198,6 +200,77 @@ def test_random_add_step_abort_keeps_invariants(small_pool, ops):
     engine.tree.evict_all()
     engine.check()
     assert engine.pool.num_free == engine.pool.num_chunks
+
+
+def test_async_scheduling_gives_the_same_outputs_as_sync():
+    # shared prefixes; EOS, stop tokens, lengths (max_tokens and max_model_len), seeded sampling;
+    # an abort while the request's token is on the device; a short pool (preemptions)
+    prompts = mixed_prompts(256, seed=5)
+    greedy = SamplingParams(max_tokens=24, temperature=0)
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    sync = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=16_384, async_scheduling=False)
+    stops = [out[k] for out, k in zip(sync.generate(prompts[:3], free), (0, 5, 23))]
+    params = [greedy, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stops[1],), ignore_eos=True),
+              SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stops[0], stops[2])),
+              SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=8, stop_token_ids=(stops[1],)),
+              SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),  # ends at max_model_len
+              free]
+
+    def run(engine: LLMEngine) -> tuple[dict, dict]:
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), p, sp)
+        engine.add_request("gone", prompts[0], free)
+        got, ends, gone = {str(i): [] for i in range(len(prompts))}, {}, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == "gone":
+                    assert len(gone) < 2  # nothing after the abort
+                    gone.append(out)
+                    if len(gone) == 2:  # with async scheduling its next token is on the device now
+                        assert engine.abort("gone")
+                if out.request_id in got:
+                    got[out.request_id] += out.new_token_ids
+                    assert out.output_tokens == len(got[out.request_id])
+                    if out.finished:
+                        ends[out.request_id] = out.finish_reason
+            engine.check()
+        assert len(gone) == 2
+        engine.tree.evict_all()
+        assert engine.pool.num_free == engine.pool.num_chunks
+        return got, ends, {k: engine.stats()[k] for k in ("generated_tokens", "finished_requests", "prompt_tokens",
+                                                         "cached_prompt_tokens", "computed_prompt_tokens")}
+
+    kw = dict(chunk_size=16, max_model_len=470)
+    want = run(LLMEngine.from_model("tiny", kv_cache_tokens=16_384, async_scheduling=False, **kw))
+    assert set(want[1].values()) == {"stop", "length"} and want[1]["1"] == "stop" and want[1]["6"] == "length"
+    assert len(want[0]["6"]) < 200 and len(want[0]["4"]) == 1
+    assert run(LLMEngine.from_model("tiny", kv_cache_tokens=16_384, async_scheduling=True, **kw)) == want
+    # a short pool: preemptions, which finishes seen a step later can shift (so the counts of
+    # cached and computed prompt tokens with them); the tokens stay the same
+    tight = LLMEngine.from_model("tiny", kv_cache_tokens=640, async_scheduling=True, **kw)
+    assert run(tight)[:2] == want[:2] and tight.stats()["preemptions"] > 0
+
+
+def test_async_steps_return_the_step_before_and_drop_a_token_past_a_stop():
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=4096, async_scheduling=True)
+    prompt = list(range(10, 40))
+    free = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    assert engine.stats()["steps"] == 6  # the prompt, then 5 decodes: none past the known last one
+    engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                   stop_token_ids=(free[2],)))
+    assert engine.step() == []  # the prompt's step is on the device
+    seq = engine.scheduler.running[0]
+    assert seq.output_ids == [-1]  # a placeholder for its token
+    got = []
+    for _ in range(3):
+        got += engine.step()
+    # the stop token arrived while the step after it ran: that step's token is dropped
+    assert [o.new_token_ids[0] for o in got] == free[:3] and got[-1].finished and got[-1].finish_reason == "stop"
+    assert seq.output_ids == free[:3] and not engine.has_unfinished()
+    assert engine.stats()["generated_tokens"] == 6 + 3
+    assert engine.step() == [] and engine.stats()["kv_chunks_used"] == 0
 
 
 def test_bad_input_raises_and_engine_keeps_serving(tiny, tmp_path):

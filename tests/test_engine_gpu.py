@@ -21,11 +21,11 @@ def shared_prompts(n=8, prefix_len=300, seed=0):
 def record_logits(engine):
     """Per request id, the logits of every token it sampled (the engine's own forward, untouched)."""
     seen, rows = defaultdict(list), []
-    run, compute = engine.runner.run, engine.model.compute_logits
+    forward, compute = engine.runner._forward, engine.model.compute_logits
 
-    def run_and_name_rows(batch, generators):
+    def forward_and_name_rows(batch, generators, prev):  # (what both run and launch go through)
         rows[:] = [s.request_id for s, n in batch.items if s.num_computed + n == s.num_tokens]
-        return run(batch, generators)
+        return forward(batch, generators, prev)
 
     def compute_and_keep(hidden):
         logits = compute(hidden)
@@ -33,7 +33,7 @@ def record_logits(engine):
             seen[rid].append(row)
         return logits
 
-    engine.runner.run, engine.model.compute_logits = run_and_name_rows, compute_and_keep
+    engine.runner._forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
     return seen
 
 

@@ -31,7 +31,8 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
     sizes = KV_TOKENS.get(scenario, (CONFIG.kv_cache_tokens,) * 2)
     return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank,
                                kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
-                               max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0])
+                               max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
+                               async_scheduling=scenario.endswith("_async"))
 
 
 def _rank1(port: int, scenario: str) -> None:
@@ -104,6 +105,8 @@ KV_TOKENS = {"preemption": (4096, 160)}
 MAX_MODEL_LEN = {"diverge": (None, 80)}
 SCENARIOS["diverge"] = _generate
 SCENARIOS["samples_apart"] = _generate
+SCENARIOS["generate_async"] = _generate  # (_config: a scenario named *_async schedules asynchronously)
+SCENARIOS["bad_input_and_abort_async"] = _bad_input_and_abort
 
 
 def _run_tp2(scenario: str, tmp_path, fails: bool = False) -> dict:
@@ -140,6 +143,18 @@ def test_tp2_engine_generates_what_tp1_does(tmp_path):
     want = _generate(LLMEngine(CONFIG))
     assert want["stats"]["cached_prompt_tokens"] >= 5 * 64  # the shared prefix is served from the tree
     assert _run_tp2("generate", tmp_path) == want
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
+    """Both ranks prepare each step while the one before runs (async_scheduling): the same
+    tokens as one rank stepping synchronously, an abort while a token is in flight included."""
+    want = _generate(LLMEngine(CONFIG))
+    got = _run_tp2("generate_async", tmp_path)
+    assert got["tokens"] == want["tokens"] and got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
+    want = _bad_input_and_abort(LLMEngine(CONFIG))
+    got = _run_tp2("bad_input_and_abort_async", tmp_path)
+    assert (got["errors"], got["stats"]["running"], got["stats"]["kv_chunks_used"]) == (want["errors"], 0, 0)
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

@@ -205,9 +205,10 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 def test_engine_options_are_engine_config_fields():
     # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
     from replicas.engine import EngineConfig
-    options = AppConfig.model_validate({"engine": {"enforce_eager": True}}).engine.model_dump()
-    assert options["enforce_eager"] is True
-    assert EngineConfig(model="tiny", **options).enforce_eager
+    options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": False}}).engine.model_dump()
+    assert options["enforce_eager"] is True and options["async_scheduling"] is False
+    config = EngineConfig(model="tiny", **options)
+    assert config.enforce_eager and config.async_scheduling is False
 
 
 def test_stream_that_fails_midway_says_so_and_ends():
