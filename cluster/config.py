@@ -27,8 +27,7 @@ class EngineOptions(_Strict):
     enable_prefix_sharing: bool = True
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
-    # None: on GPU replicas, each step prepared while the one before runs; False: after it
-    async_scheduling: bool | None = None
+    async_scheduling: bool = False  # True: each step prepared while the one before runs (EngineConfig)
 
 
 class RouterOptions(_Strict):

@@ -87,7 +87,8 @@ def _merge_kernel(""", """             o.to(Out.dtype.element_ty), mask=live[:, 
 def _merge_kernel("""),
     ("            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](\n                q,",
      "            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](\n                STAMPS[0], q,"),
-    ("        _attend_kernel[(programs, hkv)](\n            q,", "        _attend_kernel[(programs, hkv)](\n            STAMPS[0], q,"),
+    ("        _attend_kernel[(programs, hkv)](\n            q,",
+     "        _attend_kernel[(programs, hkv)](\n            STAMPS[0], q,"),
 ]
 
 

@@ -32,6 +32,7 @@ import torch
 from kernels import fi_decode, reference, tpp_torch  # fi_decode imports flashinfer only when used
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
+from replicas.transfer import to_device
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 
@@ -166,16 +167,6 @@ class Attention:
         if self.backend == "torch":
             return tpp_torch.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
         return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """A list of ints as an int64 tensor on `device`. To a GPU through pinned memory without
-    blocking: a pageable (blocking) copy would wait for the steps already queued, beside which
-    the engine's asynchronous scheduling prepares this one."""
-    t = torch.tensor(values, dtype=torch.long)
-    if device.type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)

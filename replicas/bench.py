@@ -7,8 +7,8 @@ on, KV chunks in use, decode plans built).
                                                         # second run finds every kernel compiled
     python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
-    python -m replicas.bench ... --sync                 # each step prepared after the one before
-                                                        # (default on CUDA: while it runs)
+    python -m replicas.bench ... --async-scheduling     # each step prepared while the one before
+                                                        # runs (EngineConfig.async_scheduling)
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -37,7 +37,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
-                        async_scheduling=False if args.sync else None)
+                        async_scheduling=args.async_scheduling)
 
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     for i in range(args.batch):
         suffix = args.suffix + (7 * i % args.chunk_size if args.stagger else 0)
         engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(suffix)],
-                           SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True))
+                           SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
+                                          seed=i if args.seeded else None))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -70,9 +71,11 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     s = engine.stats()
     graphs = engine.runner.graphs
     return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
-            "tp": args.tp, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
+            "tp": args.tp, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "batch": args.batch,
+            "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
-            "max_tokens": args.max_tokens, "prefill_s": round(prefill_s, 3),
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "seeded": args.seeded,
+            "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
             # of which the host's own time (the step less its wait for the sampled tokens): with
@@ -102,8 +105,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    ap.add_argument("--sync", action="store_true",
-                    help="no asynchronous scheduling (the host prepares each step after the one before)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (generator)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the host prepares each step while the device runs the one before")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)

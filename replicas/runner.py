@@ -12,11 +12,12 @@ from typing import NamedTuple
 
 import torch
 
-from replicas.attention import Attention, to_device
+from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
 from replicas.sampler import sample_ids
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
+from replicas.transfer import to_device
 
 
 class Launched(NamedTuple):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from replicas.sequence import SamplingParams
+from replicas.transfer import to_device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -34,10 +35,14 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
     out = logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        probs = _probs([params[i] for i in rows], logits[rows])  # [S, V]
+        # row indices as device tensors (transfer.to_device): Python lists as indices would be
+        # copied to the device blocking, waiting for the steps queued before this one
+        dev = logits.device
+        probs = _probs([params[i] for i in rows], logits.index_select(0, to_device(rows, dev)))  # [S, V]
         unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
         if unseeded:
-            out[[rows[j] for j in unseeded]] = torch.multinomial(probs[unseeded], 1)[:, 0]
+            picked = torch.multinomial(probs.index_select(0, to_device(unseeded, dev)), 1)[:, 0]
+            out.index_copy_(0, to_device([rows[j] for j in unseeded], dev), picked)
         for j, i in enumerate(rows):
             if generators[i] is not None:
                 out[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
@@ -47,26 +52,28 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """Sampling probabilities of S rows: logits [S, V] / temperature, top-k then top-p applied."""
     dev, v = logits.device, logits.shape[-1]
-    logits = logits / torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)[:, None]
+    logits = logits / to_device([p.temperature for p in params], dev, logits.dtype)[:, None]
     ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]  # 0: whole vocabulary
     cand = None
     if any(ks):
         # one top-k of the largest k + 1: each row's k-th largest value, and the candidates of
         # its nucleus (past its k-th, top-k leaves only ties of it: the nucleus needs no sort)
         cand = torch.topk(logits, min(v, max(ks) + 1), dim=-1).values  # [S, kmax + 1], descending
-        kth = cand.gather(1, torch.tensor([max(k, 1) - 1 for k in ks], device=dev)[:, None])  # [S, 1]
-        kth = kth.masked_fill(torch.tensor([k == 0 for k in ks], device=dev)[:, None], float("-inf"))
+        kth = cand.gather(1, to_device([max(k, 1) - 1 for k in ks], dev)[:, None])  # [S, 1]
+        kth = kth.masked_fill(to_device([k == 0 for k in ks], dev, torch.bool)[:, None], float("-inf"))
         logits = logits.masked_fill(logits < kth, float("-inf"))  # ties with the k-th stay
         cand = cand.masked_fill(cand < kth, float("-inf"))
     nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
-        rows = torch.tensor(nucleus, device=dev)
+        rows = to_device(nucleus, dev)
         sub = logits[rows]  # [P, V]
-        top_p = torch.tensor([params[j].top_p for j in nucleus], dtype=torch.float64, device=dev)[:, None]
+        top_p = to_device([params[j].top_p for j in nucleus], dev, torch.float64)[:, None]
         if cand is None:
             floor, found = torch.empty_like(sub[:, :1]), torch.zeros(len(nucleus), dtype=torch.bool, device=dev)
         else:
             floor, found = _nucleus_floor(cand[rows], sub, top_p)
+        # (a host sync, the one left in sampling: a step with top-p rows waits here for the
+        # steps queued before it, so asynchronous scheduling hides less of its host time)
         if not bool(found.all()):  # rows without top-k (or past their candidates): sorted whole
             rest = (~found).nonzero()[:, 0]
             floor[rest] = _nucleus_floor(torch.sort(sub[rest], dim=-1, descending=True).values, sub[rest],

@@ -66,8 +66,10 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     ref = LLMEngine.from_model("tiny", device="cuda", attention_backend="reference", **opts)
     tri = LLMEngine.from_model("tiny", device="cuda", **opts)
     eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts)
+    ahead = LLMEngine.from_model("tiny", device="cuda", async_scheduling=True, **opts)
     assert tri.attention.backend == "triton" and eager.runner.graphs is None
     assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
+    assert ahead.generate(prompts, params) == cpu and ahead.runner.graphs.replays >= 16
     assert tri.stats()["cached_prompt_tokens"] > 0
     assert tri.attention.plan_builds < tri.stats()["steps"] // 2
     # most decode steps ran from CUDA graphs, one per decode plan at most

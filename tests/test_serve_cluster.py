@@ -32,7 +32,7 @@ MAX_QUEUED = 16  # a burst of MAX_ONGOING requests is queued at the ingress unti
 ONE = {
     "model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": MAX_ONGOING,
     "max_queued_requests": MAX_QUEUED, "retry_after_s": 3, "api_key": KEY, "max_request_bytes": 32 * 1024,
-    # scheduled asynchronously (the default on GPUs only): streams, stop strings, disconnects and
+    # scheduled asynchronously (not the default): streams, stop strings, disconnects and
     # overload through a replica whose engine returns each step's tokens a step later
     "engine": {"kv_cache_tokens": 16384, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32, "async_scheduling": True},
 }

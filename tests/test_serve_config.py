@@ -205,10 +205,11 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 def test_engine_options_are_engine_config_fields():
     # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
     from replicas.engine import EngineConfig
-    options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": False}}).engine.model_dump()
-    assert options["enforce_eager"] is True and options["async_scheduling"] is False
+    options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": True}})
+    options = options.engine.model_dump()
+    assert options["enforce_eager"] is True and options["async_scheduling"] is True
     config = EngineConfig(model="tiny", **options)
-    assert config.enforce_eager and config.async_scheduling is False
+    assert config.enforce_eager and config.async_scheduling
 
 
 def test_stream_that_fails_midway_says_so_and_ends():
