@@ -218,7 +218,7 @@ def test_async_scheduling_gives_the_same_outputs_as_sync():
               SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),  # ends at max_model_len
               free]
 
-    def run(engine: LLMEngine) -> tuple[dict, dict]:
+    def run(engine: LLMEngine) -> tuple[dict, dict, dict]:  # tokens, finish reasons, counters
         for i, (p, sp) in enumerate(zip(prompts, params)):
             engine.add_request(str(i), p, sp)
         engine.add_request("gone", prompts[0], free)

@@ -148,7 +148,7 @@ def test_tp2_engine_generates_what_tp1_does(tmp_path):
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
     """Both ranks prepare each step while the one before runs (async_scheduling): the same
-    tokens as one rank stepping synchronously, an abort while a token is in flight included."""
+    tokens as one rank stepping synchronously; bad input and an abort mid-decode as one rank."""
     want = _generate(LLMEngine(CONFIG))
     got = _run_tp2("generate_async", tmp_path)
     assert got["tokens"] == want["tokens"] and got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
