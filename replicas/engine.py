@@ -65,9 +65,9 @@ class EngineConfig:
     # 256 rows after a 2048-token shared prefix (replicas.bench, ms a step, sync -> async):
     # greedy 12.5 -> 11.5 and 13.7 -> 13.0 on two machines (profiled: GPU gaps of ~1.6 ms a
     # step gone, 12.2 -> 10.6), seeded sampling 40.5 -> 37.5, unseeded sampling 41.2 -> 57.5
-    # (slower), hence off by default. Those sampling runs waited on the device inside sampling
-    # (torch.multinomial's checks read values back); the sampler no longer does (sampler._draw),
-    # not measured on the GPU since.
+    # (slower), hence off by default. Those sampling runs probably waited on the device inside
+    # sampling (torch.multinomial's checks, `.item()` in the ATen sources read); the sampler no
+    # longer calls it (sampler._draw), not measured on the GPU since.
     async_scheduling: bool = False
 
     def __post_init__(self):

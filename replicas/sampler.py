@@ -56,8 +56,8 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """torch.multinomial(probs, 1) of [V] or [S, V] probabilities, squeezed: the same draw from
     the same generator state (torch samples one token per row as the argmax of probs / q, q ~
-    Exp(1)), without multinomial's two checks of the values, each a read back to the host: a
-    sync per call, one per seeded row, that made every sampled step wait for the device."""
+    Exp(1)), without multinomial's two checks of the values, each a read back to the host in
+    the ATen sources read (`.item()`): a sync per call, one per seeded row per step."""
     q = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / q).argmax(-1)
 
