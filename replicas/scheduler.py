@@ -133,6 +133,7 @@ class Scheduler:
             if out >= seq.params.max_tokens or len(seq.prompt_ids) + out >= limit:
                 # its last token is still on the device (the engine's asynchronous scheduling):
                 # the sequence ends on it by length once it arrives, so it runs nothing more
+                # (the same rule as LLMEngine._settle's "length", kept inline: per row per step)
                 continue
             pending = len(seq.prompt_ids) + out - seq.num_computed
             (decodes if pending == 1 else prefills).append(seq)
