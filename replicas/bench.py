@@ -49,7 +49,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     for i in range(args.batch):
         suffix = args.suffix + (7 * i % args.chunk_size if args.stagger else 0)
         engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(suffix)],
-                           SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True,
+                           SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                          top_k=args.top_k, ignore_eos=True,
                                           seed=i if args.seeded else None))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
@@ -74,7 +75,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "tp": args.tp, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "batch": args.batch,
             "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "seeded": args.seeded,
+            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+            "seeded": args.seeded,
             "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
@@ -106,6 +108,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stagger", action="store_true", help="rows' suffixes of staggered lengths (see above)")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (generator)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the host prepares each step while the device runs the one before")

@@ -24,6 +24,7 @@ from replicas.kv_pool import KVPool
 from replicas.model import load_model
 from replicas.prefix_tree import PrefixTree
 from replicas.runner import Launched, ModelRunner
+from replicas.sampler import unseeded_key
 from replicas.scheduler import Scheduler
 from replicas.sequence import SamplingParams, Sequence, Status
 from router.hashing import model_seed
@@ -133,7 +134,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
-        self._generators: dict[str, torch.Generator] = {}
+        self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)
         self._arrivals = itertools.count()
         self._counters = dict.fromkeys(
             ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
@@ -177,10 +178,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self._validate_prompt(prompt_token_ids)
         seq = Sequence(request_id, prompt, params, next(self._arrivals))
-        if not params.greedy:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq.arrival)
-            self._generators[request_id] = gen
+        if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
+            self._keys[request_id] = (params.seed if params.seed is not None
+                                      else unseeded_key(self.config.seed, seq.arrival))
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -203,7 +203,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is None:
             return False
-        self._generators.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -220,12 +220,12 @@ class LLMEngine:
         if not self.async_scheduling:
             if not batch:
                 return []
-            sampled = self.runner.run(batch, self._generators)
+            sampled = self.runner.run(batch, self._keys)
             self.scheduler.advance(batch)
             self._count_step(batch)
             self._counters["generated_tokens"] += len(sampled)
             return [self._append(seq, token) for seq, token in sampled.items()]
-        launched = self.runner.launch(batch, self._generators, self._inflight) if batch else None
+        launched = self.runner.launch(batch, self._keys, self._inflight) if batch else None
         outputs = self._collect(self._inflight) if self._inflight is not None else []
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
@@ -278,7 +278,7 @@ class LLMEngine:
             del seq.output_ids[n:]
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
-            self._generators.pop(seq.request_id, None)
+            self._keys.pop(seq.request_id, None)
             c = self._counters
             c["finished_requests"] += 1
             c["prompt_tokens"] += len(seq.prompt_ids)

@@ -43,10 +43,10 @@ class ModelRunner:
         # is the host's own time in it (replicas.bench's host_ms_per_step)
         self.wait_s = 0.0
 
-    def run(self, batch: Batch, generators: dict[str, torch.Generator]) -> dict[Sequence, int]:
+    def run(self, batch: Batch, keys: dict[str, int]) -> dict[Sequence, int]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill)."""
-        samplers, tokens = self._forward(batch, generators, None)
+        samplers, tokens = self._forward(batch, keys, None)
         if not samplers:
             return {}
         t = time.perf_counter()
@@ -54,11 +54,11 @@ class ModelRunner:
         self.wait_s += time.perf_counter() - t
         return dict(zip(samplers, ids))
 
-    def launch(self, batch: Batch, generators: dict[str, torch.Generator], prev: Launched | None) -> Launched:
+    def launch(self, batch: Batch, keys: dict[str, int], prev: Launched | None) -> Launched:
         """``run`` without waiting for the device: queue the step and return at once (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
         this step's inputs may hold."""
-        samplers, tokens = self._forward(batch, generators, prev)
+        samplers, tokens = self._forward(batch, keys, prev)
         if not samplers:
             return Launched([], [], None, None, None)
         host, done = tokens, None
@@ -86,7 +86,7 @@ class ModelRunner:
         return ids
 
     @torch.inference_mode()
-    def _forward(self, batch: Batch, generators: dict[str, torch.Generator],
+    def _forward(self, batch: Batch, keys: dict[str, int],
                  prev: Launched | None) -> tuple[list[Sequence], torch.Tensor | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
         on the device), nothing waited for."""
@@ -112,7 +112,10 @@ class ModelRunner:
             return [], None
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
-        tokens = sample_ids(logits, [s.params for s in samplers], [generators.get(s.request_id) for s in samplers])
+        # each sampling sequence draws with its request's key and the index of the token drawn
+        # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
+        tokens = sample_ids(logits, [s.params for s in samplers], [keys.get(s.request_id) for s in samplers],
+                            [len(s.output_ids) for s in samplers])
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)

@@ -1,10 +1,16 @@
 """Next-token sampling: greedy rows in one argmax, the others with temperature, top-k and top-p
-applied to all of them together: a few batched ops per step, not about ten per row (H200, 256
-rows at temperature 0.8, V = 128256: 64.9 ms per step row by row, 1.1 batched).
+applied to all of them together, and every draw in one launch: a few batched ops per step, not
+about ten per row (H200, 256 rows at temperature 0.8, V = 128256: 64.9 ms per step row by row,
+1.1 batched).
 
-Per row the result is what ``sample_row_ref`` gives for that row alone: a seeded request (its own
-generator) draws its token from its own probabilities with its own generator, so its tokens do
-not depend on the rest of the batch; the unseeded rows draw in one call from the global RNG.
+Each sampling row draws with its own 64-bit key and counter (the engine: the request's seed, or
+one made from the engine's seed and the request's arrival, and the index of the token drawn):
+its token is the argmax of probs / -log(u) (an exponential race, what torch.multinomial draws
+one token by) with u the row's counter-based uniforms (``kernels.philox``). A row's token so
+depends only on its probabilities, key and counter, not on the rest of the batch: what
+``sample_row_ref`` gives for that row alone. (Per-row torch generators cost a few launches per
+row per step: 256 rows at temperature 0.8 took 37-41 ms a step on the H200 against 10.6-12.5
+greedy, llama3-8b, replicas.bench.)
 
 Top-k keeps the tokens that reach the row's k-th largest logit. Top-p then keeps a token unless
 the tokens more likely than it already hold top_p of the probability (summed in float64): tied
@@ -14,27 +20,31 @@ reach past them (H200, V = 128256, top-k 50 and top-p 0.9: 256 rows 2.6-3.0 ms, 
 1.2-1.7, against 5.7 and 2.3 with the vocabulary sorted, measured in another call); other top-p
 rows are sorted whole.
 
-Nothing here waits for the device (row indices and parameters go through pinned memory, the
-draws skip torch.multinomial's host-side checks: see _draw) except, in a step with top-k rows,
-top-p's check for rows whose cut lies past their candidates.
+Nothing here waits for the device (row indices, keys and parameters go through pinned memory)
+except, in a step with top-k rows, top-p's check for rows whose cut lies past their candidates.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels.philox import uniform, uniform_ref
 from replicas.sequence import SamplingParams
 from replicas.transfer import to_device
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """One token id per row of logits: [N, V] float32, one row per sequence that samples this step."""
-    return sample_ids(logits, params, generators).tolist()
+def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
+           counters: list[int]) -> list[int]:
+    """One token id per row of logits: [N, V] float32, one row per sequence that samples this step.
+
+    keys[i]: row i's 64-bit key (an int in SEED_RANGE, taken mod 2**64), or None for one drawn
+    from torch's global RNG; counters[i]: its draw's number (the engine: the output's index).
+    Greedy rows read neither."""
+    return sample_ids(logits, params, keys, counters).tolist()
 
 
-def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None]) -> torch.Tensor:
+def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
+               counters: list[int]) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
     out = logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -43,23 +53,35 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams],
         # copied to the device blocking, waiting for the steps queued before this one
         dev = logits.device
         probs = _probs([params[i] for i in rows], logits.index_select(0, to_device(rows, dev)))  # [S, V]
-        unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-        if unseeded:
-            picked = _draw(probs.index_select(0, to_device(unseeded, dev)), None)
-            out.index_copy_(0, to_device([rows[j] for j in unseeded], dev), picked)
-        for j, i in enumerate(rows):
-            if generators[i] is not None:
-                out[i] = _draw(probs[j], generators[i])
+        u = uniform(to_device([_key(keys[i]) for i in rows], dev, torch.int64),
+                    to_device([counters[i] for i in rows], dev, torch.int64), probs.shape[-1])
+        out.index_copy_(0, to_device(rows, dev), _race(probs, u))
     return out
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """torch.multinomial(probs, 1) of [V] or [S, V] probabilities, squeezed: the same draw from
-    the same generator state (torch samples one token per row as the argmax of probs / q, q ~
-    Exp(1)), without multinomial's two checks of the values, each a read back to the host in
-    the ATen sources read (`.item()`): a sync per call, one per seeded row per step."""
-    q = torch.empty_like(probs).exponential_(1, generator=generator)
-    return (probs / q).argmax(-1)
+def unseeded_key(engine_seed: int, arrival: int) -> int:
+    """The key of a request without a seed: SplitMix64's mix of the engine's seed and the
+    request's arrival number, reproducible for a given engine seed and request order, and far
+    from the small seeds that requests tend to give."""
+    m = 2**64 - 1
+    z = (engine_seed * 1_000_003 + arrival + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return z ^ (z >> 31)
+
+
+def _key(key: int | None) -> int:
+    """A row's key as the int64 of its low 64 bits (None: a fresh one from torch's global RNG)."""
+    if key is None:
+        return int(torch.randint(-2**63, 2**63 - 1, ()))
+    key %= 2**64
+    return key - 2**64 if key >= 2**63 else key
+
+
+def _race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The exponential race over [..., V]: argmax of probs / -log(u) (u in (0, 1), so -log(u) > 0
+    and tokens of probability 0 never win), a draw from probs. Consumes u."""
+    return probs.div(u.log_().neg_()).argmax(-1)
 
 
 def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
@@ -114,7 +136,7 @@ def _nucleus_floor(cand: torch.Tensor, logits: torch.Tensor, top_p: torch.Tensor
     return cand.gather(1, n - 1), found
 
 
-def sample_row_ref(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: int) -> int:
     """One non-greedy row alone (logits: [V]); the plain reference that ``sample`` batches."""
     logits = logits / p.temperature
     if p.top_k > 0 and p.top_k < logits.numel():
@@ -128,4 +150,5 @@ def sample_row_ref(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator
         keep = (above < p.top_p) & (values > float("-inf"))
         logits = logits.masked_fill(logits < values[keep][-1], float("-inf"))
     probs = logits.softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=gen)[0])
+    u = uniform_ref(torch.tensor([_key(key)]), torch.tensor([counter]), probs.numel())[0]
+    return int(_race(probs, u.to(probs.device)))

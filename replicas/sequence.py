@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 # logits / temperature into inf in float32 and the probabilities into NaN, on which
 # torch.multinomial raises: for every row of the step's batch, not only the one that asked.
 GREEDY_BELOW_TEMPERATURE = 1e-5
-SEED_RANGE = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes
+SEED_RANGE = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes; the sampler keys on it mod 2**64
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,6 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed in SEED_RANGE):
-            # past it the engine's add_request would raise (torch.Generator.manual_seed)
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")

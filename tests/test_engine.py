@@ -294,7 +294,7 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny, tmp_path):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
-    for seed in (2**64, -2**63 - 1, 1.5):  # outside what torch.Generator.manual_seed takes
+    for seed in (2**64, -2**63 - 1, 1.5):  # outside SEED_RANGE
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(temperature=1.0, seed=seed)
     out = []

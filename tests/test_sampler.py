@@ -23,16 +23,16 @@ MIXED = [
 
 
 def test_seeded_rows_draw_what_each_row_alone_draws():
-    # every row seeded: the batch gives each row the token the reference gives it alone, with
-    # a fresh generator of the same seed (greedy rows: the argmax)
+    # every row keyed: the batch gives each row the token the reference gives it alone with the
+    # same key and counter (greedy rows: the argmax)
     torch.manual_seed(0)
     v = 3000
     params = [MIXED[i % len(MIXED)] for i in range(40)]
     for step in range(5):
         logits = torch.randn(len(params), v) * 4
-        got = sample(logits, params, [torch.Generator().manual_seed(100 * step + i) for i in range(len(params))])
-        want = [int(logits[i].argmax()) if p.greedy else
-                sample_row_ref(logits[i], p, torch.Generator().manual_seed(100 * step + i))
+        keys = [100 * step + i - 20 for i in range(len(params))]  # negative ones too
+        got = sample(logits, params, keys, [step] * len(params))
+        want = [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, keys[i], step)
                 for i, p in enumerate(params)]
         assert got == want
 
@@ -45,14 +45,14 @@ def test_tiny_temperatures_sample_greedily_beside_other_rows():
     logits = torch.randn(4, 300) * 30
     params = [SamplingParams(temperature=t) for t in (1e-40, 1e-45, 9e-6, 0.8)]
     assert [p.greedy for p in params] == [True, True, True, False]
-    got = sample(logits, params, [None, None, None, torch.Generator().manual_seed(3)])
+    got = sample(logits, params, [None, None, None, 3], [0] * 4)
     assert got[:3] == logits[:3].argmax(-1).tolist()
-    assert got[3] == sample_row_ref(logits[3], params[3], torch.Generator().manual_seed(3))
+    assert got[3] == sample_row_ref(logits[3], params[3], 3, 0)
 
 
 def test_unseeded_rows_keep_their_filters_and_probabilities():
-    # 64 unseeded rows drawn from the global RNG: every token inside its row's top-k / top-p
-    # set, and the frequencies of a plain temperature row follow its probabilities
+    # 64 rows without keys (each drawn from the global RNG): every token inside its row's top-k /
+    # top-p set, and the frequencies of a plain temperature row follow its probabilities
     torch.manual_seed(1)
     v = 50
     base = torch.randn(v) * 2
@@ -69,7 +69,7 @@ def test_unseeded_rows_keep_their_filters_and_probabilities():
         mass += float(probs[t])
     counts = torch.zeros(v)
     for _ in range(200):
-        got = sample(logits, params, [None] * 64)
+        got = sample(logits, params, [None] * 64, [0] * 64)
         assert all(got[i] in order[:3] for i in range(0, 64, 4))
         assert all(got[i] in nucleus for i in range(1, 64, 4))
         assert all(got[i] == order[0] for i in range(3, 64, 4))
@@ -86,15 +86,35 @@ def test_same_seed_same_tokens_anywhere_in_the_batch():
     others = [SamplingParams(temperature=1.0)] * 6
     for row in range(6):
         params = others[:row] + [p] + others[row + 1:]
-        gens = [None] * 6
-        gens[row] = torch.Generator().manual_seed(7)
-        assert sample(logits, params, gens)[row] == sample(logits[:1], [p], [torch.Generator().manual_seed(7)])[0]
+        keys = [None] * 6
+        keys[row] = 7
+        assert sample(logits, params, keys, [row + 5] * 6)[row] == sample(logits[:1], [p], [7], [row + 5])[0]
+
+
+def test_a_key_draws_its_probabilities_over_its_counters():
+    # one key, counters 0 .. 3999: the exponential race's frequencies follow the row's
+    # probabilities (top-k 6 leaves six tokens; the rest are never drawn); another key or
+    # counter gives other draws
+    torch.manual_seed(4)
+    logits = torch.randn(1, 40) * 1.5
+    p = SamplingParams(temperature=1.0, top_k=6)
+    probs = sampler._probs([p], logits.clone())[0]
+    n = 4000
+    got = sample(logits.expand(n, 40).clone(), [p] * n, [11] * n, list(range(n)))
+    freq = torch.bincount(torch.tensor(got), minlength=40).float() / n
+    assert set(torch.tensor(got).unique().tolist()) <= set((probs > 0).nonzero()[:, 0].tolist())
+    assert (freq - probs).abs().max() < 0.03
+    flat = torch.zeros(1, 1000)  # 1000 equally likely tokens: a change of key or counter changes the token
+    one = SamplingParams(temperature=1.0)
+    assert sample(flat, [one], [11], [0]) != sample(flat, [one], [12], [0])
+    assert sample(flat, [one], [11], [0]) != sample(flat, [one], [11], [1])
+    assert sample(flat, [one], [11], [0]) == sample(flat, [one], [11 + 2**64], [0])  # keys mod 2**64
 
 
 @pytest.mark.parametrize("n", [1, 7])
 def test_all_greedy_is_the_argmax(n):
     logits = torch.randn(n, 99, generator=torch.Generator().manual_seed(n))
-    assert sample(logits, [SamplingParams(temperature=0)] * n, [None] * n) == logits.argmax(-1).tolist()
+    assert sample(logits, [SamplingParams(temperature=0)] * n, [None] * n, [0] * n) == logits.argmax(-1).tolist()
 
 
 def _nucleus_by_hand(logits: list[float], top_p: float) -> set[int]:
@@ -131,8 +151,8 @@ def test_top_k_rows_cut_their_nucleus_among_the_top_k(top_k):
         if p.top_k > 0:
             x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
         assert set((probs[i] > 0).nonzero()[:, 0].tolist()) == _nucleus_by_hand(x.tolist(), p.top_p)
-    got = sample(logits, params, [torch.Generator().manual_seed(i) for i in range(12)])
-    assert got == [sample_row_ref(logits[i], p, torch.Generator().manual_seed(i)) for i, p in enumerate(params)]
+    got = sample(logits, params, list(range(12)), [3] * 12)
+    assert got == [sample_row_ref(logits[i], p, i, 3) for i, p in enumerate(params)]
 
 
 def test_top_k_and_top_p_rows_are_not_sorted(monkeypatch):
@@ -144,10 +164,10 @@ def test_top_k_and_top_p_rows_are_not_sorted(monkeypatch):
     monkeypatch.setattr(torch, "sort", lambda *a, **kw: sorts.append(a[0].shape) or real_sort(*a, **kw))
     logits = torch.randn(4, 500, generator=torch.Generator().manual_seed(5)) * 6
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=50)] * 3 + [SamplingParams(temperature=0.8)]
-    sample(logits, params, [None] * 4)
+    sample(logits, params, [None] * 4, [0] * 4)
     assert sorts == []
     logits[3] *= 0.01
-    sample(logits, params[:3] + [SamplingParams(temperature=0.8, top_p=0.9)], [None] * 4)
+    sample(logits, params[:3] + [SamplingParams(temperature=0.8, top_p=0.9)], [None] * 4, [0] * 4)
     assert sorts == [torch.Size([1, 500])]
 
 
