@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.nucleus import nucleus_floor
 from kernels.philox import uniform, uniform_ref
 from replicas.sequence import SamplingParams
 from replicas.transfer import to_device
@@ -103,12 +104,13 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         rows = to_device(nucleus, dev)
         sub = logits[rows]  # [P, V]
         top_p = to_device([params[j].top_p for j in nucleus], dev, torch.float64)[:, None]
-        if cand is None:  # no row has top-k: every top-p row sorted whole (nothing to ask the device)
+        if sub.is_cuda:  # the cut searched for without a sort, and nothing asked of the device
+            floor = nucleus_floor(sub, (sub - sub.logsumexp(-1, keepdim=True)).exp(), top_p)
+        elif cand is None:  # no row has top-k: every top-p row sorted whole
             floor = _nucleus_floor(torch.sort(sub, dim=-1, descending=True).values, sub, top_p)[0]
         else:
             floor, found = _nucleus_floor(cand[rows], sub, top_p)
-            # (a host sync, the one left in sampling: a step with top-k and top-p rows waits
-            # here for the steps queued before it, so asynchronous scheduling hides less of it)
+            # (a host sync, free on the CPU)
             if not bool(found.all()):  # rows without top-k (or past their candidates): sorted whole
                 rest = (~found).nonzero()[:, 0]
                 floor[rest] = _nucleus_floor(torch.sort(sub[rest], dim=-1, descending=True).values, sub[rest],

@@ -171,6 +171,19 @@ def test_top_k_and_top_p_rows_are_not_sorted(monkeypatch):
     assert sorts == [torch.Size([1, 500])]
 
 
+@pytest.mark.gpu
+def test_rows_on_the_gpu_draw_what_each_row_alone_draws():
+    # CUDA's path (the philox kernel, the sort-free top-p cut) against the one-row reference
+    # (a sort), vocabulary-sized rows, peaked and flat
+    torch.manual_seed(6)
+    params = [MIXED[i % len(MIXED)] for i in range(64)]
+    logits = (torch.randn(64, 128256) * torch.tensor([6.0, 0.5, 2.0, 0.05])[torch.arange(64) % 4, None]).cuda()
+    for step in range(3):
+        got = sample(logits, params, list(range(64)), [step] * 64)
+        assert got == [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, i, step)
+                       for i, p in enumerate(params)]
+
+
 def test_sampler_bench_prints_a_line_per_case(capsys):
     from replicas import bench_sampler
 

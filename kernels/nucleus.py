@@ -1,0 +1,91 @@
+"""Top-p (nucleus) cut of each row without sorting it: the lowest logit that stays, found by a
+16-way search over the logits' float order (Triton), beside its sort-based reference.
+
+The rule (replicas.sampler): a token stays unless the tokens more likely than it already hold
+top_p of the probability, the mass summed in float64 from float32 probabilities. With M(t) the
+mass of the tokens whose logit exceeds t, the kept tokens are those x with M(x) < top_p, so the
+cut is the smallest row value v with M(v) < top_p: tokens of one value stay or go together and
+the most likely always stays. M falls only at row values, so the smallest *float* t with
+M(t) < top_p is that value. The kernel narrows (lo, hi] around it, M(lo) >= top_p > M(hi), by
+evaluating M at 15 points between per pass over the row: 8 passes cover the 2**32 float keys,
+each a read of the row, where a sort of it (torch.sort, segmented radix) costs far more (H200,
+256 rows of 128256: 5.2 ms a step for top-p 0.9 through the sort).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["nucleus_floor", "nucleus_floor_ref"]
+
+_WAYS = 16  # thresholds a pass evaluates (the last is the current hi)
+_PASSES = 8  # 16**8 = 2**32 keys
+_BLOCK = 256
+
+
+def nucleus_floor_ref(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
+    """[P, 1] float32: each row's lowest kept logit, by sorting the row. logits [P, V] float32
+    (-inf: filtered out), probs [P, V] their float32 probabilities, top_p [P, 1] float64."""
+    order = torch.sort(logits, dim=-1, descending=True)
+    p = probs.gather(1, order.indices).double()
+    before = p.cumsum(-1) - p  # the mass sorted before each token (for a run of ties: above its value)
+    keep = (before < top_p) & (order.values > float("-inf"))
+    n = keep.sum(-1, keepdim=True).clamp(min=1)
+    return order.values.gather(1, n - 1)
+
+
+@triton.jit
+def _key(x):
+    """Float32 -> int32 in the same order (-0.0 as +0.0): non-negative floats keep their bits,
+    negative ones have all but the sign flipped."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = tl.where(x == 0.0, 0, bits)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _nucleus_kernel(Floor, Logits, Probs, TopP, Hi, n, stride_l, stride_p,
+                    WAYS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
+    # grid: (rows,). Floor [P] float32 out; Hi [P] float32: the row's largest logit (M(hi) = 0)
+    row = tl.program_id(0)
+    top_p = tl.load(TopP + row)  # float64
+    # (lo, hi] holds the cut: M(hi) = 0 at the largest logit, and lo = -inf, where M is all the
+    # mass (if even that is under top_p, every token stays: the search ends at -inf, or just above)
+    lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
+    hi = _key(tl.load(Hi + row)).to(tl.int64)
+    ways = tl.arange(0, WAYS)
+    offs = tl.arange(0, BLOCK)
+    for _ in range(PASSES):
+        t = lo + ((hi - lo) * (ways + 1)) // WAYS  # [WAYS], the last is hi
+        mass = tl.zeros([WAYS], dtype=tl.float64)
+        for start in range(0, n, BLOCK):
+            live = start + offs < n
+            x = tl.load(Logits + row.to(tl.int64) * stride_l + start + offs, mask=live, other=float("-inf"))
+            p = tl.load(Probs + row.to(tl.int64) * stride_p + start + offs, mask=live, other=0.0).to(tl.float64)
+            above = _key(x).to(tl.int64)[:, None] > t[None, :]  # [BLOCK, WAYS]
+            mass += tl.sum(tl.where(above, p[:, None], 0.0), 0)
+        j = tl.min(tl.where(mass < top_p, ways, WAYS), 0)  # the first threshold past the cut (hi is)
+        new_hi = tl.sum(tl.where(ways == j, t, 0), 0)
+        lo = tl.where(j == 0, lo, tl.sum(tl.where(ways == j - 1, t, 0), 0))
+        hi = new_hi
+    k = hi.to(tl.int32)
+    tl.store(Floor + row, tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True))
+
+
+def nucleus_floor(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
+    """``nucleus_floor_ref`` without the sort, on CUDA (or the interpreter): [P, 1] float32 cuts
+    that keep the same tokens (the cut itself is the lowest kept value, or, where every token
+    stays, possibly any value below them)."""
+    if logits.shape != probs.shape or logits.dim() != 2 or top_p.shape != (logits.shape[0], 1):
+        raise ValueError(f"logits and probs must be [P, V] and top_p [P, 1], got {tuple(logits.shape)}, "
+                         f"{tuple(probs.shape)}, {tuple(top_p.shape)}")
+    logits, probs = logits.float().contiguous(), probs.float().contiguous()
+    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if logits.shape[0]:
+        _nucleus_kernel[(logits.shape[0],)](
+            out, logits, probs, top_p.double().contiguous(), logits.amax(-1).contiguous(), logits.shape[1],
+            logits.stride(0), probs.stride(0), WAYS=_WAYS, PASSES=_PASSES, BLOCK=_BLOCK)
+    return out[:, None]
