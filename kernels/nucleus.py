@@ -24,6 +24,7 @@ __all__ = ["nucleus_floor", "nucleus_floor_ref"]
 _WAYS = 16  # thresholds a pass evaluates (the last is the current hi)
 _PASSES = 8  # 16**8 = 2**32 keys
 _BLOCK = 256
+_CHUNKS = 32  # programs per row and pass, about (each sums a chunk of the row)
 
 
 def nucleus_floor_ref(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
@@ -47,30 +48,62 @@ def _key(x):
 
 
 @triton.jit
-def _nucleus_kernel(Floor, Logits, Probs, TopP, Hi, n, stride_l, stride_p,
-                    WAYS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    # grid: (rows,). Floor [P] float32 out; Hi [P] float32: the row's largest logit (M(hi) = 0)
-    row = tl.program_id(0)
-    top_p = tl.load(TopP + row)  # float64
-    # (lo, hi] holds the cut: M(hi) = 0 at the largest logit, and lo = -inf, where M is all the
-    # mass (if even that is under top_p, every token stays: the search ends at -inf, or just above)
-    lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
-    hi = _key(tl.load(Hi + row)).to(tl.int64)
+def _state(LoHi, Partials, TopP, Hi0, row, rows, K: tl.constexpr, NCHUNKS: tl.constexpr, WAYS: tl.constexpr):
+    """(lo, hi) int64 keys of the row before pass K: pass K - 1's (lo, hi) narrowed by its masses
+    (summed over the row's chunks in one fixed order, so every program of the row agrees)."""
     ways = tl.arange(0, WAYS)
-    offs = tl.arange(0, BLOCK)
-    for _ in range(PASSES):
-        t = lo + ((hi - lo) * (ways + 1)) // WAYS  # [WAYS], the last is hi
-        mass = tl.zeros([WAYS], dtype=tl.float64)
-        for start in range(0, n, BLOCK):
-            live = start + offs < n
-            x = tl.load(Logits + row.to(tl.int64) * stride_l + start + offs, mask=live, other=float("-inf"))
-            p = tl.load(Probs + row.to(tl.int64) * stride_p + start + offs, mask=live, other=0.0).to(tl.float64)
-            above = _key(x).to(tl.int64)[:, None] > t[None, :]  # [BLOCK, WAYS]
-            mass += tl.sum(tl.where(above, p[:, None], 0.0), 0)
-        j = tl.min(tl.where(mass < top_p, ways, WAYS), 0)  # the first threshold past the cut (hi is)
+    if K == 0:
+        # (lo, hi] holds the cut: M(hi) = 0 at the largest logit, and lo = -inf, where M is all
+        # the mass (if even that is under top_p, every token stays: the search ends at -inf or
+        # just above it)
+        lo = _key(tl.full([], float("-inf"), tl.float32)).to(tl.int64)
+        hi = _key(tl.load(Hi0 + row)).to(tl.int64)
+    else:
+        at = (K - 1) * rows + row
+        lo = tl.load(LoHi + 2 * at)
+        hi = tl.load(LoHi + 2 * at + 1)
+        t = lo + ((hi - lo) * (ways + 1)) // WAYS  # the thresholds pass K - 1 summed at
+        chunks = tl.arange(0, NCHUNKS)
+        part = tl.load(Partials + (at * NCHUNKS + chunks)[:, None] * WAYS + ways[None, :])  # [NCHUNKS, WAYS]
+        mass = tl.sum(part, 0)
+        j = tl.min(tl.where(mass < tl.load(TopP + row), ways, WAYS), 0)  # the first past the cut (hi is)
         new_hi = tl.sum(tl.where(ways == j, t, 0), 0)
         lo = tl.where(j == 0, lo, tl.sum(tl.where(ways == j - 1, t, 0), 0))
         hi = new_hi
+    return lo, hi
+
+
+@triton.jit
+def _pass_kernel(Partials, LoHi, Logits, Probs, TopP, Hi0, n, rows, stride_l, stride_p,
+                 K: tl.constexpr, NCHUNKS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    # grid: (rows, NCHUNKS). Pass K: the mass above each of WAYS thresholds in (lo, hi], summed
+    # over this program's CHUNK of the row, to Partials [PASSES, rows, NCHUNKS, WAYS] float64
+    row = tl.program_id(0)
+    c = tl.program_id(1)
+    lo, hi = _state(LoHi, Partials, TopP, Hi0, row, rows, K, NCHUNKS, WAYS)
+    if c == 0:  # LoHi [PASSES, rows, 2] int64, read by the next pass
+        tl.store(LoHi + 2 * (K * rows + row), lo)
+        tl.store(LoHi + 2 * (K * rows + row) + 1, hi)
+    ways = tl.arange(0, WAYS)
+    t = lo + ((hi - lo) * (ways + 1)) // WAYS  # [WAYS], the last is hi
+    offs = tl.arange(0, BLOCK)
+    mass = tl.zeros([WAYS], dtype=tl.float64)
+    for start in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), BLOCK):
+        live = start + offs < n
+        x = tl.load(Logits + row.to(tl.int64) * stride_l + start + offs, mask=live, other=float("-inf"))
+        p = tl.load(Probs + row.to(tl.int64) * stride_p + start + offs, mask=live, other=0.0).to(tl.float64)
+        above = _key(x).to(tl.int64)[:, None] > t[None, :]  # [BLOCK, WAYS]
+        mass += tl.sum(tl.where(above, p[:, None], 0.0), 0)
+    tl.store(Partials + ((K * rows + row) * NCHUNKS + c) * WAYS + ways, mass)
+
+
+@triton.jit
+def _floor_kernel(Floor, LoHi, Partials, TopP, Hi0, rows, K: tl.constexpr, NCHUNKS: tl.constexpr,
+                  WAYS: tl.constexpr):
+    # grid: (rows,): the state after the last pass; its hi is the cut, back to float32
+    row = tl.program_id(0)
+    _, hi = _state(LoHi, Partials, TopP, Hi0, row, rows, K, NCHUNKS, WAYS)
     k = hi.to(tl.int32)
     tl.store(Floor + row, tl.where(k < 0, k ^ 0x7FFFFFFF, k).to(tl.float32, bitcast=True))
 
@@ -78,14 +111,22 @@ def _nucleus_kernel(Floor, Logits, Probs, TopP, Hi, n, stride_l, stride_p,
 def nucleus_floor(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
     """``nucleus_floor_ref`` without the sort, on CUDA (or the interpreter): [P, 1] float32 cuts
     that keep the same tokens (the cut itself is the lowest kept value, or, where every token
-    stays, possibly any value below them)."""
+    stays, possibly any value below them). A pass is a launch over (row, CHUNK of the row)."""
     if logits.shape != probs.shape or logits.dim() != 2 or top_p.shape != (logits.shape[0], 1):
         raise ValueError(f"logits and probs must be [P, V] and top_p [P, 1], got {tuple(logits.shape)}, "
                          f"{tuple(probs.shape)}, {tuple(top_p.shape)}")
     logits, probs = logits.float().contiguous(), probs.float().contiguous()
-    out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-    if logits.shape[0]:
-        _nucleus_kernel[(logits.shape[0],)](
-            out, logits, probs, top_p.double().contiguous(), logits.amax(-1).contiguous(), logits.shape[1],
-            logits.stride(0), probs.stride(0), WAYS=_WAYS, PASSES=_PASSES, BLOCK=_BLOCK)
+    rows, n = logits.shape
+    out = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    if rows == 0:
+        return out[:, None]
+    chunk = max(_BLOCK, triton.next_power_of_2(triton.cdiv(n, _CHUNKS)))
+    nchunks = triton.next_power_of_2(triton.cdiv(n, chunk))
+    partials = torch.zeros(_PASSES, rows, nchunks, _WAYS, dtype=torch.float64, device=logits.device)
+    lohi = torch.empty(_PASSES, rows, 2, dtype=torch.int64, device=logits.device)
+    top_p, hi0 = top_p.double().contiguous(), logits.amax(-1).contiguous()
+    for k in range(_PASSES):
+        _pass_kernel[(rows, nchunks)](partials, lohi, logits, probs, top_p, hi0, n, rows, logits.stride(0),
+                                      probs.stride(0), K=k, NCHUNKS=nchunks, CHUNK=chunk, WAYS=_WAYS, BLOCK=_BLOCK)
+    _floor_kernel[(rows,)](out, lohi, partials, top_p, hi0, rows, K=_PASSES, NCHUNKS=nchunks, WAYS=_WAYS)
     return out[:, None]
