@@ -6,10 +6,12 @@ top_p of the probability, the mass summed in float64 from float32 probabilities.
 mass of the tokens whose logit exceeds t, the kept tokens are those x with M(x) < top_p, so the
 cut is the smallest row value v with M(v) < top_p: tokens of one value stay or go together and
 the most likely always stays. M falls only at row values, so the smallest *float* t with
-M(t) < top_p is that value. The kernel narrows (lo, hi] around it, M(lo) >= top_p > M(hi), by
-evaluating M at 15 points between per pass over the row: 8 passes cover the 2**32 float keys,
-each a read of the row, where a sort of it (torch.sort, segmented radix) costs far more (H200,
-256 rows of 128256: 5.2 ms a step for top-p 0.9 through the sort).
+M(t) < top_p is that value. The search narrows (lo, hi] around it, M(lo) >= top_p > M(hi), by
+evaluating M at 16 points of it per pass over the rows: 8 passes cover the 2**32 float keys.
+A pass is one launch over (row, chunk of the row), each program summing its chunk's masses; the
+next pass's programs add those up in one fixed order (so all of a row's agree) and narrow. A
+sort of the rows (torch.sort, segmented radix) costs more: H200, 256 rows of 128256, top-p 0.9:
+5.2 ms a step. (One program per row, looping over it 8 times, took 5.9 ms: latency-bound.)
 """
 
 from __future__ import annotations
