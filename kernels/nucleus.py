@@ -88,16 +88,17 @@ def _pass_kernel(Partials, LoHi, Logits, Probs, TopP, Hi0, n, rows, stride_l, st
         tl.store(LoHi + 2 * (K * rows + row), lo)
         tl.store(LoHi + 2 * (K * rows + row) + 1, hi)
     ways = tl.arange(0, WAYS)
-    t = lo + ((hi - lo) * (ways + 1)) // WAYS  # [WAYS], the last is hi
+    t = (lo + ((hi - lo) * (ways + 1)) // WAYS).to(tl.int32)  # [WAYS], the last is hi (keys are int32)
     offs = tl.arange(0, BLOCK)
-    mass = tl.zeros([WAYS], dtype=tl.float64)
+    # summed across the block once at the end: a reduction per block (cross-thread float64
+    # shuffles) made the pass compute-bound
+    acc = tl.zeros([BLOCK, WAYS], dtype=tl.float64)
     for start in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), BLOCK):
         live = start + offs < n
         x = tl.load(Logits + row.to(tl.int64) * stride_l + start + offs, mask=live, other=float("-inf"))
         p = tl.load(Probs + row.to(tl.int64) * stride_p + start + offs, mask=live, other=0.0).to(tl.float64)
-        above = _key(x).to(tl.int64)[:, None] > t[None, :]  # [BLOCK, WAYS]
-        mass += tl.sum(tl.where(above, p[:, None], 0.0), 0)
-    tl.store(Partials + ((K * rows + row) * NCHUNKS + c) * WAYS + ways, mass)
+        acc += tl.where(_key(x)[:, None] > t[None, :], p[:, None], 0.0)  # [BLOCK, WAYS]
+    tl.store(Partials + ((K * rows + row) * NCHUNKS + c) * WAYS + ways, tl.sum(acc, 0))
 
 
 @triton.jit
