@@ -105,7 +105,11 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         sub = logits[rows]  # [P, V]
         top_p = to_device([params[j].top_p for j in nucleus], dev, torch.float64)[:, None]
         if sub.is_cuda:  # the cut searched for without a sort, and nothing asked of the device
-            floor = nucleus_floor(sub, (sub - sub.logsumexp(-1, keepdim=True)).exp(), top_p)
+            # every nucleus row with top-k: searched among its candidates alone (the mass above
+            # any value from the k-th up is all theirs, and below the k-th the cut keeps the
+            # same tokens), else every row whole
+            part = cand[rows] if all(ks[j] for j in nucleus) else sub
+            floor = nucleus_floor(part, (part - sub.logsumexp(-1, keepdim=True)).exp(), top_p)
         elif cand is None:  # no row has top-k: every top-p row sorted whole
             floor = _nucleus_floor(torch.sort(sub, dim=-1, descending=True).values, sub, top_p)[0]
         else:

@@ -24,12 +24,17 @@ def _rows(seed: int, p: int, v: int) -> torch.Tensor:
     return x
 
 
+def _kept(x: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+    """The tokens a cut keeps, as the sampler applies it (logits under it to -inf)."""
+    return x.masked_fill(x < floor, float("-inf")) > float("-inf")
+
+
 def _check(x: torch.Tensor, top_p: torch.Tensor) -> None:
     x, top_p = x.to(DEVICE), top_p.to(DEVICE)
     probs = (x - x.logsumexp(-1, keepdim=True)).exp()
     got, want = nucleus_floor(x, probs, top_p), nucleus_floor_ref(x, probs, top_p)
     assert got.shape == want.shape == (x.shape[0], 1) and got.dtype == torch.float32
-    kept, kept_ref = x >= got, x >= want
+    kept, kept_ref = _kept(x, got), _kept(x, want)
     assert torch.equal(kept, kept_ref)
     assert kept.any(-1).all()  # the most likely token always stays
 
@@ -49,6 +54,27 @@ def test_a_cut_through_a_run_of_ties_keeps_the_whole_run():
     _check(x, tops)
     got = nucleus_floor(x.to(DEVICE), (x - x.logsumexp(-1, keepdim=True)).exp().to(DEVICE), tops.to(DEVICE))
     assert got[:, 0].tolist() == [2.0, 1.0, 1.0, 1.0, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_cut_among_the_top_k_candidates_keeps_what_the_whole_row_keeps(seed):
+    # the sampler's search for top-k rows: over each row's k + 1 largest logits (below its k-th:
+    # -inf), its probabilities from the whole row. Rows whose k-th value has ties past the
+    # candidates (bf16-rounded, and a row of whole numbers) keep the same tokens as the whole row.
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(6, 400, generator=gen) * torch.tensor([[4.0], [0.5], [2.0], [0.1], [1.0], [3.0]])).bfloat16().float()
+    x[5] = torch.randint(0, 4, (400,), generator=gen).float()  # runs of ties a hundred long
+    ks = [3, 40, 10, 60, 1, 5]
+    tops = torch.tensor([[0.9], [0.6], [0.95], [0.99], [0.5], [0.999]], dtype=torch.float64)
+    kth = torch.stack([torch.topk(x[i], k).values[-1] for i, k in enumerate(ks)])[:, None]
+    x = x.masked_fill(x < kth, float("-inf"))
+    cand = torch.topk(x, max(ks) + 1, dim=-1).values
+    cand = cand.masked_fill(cand < kth, float("-inf"))
+    x, cand, tops = x.to(DEVICE), cand.to(DEVICE), tops.to(DEVICE)
+    lse = x.logsumexp(-1, keepdim=True)
+    got = nucleus_floor(cand, (cand - lse).exp(), tops)
+    want = nucleus_floor_ref(x, (x - lse).exp(), tops)
+    assert torch.equal(_kept(x, got), _kept(x, want))
 
 
 @pytest.mark.gpu

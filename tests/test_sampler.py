@@ -178,10 +178,13 @@ def test_rows_on_the_gpu_draw_what_each_row_alone_draws():
     torch.manual_seed(6)
     params = [MIXED[i % len(MIXED)] for i in range(64)]
     logits = (torch.randn(64, 128256) * torch.tensor([6.0, 0.5, 2.0, 0.05])[torch.arange(64) % 4, None]).cuda()
-    for step in range(3):
-        got = sample(logits, params, list(range(64)), [step] * 64)
-        assert got == [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, i, step)
-                       for i, p in enumerate(params)]
+    topk = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9), SamplingParams(temperature=1.2, top_k=5, top_p=0.5),
+            SamplingParams(temperature=1.0, top_k=100)]  # every nucleus row with top-k: searched among candidates
+    for rows in (params, [topk[i % 3] for i in range(64)]):
+        for step in range(3):
+            got = sample(logits, rows, list(range(64)), [step] * 64)
+            assert got == [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, i, step)
+                           for i, p in enumerate(rows)]
 
 
 def test_sampler_bench_prints_a_line_per_case(capsys):
