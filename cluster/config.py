@@ -27,7 +27,7 @@ class EngineOptions(_Strict):
     enable_prefix_sharing: bool = True
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
-    async_scheduling: bool = False  # True: each step prepared while the one before runs (EngineConfig)
+    async_scheduling: bool | None = None  # each step prepared while the one before runs; None: on GPUs (EngineConfig)
 
 
 class RouterOptions(_Strict):

@@ -7,8 +7,9 @@ on, KV chunks in use, decode plans built).
                                                         # second run finds every kernel compiled
     python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
-    python -m replicas.bench ... --async-scheduling     # each step prepared while the one before
-                                                        # runs (EngineConfig.async_scheduling)
+    python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
+                                                        # ran (EngineConfig.async_scheduling; on
+                                                        # by default on CUDA)
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -111,8 +112,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
     ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (generator)")
-    ap.add_argument("--async-scheduling", action="store_true",
-                    help="the host prepares each step while the device runs the one before")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                    help="the host prepares each step while the device runs the one before (default: on CUDA)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)

@@ -60,16 +60,14 @@ class EngineConfig:
     # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
     enforce_eager: bool = False
     # Prepare and queue each step while the device runs the one before, collecting that one's
-    # tokens after (vLLM's option of the name). A sequence's next step is then scheduled before
-    # its last token is known: one that ends on a stop token has run one token more, which is
-    # dropped (never emitted or counted); one that ends by length does not. H200, llama3-8b,
-    # 256 rows after a 2048-token shared prefix (replicas.bench, ms a step, sync -> async):
-    # greedy 12.5 -> 11.5 and 13.7 -> 13.0 on two machines (profiled: GPU gaps of ~1.6 ms a
-    # step gone, 12.2 -> 10.6), seeded sampling 40.5 -> 37.5, unseeded sampling 41.2 -> 57.5
-    # (slower), hence off by default. Those sampling runs probably waited on the device inside
-    # sampling (torch.multinomial's checks, `.item()` in the ATen sources read); the sampler no
-    # longer calls it (sampler._draw), not measured on the GPU since.
-    async_scheduling: bool = False
+    # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
+    # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
+    # last token is known: one that ends on a stop token has run one token more, which is
+    # dropped (never emitted or counted); one that ends by length does not. H200, llama3-8b, 256
+    # rows after a 2048-token shared prefix (replicas.bench, ms a step, sync -> async, one
+    # machine): greedy 13.0 -> 12.9, top-p 0.9 18.4 -> 15.7, top-k 50 and top-p 0.9 15.1 -> 13.9;
+    # temperature 0.8 13.4 -> 12.3 on another; 32 rows after 1024 shared, greedy 6.7-6.9 -> 6.5-6.7.
+    async_scheduling: bool | None = None
 
     def __post_init__(self):
         if self.chunk_size not in (16, 32, 64, 128):
@@ -131,7 +129,8 @@ class LLMEngine:
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
                                   tp_size=config.tp_size)
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
+                                 else config.async_scheduling)
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)

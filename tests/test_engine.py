@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from replicas.engine import LLMEngine, SamplingParams
+from replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.hf_checkpoints import make_hf_checkpoint
 
 # stops at EOS like transformers does (no ignore_eos: that would let the engine pick EOS where
@@ -200,6 +200,13 @@ def test_random_add_step_abort_keeps_invariants(small_pool, ops):
     engine.tree.evict_all()
     engine.check()
     assert engine.pool.num_free == engine.pool.num_chunks
+
+
+def test_async_scheduling_defaults_to_the_device(tiny):
+    # None (the default): on for CUDA, off on the CPU, where the host runs the step itself
+    assert EngineConfig(model="tiny").async_scheduling is None
+    assert tiny.device.type == "cpu" and tiny.async_scheduling is False
+    assert LLMEngine.from_model("tiny", kv_cache_tokens=1024, async_scheduling=True).async_scheduling is True
 
 
 def test_async_scheduling_gives_the_same_outputs_as_sync():

@@ -64,10 +64,11 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     opts = dict(dtype="float32", kv_cache_tokens=8192, max_num_batched_tokens=256)
     cpu = LLMEngine.from_model("tiny", device="cpu", **opts).generate(prompts, params)
     ref = LLMEngine.from_model("tiny", device="cuda", attention_backend="reference", **opts)
-    tri = LLMEngine.from_model("tiny", device="cuda", **opts)
-    eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts)
-    ahead = LLMEngine.from_model("tiny", device="cuda", async_scheduling=True, **opts)
+    tri = LLMEngine.from_model("tiny", device="cuda", async_scheduling=False, **opts)
+    eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, async_scheduling=False, **opts)
+    ahead = LLMEngine.from_model("tiny", device="cuda", **opts)  # asynchronous scheduling: CUDA's default
     assert tri.attention.backend == "triton" and eager.runner.graphs is None
+    assert ahead.async_scheduling and not tri.async_scheduling
     assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
     assert ahead.generate(prompts, params) == cpu and ahead.runner.graphs.replays >= 16
     assert tri.stats()["cached_prompt_tokens"] > 0
