@@ -11,10 +11,10 @@ if TYPE_CHECKING:
 
 
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS). Far smaller ones turn
-# logits / temperature into inf in float32 and the probabilities into NaN, on which
-# torch.multinomial raises: for every row of the step's batch, not only the one that asked.
+# logits / temperature into inf in float32 and the probabilities into NaN (torch.multinomial,
+# which the sampler once drew with, raised on them for every row of the step's batch).
 GREEDY_BELOW_TEMPERATURE = 1e-5
-SEED_RANGE = range(-2**63, 2**64)  # what torch.Generator.manual_seed takes; the sampler keys on it mod 2**64
+SEED_RANGE = range(-2**63, 2**64)  # as torch.Generator.manual_seed; the sampler's key is the seed mod 2**64
 
 
 @dataclass(frozen=True)
