@@ -8,8 +8,9 @@ low word, counter high word, 0) under key (key low word, key high word) gives co
 its top 23 bits b as (b + 1/2) / 2**23, in (0, 1) and exact in float32 (never 0 or 1, so a draw's
 -log(u) is finite and positive).
 
-``uniform`` runs a Triton kernel on CUDA (or the interpreter, for tests) and the NumPy reference,
-written from the published algorithm and checked against its known-answer vectors, elsewhere.
+``uniform`` runs the Triton kernel on CUDA and the NumPy reference elsewhere (tests also run the
+kernel in the interpreter). The reference is NumPy, not torch, for its unsigned 64-bit products;
+it was written from the published algorithm and is checked against its known-answer vectors.
 """
 
 from __future__ import annotations

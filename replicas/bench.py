@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (generator)")
+    ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (else the engine keys it by arrival)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="the host prepares each step while the device runs the one before (default: on CUDA)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
