@@ -27,7 +27,8 @@ def build_app(args: dict[str, Any]) -> Application:
                                  tp_size=config.tensor_parallel_size, **config.engine.model_dump())
     # the replica seeds its cache digest as the ingress seeds prompt hashes: by the served model name
     llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(
-        engine_config, config.model_name, config.router.route_chunks, config.num_cpus_per_replica)
+        engine_config, config.model_name, config.router.route_chunks, config.num_cpus_per_replica,
+        use_gpu if config.warmup is None else config.warmup)
     ingress = OpenAIIngress.options(
         name="OpenAIIngress", num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

@@ -63,6 +63,9 @@ class AppConfig(_Strict):
     max_queued_requests: int = Field(-1, ge=-1)  # per caller; beyond it: 503 (-1: unbounded)
     retry_after_s: float = Field(1, ge=0)  # Retry-After of a 503
 
+    # run replicas.warmup in each LLM replica before it serves (kernels compiled at startup, not
+    # on users' requests); None: on GPUs
+    warmup: bool | None = None
     engine: EngineOptions = EngineOptions()
     router: RouterOptions = RouterOptions()
     ingress: IngressOptions = IngressOptions()

@@ -7,6 +7,9 @@ on, KV chunks in use, decode plans built).
                                                         # second run finds every kernel compiled
     python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
+    python -m replicas.bench ... --warmup               # replicas.warmup first, as a GPU replica
+                                                        # does: run 0 on a fresh machine then
+                                                        # shows what users' first requests see
     python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
@@ -28,6 +31,7 @@ import torch
 import torch.multiprocessing as mp
 
 from replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from replicas.warmup import warmup
 
 
 def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConfig:
@@ -45,6 +49,7 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     """One run on a fresh engine (or on `engine`: rank 0's TPEngine under --tp)."""
     if engine is None:
         engine = LLMEngine(_config(args, backend))
+    warmed = warmup(engine) if args.warmup else {}  # (counters zeroed after it)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     for i in range(args.batch):
@@ -89,7 +94,7 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],
             "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
-            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0}
+            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0, **warmed}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (else the engine keys it by arrival)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="the host prepares each step while the device runs the one before (default: on CUDA)")
+    ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     args = ap.parse_args(argv)

@@ -35,6 +35,7 @@ from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.model import IncrementalDetokenizer, Tokenizer
 from replicas.parallel import TPEngine, TPWorker, free_port, init_group, worker_config
 from replicas.sequence import SamplingParams
+from replicas.warmup import warmup
 
 
 @dataclass
@@ -66,12 +67,14 @@ class LLMReplica:
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
     def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
-                 cpus_per_rank: float = 1):
+                 cpus_per_rank: float = 1, warm_up: bool = False):
         self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
         if engine_config.tp_size == 1:
             self.engine = LLMEngine(engine_config)
         else:
             self.engine, self._tp_ranks = _start_tp(engine_config, cpus_per_rank)
+        # compiled before the replica reports ready (Serve waits for __init__), not on a user's request
+        self.warmup = warmup(self.engine) if warm_up else None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._inbox: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}

@@ -325,6 +325,17 @@ class LLMEngine:
             **self._counters,
         }
 
+    def reset_counters(self) -> None:
+        """Zero what stats() and the benchmarks count (after replicas.warmup): requests, tokens,
+        steps, preemptions, decode plans built, graphs captured and replayed, host waits."""
+        self._counters = dict.fromkeys(self._counters, 0)
+        self.scheduler.num_preemptions = 0
+        self.attention.plan_builds = 0
+        self.runner.wait_s = 0.0
+        if self.runner.graphs is not None:
+            self.runner.graphs.captures = self.runner.graphs.replays = 0
+            self.runner.graphs.capture_s = 0.0
+
     def cache_digest(self, model_name: str, route_chunks: int, limit: int = 4096) -> list[int]:
         """The chained chunk hashes (router.hashing, seeded by the served model name) of the
         prefixes this engine's tree holds, for the router. Call between steps."""

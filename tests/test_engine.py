@@ -386,3 +386,15 @@ def test_bench_cli_prints_a_run_per_repeat():
         assert run["cached_prompt_tokens"] == 3 * 64  # rows 2-4 find row 1's prefix chunk in the tree
         assert run["steps"] >= 6 and run["decode_tok_per_s"] > 0
         assert 0 < run["host_ms_per_step"] <= run["decode_step_ms"]
+
+
+def test_bench_cli_warms_up_first_and_counts_only_the_run():
+    r = subprocess.run([sys.executable, "-m", "replicas.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
+                        "--max-tokens", "6", "--warmup", "--max-num-batched-tokens", "69"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (run,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert run["warmup_requests"] == 4 + 4 and run["warmup_s"] > 0  # max_num_seqs rows, then as many alone
+    # the run's own figures: the warmup's requests are neither cached hits nor counted steps
+    assert run["cached_prompt_tokens"] == 3 * 64 and run["preemptions"] == 0
+    assert 6 <= run["steps"] <= 12

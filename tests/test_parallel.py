@@ -16,6 +16,7 @@ import torch.distributed as dist
 from replicas.engine import EngineConfig, LLMEngine
 from replicas.parallel import TPEngine, TPWorker, free_port, init_group
 from replicas.sequence import SamplingParams
+from replicas.warmup import warmup
 
 CONFIG = EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16,
                       max_num_batched_tokens=64)  # prompts prefill in several pieces
@@ -97,7 +98,14 @@ def _preemption(engine) -> dict:
     return {"tokens": out, "stats": engine.stats()}
 
 
-SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort, "preemption": _preemption}
+def _warmed(engine) -> dict:
+    """replicas.warmup through the engine (rank 0's TPEngine: every rank runs it), then _generate."""
+    got = warmup(engine)
+    return {"warmup_requests": got["warmup_requests"], **_generate(engine)}
+
+
+SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort, "preemption": _preemption,
+             "warmed": _warmed}
 # the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
 # pools (free GPU memory) agree on the smaller one, which one rank alone then has
 KV_TOKENS = {"preemption": (4096, 160)}
@@ -155,6 +163,15 @@ def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
     want = _bad_input_and_abort(LLMEngine(CONFIG))
     got = _run_tp2("bad_input_and_abort_async", tmp_path)
     assert (got["errors"], got["stats"]["running"], got["stats"]["kv_chunks_used"]) == (want["errors"], 0, 0)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_warmup_runs_on_every_rank_and_leaves_them_together(tmp_path):
+    """The warmup's requests go to every rank, its chunks stay cached on each alike: the ranks'
+    later steps match (checked at every step) and give what one warmed rank gives."""
+    want = _warmed(LLMEngine(CONFIG))
+    assert want["warmup_requests"] > 8 and want["stats"]["kv_chunks_cached"] > 0
+    assert _run_tp2("warmed", tmp_path) == want
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

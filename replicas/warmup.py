@@ -1,0 +1,56 @@
+"""Warm an engine up before it serves: run a few synthetic batches through the normal path, so
+that the kernels they use are compiled (Triton JIT-compiles each variant at its first launch,
+about a second apiece) and the CUDA caches and graphs set up, before a user's request waits on
+them. vLLM and SGLang do the same at startup (dummy runs, graph captures).
+
+What it runs (all through add_request / step, so tensor-parallel ranks follow, TPEngine):
+- a batch of up to ``max_num_seqs`` rows sharing a two-chunk prefix, their own parts of 1 .. c
+  tokens (tails at every fill), greedy, temperature, top-p and top-k-with-top-p rows side by side,
+  a few decode steps each (a plan's first step eager, then its graph captured and replayed);
+- a few rows sharing nothing, every sampling row with top-k and top-p.
+Then it zeroes the engine's counters. Its chunks stay in the prefix cache like any finished
+request's (evicted first, being oldest): evicting them on rank 0 alone would part its pool from
+the other ranks'.
+
+H200, llama3-8b, 256 rows after a 2048-token shared prefix, a fresh machine (no compiled
+kernels on disk), replicas.bench: see ``warmup`` in the README.
+"""
+
+from __future__ import annotations
+
+import time
+
+from replicas.sequence import SamplingParams
+
+_KINDS = (  # sampling side by side: greedy, temperature, top-p, top-k with top-p
+    dict(temperature=0),
+    dict(temperature=0.8, seed=1),
+    dict(temperature=0.8, top_p=0.9),
+    dict(temperature=0.8, top_p=0.9, top_k=20),
+)
+_DECODE_STEPS = 5  # tokens each row generates: the plan's first step, capture, replays
+
+
+def warmup(engine) -> dict:
+    """Run the synthetic batches on an idle engine (an LLMEngine or a TPEngine) and zero its
+    counters; returns {"warmup_s", "warmup_requests", "warmup_tokens"}."""
+    if engine.has_unfinished():
+        raise RuntimeError("warmup needs an idle engine")
+    t0 = time.perf_counter()
+    cfg, vocab = engine.config, engine.model_config.vocab_size
+    c = cfg.chunk_size
+    # room: a row holds its own chunk, a reserved one and its share of the prefix; the prompt and
+    # its tokens stay under max_model_len
+    rows = max(1, min(cfg.max_num_seqs, engine.pool.num_chunks // 4))
+    prefix_len = max(1, min(2 * c, engine.max_model_len - c - _DECODE_STEPS - 1))
+    token = lambda i: (i * 7919 + 17) % vocab  # noqa: E731 - fixed, arbitrary ids
+    prefix = [token(i) for i in range(prefix_len)]
+    shared = [prefix + [token(prefix_len + 97 * r + j) for j in range(1 + r % c)] for r in range(rows)]
+    lone = [[token(10_007 * (r + 1) + j) for j in range(prefix_len + 1 + r)] for r in range(min(rows, 8))]
+    params = [SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[r % len(_KINDS)]) for r in range(rows)]
+    outs = engine.generate(shared, params)
+    outs += engine.generate(lone, SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[-1]))
+    engine.reset_counters()
+    return {"warmup_s": round(time.perf_counter() - t0, 3), "warmup_requests": len(outs),
+            "warmup_tokens": sum(len(o) for o in outs)}
+

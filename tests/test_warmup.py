@@ -1,0 +1,46 @@
+"""replicas.warmup: synthetic batches through the normal path, then counters zeroed; the engine
+then serves as a fresh one would."""
+
+import pytest
+
+from replicas.engine import LLMEngine, SamplingParams
+from replicas.warmup import warmup
+
+OPTS = dict(chunk_size=16, kv_cache_tokens=2048, max_num_batched_tokens=128, max_num_seqs=24)
+PROMPTS = [list(range(30, 80)) + [200 + i] * (i + 2) for i in range(5)]
+PARAMS = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)] * 4 + [
+    SamplingParams(max_tokens=10, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_warmed_engine_is_idle_counts_nothing_and_generates_as_a_fresh_one(async_scheduling):
+    engine = LLMEngine.from_model("tiny", async_scheduling=async_scheduling, **OPTS)
+    got = warmup(engine)
+    assert got["warmup_requests"] == 24 + 8 and got["warmup_tokens"] == 32 * 5 and got["warmup_s"] > 0
+    s = engine.stats()
+    assert not engine.has_unfinished() and s["running"] == s["waiting"] == s["kv_chunks_used"] == 0
+    assert s["kv_chunks_cached"] > 0  # its prompts' chunks stay in the prefix cache, evictable
+    counted = ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
+               "finished_requests", "steps", "max_decode_batch", "last_decode_batch", "preemptions")
+    assert {k: s[k] for k in counted} == dict.fromkeys(counted, 0)
+    assert engine.attention.plan_builds == 0
+    engine.check()
+    fresh = LLMEngine.from_model("tiny", async_scheduling=async_scheduling, **OPTS)
+    assert engine.generate(PROMPTS, PARAMS) == fresh.generate(PROMPTS, PARAMS)
+    assert engine.stats()["generated_tokens"] == fresh.stats()["generated_tokens"] == 50
+
+
+def test_warmup_fits_a_small_pool_and_a_short_context():
+    # 20 chunks of 16 tokens, contexts of 60: fewer rows, a shorter prefix, preemptions allowed
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=320, max_model_len=60,
+                                  max_num_batched_tokens=64, max_num_seqs=32)
+    got = warmup(engine)
+    assert got["warmup_requests"] == 5 + 5 and not engine.has_unfinished()
+    assert engine.stats()["kv_chunks_used"] == 0
+
+
+def test_warmup_refuses_a_busy_engine():
+    engine = LLMEngine.from_model("tiny", **OPTS)
+    engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(RuntimeError, match="idle"):
+        warmup(engine)
