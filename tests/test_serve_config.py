@@ -60,8 +60,9 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
     assert llm.backpressure_config.retry_after_s == 2
     assert llm.ray_actor_options["num_gpus"] == 0
-    engine_config, served_name, route_chunks, cpus_per_rank = llm.init_args
+    engine_config, served_name, route_chunks, cpus_per_rank, warm_up = llm.init_args
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
+    assert warm_up is False  # warmup: None, on GPUs only
     assert (served_name, route_chunks) == ("tiny", 32)  # the digest is seeded as the ingress hashes
     assert cpus_per_rank == 1  # the tensor-parallel ranks' actors (none here) would take the bundle's CPUs
     assert llm._replica_config.placement_group_bundles is None
@@ -76,6 +77,9 @@ def test_build_app_tensor_parallel_bundles_and_autoscaling():
     assert llm._deployment_config.autoscaling_config.max_replicas == 6
     assert llm.init_args[0].device == "cuda" and llm.init_args[0].tp_size == 2
     assert llm.init_args[3] == 4  # each tensor-parallel rank's actor takes its bundle's CPUs
+    assert llm.init_args[4] is True  # GPU replicas warm up by default
+    _, llm = _replica(build_app({"device": "cuda", "warmup": False}))
+    assert llm.init_args[4] is False
 
 
 def test_build_app_gpu_share():
