@@ -74,7 +74,7 @@ class LLMReplica:
         else:
             self.engine, self._tp_ranks = _start_tp(engine_config, cpus_per_rank)
         # compiled before the replica reports ready (Serve waits for __init__), not on a user's request
-        self.warmup = warmup(self.engine) if warm_up else None
+        self.warmup_stats = warmup(self.engine) if warm_up else None
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._inbox: list[_Add | _Abort] = []
         self._streams: dict[str, _Stream] = {}
