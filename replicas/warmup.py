@@ -45,11 +45,12 @@ def warmup(engine) -> dict:
     # room: a row holds its own chunk, a reserved one and its share of the prefix; the prompt and
     # its tokens stay under max_model_len
     rows = max(1, min(cfg.max_num_seqs, engine.pool.num_chunks // 4))
-    prefix_len = max(1, min(2 * c, engine.max_model_len - c - _DECODE_STEPS - 1))
+    longest = max(1, engine.max_model_len - 1)  # a prompt's tokens at most (add_request)
+    prefix_len = max(1, min(2 * c, longest - c - _DECODE_STEPS))
     token = lambda i: (i * 7919 + 17) % vocab  # noqa: E731 - fixed, arbitrary ids
     prefix = [token(i) for i in range(prefix_len)]
-    shared = [prefix + [token(prefix_len + 97 * r + j) for j in range(1 + r % c)] for r in range(rows)]
-    lone = [[token(10_007 * (r + 1) + j) for j in range(prefix_len + 1 + r)] for r in range(min(rows, 8))]
+    shared = [(prefix + [token(prefix_len + 97 * r + j) for j in range(1 + r % c)])[:longest] for r in range(rows)]
+    lone = [[token(10_007 * (r + 1) + j) for j in range(min(longest, prefix_len + 1 + r))] for r in range(min(rows, 8))]
     params = [SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[r % len(_KINDS)]) for r in range(rows)]
     outs = engine.generate(shared, params)
     outs += engine.generate(lone, SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[-1]))

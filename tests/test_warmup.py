@@ -39,6 +39,14 @@ def test_warmup_fits_a_small_pool_and_a_short_context():
     assert engine.stats()["kv_chunks_used"] == 0
 
 
+@pytest.mark.parametrize("max_model_len", [2, 12])
+def test_warmup_fits_contexts_shorter_than_a_chunk(max_model_len):
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=2048, max_model_len=max_model_len,
+                                  max_num_seqs=8)
+    got = warmup(engine)
+    assert got["warmup_requests"] == 16 and not engine.has_unfinished()
+
+
 def test_warmup_refuses_a_busy_engine():
     engine = LLMEngine.from_model("tiny", **OPTS)
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
