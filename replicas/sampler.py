@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.nucleus import nucleus_floor
+from kernels.nucleus import nucleus_floor, nucleus_floor_ref
 from kernels.philox import uniform, uniform_ref
 from replicas.sequence import SamplingParams
 from replicas.transfer import to_device
@@ -107,41 +107,41 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         rows = to_device(nucleus, dev)
         sub = logits[rows]  # [P, V]
         top_p = to_device([params[j].top_p for j in nucleus], dev, torch.float64)[:, None]
+        lse = sub.logsumexp(-1, keepdim=True)  # [P, 1]
         if sub.is_cuda:  # the cut searched for without a sort, and nothing asked of the device
             # every nucleus row with top-k: searched among its candidates alone (the mass above
             # any value from the k-th up is all theirs, and below the k-th the cut keeps the
             # same tokens), else every row whole
             part = cand[rows] if all(ks[j] for j in nucleus) else sub
-            floor = nucleus_floor(part, (part - sub.logsumexp(-1, keepdim=True)).exp(), top_p)
-        elif cand is None:  # no row has top-k: every top-p row sorted whole
-            floor = _nucleus_floor(torch.sort(sub, dim=-1, descending=True).values, sub, top_p)[0]
+            floor = nucleus_floor(part, (part - lse).exp(), top_p)
+        elif cand is None:  # no row has top-k: every top-p row sorted whole (the kernel's reference)
+            floor = nucleus_floor_ref(sub, (sub - lse).exp(), top_p)
         else:
-            floor, found = _nucleus_floor(cand[rows], sub, top_p)
+            floor, found = _nucleus_floor(cand[rows], lse, top_p, v)
             # (a host sync, free on the CPU)
             if not bool(found.all()):  # rows without top-k (or past their candidates): sorted whole
                 rest = (~found).nonzero()[:, 0]
-                floor[rest] = _nucleus_floor(torch.sort(sub[rest], dim=-1, descending=True).values, sub[rest],
-                                             top_p[rest])[0]
+                floor[rest] = nucleus_floor_ref(sub[rest], (sub[rest] - lse[rest]).exp(), top_p[rest])
         logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
     return logits.softmax(-1)
 
 
-def _nucleus_floor(cand: torch.Tensor, logits: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-p over P rows: each row's lowest logit that stays, [P, 1], and whether that cut was
-    found among the candidates, [P] (False: a row needs more of them).
+def _nucleus_floor(cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-p over P rows among candidates: each row's lowest logit that stays, [P, 1], and
+    whether that cut was found among them, [P] (False: a row needs more of them).
 
-    cand: [P, K] each row's K largest logits of logits: [P, V], descending (-inf: filtered out);
-    top_p: [P, 1] float64. A token stays unless the tokens more likely than it already reach
-    top_p: tokens of one value stay or go together, and the most likely always stays.
+    cand: [P, K] each row's K largest logits, descending (-inf: filtered out), of rows of v whose
+    log-sum-exp is lse: [P, 1]; top_p: [P, 1] float64. A token stays unless the tokens more likely
+    than it already reach top_p: tokens of one value stay or go together, and the most likely
+    always stays (kernels.nucleus.nucleus_floor_ref: the same over whole rows).
     """
-    lse = logits.logsumexp(-1, keepdim=True)  # [P, 1]
     probs = (cand - lse).exp().double()  # [P, K]
     before = probs.cumsum(-1) - probs  # the mass of the candidates before each one
     # a prefix of each row, at least one long. The first of a run of equal values has the mass
     # strictly above the value before it, so the floor, its value, keeps the whole run.
     keep = (before < top_p) & (cand > float("-inf"))
     n = keep.sum(-1, keepdim=True)
-    found = (n[:, 0] < cand.shape[-1]) | (cand[:, -1] == float("-inf")) | (cand.shape[-1] == logits.shape[-1])
+    found = (n[:, 0] < cand.shape[-1]) | (cand[:, -1] == float("-inf")) | (cand.shape[-1] == v)
     return cand.gather(1, n - 1), found
 
 
