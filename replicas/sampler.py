@@ -50,17 +50,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | 
 def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
                counters: list[int]) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
-    out = logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        # row indices as device tensors (transfer.to_device): Python lists as indices would be
-        # copied to the device blocking, waiting for the steps queued before this one
-        dev = logits.device
-        probs = _probs([params[i] for i in rows], logits.index_select(0, to_device(rows, dev)))  # [S, V]
-        u = uniform(to_device([_key(keys[i]) for i in rows], dev, torch.int64),
-                    to_device([counters[i] for i in rows], dev, torch.int64), probs.shape[-1])
-        out.index_copy_(0, to_device(rows, dev), _race(probs, u))
-    return out
+    if not rows:
+        return logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
+    # row indices as device tensors (transfer.to_device): Python lists as indices would be
+    # copied to the device blocking, waiting for the steps queued before this one
+    dev = logits.device
+    every = len(rows) == len(params)  # (then no copies of the rows in and out: [N, V] each)
+    index = None if every else to_device(rows, dev)
+    probs = _probs([params[i] for i in rows], logits if every else logits.index_select(0, index))  # [S, V]
+    u = uniform(to_device([_key(keys[i]) for i in rows], dev, torch.int64),
+                to_device([counters[i] for i in rows], dev, torch.int64), probs.shape[-1])
+    if every:
+        return _race(probs, u)
+    return logits.argmax(dim=-1).index_copy_(0, index, _race(probs, u))
 
 
 def unseeded_key(engine_seed: int, arrival: int) -> int:
@@ -104,8 +107,9 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
         cand = cand.masked_fill(cand < kth, float("-inf"))
     nucleus = [j for j, p in enumerate(params) if p.top_p < 1.0]
     if nucleus:
+        every = len(nucleus) == len(params)  # (then no copies of the rows in and out: [S, V] each)
         rows = to_device(nucleus, dev)
-        sub = logits[rows]  # [P, V]
+        sub = logits if every else logits[rows]  # [P, V]
         top_p = to_device([params[j].top_p for j in nucleus], dev, torch.float64)[:, None]
         lse = sub.logsumexp(-1, keepdim=True)  # [P, 1]
         if sub.is_cuda:  # the cut searched for without a sort, and nothing asked of the device
@@ -122,7 +126,10 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
             if not bool(found.all()):  # rows without top-k (or past their candidates): sorted whole
                 rest = (~found).nonzero()[:, 0]
                 floor[rest] = nucleus_floor_ref(sub[rest], (sub[rest] - lse[rest]).exp(), top_p[rest])
-        logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
+        if every:  # (logits is this function's own tensor: the division made it)
+            logits.masked_fill_(logits < floor, float("-inf"))
+        else:
+            logits[rows] = sub.masked_fill(sub < floor, float("-inf"))
     return logits.softmax(-1)
 
 

@@ -77,6 +77,34 @@ def test_a_cut_among_the_top_k_candidates_keeps_what_the_whole_row_keeps(seed):
     assert torch.equal(_kept(x, got), _kept(x, want))
 
 
+def test_rows_that_hold_part_of_the_mass():
+    # candidates hold 0.79 of their rows' mass (the rest lies outside them): one token of 0.3 and
+    # a hundred of about 0.0049 each, so top_p 0.5 cuts after some forty of the small ones. The
+    # kernel leaves out tokens that cannot matter by the mass the row holds, not by 1: with 1,
+    # every small token would go and the cut would fall below them all.
+    small = 0.0049 - 1e-6 * torch.arange(100, dtype=torch.float64)
+    probs = torch.cat([torch.tensor([0.3], dtype=torch.float64), small]).float()[None].repeat(2, 1)
+    x = probs.log()
+    tops = torch.tensor([[0.5], [0.7]], dtype=torch.float64)
+    got = nucleus_floor(x.to(DEVICE), probs.to(DEVICE), tops.to(DEVICE)).cpu()
+    want = nucleus_floor_ref(x, probs, tops)
+    assert torch.equal(_kept(x, got), _kept(x, want))
+    assert 30 < int(_kept(x, want)[0].sum()) < 60
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_many_blocks_per_program_compact_in_place(seed, monkeypatch):
+    # each program's chunk many blocks long: the filter's and each pass's compaction of the
+    # tokens still inside (lo, hi] to the front of its region runs over many blocks, and the
+    # mass of those that leave above hi carries over to later passes
+    import kernels.nucleus as nucleus
+
+    monkeypatch.setattr(nucleus, "_BLOCK", 16)
+    monkeypatch.setattr(nucleus, "_CHUNKS", 2)
+    tops = torch.tensor([0.9, 0.5, 0.95, 0.3, 0.99, 0.6, 0.2, 0.999999], dtype=torch.float64)
+    _check(_rows(seed, 8, 700), tops[:, None])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("p", [1, 64, 256])
 def test_vocabulary_sized_rows_on_the_gpu(p):
