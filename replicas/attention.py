@@ -18,8 +18,12 @@ ahead, for all rows together), so a step whose decode rows are the same sequence
 tables as the last step's only advances every row's length by one, tail fills included. A row
 joining or leaving, or a table that grew or changed (a filled chunk deduplicated on insertion),
 rebuilds it. FlashInfer's plans list only the chunks in use, so they are also rebuilt when a
-row's tail fills. Prefill uses the plain-torch reference until the
-FlashInfer prefill path lands.
+row's tail fills.
+
+Prefill (DESIGN §5, the dense path): with the triton backend, a 16-bit pool and flashinfer
+installed, every prefill span of a step goes through FlashInfer's paged prefill in one launch
+per layer (``kernels.paged_prefill``, planned once per step); otherwise span by span through
+the plain-torch reference. (The block-union sparse selection for long contexts is not built.)
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import fi_decode, reference, tpp_torch  # fi_decode imports flashinfer only when used
+from kernels import fi_decode, paged_prefill, reference, tpp_torch  # flashinfer imported only when used
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
 from replicas.transfer import to_device
@@ -49,7 +53,7 @@ class Attention:
     """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
 
     def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device,
-                 flashinfer_fallback: bool = True):
+                 flashinfer_fallback: bool = True, flashinfer_prefill: bool = True):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
@@ -69,6 +73,12 @@ class Attention:
                 self._fi = fi_decode.FlashInferDecode(
                     num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     chunk_size=pool.chunk_size, dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
+        self._prefill = None  # kernels.paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
+        if backend == "triton" and flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
+            self._prefill = paged_prefill.FlashInferPrefill(
+                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, chunk_size=pool.chunk_size,
+                dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
+        self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
         self._signature: tuple | None = None
@@ -96,8 +106,12 @@ class Attention:
                 chunk_idx += [seq.chunk_at(k)] * take
                 start, n = start + take, n - take
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
+        fused = self._prefill is not None and bool(prefills)
+        if fused:
+            self._prefill.plan([(s.chunk_ids, s.context_len, s.num_new) for s in prefills])
+            self.prefill_plans += 1
         return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
-                             self._plan_decode(batch), tuple(prefills))
+                             self._plan_decode(batch), tuple(prefills), fused)
 
     def _plan_decode(self, batch: Batch):
         if not batch.decodes:
@@ -180,6 +194,7 @@ class StepAttention:
     # reference.TreePlan, tpp_torch.TorchPlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
     decode_plan: object
     prefills: tuple[PrefillSpan, ...]
+    fused_prefill: bool = False  # the prefill spans through the FlashInfer plan made for this step
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -192,6 +207,9 @@ class StepAttention:
         b = self.num_decodes
         if b:
             out[:b] = a.decode(q[:b], k_cache, v_cache, self.decode_plan)
+        if self.fused_prefill:  # the spans' rows follow the decode rows, in span order
+            out[b:] = a._prefill.run(q[b:], k_cache, v_cache)
+            return out
         for s in self.prefills:
             rows = slice(s.start, s.start + s.num_new)
             out[rows] = reference.prefill_attention_ref(

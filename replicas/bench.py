@@ -10,6 +10,8 @@ on, KV chunks in use, decode plans built).
     python -m replicas.bench ... --warmup               # replicas.warmup first, as a GPU replica
                                                         # does: run 0 on a fresh machine then
                                                         # shows what users' first requests see
+    python -m replicas.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
+                                                          # reference, one by one
     python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
@@ -42,7 +44,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
-                        async_scheduling=args.async_scheduling)
+                        async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill)
 
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
@@ -92,7 +94,8 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
             "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used,
             "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],
-            "plan_builds": engine.attention.plan_builds, "steps": s["steps"],
+            "plan_builds": engine.attention.plan_builds, "prefill_plans": engine.attention.prefill_plans,
+            "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0, **warmed}
 
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (else the engine keys it by arrival)")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                     help="the host prepares each step while the device runs the one before (default: on CUDA)")
+    ap.add_argument("--flashinfer-prefill", action=argparse.BooleanOptionalAction, default=True,
+                    help="prefill through FlashInfer's paged prefill where it is installed (else the reference, span by span)")
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")

@@ -7,6 +7,7 @@ from collections import defaultdict
 import pytest
 import torch
 
+from kernels import paged_prefill
 from replicas.engine import LLMEngine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -116,6 +117,8 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     torch.cuda.empty_cache()
     tri_engine, tri_out, tri = run("triton", "bfloat16")
     assert tri_engine.attention.backend == "triton" and all(len(o) == 16 for o in tri_out)
+    # the prompts' prefill through FlashInfer's paged prefill, where flashinfer is installed
+    assert (tri_engine.attention.prefill_plans > 0) == paged_prefill.available()
     assert tri_engine.runner.graphs.replays >= 8  # the logits below came through CUDA graphs
     err_ref, err_tri = logit_errors(exact_out, exact, [(ref_out, ref), (tri_out, tri)], 16)
     assert len(err_tri) >= 64, f"only {len(err_tri)} comparable tokens"
@@ -153,3 +156,32 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     assert len(err_fi) >= 64, f"only {len(err_fi)} comparable tokens"
     assert max(err_fi) <= 2 * max(err_tri) + 1e-2, f"flashinfer off by {max(err_fi)}, triton by {max(err_tri)}"
     print(f"compared {len(err_fi)} tokens: max |logit error| flashinfer {max(err_fi):.4f}, triton {max(err_tri):.4f}")
+
+
+def test_prefill_through_flashinfer_within_bf16_error():
+    """Chunked prefill (pieces of 96 tokens: spans with a context, several a step, partial chunks)
+    of prompts sharing a prefix, bf16: FlashInfer's paged prefill gives logits as close to an
+    fp32 run as the reference prefill does, at every step."""
+    pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
+    prompts = shared_prompts(n=8, prefix_len=300, seed=3)
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+    def run(dtype, fused=True, backend="triton", weights=None):
+        engine = LLMEngine.from_model("tiny", device="cuda", dtype=dtype, kv_cache_tokens=8192,
+                                      max_num_batched_tokens=96, attention_backend=backend,
+                                      flashinfer_prefill=fused)
+        if weights is not None:
+            copy_weights(engine, weights)
+        logits = record_logits(engine)
+        return engine, engine.generate(prompts, params), logits
+
+    fi_engine, fi_out, fi = run("bfloat16")
+    ref_engine, ref_out, ref = run("bfloat16", fused=False)
+    _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
+    assert fi_engine.attention.prefill_plans >= 8 and ref_engine.attention.prefill_plans == 0
+    assert fi_engine.stats()["cached_prompt_tokens"] > 0
+    err_fi, err_ref = logit_errors(exact_out, exact, [(fi_out, fi), (ref_out, ref)], 12)
+    assert len(err_fi) >= 48, f"only {len(err_fi)} comparable tokens"
+    assert max(err_fi) <= 2 * max(err_ref) + 1e-2, f"flashinfer off by {max(err_fi)}, reference by {max(err_ref)}"
+    print(f"compared {len(err_fi)} tokens: max |logit error| flashinfer prefill {max(err_fi):.4f}, "
+          f"reference {max(err_ref):.4f}")

@@ -1,0 +1,83 @@
+"""kernels.paged_prefill: FlashInfer's paged prefill over the chunk pool against the plain-torch
+reference, span by span (GPU with flashinfer: `pytest -m gpu`)."""
+
+import random
+
+import pytest
+import torch
+
+from kernels.reference import prefill_attention_ref
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOL = {torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _spans(rng, c, num_chunks):
+    """(table, context_len, num_new) covering the awkward cases: no context, a context ending
+    on a chunk boundary and inside one, one new token, new tokens crossing several chunks, a
+    long context; tables drawn from a shuffled pool (neighbours not adjacent)."""
+    shapes = [(0, 1), (0, 5 * c + 3), (c, c), (2 * c + 7, 1), (3 * c - 1, 2 * c + 5), (17 * c + 9, 40),
+              (rng.randrange(1, 9 * c), rng.randrange(1, 3 * c))]
+    free = list(range(num_chunks))
+    rng.shuffle(free)
+    spans = []
+    for context, new in shapes:
+        used = -(-(context + new) // c)
+        table = [free.pop() for _ in range(used + rng.randrange(2))]  # a reserved chunk past it, sometimes
+        spans.append((table, context, new))
+    return spans
+
+
+# (FlashInfer compiles a module per dtype and head size on first use, about 90 s each on a
+# fresh H200: three of them here; head size 256 is not run)
+@pytest.mark.parametrize("dtype, hq, hkv, d", [
+    (torch.float16, 32, 32, 128), (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 2, 64), (torch.bfloat16, 8, 1, 64)])
+@pytest.mark.parametrize("c", [16, 64])
+def test_spans_match_the_reference(dtype, hq, hkv, d, c):
+    pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
+    from kernels.paged_prefill import FlashInferPrefill
+
+    rng = random.Random(hq * 1000 + d + c)
+    gen = torch.Generator(device="cuda").manual_seed(c)
+    num_chunks = 80 * 64 // c
+    k = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
+    scale = d ** -0.5
+    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype,
+                           device=torch.device("cuda"), sm_scale=scale)
+    for step in range(2):  # the two wrappers in turn
+        spans = _spans(rng, c, num_chunks)
+        rows = sum(n for _, _, n in spans)
+        q = torch.randn(rows, hq, d, generator=gen, device="cuda").to(dtype)
+        planned = fi.plan(spans)
+        assert planned.num_rows == rows
+        out = fi.run(q, k, v)
+        assert out.shape == q.shape and out.dtype == dtype
+        start = 0
+        for table, context, new in spans:
+            want = prefill_attention_ref(q[start:start + new], k, v, table, context, scale)
+            err = (out[start:start + new].float() - want.float()).abs().max().item()
+            assert err <= TOL[dtype], f"step {step}, span ({context}, {new}): off by {err}"
+            start += new
+
+
+def test_bad_plans_and_runs_are_refused():
+    pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
+    from kernels.paged_prefill import FlashInferPrefill, usable
+
+    assert not usable(torch.float32, 64, torch.device("cuda")) and not usable(torch.bfloat16, 64, torch.device("cpu"))
+    assert not usable(torch.bfloat16, 96, torch.device("cuda"))
+    fi = FlashInferPrefill(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16, dtype=torch.bfloat16,
+                           device=torch.device("cuda"), sm_scale=0.125)
+    with pytest.raises(ValueError, match="needs 3 chunks"):
+        fi.plan([([0, 1], 30, 5)])
+    with pytest.raises(ValueError, match="new tokens"):
+        fi.plan([([0], 3, 0)])
+    fi.plan([([0, 1], 20, 5)])
+    k = torch.zeros(2, 2, 16, 64, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="5 query rows"):
+        fi.run(torch.zeros(4, 4, 64, dtype=torch.bfloat16, device="cuda"), k, k)
+    with pytest.raises(ValueError, match="16-bit"):
+        FlashInferPrefill(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16, dtype=torch.float32,
+                          device=torch.device("cuda"), sm_scale=0.125)
