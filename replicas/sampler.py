@@ -19,9 +19,10 @@ for without a sort (``kernels.nucleus``): among the k + 1 largest logits where e
 has top-k, over the whole vocabulary otherwise. Elsewhere a row with top-k finds its cut among
 its k + 1 largest logits unless ties of its k-th value reach past them (a host sync, free on the
 CPU), and other top-p rows are sorted whole. H200, V = 128256, ``python -m
-replicas.bench_sampler`` (ms a call, 256 rows): top-p 0.9 5.2 sorted -> 3.9; top-k 50 and top-p
-0.9 2.5 (candidates and a sync) -> 2.5-2.9 (none); temperature alone 0.9; 64 rows: 1.6, 1.4-1.5
-and 0.6.
+replicas.bench_sampler`` (ms a call, 256 rows): top-p 0.9 5.2 sorted -> 3.9 (the first search)
+-> 1.8 peaked / 2.4 flat (the search over the tokens that can matter, no row copies); top-k 50
+and top-p 0.9 2.5 (candidates and a sync) -> 1.9-2.3 (none); temperature alone 0.74-0.77; 64
+rows: 1.0-1.3, 1.5-1.7 and 0.3-0.4.
 
 Nothing here waits for the device on CUDA: row indices, keys and parameters go through pinned
 memory.
