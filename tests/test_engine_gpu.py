@@ -44,6 +44,16 @@ def copy_weights(engine, source):
             p.copy_(w)
 
 
+def tiny_run(prompts, params, weights=None, **options):
+    """A tiny CUDA engine of `options` (weights copied from the engine `weights`, if given): the
+    engine, its outputs for prompts and the logits of every token it sampled."""
+    engine = LLMEngine.from_model("tiny", device="cuda", kv_cache_tokens=8192, **options)
+    if weights is not None:
+        copy_weights(engine, weights)
+    logits = record_logits(engine)
+    return engine, engine.generate(prompts, params), logits
+
+
 def logit_errors(exact_out, exact, runs, steps):
     """Per run, |logits - exact logits| (max over the vocabulary) of every token, compared for each
     request for as long as the exact run and all `runs` ((outputs, logits) pairs) agree on tokens."""
@@ -137,12 +147,8 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     def run(dtype, backend="triton", fallback=True, weights=None):
-        engine = LLMEngine.from_model("tiny", device="cuda", dtype=dtype, kv_cache_tokens=8192,
-                                      attention_backend=backend, flashinfer_fallback=fallback, enforce_eager=True)
-        if weights is not None:
-            copy_weights(engine, weights)
-        logits = record_logits(engine)
-        return engine, engine.generate(prompts, params), logits
+        return tiny_run(prompts, params, weights, dtype=dtype, attention_backend=backend,
+                        flashinfer_fallback=fallback, enforce_eager=True)
 
     fi_engine, fi_out, fi = run("bfloat16")
     tri_engine, tri_out, tri = run("bfloat16", fallback=False)
@@ -167,13 +173,8 @@ def test_prefill_through_flashinfer_within_bf16_error():
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def run(dtype, fused=True, backend="triton", weights=None):
-        engine = LLMEngine.from_model("tiny", device="cuda", dtype=dtype, kv_cache_tokens=8192,
-                                      max_num_batched_tokens=96, attention_backend=backend,
-                                      flashinfer_prefill=fused)
-        if weights is not None:
-            copy_weights(engine, weights)
-        logits = record_logits(engine)
-        return engine, engine.generate(prompts, params), logits
+        return tiny_run(prompts, params, weights, dtype=dtype, attention_backend=backend,
+                        max_num_batched_tokens=96, flashinfer_prefill=fused)
 
     fi_engine, fi_out, fi = run("bfloat16")
     ref_engine, ref_out, ref = run("bfloat16", fused=False)
