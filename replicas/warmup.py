@@ -1,7 +1,8 @@
 """Warm an engine up before it serves: run a few synthetic batches through the normal path, so
 that the kernels they use are compiled (Triton JIT-compiles each variant at its first launch,
-about a second apiece) and the CUDA caches and graphs set up, before a user's request waits on
-them. vLLM and SGLang do the same at startup (dummy runs, graph captures).
+about a second apiece; FlashInfer's prefill module, kernels/paged_prefill.py, about two minutes
+on a fresh H200, then cached on disk) and the CUDA caches and graphs set up, before a user's
+request waits on them. vLLM and SGLang do the same at startup (dummy runs, graph captures).
 
 What it runs (all through add_request / step, so tensor-parallel ranks follow, TPEngine):
 - a batch of up to ``max_num_seqs`` rows sharing a two-chunk prefix, their own parts of 1 .. c
@@ -17,6 +18,7 @@ H200, llama3-8b, 256 rows after a 2048-token shared prefix, each run with an emp
 256 --prefix 2048 --suffix 64 --max-tokens 64 --backend triton [--warmup]``: without it the first
 run's decode steps took 21.2 ms (13.5 of them the host's, compiling) and its prefill 11.5 s; after
 a 14.5 s warmup (264 requests) 12.2 ms and 7.0 s, where warm runs take 11.9-13.0 ms and 3.9-6.2 s.
+(Those prefills ran through the plain-torch reference, before kernels/paged_prefill.py.)
 """
 
 from __future__ import annotations
