@@ -2,7 +2,7 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (logprobs, penalties, tools, ...) are a 400
+Known fields whose non-default values we cannot honour (logprobs, min_tokens, tools, ...) are a 400
 naming the field rather than a silently different answer.
 """
 
@@ -19,6 +19,7 @@ from replicas.sequence import SEED_RANGE, SamplingParams
 
 MAX_STOP_STRINGS = 64  # each one is searched for in the text at every token (OpenAI allows 4)
 MAX_STOP_TOKEN_IDS = 4096
+MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 
 
 class _NullMeansDefault(BaseModel):
@@ -47,10 +48,8 @@ class _SamplingRequest(_NullMeansDefault):
     model_config = ConfigDict(strict=True, extra="ignore")
     # field -> the values that mean "feature off"; anything else is refused
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
-        "logit_bias": (None, {}),
         # vLLM's extensions we do not implement: their non-default values would change the answer
-        "min_tokens": (None, 0), "min_p": (None, 0), "include_stop_str_in_output": (None, False),
+        "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
         "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
         "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     }
@@ -69,12 +68,12 @@ class _SamplingRequest(_NullMeansDefault):
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension (as vLLM): token ids beside the text
     user: str | None = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
-    logit_bias: Any = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float = Field(1.0, gt=0, le=100)  # extension (vLLM)
+    min_p: float = Field(0.0, ge=0, le=1)  # extension (vLLM)
+    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id (a string, as JSON keys are) -> bias
     min_tokens: Any = None
-    min_p: Any = None
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     guided_json: Any = None
@@ -98,6 +97,16 @@ class _SamplingRequest(_NullMeansDefault):
         if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        for token, value in (bias or {}).items():
+            if not (token.isascii() and token.isdigit()):
+                raise ValueError(f"logit_bias keys are token ids, got {token!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"logit_bias values are in [-100, 100], got {value!r} for token {token}")
+        return bias
 
     @field_validator("stream_options")
     @classmethod
@@ -125,7 +134,9 @@ class _SamplingRequest(_NullMeansDefault):
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
 
 
 class CompletionRequest(_SamplingRequest):

@@ -134,7 +134,7 @@ class LLMEngine:
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
                                    flashinfer_prefill=config.flashinfer_prefill)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
-                                  tp_size=config.tp_size)
+                                  tp_size=config.tp_size, vocab_size=mc.vocab_size)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
@@ -182,6 +182,9 @@ class LLMEngine:
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self._validate_prompt(prompt_token_ids)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
         seq = Sequence(request_id, prompt, params, next(self._arrivals))
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
             self._keys[request_id] = (params.seed if params.seed is not None
@@ -209,6 +212,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._keys.pop(request_id, None)
+        self.runner.penalties.release(request_id)
         self.scheduler.finish(seq, "abort")
         return True
 
@@ -284,6 +288,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
             self._keys.pop(seq.request_id, None)
+            self.runner.penalties.release(seq.request_id)
             c = self._counters
             c["finished_requests"] += 1
             c["prompt_tokens"] += len(seq.prompt_ids)

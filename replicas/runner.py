@@ -14,6 +14,7 @@ import torch
 
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
+from replicas.penalties import Penalties
 from replicas.sampler import sample_ids
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
@@ -35,8 +36,9 @@ class Launched(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
-                 enforce_eager: bool = False, tp_size: int = 1):
+                 enforce_eager: bool = False, tp_size: int = 1, vocab_size: int):
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
+        self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
@@ -114,9 +116,12 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
+        penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
         tokens = sample_ids(logits, [s.params for s in samplers], [keys.get(s.request_id) for s in samplers],
-                            [len(s.output_ids) for s in samplers])
+                            [len(s.output_ids) for s in samplers], penalized)
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)
+        if penalized is not None:
+            self.penalties.record(penalized, tokens)
         return samplers, tokens

@@ -12,6 +12,9 @@ depends only on its probabilities, key and counter, not on the rest of the batch
 row per step: 256 rows at temperature 0.8 took 37-41 ms a step on the H200 against 10.6-12.5
 greedy, llama3-8b, replicas.bench.)
 
+Every row's logits first get its logit_bias, then its penalties (repetition, frequency, presence:
+vLLM's order, greedy rows too), from the token counts the engine keeps on the device
+(``replicas.penalties``); sampling rows then divide by their temperature and drop what min_p drops.
 Top-k keeps the tokens that reach the row's k-th largest logit. Top-p then keeps a token unless
 the tokens more likely than it already hold top_p of the probability (summed in float64): tied
 tokens stay or go together, and the most likely token always stays. On CUDA the cut is searched
@@ -30,6 +33,8 @@ memory.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from kernels.nucleus import nucleus_floor, nucleus_floor_ref
@@ -39,18 +44,26 @@ from replicas.transfer import to_device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-           counters: list[int]) -> list[int]:
+           counters: list[int], penalties: Penalized | None = None) -> list[int]:
     """One token id per row of logits: [N, V] float32, one row per sequence that samples this step.
 
     keys[i]: row i's 64-bit key (an int in SEED_RANGE, taken mod 2**64), or None for one drawn
     from torch's global RNG; counters[i]: its draw's number (the engine: the output's index).
-    Greedy rows read neither."""
-    return sample_ids(logits, params, keys, counters).tolist()
+    Greedy rows read neither. penalties: the token counts of the rows whose params penalize
+    (replicas.penalties.Gathered), None if none does."""
+    return sample_ids(logits, params, keys, counters, penalties).tolist()
+
+
+class Penalized(Protocol):
+    rows: list[int]  # the penalized rows' indices
+    counts: torch.Tensor  # [P, V] how often each row has generated each token
+    prompt: torch.Tensor  # [P, V] bool each row's prompt tokens
 
 
 def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-               counters: list[int]) -> torch.Tensor:
+               counters: list[int], penalties: Penalized | None = None) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
+    logits = _adjust(logits, params, penalties)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
@@ -86,6 +99,34 @@ def _key(key: int | None) -> int:
     return key - 2**64 if key >= 2**63 else key
 
 
+def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalized | None) -> torch.Tensor:
+    """The logits every row's choice starts from, greedy rows' too (vLLM's order): logit_bias
+    added, then the penalties: repetition (a token of the prompt or the output: divided by it
+    where positive, multiplied where not), frequency (times the token's count) and presence (if
+    it occurs) subtracted. The input itself where no row has any of them."""
+    biased = [i for i, p in enumerate(params) if p.logit_bias]
+    if not biased and penalties is None:
+        return logits
+    dev = logits.device
+    logits = logits.clone()
+    if biased:
+        rows = [i for i in biased for _ in params[i].logit_bias]
+        ids = [t for i in biased for t, _ in params[i].logit_bias]
+        bias = [b for i in biased for _, b in params[i].logit_bias]
+        logits.index_put_((to_device(rows, dev), to_device(ids, dev)), to_device(bias, dev, logits.dtype),
+                          accumulate=True)
+    if penalties is not None:
+        rows = to_device(penalties.rows, dev)
+        p = [params[i] for i in penalties.rows]
+        rep, freq, pres = (to_device([getattr(x, name) for x in p], dev, logits.dtype)[:, None]
+                           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        counts = penalties.counts.to(logits.dtype)
+        sub = logits[rows]  # [P, V]
+        sub = torch.where(penalties.prompt | (counts > 0), torch.where(sub > 0, sub / rep, sub * rep), sub)
+        logits[rows] = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
+    return logits
+
+
 def _race(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The exponential race over [..., V]: argmax of probs / -log(u) (u in (0, 1), so -log(u) > 0
     and tokens of probability 0 never win), a draw from probs. Consumes u."""
@@ -96,6 +137,10 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     """Sampling probabilities of S rows: logits [S, V] / temperature, top-k then top-p applied."""
     dev, v = logits.device, logits.shape[-1]
     logits = logits / to_device([p.temperature for p in params], dev, logits.dtype)[:, None]
+    if any(p.min_p for p in params):  # (vLLM's order: before top-k and top-p)
+        min_p = to_device([p.min_p for p in params], dev, logits.dtype)[:, None]
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     ks = [p.top_k if 0 < p.top_k < v else 0 for p in params]  # 0: whole vocabulary
     cand = None
     if any(ks):
@@ -153,9 +198,27 @@ def _nucleus_floor(cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v
     return cand.gather(1, n - 1), found
 
 
-def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: int) -> int:
-    """One non-greedy row alone (logits: [V]); the plain reference that ``sample`` batches."""
+def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: int,
+                   prompt: list[int] = (), outputs: list[int] = ()) -> int:
+    """One row alone (logits: [V]); the plain reference that ``sample`` batches. prompt, outputs:
+    the row's tokens so far, which its penalties read."""
+    for t, b in p.logit_bias:
+        logits = logits.clone()
+        logits[t] += b
+    if p.penalized:
+        counts = torch.bincount(torch.tensor(list(outputs), dtype=torch.long), minlength=logits.numel())
+        counts = counts.to(logits.device, logits.dtype)
+        seen = counts > 0
+        seen[list(prompt)] = True
+        logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
+                                               logits * p.repetition_penalty), logits)
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    if p.greedy:
+        return int(logits.argmax())
     logits = logits / p.temperature
+    if p.min_p > 0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -26,9 +26,33 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # OpenAI's: each token's logit less presence_penalty if the request has generated it and
+    # frequency_penalty times how often; vLLM's: a token of the prompt or the output has its logit
+    # divided by repetition_penalty where positive, multiplied where negative (replicas.penalties)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # sampling keeps the tokens whose probability (after temperature) reaches min_p times the
+    # most likely one's (vLLM's; greedy rows ignore it)
+    min_p: float = 0.0
+    # OpenAI's: (token id, bias) pairs, each bias added to the token's logit before anything else
+    # (a dict is taken too)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {t!r}: {b!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         # membership at every generated token (LLMEngine._append): a set, not a scan of the tuple
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -45,6 +69,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the request's logits depend on the tokens it has seen (the penalties)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 class Status(enum.Enum):

@@ -177,3 +177,20 @@ def test_openai_client_errors(server, client):
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=server[1]["model"], prompt=PROMPT, max_tokens=2, n=2)
+
+
+def test_openai_client_penalties_and_logit_bias(server, client, engine):
+    # OpenAI's presence / frequency penalties and logit_bias through the openai client: the
+    # replica's tokens are the engine's with the same params; a bias past the vocabulary is a 400
+    _, args = server
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    penalized = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"65": 3.0})
+    r = client.completions.create(model=args["model"], prompt=PROMPT, **GREEDY, **penalized,
+                                  extra_body={"return_token_ids": True})
+    expected = engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0, presence_penalty=1.5,
+                                                            frequency_penalty=0.5, logit_bias={65: 3.0}))[0]
+    assert r.choices[0].token_ids == expected
+    assert expected != engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0))[0]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2, logit_bias={"999999": 1})
+    assert "logit_bias" in str(e.value)

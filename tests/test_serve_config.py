@@ -99,7 +99,13 @@ def test_build_app_gpu_share():
     ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": True}, "echo"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),  # OpenAI's range: [-2, 2]
+    ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
     ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
     ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
     ({"prompt": None}, "prompt"),  # null is no prompt, not a default
@@ -113,6 +119,17 @@ def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
+    body = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
+                                             "repetition_penalty": 1.2, "min_p": 0.1,
+                                             "logit_bias": {"7": -100, "3": 2.5}})
+    p = body.sampling_params(8)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1, 1.2, 0.1)
+    assert p.logit_bias == ((3, 2.5), (7, -100)) and p.penalized
+    plain = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": None, "logit_bias": None})
+    assert not plain.sampling_params(8).penalized and plain.sampling_params(8).logit_bias == ()
 
 
 def test_null_means_the_default():
