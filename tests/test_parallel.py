@@ -25,6 +25,9 @@ SHARED = list(range(40, 40 + 70))  # 70 shared tokens: 4 whole chunks and a part
 PROMPTS = [SHARED + [300 + i] * (i + 1) for i in range(6)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+# penalties: every rank keeps the row's token counts from the tokens rank 0 broadcast
+PENALIZED = dataclasses.replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
+                                logit_bias={5: 1.5})
 JOIN_S = 120
 
 
@@ -69,7 +72,7 @@ def _rank0(port: int, scenario: str, out_path: str) -> None:
 
 # Scenarios: run on rank 0's TPEngine, and on a one-rank LLMEngine for what they should give.
 def _generate(engine) -> dict:
-    params = [GREEDY] * (len(PROMPTS) - 1) + [SAMPLED]
+    params = [GREEDY] * (len(PROMPTS) - 3) + [PENALIZED, GREEDY, SAMPLED]
     return {"tokens": engine.generate(PROMPTS, params), "stats": engine.stats()}
 
 
