@@ -41,11 +41,13 @@ class SamplingParams:
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
-        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
-        for t, b in self.logit_bias:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0 or not -100 <= b <= 100:
-                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {t!r}: {b!r}")
+        bias = list(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
+        for pair in bias:
+            t, b = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if (isinstance(t, bool) or not isinstance(t, int) or t < 0 or isinstance(b, bool)
+                    or not isinstance(b, (int, float)) or not -100 <= b <= 100):
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {pair!r}")
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias)))
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")

@@ -119,6 +119,7 @@ def test_an_aborted_request_gives_its_slot_back_and_bad_bias_is_refused():
         engine.add_request("b", [1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
     assert not engine.has_unfinished()
     for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(min_p=1.5), dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 200})):
+                dict(min_p=1.5), dict(min_p=float("nan")), dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 200}),
+                dict(logit_bias={3: "x"}), dict(logit_bias=[(1, 2, 3)]), dict(logit_bias={"3": 1.0})):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
