@@ -366,6 +366,9 @@ class OpenAIIngress:
                           max_tokens: int) -> GenerateRequest:
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
+        if body.min_tokens > max_tokens:  # (max_tokens: the request's, or what the context leaves)
+            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this completion "
+                           "may have", param="min_tokens")
         # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
         # length and params.max_tokens from this request
         hashes = chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,

@@ -2,7 +2,7 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (logprobs, min_tokens, tools, ...) are a 400
+Known fields whose non-default values we cannot honour (logprobs, guided decoding, tools, ...) are a 400
 naming the field rather than a silently different answer.
 """
 
@@ -49,7 +49,7 @@ class _SamplingRequest(_NullMeansDefault):
     # field -> the values that mean "feature off"; anything else is refused
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         # vLLM's extensions we do not implement: their non-default values would change the answer
-        "min_tokens": (None, 0), "include_stop_str_in_output": (None, False),
+        "include_stop_str_in_output": (None, False),
         "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
         "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     }
@@ -73,7 +73,7 @@ class _SamplingRequest(_NullMeansDefault):
     repetition_penalty: float = Field(1.0, gt=0, le=100)  # extension (vLLM)
     min_p: float = Field(0.0, ge=0, le=1)  # extension (vLLM)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id (a string, as JSON keys are) -> bias
-    min_tokens: Any = None
+    min_tokens: int = Field(0, ge=0)  # extension (vLLM): no stop before this many tokens
     include_stop_str_in_output: Any = None
     skip_special_tokens: Any = None
     guided_json: Any = None
@@ -136,7 +136,8 @@ class _SamplingRequest(_NullMeansDefault):
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()})
+                              min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+                              min_tokens=self.min_tokens)
 
 
 class CompletionRequest(_SamplingRequest):

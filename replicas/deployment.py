@@ -93,7 +93,7 @@ class LLMReplica:
         """Stream one request: each output holds what is new since the previous one."""
         self._raise_if_dead()
         rid = request.request_id
-        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop)
+        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._post(_Add(rid, request.prompt_token_ids, request.params))
         arrival = time.perf_counter()
@@ -312,14 +312,17 @@ class _TextStream:
     """One request's output text: incremental detokenization and stop strings.
 
     Text that could still be the start of a stop string is held back (longest stop - 1 chars);
-    on a stop string the text ends right before it.
+    on a stop string the text ends right before it. Stop strings are looked for from the
+    min_tokens-th token on (vLLM: text before it is not searched again).
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...]):
+    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...],
+                 min_tokens: int = 0):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model has none")
         self._detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids))
         self._stop = stop
+        self._min_tokens, self._tokens = min_tokens, 0
         self._hold = max(map(len, stop), default=1) - 1
         self._text = ""
         self._sent = 0  # chars of _text already returned
@@ -330,9 +333,10 @@ class _TextStream:
             return "", False
         checked = len(self._text)
         self._text += "".join(self._detok.push(t) for t in token_ids)
+        self._tokens += len(token_ids)
         if final:
             self._text += self._detok.flush()
-        stopped = self._cut_at_stop(checked)
+        stopped = self._tokens >= self._min_tokens and self._cut_at_stop(checked)
         end = len(self._text) if final or stopped else max(self._sent, len(self._text) - self._hold)
         new, self._sent = self._text[self._sent : end], end
         return new, stopped

@@ -134,7 +134,8 @@ class LLMEngine:
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
                                    flashinfer_prefill=config.flashinfer_prefill)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
-                                  tp_size=config.tp_size, vocab_size=mc.vocab_size)
+                                  tp_size=config.tp_size, vocab_size=mc.vocab_size,
+                                  eos_token_ids=tuple(mc.eos_token_ids))
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)

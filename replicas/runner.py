@@ -36,8 +36,10 @@ class Launched(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
-                 enforce_eager: bool = False, tp_size: int = 1, vocab_size: int):
+                 enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
+                 eos_token_ids: tuple[int, ...] = ()):
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
+        self.eos_token_ids = tuple(eos_token_ids)
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
@@ -75,6 +77,12 @@ class ModelRunner:
             slots.append(len(out))
             out.append(-1 - i)
         return Launched(samplers, slots, tokens, host, done)
+
+    def _stop_ids(self, p) -> tuple[int, ...]:
+        """The tokens that would end a request of params p: its stop_token_ids (those in the
+        vocabulary: no others can be drawn), EOS unless ignore_eos."""
+        vocab = self.penalties.vocab
+        return tuple(t for t in p.stop_token_ids if 0 <= t < vocab) + (() if p.ignore_eos else self.eos_token_ids)
 
     def collect(self, launched: Launched) -> list[int]:
         """The launched step's sampled tokens, samplers' order (waits for the device)."""
@@ -117,8 +125,12 @@ class ModelRunner:
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
         penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
+        counters = [len(s.output_ids) for s in samplers]
+        # rows short of their min_tokens: their stop tokens cannot be drawn yet
+        banned = [(i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters))
+                  if n < s.params.min_tokens]
         tokens = sample_ids(logits, [s.params for s in samplers], [keys.get(s.request_id) for s in samplers],
-                            [len(s.output_ids) for s in samplers], penalized)
+                            counters, penalized, banned)
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)

@@ -44,14 +44,16 @@ from replicas.transfer import to_device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-           counters: list[int], penalties: Penalized | None = None) -> list[int]:
+           counters: list[int], penalties: Penalized | None = None,
+           banned: list[tuple[int, tuple[int, ...]]] = ()) -> list[int]:
     """One token id per row of logits: [N, V] float32, one row per sequence that samples this step.
 
     keys[i]: row i's 64-bit key (an int in SEED_RANGE, taken mod 2**64), or None for one drawn
     from torch's global RNG; counters[i]: its draw's number (the engine: the output's index).
     Greedy rows read neither. penalties: the token counts of the rows whose params penalize
-    (replicas.penalties.Gathered), None if none does."""
-    return sample_ids(logits, params, keys, counters, penalties).tolist()
+    (replicas.penalties.Gathered), None if none does. banned: (row, token ids) that row must not
+    draw this step (min_tokens: its stop tokens)."""
+    return sample_ids(logits, params, keys, counters, penalties, banned).tolist()
 
 
 class Penalized(Protocol):
@@ -61,9 +63,10 @@ class Penalized(Protocol):
 
 
 def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-               counters: list[int], penalties: Penalized | None = None) -> torch.Tensor:
+               counters: list[int], penalties: Penalized | None = None,
+               banned: list[tuple[int, tuple[int, ...]]] = ()) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
-    logits = _adjust(logits, params, penalties)
+    logits = _adjust(logits, params, penalties, banned)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return logits.argmax(dim=-1)  # ties -> lowest id, like transformers' greedy search
@@ -99,16 +102,21 @@ def _key(key: int | None) -> int:
     return key - 2**64 if key >= 2**63 else key
 
 
-def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalized | None) -> torch.Tensor:
+def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalized | None,
+            banned: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
     """The logits every row's choice starts from, greedy rows' too (vLLM's order): logit_bias
     added, then the penalties: repetition (a token of the prompt or the output: divided by it
     where positive, multiplied where not), frequency (times the token's count) and presence (if
-    it occurs) subtracted. The input itself where no row has any of them."""
+    it occurs) subtracted; banned tokens -inf. The input itself where no row has any of them."""
     biased = [i for i, p in enumerate(params) if p.logit_bias]
-    if not biased and penalties is None:
+    if not biased and penalties is None and not banned:
         return logits
     dev = logits.device
     logits = logits.clone()
+    if banned:
+        rows = [r for r, ids in banned for _ in ids]
+        ids = [t for _, ids in banned for t in ids]
+        logits[to_device(rows, dev), to_device(ids, dev)] = float("-inf")
     if biased:
         rows = [i for i in biased for _ in params[i].logit_bias]
         ids = [t for i in biased for t, _ in params[i].logit_bias]
@@ -199,9 +207,12 @@ def _nucleus_floor(cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v
 
 
 def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: int,
-                   prompt: list[int] = (), outputs: list[int] = ()) -> int:
+                   prompt: list[int] = (), outputs: list[int] = (), banned: tuple[int, ...] = ()) -> int:
     """One row alone (logits: [V]); the plain reference that ``sample`` batches. prompt, outputs:
-    the row's tokens so far, which its penalties read."""
+    the row's tokens so far, which its penalties read; banned: tokens it must not draw."""
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
     for t, b in p.logit_bias:
         logits = logits.clone()
         logits[t] += b

@@ -38,6 +38,9 @@ class SamplingParams:
     # OpenAI's: (token id, bias) pairs, each bias added to the token's logit before anything else
     # (a dict is taken too)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # vLLM's: until this many tokens are out, EOS (unless ignore_eos) and stop_token_ids cannot be
+    # drawn and stop strings are not looked for
+    min_tokens: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -55,6 +58,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
+                0 <= self.min_tokens <= (self.max_tokens if isinstance(self.max_tokens, int) else 0)):
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], "
+                             f"got {self.min_tokens!r}")
         # membership at every generated token (LLMEngine._append): a set, not a scan of the tuple
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:

@@ -38,15 +38,19 @@ def test_batched_rows_match_the_reference():
     for j, i in enumerate(rows):
         prompt[j, prompts[i]] = True
     gathered = Gathered(rows, torch.arange(len(rows)), counts.int(), prompt)
+    banned = [(i, tuple(range(i, 40, 3))) for i in range(0, len(params), 5)]  # (min_tokens: stop tokens)
     changed = 0
     for step in range(4):
         logits = torch.randn(len(params), v) * 3
         logits[:, :40] += 4  # the tokens the outputs repeat are the likely ones: the penalties matter
         keys = [7 * step + i for i in range(len(params))]
-        got = sample(logits, params, keys, [step] * len(params), gathered)
-        want = [sample_row_ref(logits[i], p, keys[i], step, prompts[i], outputs[i]) for i, p in enumerate(params)]
+        got = sample(logits, params, keys, [step] * len(params), gathered, banned)
+        off = dict(banned)
+        want = [sample_row_ref(logits[i], p, keys[i], step, prompts[i], outputs[i], off.get(i, ()))
+                for i, p in enumerate(params)]
         assert got == want
-        changed += sum(a != b for a, b in zip(got, sample(logits, params, keys, [step] * len(params))))
+        assert all(got[i] not in ids for i, ids in banned)
+        changed += sum(a != b for a, b in zip(got, sample(logits, params, keys, [step] * len(params), None, banned)))
     assert changed >= 8  # without the penalties many rows draw otherwise
 
 
@@ -123,3 +127,22 @@ def test_an_aborted_request_gives_its_slot_back_and_bad_bias_is_refused():
                 dict(logit_bias={3: "x"}), dict(logit_bias=[(1, 2, 3)]), dict(logit_bias={"3": 1.0})):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_min_tokens_hold_off_eos_and_stop_tokens(async_scheduling):
+    # EOS biased to certainty: without min_tokens a request ends on its first token; with it, on
+    # token min_tokens + 1. A stop token the same way; ignore_eos rows may draw EOS at any time.
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096, async_scheduling=async_scheduling)
+    eos = engine.model_config.eos_token_ids[0]
+    to_eos = SamplingParams(max_tokens=20, temperature=0, logit_bias={eos: 100})
+    to_stop = SamplingParams(max_tokens=20, temperature=0.8, seed=3, logit_bias={42: 100}, stop_token_ids=(42,))
+    prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 5, 9], [2, 4, 6]]
+    params = [to_eos, replace(to_eos, min_tokens=5), to_stop, replace(to_stop, min_tokens=9),
+              replace(to_eos, min_tokens=5, ignore_eos=True, max_tokens=7)]
+    outs = engine.generate(prompts, params)
+    assert [len(o) for o in outs] == [1, 6, 1, 10, 7]
+    assert outs[1][-1] == eos and eos not in outs[1][:-1] and outs[3][-1] == 42 and 42 not in outs[3][:-1]
+    assert outs[4] == [eos] * 7  # with ignore_eos EOS ends nothing, so it is not held off
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)

@@ -194,3 +194,11 @@ def test_openai_client_penalties_and_logit_bias(server, client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2, logit_bias={"999999": 1})
     assert "logit_bias" in str(e.value)
+    # vLLM's min_tokens: EOS biased to certainty still gives min_tokens + 1 tokens; more than max_tokens: 400
+    eos = engine.model_config.eos_token_ids[0]
+    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=24, temperature=0,
+                                  logit_bias={str(eos): 100}, extra_body={"min_tokens": 6, "return_token_ids": True})
+    assert len(r.choices[0].token_ids) == 7 and r.choices[0].token_ids[-1] == eos and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
+    assert "min_tokens" in str(e.value)

@@ -111,7 +111,8 @@ def test_build_app_gpu_share():
     ({"prompt": None}, "prompt"),  # null is no prompt, not a default
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
-    ({"prompt": "x", "min_tokens": 5}, "min_tokens"),  # vLLM extensions we do not implement: refused
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),  # vLLM extensions we do not implement: refused
     ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
 ])
@@ -175,6 +176,11 @@ def test_text_stream_stop_strings_and_utf8():
     assert _run(_TextStream(tok, prompt, ()), tok, "héllo wörld €") == ("héllo wörld €", False)
     assert _run(_TextStream(tok, prompt, ("wör",)), tok, "héllo wörld") == ("héllo ", True)
     assert _run(_TextStream(tok, prompt, ("zzz", "lo")), tok, "héllo wörld") == ("hél", True)
+    # min_tokens: no stop string is looked for before that many tokens (byte tokens here: "lo"
+    # ends at token 5 of "héllo", é being two; from token 7 on, "wör" ends at 11)
+    assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=5), tok, "héllo wörld") == ("hél", True)
+    assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=7), tok, "héllo wörld") == ("héllo ", True)
+    assert _run(_TextStream(tok, prompt, ("lo",), min_tokens=7), tok, "héllo wörld") == ("héllo wörld", False)
     # the last len(longest stop) - 1 chars are held back (they may begin a stop string) until the end
     stream = _TextStream(tok, prompt, ("abc",))
     assert stream.push(tuple(tok.encode("xab", add_special_tokens=False)), final=False) == ("x", False)
