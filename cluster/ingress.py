@@ -9,10 +9,12 @@ Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 """
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,6 +24,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.serve import context as serve_context
+from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
@@ -126,54 +130,59 @@ def _unavailable(e: Exception) -> APIError:
 
 
 class _CompletionFormat:
-    """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole response."""
+    """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
+    response. Choice i of a request with n choices is its i-th generate request's output."""
 
     def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
         self.id, self.model, self.prompt, self.token_ids = request_id, model, prompt, token_ids
         self.created = int(time.time())
 
-    def chunk(self, out: GenerateOutput) -> CompletionResponse:
-        choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason,
+    def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
+        choice = CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    def usage(self, last: GenerateOutput) -> CompletionResponse:
+    def usage(self, lasts: list[GenerateOutput]) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                  usage=Usage.of(last))
+                                  usage=Usage.of(lasts))
 
-    def whole(self, outs: list[GenerateOutput]) -> CompletionResponse:
-        choice = CompletionChoice(text="".join(o.text for o in outs), finish_reason=outs[-1].finish_reason,
-                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                                  prompt_token_ids=self.prompt if self.token_ids else None)
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                  usage=Usage.of(outs[-1]))
+    def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
+        body = [CompletionChoice(index=i, text="".join(o.text for o in outs), finish_reason=outs[-1].finish_reason,
+                                 token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                                 prompt_token_ids=self.prompt if self.token_ids else None)
+                for i, outs in enumerate(choices)]
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
+                                  usage=Usage.of([outs[-1] for outs in choices]))
 
 
 class _ChatFormat(_CompletionFormat):
-    """GenerateOutputs -> /v1/chat/completions bodies; the first chunk's delta carries the role."""
+    """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the role."""
 
     def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
         super().__init__(request_id, model, prompt, token_ids)
-        self.sent_role = False
+        self.sent_role: set[int] = set()  # choices whose role went out
 
-    def chunk(self, out: GenerateOutput) -> ChatCompletionChunk:
+    def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk:
         delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-        if not self.sent_role:
-            delta, self.sent_role = {"role": "assistant", **delta}, True
-        choice = ChatStreamChoice(delta=delta, finish_reason=out.finish_reason,
+        if index not in self.sent_role:
+            delta = {"role": "assistant", **delta}
+            self.sent_role.add(index)
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
-    def usage(self, last: GenerateOutput) -> ChatCompletionChunk:
+    def usage(self, lasts: list[GenerateOutput]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=Usage.of(last))
+                                   usage=Usage.of(lasts))
 
-    def whole(self, outs: list[GenerateOutput]) -> ChatCompletionResponse:
-        choice = ChatChoice(message=ChatChoiceMessage(content="".join(o.text for o in outs)),
-                            finish_reason=outs[-1].finish_reason,
-                            token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None)
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice],
-                                      usage=Usage.of(outs[-1]), prompt_token_ids=self.prompt if self.token_ids else None)
+    def whole(self, choices: list[list[GenerateOutput]]) -> ChatCompletionResponse:
+        body = [ChatChoice(index=i, message=ChatChoiceMessage(content="".join(o.text for o in outs)),
+                           finish_reason=outs[-1].finish_reason,
+                           token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None)
+                for i, outs in enumerate(choices)]
+        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
+                                      usage=Usage.of([outs[-1] for outs in choices]),
+                                      prompt_token_ids=self.prompt if self.token_ids else None)
 
 
 def _exclude(token_ids: bool, usage: bool) -> dict:
@@ -185,47 +194,88 @@ def _exclude(token_ids: bool, usage: bool) -> dict:
     return exclude
 
 
-async def _whole(first: GenerateOutput, rest: DeploymentResponseGenerator, fmt: _CompletionFormat,
-                 headers: dict[str, str]) -> JSONResponse:
-    outs = [first]
+Started = tuple[GenerateOutput, DeploymentResponseGenerator]  # a choice's first output and the rest
+
+
+def _own_serve_request_id() -> None:
+    """Give the handle calls made from this task (asyncio.gather runs each in a task with its own
+    copy of the context) a Serve-internal request id of their own. Every call an HTTP request
+    makes inherits that request's, and Serve's request router (ray 2.60) indexes the calls
+    waiting for a replica by it: a second call with the same id, made while the first waits, is
+    never given one (n choices hung), and PrefixAffinityRouter keys its load tickets by it too."""
+    ctx = serve_context._get_serve_request_context()
+    serve_context._serve_request_context.set(dataclasses.replace(ctx, _internal_request_id=generate_request_id()))
+
+
+def _cancel(started: list[Started]) -> None:
+    """Abort every choice in its replica (a finished one ignores it)."""
+    for _, rest in started:
+        rest.cancel()
+
+
+async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[str, str]) -> JSONResponse:
+    async def outputs(first: GenerateOutput, rest: DeploymentResponseGenerator) -> list[GenerateOutput]:
+        return [first] + [out async for out in rest]
+
     try:
-        async for out in rest:
-            outs.append(out)
+        choices = await asyncio.gather(*(outputs(first, rest) for first, rest in started))
     except BaseException:
-        rest.cancel()  # the client went away (or the replica failed): the replica aborts the request
+        _cancel(started)  # the client went away (or a replica failed): the replicas abort the requests
         raise
-    body = fmt.whole(outs).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
+    body = fmt.whole(list(choices)).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
     return JSONResponse(body, headers=headers)
 
 
-def _sse(first: GenerateOutput, rest: DeploymentResponseGenerator, fmt: _CompletionFormat, include_usage: bool,
+def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
          headers: dict[str, str]) -> StreamingResponse:
-    """Server-sent events: `data: {chunk}` per output, the usage chunk if asked, then `data: [DONE]`.
-    Outputs that add no text (a special token, half a character) are not sent unless they end the
-    stream or carry token ids that were asked for."""
+    """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
+    the usage chunk if asked, then `data: [DONE]`. Outputs that add no text (a special token, half
+    a character) are not sent unless they end their choice or carry token ids that were asked for."""
     exclude = _exclude(fmt.token_ids, include_usage)
 
     async def events() -> AsyncIterator[str]:
-        last = first
+        lasts = [first for first, _ in started]
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, rest: DeploymentResponseGenerator) -> None:  # choice i's outputs, then None
+            try:
+                async for out in rest:
+                    await queue.put((i, out))
+                await queue.put((i, None))
+            except Exception as e:  # noqa: BLE001 - reported in the stream below
+                await queue.put((i, e))
+
+        pumps: list[asyncio.Task] = []
         done = False
         try:
-            yield f"data: {fmt.chunk(first).model_dump_json(exclude=exclude)}\n\n"
-            async for out in rest:
-                last = out
+            for i, first in enumerate(lasts):
+                yield f"data: {fmt.chunk(first, i).model_dump_json(exclude=exclude)}\n\n"
+            pumps = [asyncio.create_task(pump(i, rest)) for i, (_, rest) in enumerate(started)]
+            running = len(pumps)
+            while running:
+                i, out = await queue.get()
+                if out is None:
+                    running -= 1
+                    continue
+                if isinstance(out, Exception):
+                    raise out
+                lasts[i] = out
                 if out.text or out.finish_reason is not None or fmt.token_ids:
-                    yield f"data: {fmt.chunk(out).model_dump_json(exclude=exclude)}\n\n"
+                    yield f"data: {fmt.chunk(out, i).model_dump_json(exclude=exclude)}\n\n"
             done = True
-        except Exception as e:  # the replica failed mid-stream: the status is sent, so say it in the stream
+        except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
             logger.exception("stream failed")
             error = ErrorDetail(message=f"generation failed: {e}", type="server_error")
             yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"  # the stream still ends as every stream does (vLLM's too)
             return
         finally:
+            for task in pumps:
+                task.cancel()
             if not done:
-                rest.cancel()  # the client disconnected (or the replica failed): abort in the engine
+                _cancel(started)  # the client disconnected (or a replica failed): abort in the engines
         if include_usage:
-            yield f"data: {fmt.usage(last).model_dump_json()}\n\n"
+            yield f"data: {fmt.usage(lasts).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
@@ -264,9 +314,9 @@ class OpenAIIngress:
         self._check_model(body.model)
         prompt = await self._completion_prompt(body)
         max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens", body=body)
-        req = self._generate_request("cmpl", prompt, body, max_tokens)
-        fmt = _CompletionFormat(req.request_id, self.model_name, prompt, body.return_token_ids)
-        return await self._respond(req, fmt, body.stream, body.include_usage)
+        rid, reqs = self._generate_request("cmpl", prompt, body, max_tokens)
+        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -278,17 +328,25 @@ class OpenAIIngress:
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
                                               body=body)
-        req = self._generate_request("chatcmpl", prompt, body, max_tokens)
-        fmt = _ChatFormat(req.request_id, self.model_name, prompt, body.return_token_ids)
-        return await self._respond(req, fmt, body.stream, body.include_usage)
+        rid, reqs = self._generate_request("chatcmpl", prompt, body, max_tokens)
+        fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
-    async def _respond(self, req: GenerateRequest, fmt: _CompletionFormat, stream: bool,
+    async def _respond(self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool,
                        include_usage: bool) -> Response:
-        first, rest = await self._start(req)
-        headers = {REPLICA_HEADER: first.replica_id}
+        """Start every choice's request (each waits for its first output, so errors get a status
+        code), then answer with all of them."""
+        results = await asyncio.gather(*(self._start(req, own_id=len(reqs) > 1) for req in reqs),
+                                       return_exceptions=True)
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            _cancel([r for r in results if not isinstance(r, BaseException)])
+            raise failed[0]
+        # the replica(s) that served it, in choice order
+        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(first.replica_id for first, _ in results))}
         if stream:
-            return _sse(first, rest, fmt, include_usage, headers)
-        return await _whole(first, rest, fmt, headers)
+            return _sse(results, fmt, include_usage, headers)
+        return await _whole(results, fmt, headers)
 
     # -- request checks ---------------------------------------------------------------------
     def _authorize(self, request: Request) -> None:
@@ -363,7 +421,8 @@ class OpenAIIngress:
         return wanted
 
     def _generate_request(self, kind: str, prompt: list[int], body: CompletionRequest | ChatCompletionRequest,
-                          max_tokens: int) -> GenerateRequest:
+                          max_tokens: int) -> tuple[str, list[GenerateRequest]]:
+        """-> (the response's id, one generate request per choice)."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         if body.min_tokens > max_tokens:  # (max_tokens: the request's, or what the context leaves)
@@ -373,9 +432,16 @@ class OpenAIIngress:
         # length and params.max_tokens from this request
         hashes = chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
                               self.model_name)
-        return GenerateRequest(request_id=f"{kind}-{uuid.uuid4().hex}", prompt_token_ids=tuple(prompt),
-                               params=body.sampling_params(max_tokens), stop=body.stop_strings,
-                               model=self.model_name, prefix_hashes=tuple(hashes))
+        # n choices: n requests with the same prompt and hashes (so the router sends them to the
+        # replica that holds it, whose prefix tree stores it once), ids <id>-<i>, seeds seed + i
+        # (unseeded choices get a random seed: the engine's own keys come from its seed and the
+        # request's arrival, alike on every replica, so choices on two replicas could draw alike)
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        seed = None if body.n == 1 or body.seed is not None else secrets.randbits(64)
+        return rid, [GenerateRequest(request_id=rid if body.n == 1 else f"{rid}-{i}", prompt_token_ids=tuple(prompt),
+                                     params=body.sampling_params(max_tokens, i, seed), stop=body.stop_strings,
+                                     model=self.model_name, prefix_hashes=tuple(hashes))
+                     for i in range(body.n)]
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _model_info(self) -> dict:
@@ -386,8 +452,11 @@ class OpenAIIngress:
                 raise _unavailable(e) from None
         return self._info
 
-    async def _start(self, req: GenerateRequest) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
-        """Send the request to a replica and wait for its first output (so errors get a status code)."""
+    async def _start(self, req: GenerateRequest, own_id: bool = False) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
+        """Send the request to a replica and wait for its first output (so errors get a status code).
+        own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id)."""
+        if own_id:
+            _own_serve_request_id()
         gen: DeploymentResponseGenerator = self._stream.generate.remote(req)
         try:
             return await gen.__anext__(), gen

@@ -20,6 +20,7 @@ from replicas.sequence import SEED_RANGE, SamplingParams
 MAX_STOP_STRINGS = 64  # each one is searched for in the text at every token (OpenAI allows 4)
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
+MAX_N = 16  # choices a request may ask for
 
 
 class _NullMeansDefault(BaseModel):
@@ -59,7 +60,7 @@ class _SamplingRequest(_NullMeansDefault):
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(-1, ge=-1)  # extension; -1 or 0: whole vocabulary
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)  # choices: n requests with the same prompt (the prefix tree holds it once)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     seed: int | None = Field(None, ge=SEED_RANGE.start, lt=SEED_RANGE.stop)
@@ -81,13 +82,6 @@ class _SamplingRequest(_NullMeansDefault):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n=1 is supported, got {n}")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -131,9 +125,13 @@ class _SamplingRequest(_NullMeansDefault):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, choice: int = 0, seed: int | None = None) -> SamplingParams:
+        """The params of choice `choice` (0 .. n - 1): choice i draws with seed + i, the seed the
+        request's, else `seed` (None: the engine keys it)."""
+        base = self.seed if self.seed is not None else seed
+        seed = None if base is None else base if choice == 0 else (base + choice) % 2**64
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                              top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
@@ -228,10 +226,13 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, out: GenerateOutput) -> Usage:
-        return cls(prompt_tokens=out.prompt_tokens, completion_tokens=out.completion_tokens,
-                   total_tokens=out.prompt_tokens + out.completion_tokens,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=out.cached_tokens))
+    def of(cls, lasts: list[GenerateOutput]) -> Usage:
+        """From each choice's latest output: the prompt counted once (the first choice's, cached
+        tokens too), the completions' tokens summed, as OpenAI counts n choices."""
+        first, completion = lasts[0], sum(o.completion_tokens for o in lasts)
+        return cls(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
+                   total_tokens=first.prompt_tokens + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens))
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -176,7 +176,7 @@ def test_openai_client_errors(server, client):
         client.completions.create(model="no-such-model", prompt=PROMPT, max_tokens=2)
     assert e.value.code == "model_not_found"
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model=server[1]["model"], prompt=PROMPT, max_tokens=2, n=2)
+        client.completions.create(model=server[1]["model"], prompt=PROMPT, max_tokens=2, n=17)
 
 
 def test_openai_client_penalties_and_logit_bias(server, client, engine):
@@ -202,3 +202,30 @@ def test_openai_client_penalties_and_logit_bias(server, client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
     assert "min_tokens" in str(e.value)
+
+
+def test_n_choices_are_the_engines_draws_with_seeds_seed_plus_i(server, client, engine):
+    # n = 3: choice i is what the engine draws with seed 7 + i; usage counts the prompt once and
+    # every choice's tokens; streamed, each choice's text is the same, chunk indices saying which
+    _, args = server
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    sampled = {"max_tokens": 12, "temperature": 0.9, "seed": 7}
+    whole = client.completions.create(model=args["model"], prompt=PROMPT, n=3, **sampled,
+                                      extra_body={"return_token_ids": True})
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    want = [engine.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i))[0] for i in range(3)]
+    assert [c.token_ids for c in whole.choices] == want and len({tuple(w) for w in want}) == 3
+    assert whole.usage.prompt_tokens == len(prompt_ids)
+    assert whole.usage.completion_tokens == sum(len(w) for w in want)
+    texts = ["", "", ""]
+    for chunk in client.completions.create(model=args["model"], prompt=PROMPT, n=3, stream=True, **sampled):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in whole.choices]
+    chat = client.chat.completions.create(model=args["model"], messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          **sampled)
+    assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
+    # unseeded choices draw apart (each gets a random seed: on two replicas the engines' own keys
+    # could coincide)
+    unseeded = client.completions.create(model=args["model"], prompt=PROMPT, n=3, max_tokens=12, temperature=0.9)
+    assert len({c.text for c in unseeded.choices}) >= 2

@@ -134,7 +134,7 @@ BAD = [  # (id, body bytes or JSON, headers, status, error code)
     ("max-tokens-0", {"prompt": "x", "max_tokens": 0}, AUTH, 400, None),
     ("temperature-3", {"prompt": "x", "temperature": 3}, AUTH, 400, None),
     ("top-p-0", {"prompt": "x", "top_p": 0}, AUTH, 400, None),
-    ("n-2", {"prompt": "x", "n": 2}, AUTH, 400, None),
+    ("n-17", {"prompt": "x", "n": 17}, AUTH, 400, None),
     ("token-out-of-vocab", {"prompt": [1, 2, 100000]}, AUTH, 400, None),
     ("unknown-model", {"prompt": "x", "model": "gpt-5"}, AUTH, 404, "model_not_found"),
     ("too-long", {"prompt": [1] * 1000, "max_tokens": 100}, AUTH, 400, "context_length_exceeded"),
@@ -216,19 +216,22 @@ def test_disconnected_stream_frees_its_chunks(one):
     url, handle = one
     generated = _stats(handle)["generated_tokens"]
 
-    async def read_a_little():
+    async def read_a_little(n: int):
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0}
+            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0,
+                    "n": n}
             async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
                 lines = r.aiter_lines()
-                for _ in range(3):
+                for _ in range(3 * n):
                     await anext(lines)
         # leaving the block closes the connection mid-stream
 
-    asyncio.run(read_a_little())
-    s = _wait_for(handle, lambda s: s["running"] == 0 and s["kv_chunks_used"] == 0, "the aborted request's chunks")
-    assert s["generated_tokens"] - generated < 960  # it was stopped, not run to the end
-    assert _completion(url).status_code == 200
+    for n in (1, 3):  # n choices: every one of them is aborted
+        asyncio.run(read_a_little(n))
+        s = _wait_for(handle, lambda s: s["running"] == 0 and s["kv_chunks_used"] == 0, "the aborted requests' chunks")
+        assert s["generated_tokens"] - generated < 960 * n  # they were stopped, not run to the end
+        generated = s["generated_tokens"]
+        assert _completion(url).status_code == 200
 
 
 def test_overload_gets_503_with_retry_after(one):

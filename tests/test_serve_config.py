@@ -93,7 +93,8 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 3}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [[1], [2]]}, "prompt"),
@@ -239,6 +240,61 @@ def test_engine_options_are_engine_config_fields():
     assert config.enforce_eager and config.async_scheduling
 
 
+def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage():
+    """Three choices, outputs coming at different times: every chunk carries its choice's index,
+    each choice's text in order, its role first (chat), and the usage chunk counts the prompt once
+    and every choice's tokens."""
+    import asyncio
+    import json
+
+    from cluster.ingress import _ChatFormat, _sse
+
+    def out(text, n, end=None):
+        return GenerateOutput(replica_id="r", text=text, token_ids=(n,), finish_reason=end, prompt_tokens=3,
+                              cached_tokens=2, completion_tokens=n)
+
+    class Replies:
+        def __init__(self, outs, delay):
+            self.outs, self.delay, self.cancelled = list(outs), delay, False
+
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            await asyncio.sleep(self.delay)
+            if not self.outs:
+                raise StopAsyncIteration
+            return self.outs.pop(0)
+
+        def cancel(self):
+            self.cancelled = True
+
+    texts = [["a", "b", "c"], ["x", "y"], ["p", "q", "r", "s"]]
+    started = [(out(t[0], 1), Replies([out(c, k + 2, "length" if k == len(t) - 2 else None) for k, c in enumerate(t[1:])],
+                                      delay))
+               for t, delay in zip(texts, (0.003, 0.001, 0.002))]
+
+    async def body() -> list[str]:
+        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], False), True, {})
+        return [piece async for piece in response.body_iterator]
+
+    events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
+    assert events[-1] == "[DONE]"
+    chunks, usage = [json.loads(e) for e in events[:-2]], json.loads(events[-2])
+    got: dict[int, str] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        if choice["index"] not in got:
+            assert choice["delta"]["role"] == "assistant"
+        got[choice["index"]] = got.get(choice["index"], "") + choice["delta"].get("content", "")
+    assert got == {i: "".join(t) for i, t in enumerate(texts)}
+    assert [c["choices"][0]["index"] for c in chunks[:3]] == [0, 1, 2]  # the first outputs, in order
+    assert [c["choices"][0]["index"] for c in chunks[3:]] != sorted(c["choices"][0]["index"] for c in chunks[3:])
+    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3 + 2 + 4, "total_tokens": 12,
+                              "prompt_tokens_details": {"cached_tokens": 2}}
+    assert not any(rest.cancelled for _, rest in started)
+
+
 def test_stream_that_fails_midway_says_so_and_ends():
     """The replica fails after the first output: the client gets that output, an error event, and
     the stream's usual end (data: [DONE]), as vLLM's streams end; the replica's generator is cancelled."""
@@ -263,7 +319,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
             Failing.cancelled = True
 
     async def body() -> list[str]:
-        response = _sse(out, Failing(), _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False), False, {})
+        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False), False, {})
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
