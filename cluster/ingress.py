@@ -313,7 +313,8 @@ class OpenAIIngress:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         prompt = await self._completion_prompt(body)
-        max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens", body=body)
+        await self._check_logit_bias(body)
+        max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens")
         rid, reqs = self._generate_request("cmpl", prompt, body, max_tokens)
         fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
@@ -325,9 +326,9 @@ class OpenAIIngress:
         self._check_model(body.model)
         long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
         prompt = await _off_loop_if(long, self._chat_prompt, body)
+        await self._check_logit_bias(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
-                                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
-                                              body=body)
+                                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         rid, reqs = self._generate_request("chatcmpl", prompt, body, max_tokens)
         fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
@@ -402,16 +403,17 @@ class OpenAIIngress:
             raise APIError(400, f"{what} need a tokenizer and model `{self.model_name}` has none: send token ids")
         return self.tokenizer
 
-    async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str,
-                            body: CompletionRequest | ChatCompletionRequest) -> int:
-        """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it,
-        or when the body's logit_bias names a token past the vocabulary."""
-        info = await self._model_info()
-        bad = [t for t in (body.logit_bias or {}) if int(t) >= info["vocab_size"]]
-        if bad:
-            raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {info['vocab_size']})",
-                           param="logit_bias")
-        max_len = info["max_model_len"]
+    async def _check_logit_bias(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 when the body's logit_bias names a token past the vocabulary."""
+        if body.logit_bias:
+            vocab = (await self._model_info())["vocab_size"]
+            bad = [t for t in body.logit_bias if int(t) >= vocab]
+            if bad:
+                raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {vocab})", param="logit_bias")
+
+    async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
+        """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it."""
+        max_len = (await self._model_info())["max_model_len"]
         wanted = max(max_len - len(prompt), 1) if max_tokens is None else max_tokens
         if len(prompt) + wanted > max_len:
             raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "

@@ -21,31 +21,19 @@ fresh H200 (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
 from kernels.fi_decode import available
 
-__all__ = ["FlashInferPrefill", "PrefillBatch", "available", "usable"]
+__all__ = ["FlashInferPrefill", "available", "usable"]
 
 
 def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether FlashInfer's prefill can serve a pool of this dtype and head size on `device`."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128, 256) \
         and available()
-
-
-@dataclass(frozen=True)
-class PrefillBatch:
-    """What a plan was made for: each span's (chunk table, context_len, num_new), in row order."""
-
-    spans: tuple[tuple[tuple[int, ...], int, int], ...]
-
-    @property
-    def num_rows(self) -> int:
-        return sum(n for _, _, n in self.spans)
 
 
 class FlashInferPrefill:
@@ -70,9 +58,9 @@ class FlashInferPrefill:
         self._turn = 1
         self._rows = -1  # query rows of the spans planned (-1: not planned yet)
 
-    def plan(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> PrefillBatch:
+    def plan(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> int:
         """Plan for spans (chunk table, context_len, num_new), num_new >= 1, whose tables cover
-        context_len + num_new tokens."""
+        context_len + num_new tokens; -> the query rows planned (the spans' num_new summed)."""
         c = self.chunk_size
         qo, kv, last, pages, lens = [0], [0], [], [], []
         for table, context, new in spans:
@@ -97,9 +85,8 @@ class FlashInferPrefill:
             pinned(qo), pinned(kv), pinned(pages).to(self.device, non_blocking=True), pinned(last),
             self.num_q_heads, self.num_kv_heads, self.head_dim, c, causal=True, sm_scale=self.sm_scale,
             q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
-        batch = PrefillBatch(tuple((tuple(t), int(a), int(n)) for t, a, n in spans))
-        self._rows = batch.num_rows
-        return batch
+        self._rows = qo[-1]
+        return self._rows
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [rows, Hq, D], the planned spans' rows in order; caches [num_chunks, Hkv, c, D] ->

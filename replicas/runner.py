@@ -39,7 +39,7 @@ class ModelRunner:
                  enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
                  eos_token_ids: tuple[int, ...] = ()):
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
-        self.eos_token_ids = tuple(eos_token_ids)
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
                        if device.type == "cuda" and not enforce_eager else None)
@@ -81,8 +81,8 @@ class ModelRunner:
     def _stop_ids(self, p) -> tuple[int, ...]:
         """The tokens that would end a request of params p: its stop_token_ids (those in the
         vocabulary: no others can be drawn), EOS unless ignore_eos."""
-        vocab = self.penalties.vocab
-        return tuple(t for t in p.stop_token_ids if 0 <= t < vocab) + (() if p.ignore_eos else self.eos_token_ids)
+        return (tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
+                + (() if p.ignore_eos else self.eos_token_ids))
 
     def collect(self, launched: Launched) -> list[int]:
         """The launched step's sampled tokens, samplers' order (waits for the device)."""

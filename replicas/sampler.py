@@ -33,18 +33,17 @@ memory.
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from kernels.nucleus import nucleus_floor, nucleus_floor_ref
 from kernels.philox import uniform, uniform_ref
+from replicas.penalties import Gathered
 from replicas.sequence import SamplingParams
 from replicas.transfer import to_device
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-           counters: list[int], penalties: Penalized | None = None,
+           counters: list[int], penalties: Gathered | None = None,
            banned: list[tuple[int, tuple[int, ...]]] = ()) -> list[int]:
     """One token id per row of logits: [N, V] float32, one row per sequence that samples this step.
 
@@ -56,14 +55,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | 
     return sample_ids(logits, params, keys, counters, penalties, banned).tolist()
 
 
-class Penalized(Protocol):
-    rows: list[int]  # the penalized rows' indices
-    counts: torch.Tensor  # [P, V] how often each row has generated each token
-    prompt: torch.Tensor  # [P, V] bool each row's prompt tokens
-
-
 def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-               counters: list[int], penalties: Penalized | None = None,
+               counters: list[int], penalties: Gathered | None = None,
                banned: list[tuple[int, tuple[int, ...]]] = ()) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
     logits = _adjust(logits, params, penalties, banned)
@@ -102,7 +95,7 @@ def _key(key: int | None) -> int:
     return key - 2**64 if key >= 2**63 else key
 
 
-def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Penalized | None,
+def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Gathered | None,
             banned: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
     """The logits every row's choice starts from, greedy rows' too (vLLM's order): logit_bias
     added, then the penalties: repetition (a token of the prompt or the output: divided by it
@@ -129,9 +122,10 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Penal
         rep, freq, pres = (to_device([getattr(x, name) for x in p], dev, logits.dtype)[:, None]
                            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
         counts = penalties.counts.to(logits.dtype)
+        out = counts > 0
         sub = logits[rows]  # [P, V]
-        sub = torch.where(penalties.prompt | (counts > 0), torch.where(sub > 0, sub / rep, sub * rep), sub)
-        logits[rows] = sub - freq * counts - pres * (counts > 0).to(logits.dtype)
+        sub = torch.where(penalties.prompt | out, torch.where(sub > 0, sub / rep, sub * rep), sub)
+        logits[rows] = sub - freq * counts - pres * out.to(logits.dtype)
     return logits
 
 
@@ -210,12 +204,11 @@ def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: i
                    prompt: list[int] = (), outputs: list[int] = (), banned: tuple[int, ...] = ()) -> int:
     """One row alone (logits: [V]); the plain reference that ``sample`` batches. prompt, outputs:
     the row's tokens so far, which its penalties read; banned: tokens it must not draw."""
-    if banned:
+    if banned or p.logit_bias:
         logits = logits.clone()
         logits[list(banned)] = float("-inf")
-    for t, b in p.logit_bias:
-        logits = logits.clone()
-        logits[t] += b
+        for t, b in p.logit_bias:
+            logits[t] += b
     if p.penalized:
         counts = torch.bincount(torch.tensor(list(outputs), dtype=torch.long), minlength=logits.numel())
         counts = counts.to(logits.device, logits.dtype)
