@@ -5,6 +5,7 @@
     python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
     python -m kernels.bench sweep [--phase1]       # launch configs and work dealing of ours
     python -m kernels.bench kernels                # ours: device time of each kernel, and in total
+    python -m kernels.bench prefill                # dense vs block-union sparse prefill (kernels/bench_prefill.py)
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
@@ -43,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import tpp
+from kernels import bench_prefill, tpp
 from kernels.reference import decode_attention_ref
 
 _L2_FLOOR = 256 << 20  # rotate inputs until one graph replay touches this many bytes
@@ -644,9 +645,13 @@ def main(argv: list[str] | None = None) -> None:
     sw.add_argument("--phase1", action="store_true", help="sweep phase-1 tiles' launch configs and programs per SM")
     kt = sub.add_parser("kernels", help="device time of each of our kernels on the sweep's cases")
     kt.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
+    bench_prefill.add_parser(sub)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.bench needs a CUDA device")
+    if args.cmd == "prefill":
+        bench_prefill.main(args)
+        return
     if args.cmd == "sweep":
         sweep(args.chunk_size, not args.no_launch_configs, args.phase1)
         return

@@ -21,13 +21,21 @@ fresh H200 (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from kernels.fi_decode import available
 
-__all__ = ["FlashInferPrefill", "available", "usable"]
+__all__ = ["FlashInferPrefill", "SparsePiece", "available", "usable"]
+
+
+class SparsePiece(NamedTuple):
+    """One prefill piece's block-union page lists (kernels.block_union) for one layer."""
+    q: torch.Tensor  # [n, Hq, D], the piece's queries
+    mask: torch.Tensor  # [E, used] bool on the device: entry e = kv * S + s's chunks (block_union.chunk_mask)
+    table: torch.Tensor  # [used] int64 on the device: the piece's chunks in use
+    total: int  # tokens in those chunks (context + n)
 
 
 def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
@@ -57,6 +65,8 @@ class FlashInferPrefill:
         self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND") for _ in range(2)]
         self._turn = 1
         self._rows = -1  # query rows of the spans planned (-1: not planned yet)
+        # block-union pieces: planned and run layer by layer (each layer selects its own pages)
+        self._sparse = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
 
     def plan(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> int:
         """Plan for spans (chunk table, context_len, num_new), num_new >= 1, whose tables cover
@@ -94,3 +104,47 @@ class FlashInferPrefill:
         if q.shape[0] != self._rows:
             raise ValueError(f"the plan is for {self._rows} query rows, got {q.shape[0]}")
         return self._wrappers[self._turn].run(q.to(self.dtype), (k_cache, v_cache))
+
+    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor
+                   ) -> list[torch.Tensor]:
+        """Each piece's attention over its own page lists: [n, Hq, D] per piece.
+
+        A list (entry) serves `sub` query heads of one KV head, so FlashInfer runs with one KV
+        head over the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; a
+        piece's queries are regrouped entry-major ([E * n, sub, D], a copy of q only). Planned
+        here, layer by layer: the lists' lengths are read back to the host (FlashInfer's plan
+        takes them there), which waits for the device."""
+        c, hkv, d = self.chunk_size, self.num_kv_heads, self.head_dim
+        e = pieces[0].mask.shape[0]
+        if e % hkv or self.num_q_heads % e or any(p.mask.shape[0] != e for p in pieces):
+            raise ValueError(f"sparse pieces need the same page lists per KV head, got {[p.mask.shape for p in pieces]}")
+        sub = self.num_q_heads // e
+        counts = torch.cat([p.mask.sum(1) for p in pieces]).tolist()  # waits for the device
+        qo, kv, last, lens, qs, pages = [0], [0], [], [], [], []
+        heads = torch.arange(hkv, device=self.device)
+        i = 0
+        for p in pieces:
+            n, used = p.q.shape[0], p.mask.shape[1]
+            tail = p.total - (used - 1) * c  # the last chunk's tokens (always kept)
+            for chosen in counts[i:i + e]:
+                qo.append(qo[-1] + n)
+                kv.append(kv[-1] + chosen)
+                last.append(tail)
+                lens.append((chosen - 1) * c + tail)
+            i += e
+            page = p.table[None, :] * hkv + heads.repeat_interleave(e // hkv)[:, None]  # [E, used]
+            pages.append(page[p.mask])  # row-major: each entry's pages in chunk order
+            qs.append(p.q.reshape(n, e, sub, d).transpose(0, 1).reshape(e * n, sub, d))
+        self._sparse.plan(
+            torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
+            torch.cat(pages).to(torch.int32), torch.tensor(last, dtype=torch.int32), sub, 1, d, c,
+            causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
+            seq_lens=torch.tensor(lens, dtype=torch.int32))
+        paged = (k_cache.view(-1, 1, c, d), v_cache.view(-1, 1, c, d))
+        o = self._sparse.run(torch.cat(qs).to(self.dtype), paged)  # [sum E * n, sub, D]
+        outs, row = [], 0
+        for p in pieces:
+            n = p.q.shape[0]
+            outs.append(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1).reshape(n, self.num_q_heads, d))
+            row += e * n
+        return outs

@@ -28,6 +28,7 @@ __all__ = [
     "Segment",
     "TreePlan",
     "attn_reduce",
+    "block_scores_ref",
     "build_tree_plan",
     "decode_attention_ref",
     "gather_kv",
@@ -35,6 +36,7 @@ __all__ = [
     "partial_attn",
     "prefill_attention_ref",
     "segment_partial",
+    "sparse_prefill_ref",
     "tpp_decode_ref",
 ]
 
@@ -445,3 +447,65 @@ def prefill_attention_ref(
         p = torch.softmax(w, dim=-1).view(hkv, g * (t1 - t0), keys)
         out[:, :, t0:t1] = torch.matmul(p, v[:, :keys]).view(hkv, g, t1 - t0, d)
     return out.reshape(hq, t_new, d).permute(1, 0, 2).to(q.dtype)
+
+
+def block_scores_ref(q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None) -> Tensor:
+    """Block-union's selection scores (kernels.block_union, DESIGN §5).
+
+    q: [T, Hq, D], a prefill piece's queries; keys: [NB, Hkv, D], each context block's mean key.
+    For query head h and query block b (rows [b * block, (b + 1) * block) of the piece, the last
+    one possibly short): the mean over its rows of each row's softmax over the NB blocks of
+    q · key * sm_scale. Returns [Hq, ceil(T / block), NB] float32 (each row sums to 1).
+    """
+    t, hq, d = q.shape
+    nb, hkv, _ = keys.shape
+    g = _gqa_groups(hq, hkv)
+    s = torch.einsum("thd,bhd->htb", q.float(), keys.float().repeat_interleave(g, dim=1)) * _scale(sm_scale, d)
+    p = torch.softmax(s, dim=-1)  # [Hq, T, NB]
+    qb = -(-t // block)
+    p = torch.nn.functional.pad(p, (0, 0, 0, qb * block - t))  # zero rows: they add nothing
+    rows = torch.full((qb,), float(block), device=q.device)
+    rows[-1] = t - (qb - 1) * block
+    return p.view(hq, qb, block, nb).sum(2) / rows[:, None]
+
+
+def sparse_prefill_ref(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    chunk_ids: Sequence[int],
+    context_len: int,
+    chunk_mask: Tensor,
+    sm_scale: float | None = None,
+) -> Tensor:
+    """Causal prefill attention where each group of query heads sees only its marked chunks.
+
+    q: [T, Hq, D] at positions context_len .. context_len + T - 1; chunk_mask: [E, used] bool,
+    used = the chunks holding context_len + T tokens; entry e = kv * S + s (S = E / Hkv groups of
+    sub = Hq / E query heads per KV head) covers query heads [e * sub, (e + 1) * sub), which read
+    KV head e // S. A query sees the keys of its entry's marked chunks at positions up to its
+    own. With every chunk marked this is ``prefill_attention_ref``. Returns [T, Hq, D].
+    """
+    hkv, c, d = _check_cache(k_cache, v_cache)
+    t_new, hq, _ = q.shape
+    e, used = chunk_mask.shape
+    total = context_len + t_new
+    if used != -(-total // c) or e % hkv or hq % e:
+        raise ValueError(f"chunk_mask {tuple(chunk_mask.shape)} does not fit {total} tokens in chunks of {c}, "
+                         f"Hq={hq}, Hkv={hkv}")
+    sub, groups = hq // e, e // hkv
+    scale = _scale(sm_scale, d)
+    k = gather_kv(k_cache, chunk_ids, total).float().repeat_interleave(groups, dim=0)  # [E, total, D]
+    v = gather_kv(v_cache, chunk_ids, total).float().repeat_interleave(groups, dim=0)
+    seen = chunk_mask.to(q.device).repeat_interleave(c, dim=1)[:, :total]  # [E, total]
+    qf = q.float().reshape(t_new, e, sub, d).permute(1, 2, 0, 3)  # [E, sub, T, D]
+    out = q.new_empty(e, sub, t_new, d, dtype=torch.float32)
+    tile = max(1, _PREFILL_TILE_ELEMS // max(1, hq * total))
+    for t0 in range(0, t_new, tile):
+        t1 = min(t_new, t0 + tile)
+        w = torch.matmul(qf[:, :, t0:t1], k.transpose(1, 2)[:, None]) * scale  # [E, sub, t, total]
+        qpos = torch.arange(context_len + t0, context_len + t1, device=q.device)
+        allowed = (torch.arange(total, device=q.device) <= qpos[:, None])[None, None] & seen[:, None, None]
+        p = torch.softmax(w.masked_fill(~allowed, float("-inf")), dim=-1)
+        out[:, :, t0:t1] = torch.matmul(p, v[:, None])
+    return out.permute(2, 0, 1, 3).reshape(t_new, hq, d).to(q.dtype)

@@ -23,7 +23,14 @@ row's tail fills.
 Prefill (DESIGN §5, the dense path): with the triton backend, a 16-bit pool and flashinfer
 installed, every prefill span of a step goes through FlashInfer's paged prefill in one launch
 per layer (``kernels.paged_prefill``, planned once per step); otherwise span by span through
-the plain-torch reference. (The block-union sparse selection for long contexts is not built.)
+the plain-torch reference.
+
+Block-union sparse prefill (DESIGN §5, `kernels.block_union`; on with `sparse`): a piece whose
+context is at least `sparse.min_context` tokens reads, per layer, only the context blocks its
+queries score high on, through FlashInfer's paged prefill over per-(KV head, sub-group) page
+lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer). The pool
+then keeps each full chunk's mean key per layer, updated after each step's forward
+(`StepAttention.keep_key_means`) for the chunks the step filled.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import fi_decode, paged_prefill, reference, tpp_torch  # flashinfer imported only when used
+from kernels import block_union, fi_decode, paged_prefill, reference, tpp_torch  # flashinfer imported only when used
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
 from replicas.transfer import to_device
@@ -47,13 +54,19 @@ class PrefillSpan:
     num_new: int  # query tokens this step
     context_len: int  # tokens already in the cache before this step
     chunk_ids: tuple[int, ...]
+    table: torch.Tensor | None = None  # block-union pieces: the chunks in use, on the device (else None)
+
+    @property
+    def sparse(self) -> bool:
+        return self.table is not None
 
 
 class Attention:
     """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
 
     def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device,
-                 flashinfer_fallback: bool = True, flashinfer_prefill: bool = True):
+                 flashinfer_fallback: bool = True, flashinfer_prefill: bool = True,
+                 sparse: block_union.BlockUnion | None = None):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
@@ -78,6 +91,15 @@ class Attention:
             self._prefill = paged_prefill.FlashInferPrefill(
                 num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, chunk_size=pool.chunk_size,
                 dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
+        self.sparse = sparse
+        if sparse is not None:
+            sparse.check_chunk_size(pool.chunk_size)
+            if pool.key_means is None:
+                raise ValueError("sparse prefill needs a pool that keeps its chunks' mean keys")
+            self._sub = block_union.subgroup_size(num_q_heads, num_kv_heads, sparse.subgroup)
+        # pages (chunk, KV head) that sparse pieces' layers read, and would have read dense
+        self.sparse_pages = torch.zeros((), dtype=torch.int64, device=device)  # summed on the device
+        self.dense_pages = 0
         self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
@@ -96,9 +118,19 @@ class Attention:
             positions.append(n)
             k, nodes = n // c, seq.nodes
             chunk_idx.append(nodes[k].chunk_id if k < len(nodes) else seq.private[k - len(nodes)])
+        filled: list[int] = []  # chunks this step fills (their mean keys are due: sparse prefill)
+        means = self.pool.key_means is not None
+        if means:
+            filled = [chunk_idx[i] for i, n in enumerate(positions) if n % c == c - 1]
         for seq, n in batch.prefills:
             start = seq.num_computed
-            prefills.append(PrefillSpan(len(positions), n, start, tuple(seq.chunk_table)))
+            table = tuple(seq.chunk_table)
+            sparse = None
+            if self.sparse is not None and self.sparse.applies(start, c):
+                sparse = to_device(list(table[:-(-(start + n) // c)]), self.device)
+            prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
+            if means:
+                filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
             while n:  # the run of positions in each chunk
                 k = start // c
@@ -106,12 +138,17 @@ class Attention:
                 chunk_idx += [seq.chunk_at(k)] * take
                 start, n = start + take, n - take
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
-        fused = self._prefill is not None and bool(prefills)
+        dense = [s for s in prefills if not s.sparse]
+        fused = self._prefill is not None and bool(dense)
+        dense_rows = None  # the dense spans' rows, where sparse spans are among them
         if fused:
-            self._prefill.plan([(s.chunk_ids, s.context_len, s.num_new) for s in prefills])
+            self._prefill.plan([(s.chunk_ids, s.context_len, s.num_new) for s in dense])
             self.prefill_plans += 1
+            if len(dense) < len(prefills):
+                dense_rows = to_device([r for s in dense for r in range(s.start, s.start + s.num_new)], self.device)
         return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
-                             self._plan_decode(batch), tuple(prefills), fused)
+                             self._plan_decode(batch), tuple(prefills), fused, dense_rows,
+                             to_device(filled, self.device) if filled else None)
 
     def _plan_decode(self, batch: Batch):
         if not batch.decodes:
@@ -173,6 +210,34 @@ class Attention:
             private_lens=tuple(grown(pl, pp, n) for pl, pp, n in
                                zip(plan.private_lens, plan.private_positions, plan.seq_lens)))
 
+    def sparse_prefill(self, layer: int, q: torch.Tensor, out: torch.Tensor, spans: list[PrefillSpan]) -> None:
+        """Block-union pieces of one layer: select each piece's blocks from its queries, then
+        attend over the page lists (kernels.block_union); writes their rows of out."""
+        cfg, c, hkv = self.sparse, self.pool.chunk_size, self.pool.kv.shape[3]
+        k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
+        bc = cfg.block // c
+        pieces = []
+        for s in spans:
+            rows = q[s.start:s.start + s.num_new]
+            k0 = s.context_len // c  # chunks before the one holding the piece's first token
+            keys = block_union.block_keys(self.pool.key_means[layer], s.table[:k0], bc)
+            if self.backend == "triton":
+                scores = block_union.block_scores(rows, keys, cfg.block, self.sm_scale)
+            else:
+                scores = reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale)
+            keep = block_union.select_blocks(scores, hkv, self._sub, cfg)
+            mask = block_union.chunk_mask(keep, bc, k0, s.table.numel())
+            self.sparse_pages += mask.sum()
+            self.dense_pages += mask.numel()
+            pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
+        if self._prefill is not None:
+            outs = self._prefill.run_sparse(pieces, k_cache, v_cache)
+        else:
+            outs = [reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
+                                                 self.sm_scale) for s, p in zip(spans, pieces)]
+        for s, o in zip(spans, outs):
+            out[s.start:s.start + s.num_new] = o
+
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
         if isinstance(plan, fi_decode.FiPlan):
             return self._fi.run(q, k_cache, v_cache)
@@ -194,7 +259,9 @@ class StepAttention:
     # reference.TreePlan, tpp_torch.TorchPlan, tpp.TppPlan or fi_decode.FiPlan; None without decodes
     decode_plan: object
     prefills: tuple[PrefillSpan, ...]
-    fused_prefill: bool = False  # the prefill spans through the FlashInfer plan made for this step
+    fused_prefill: bool = False  # the dense prefill spans through the FlashInfer plan made for this step
+    dense_rows: torch.Tensor | None = None  # their rows where sparse spans are among the spans (else they follow the decodes)
+    filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps mean keys
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -207,11 +274,23 @@ class StepAttention:
         b = self.num_decodes
         if b:
             out[:b] = a.decode(q[:b], k_cache, v_cache, self.decode_plan)
-        if self.fused_prefill:  # the spans' rows follow the decode rows, in span order
+        if self.fused_prefill and self.dense_rows is None:  # the spans' rows follow the decode rows
             out[b:] = a._prefill.run(q[b:], k_cache, v_cache)
-            return out
-        for s in self.prefills:
-            rows = slice(s.start, s.start + s.num_new)
-            out[rows] = reference.prefill_attention_ref(
-                q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale)
+        elif self.fused_prefill:
+            out[self.dense_rows] = a._prefill.run(q[self.dense_rows], k_cache, v_cache)
+        else:
+            for s in self.prefills:
+                if not s.sparse:
+                    rows = slice(s.start, s.start + s.num_new)
+                    out[rows] = reference.prefill_attention_ref(
+                        q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale)
+        sparse = [s for s in self.prefills if s.sparse]
+        if sparse:
+            a.sparse_prefill(layer, q, out, sparse)
         return out
+
+    def keep_key_means(self) -> None:
+        """After the forward: the mean key of each chunk this step filled, every layer."""
+        if self.filled is not None:
+            kv = self.attention.pool.kv  # [L, 2, N, Hkv, c, D]
+            self.attention.pool.key_means[:, self.filled] = kv[:, 0, self.filled].float().mean(3)

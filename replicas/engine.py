@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.block_union import BlockUnion
 from replicas.attention import Attention
 from replicas.kv_pool import KVPool
 from replicas.model import load_model
@@ -73,8 +74,18 @@ class EngineConfig:
     # machine): greedy 13.0 -> 12.9, top-p 0.9 18.4 -> 15.7, top-k 50 and top-p 0.9 15.1 -> 13.9;
     # temperature 0.8 13.4 -> 12.3 on another; 32 rows after 1024 shared, greedy 6.7-6.9 -> 6.5-6.7.
     async_scheduling: bool | None = None
+    # Block-union sparse prefill (DESIGN §5, kernels/block_union.py): a prefill piece after at
+    # least sparse_prefill.min_context cached tokens attends only the context blocks its queries
+    # score high on (approximate attention: outputs change). None (default): every prefill is
+    # dense, exact. A dict is taken as BlockUnion's fields. The pool then keeps a float32 mean
+    # key per chunk and layer (1/c of K's size again, in float32).
+    sparse_prefill: BlockUnion | dict | None = None
 
     def __post_init__(self):
+        if isinstance(self.sparse_prefill, dict):
+            object.__setattr__(self, "sparse_prefill", BlockUnion(**self.sparse_prefill))
+        if self.sparse_prefill is not None:
+            self.sparse_prefill.check_chunk_size(self.chunk_size)
         if self.chunk_size not in (16, 32, 64, 128):
             raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {self.chunk_size}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -112,10 +123,11 @@ class LLMEngine:
             tp_size=config.tp_size, seed=config.seed)
         mc, c = self.model_config, config.chunk_size
         kv_heads = mc.num_kv_heads // config.tp_size if mc.num_kv_heads >= config.tp_size else 1
-        per_chunk = KVPool.bytes_per_chunk(mc.num_layers, kv_heads, c, mc.head_dim, dtype)
+        sparse = config.sparse_prefill
+        per_chunk = KVPool.bytes_per_chunk(mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_means=sparse is not None)
         self.pool = KVPool(num_layers=mc.num_layers, num_chunks=self._num_chunks(per_chunk),
                            num_kv_heads=kv_heads, chunk_size=c, head_dim=mc.head_dim, dtype=dtype,
-                           device=self.device)
+                           device=self.device, key_means=sparse is not None)
         capacity = self.pool.num_chunks * c
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
@@ -132,7 +144,7 @@ class LLMEngine:
         self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
                                    num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim,
                                    flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
-                                   flashinfer_prefill=config.flashinfer_prefill)
+                                   flashinfer_prefill=config.flashinfer_prefill, sparse=sparse)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
                                   tp_size=config.tp_size, vocab_size=mc.vocab_size,
                                   eos_token_ids=tuple(mc.eos_token_ids))
@@ -335,7 +347,16 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             **self._counters,
+            **self._sparse_stats(),
         }
+
+    def _sparse_stats(self) -> dict[str, int]:
+        """Sparse prefill: the (chunk, KV head) pages its pieces' layers read, and would have
+        read dense (empty without sparse_prefill)."""
+        a = self.attention
+        if a.sparse is None:
+            return {}
+        return {"sparse_pages_read": int(a.sparse_pages), "sparse_pages_dense": a.dense_pages}
 
     def reset_counters(self) -> None:
         """Zero what stats() and the benchmarks count (after replicas.warmup): requests, tokens,
@@ -343,6 +364,8 @@ class LLMEngine:
         self._counters = dict.fromkeys(self._counters, 0)
         self.scheduler.num_preemptions = 0
         self.attention.plan_builds = 0
+        self.attention.sparse_pages.zero_()
+        self.attention.dense_pages = 0
         self.runner.wait_s = 0.0
         if self.runner.graphs is not None:
             self.runner.graphs.captures = self.runner.graphs.replays = 0

@@ -22,6 +22,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        key_means: bool = False,
     ):
         if num_chunks < 1:
             raise ValueError(f"KV pool needs at least one chunk, got {num_chunks}")
@@ -32,6 +33,10 @@ class KVPool:
         self.kv = torch.zeros(
             num_layers, 2, num_chunks, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
         )
+        # key_means: [L, N, Hkv, D] float32, the mean key of each full chunk (block-union's
+        # selection, kernels.block_union), or None without sparse prefill
+        self.key_means = (torch.zeros(num_layers, num_chunks, num_kv_heads, head_dim, device=device)
+                          if key_means else None)
         # stack of free ids, lowest id on top so allocation order is deterministic
         self._free = list(range(num_chunks - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_chunks
@@ -64,6 +69,7 @@ class KVPool:
 
     @staticmethod
     def bytes_per_chunk(num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, key_means: bool = False) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem
+        means = num_layers * num_kv_heads * head_dim * 4 if key_means else 0
+        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + means

@@ -118,6 +118,7 @@ class ModelRunner:
         hidden = self.graphs.forward(input_ids, attn) if self.graphs is not None else None
         if hidden is None:
             hidden = self.model(input_ids, attn.positions, attn)
+        attn.keep_key_means()  # (sparse prefill: the mean keys of the chunks this step filled)
         if not samplers:
             return [], None
         # [S, V] float32; a decode-only step samples every row (no gather)

@@ -1,0 +1,178 @@
+"""Block-union sparse KV selection for the prefill of long contexts (DESIGN §5; CompactAttention,
+with FlashPrefill's max-based threshold).
+
+A prefill piece (T new tokens after context_len cached ones) whose context is long reads only
+the context blocks its queries are likely to attend:
+
+- Blocks: the context's chunks before the one holding the piece's first token, `block // c`
+  chunks a block. A block's key is the mean of its chunks' mean keys; the pool keeps the mean
+  key of every full chunk, per layer (replicas.attention), so a shared prefix's means are
+  computed once, when its chunks fill.
+- Scores [Hq, QB, NB] (`block_scores`, Triton; `kernels.reference.block_scores_ref`): for each
+  query head and query block (`block` rows of the piece), the mean over its rows of each row's
+  softmax over the blocks of q · key * sm_scale.
+- Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
+  its best; union over the piece's query blocks and over each sub-group of `subgroup` query
+  heads of one KV head; plus the first `sink` and the last `window` blocks.
+- Page lists (`chunk_mask`): per (KV head, sub-group), the kept blocks' chunks in order, then
+  the piece's own chunks (from the one holding its first token; always kept). As pages
+  `chunk * Hkv + kv_head` of the pool's view `[num_chunks * Hkv, 1, c, D]` these are what
+  FlashInfer's paged prefill runs over with one KV head per list
+  (kernels.paged_prefill.FlashInferPrefill.run_sparse): nothing is gathered or copied. Every
+  page but the last is full and the own chunks close each list, so FlashInfer's causal mask
+  (bottom-right aligned over the compacted list) is the true one; see
+  `kernels.reference.sparse_prefill_ref` for the semantics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["BlockUnion", "block_keys", "block_scores", "chunk_mask", "select_blocks", "subgroup_size"]
+
+
+@dataclass(frozen=True)
+class BlockUnion:
+    """The selection's knobs (EngineConfig.sparse_prefill)."""
+    min_context: int = 8192  # a piece whose context (tokens cached before it) is shorter runs dense
+    block: int = 128  # tokens per KV block and per query block: a power of two, a multiple of the chunk size
+    alpha: float = 0.1  # keep the blocks scoring >= alpha x the best one (per query head and query block)
+    sink: int = 1  # first blocks always kept
+    window: int = 4  # blocks just before the piece always kept
+    subgroup: int = 4  # query heads of one KV head that share a page list (capped by the group)
+
+    def __post_init__(self):
+        if self.block < 16 or self.block & (self.block - 1):
+            raise ValueError(f"sparse block must be a power of two >= 16, got {self.block}")
+        if not 0 <= self.alpha <= 1:
+            raise ValueError(f"sparse alpha must be in [0, 1], got {self.alpha}")
+        for name in ("min_context", "sink", "window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
+        if self.subgroup < 1:
+            raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
+
+    def check_chunk_size(self, chunk_size: int) -> None:
+        if self.block % chunk_size:
+            raise ValueError(f"sparse block {self.block} must be a multiple of the chunk size {chunk_size}")
+
+    def applies(self, context_len: int, chunk_size: int) -> bool:
+        """Whether a piece after context_len cached tokens runs sparse: a long context with more
+        blocks than the sink and window always keep."""
+        blocks = -(-(context_len // chunk_size) // (self.block // chunk_size))
+        return context_len >= self.min_context and blocks > self.sink + self.window
+
+
+def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
+    """Query heads per page list: the largest divisor of the GQA group up to `subgroup`."""
+    g = num_q_heads // num_kv_heads
+    return max(d for d in range(1, min(g, subgroup) + 1) if g % d == 0)
+
+
+def block_keys(chunk_means: Tensor, table: Tensor, block_chunks: int) -> Tensor:
+    """chunk_means: [num_chunks, Hkv, D] float32; table: [k] the context's chunk ids (full
+    chunks) -> [ceil(k / block_chunks), Hkv, D], each block's mean key (a short last block the
+    mean of its chunks)."""
+    k = table.numel()
+    nb = -(-k // block_chunks)
+    means = chunk_means[table]  # [k, Hkv, D]
+    sums = torch.zeros(nb * block_chunks, *means.shape[1:], dtype=means.dtype, device=means.device)
+    sums[:k] = means
+    counts = torch.full((nb,), float(block_chunks), device=means.device)
+    counts[-1] = k - (nb - 1) * block_chunks
+    return sums.view(nb, block_chunks, *means.shape[1:]).sum(1) / counts[:, None, None]
+
+
+def select_blocks(scores: Tensor, num_kv_heads: int, sub: int, cfg: BlockUnion) -> Tensor:
+    """scores: [Hq, QB, NB] -> keep: [Hkv * S, NB] bool, S = Hq / Hkv / sub page lists per KV
+    head (entry kv * S + s serves query heads [(kv * S + s) * sub, ... + sub))."""
+    hq, _, nb = scores.shape
+    keep = scores >= cfg.alpha * scores.amax(-1, keepdim=True)  # [Hq, QB, NB]
+    keep = keep.any(1).view(hq // sub, sub, nb).any(1)  # union over query blocks, then sub-group heads
+    keep[:, :cfg.sink] = True
+    keep[:, max(0, nb - cfg.window):] = True
+    return keep
+
+
+def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) -> Tensor:
+    """keep: [E, NB] over the blocks of the first context_chunks chunks -> [E, used] bool over
+    the chunks in use: the kept blocks' chunks, and every chunk from context_chunks on."""
+    e = keep.shape[0]
+    mask = torch.ones(e, used, dtype=torch.bool, device=keep.device)
+    mask[:, :context_chunks] = keep.repeat_interleave(block_chunks, dim=1)[:, :context_chunks]
+    return mask
+
+
+def block_scores(q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None) -> Tensor:
+    """Triton `kernels.reference.block_scores_ref`: q [T, Hq, D] (last dim contiguous), keys
+    [NB, Hkv, D] -> [Hq, ceil(T / block), NB] float32. Scores in q's precision (a 16-bit q's
+    dot products round the keys to its type), accumulated in float32."""
+    import triton
+
+    t, hq, d = q.shape
+    nb, hkv, dk = keys.shape
+    if dk != d or hq % hkv or q.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)} and keys {tuple(keys.shape)} do not fit (q's last dim contiguous)")
+    if d & (d - 1) or d < 16 or block & (block - 1) or block < 16:
+        raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
+    keys = keys.to(q.dtype).contiguous()
+    qb = triton.cdiv(t, block)
+    out = torch.empty(hq, qb, nb, dtype=torch.float32, device=q.device)
+    scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
+    block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
+    _kernels()[0][(hq, qb)](q, keys, out, t, nb, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
+                            out.stride(0), out.stride(1), scale, G=hq // hkv, D=d, BLOCK_Q=block,
+                            BLOCK_N=block_n, num_warps=8 if block * d >= 128 * 128 else 4)
+    return out
+
+
+_KERNELS = None
+
+
+def _kernels():
+    """The Triton kernel, defined on first use: the CPU reference path must not need triton."""
+    global _KERNELS
+    if _KERNELS is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def _score_kernel(Q, Keys, Out, T, NB, stride_qt, stride_qh, stride_kb, stride_kh, stride_oh, stride_oq,
+                          qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                          BLOCK_N: tl.constexpr):
+            # one program per (query head, query block): two passes over the block keys, the
+            # first for each row's softmax max and sum, the second for the mean of the rows' p
+            head, qblk = tl.program_id(0), tl.program_id(1)
+            kv = head // G
+            rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            live = rows < T
+            offs_d = tl.arange(0, D)
+            q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None],
+                        other=0.0)
+            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q], tl.float32)
+            for n0 in range(0, NB, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                            mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 domain
+                s = tl.where((cols < NB)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+                m_i = m_new
+            n_rows = tl.minimum(T - qblk * BLOCK_Q, BLOCK_Q).to(tl.float32)
+            w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
+            for n0 in range(0, NB, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                            mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * qk_scale
+                p = tl.exp2(s - m_i[:, None]) * w[:, None]
+                tl.store(Out + head * stride_oh + qblk * stride_oq + cols, tl.sum(p, 0), mask=cols < NB)
+
+        _KERNELS = (_score_kernel,)
+    return _KERNELS

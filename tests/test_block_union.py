@@ -1,0 +1,256 @@
+"""kernels.block_union: the block scores (Triton, under the interpreter on the CPU) against the
+reference, the selection rules, the sparse reference's semantics against dense prefill over a
+compacted cache, FlashInfer over the page lists (GPU), and the engine with sparse prefill."""
+
+import random
+
+import pytest
+import torch
+
+from kernels import block_union
+from kernels.block_union import BlockUnion, block_keys, chunk_mask, select_blocks, subgroup_size
+from kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
+from replicas.engine import LLMEngine
+from replicas.sequence import SamplingParams
+
+CUDA = torch.cuda.is_available()
+
+
+def _cache(num_chunks, hkv, c, d, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    k = torch.randn(num_chunks, hkv, c, d, generator=g).to(device=device, dtype=dtype)
+    v = torch.randn(num_chunks, hkv, c, d, generator=g).to(device=device, dtype=dtype)
+    return k, v
+
+
+@pytest.mark.parametrize("t, hq, hkv, d, block, nb", [
+    (1, 4, 4, 16, 16, 1), (37, 8, 2, 32, 16, 5), (64, 4, 1, 16, 32, 70), (50, 2, 2, 64, 32, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_block_scores_match_the_reference(t, hq, hkv, d, block, nb, dtype):
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator(device="cpu").manual_seed(t + nb)
+    q = (torch.randn(t, hq, d, generator=g) * 2).to(device=device, dtype=dtype)
+    keys = (torch.randn(nb, hkv, d, generator=g) * 2).to(device)
+    got = block_union.block_scores(q, keys, block)
+    want = block_scores_ref(q, keys.to(dtype), block)
+    assert got.shape == (hq, -(-t // block), nb)
+    torch.testing.assert_close(got, want, atol=2e-3 if dtype == torch.float16 else 1e-5, rtol=1e-2)
+    torch.testing.assert_close(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-3, rtol=0)
+
+
+def test_block_scores_refuse_bad_shapes():
+    q = torch.zeros(4, 4, 24)
+    with pytest.raises(ValueError, match="powers of two"):
+        block_union.block_scores(q, torch.zeros(3, 2, 24), 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        block_union.block_scores(torch.zeros(4, 4, 32), torch.zeros(3, 3, 32), 16)
+
+
+def test_block_keys_are_the_mean_of_their_chunks():
+    means = torch.randn(10, 2, 8)
+    table = torch.tensor([7, 2, 9, 0, 5])
+    got = block_keys(means, table, 2)  # blocks: (7, 2), (9, 0), (5,)
+    want = torch.stack([(means[7] + means[2]) / 2, (means[9] + means[0]) / 2, means[5]])
+    torch.testing.assert_close(got, want)
+
+
+def test_subgroup_size():
+    assert subgroup_size(32, 8, 4) == 4
+    assert subgroup_size(32, 32, 4) == 1
+    assert subgroup_size(28, 4, 4) == 1  # a group of 7
+    assert subgroup_size(24, 4, 4) == 3  # a group of 6: the largest divisor up to 4
+    assert subgroup_size(64, 8, 16) == 8
+
+
+def test_selection_keeps_alpha_of_the_best_unions_and_adds_sink_and_window():
+    cfg = BlockUnion(alpha=0.5, sink=1, window=1, subgroup=2)
+    nb = 8
+    scores = torch.full((4, 2, nb), 0.01)  # Hq 4 = Hkv 1 x 2 sub-groups of 2
+    scores[:, :, 0] = 1.0  # every (head, query block)'s best: the first block
+    scores[0, 0, 3] = 0.9  # head 0, query block 0: block 3
+    scores[0, 0, 4] = 0.5  # exactly alpha x the best: kept
+    scores[0, 0, 5] = 0.44  # under it
+    scores[1, 1, 2] = 0.8  # head 1 (same sub-group), query block 1: block 2
+    scores[1, 1, 5] = 0.3  # under alpha x its own best
+    scores[3, 0, 6] = 0.7  # head 3: the second sub-group
+    keep = select_blocks(scores, 1, 2, cfg)
+    assert keep.shape == (2, nb)
+    assert keep[0].nonzero().flatten().tolist() == [0, 2, 3, 4, 7]  # sink 0, window 7
+    assert keep[1].nonzero().flatten().tolist() == [0, 6, 7]
+    # flat scores (every block the best): everything kept
+    assert select_blocks(torch.full((4, 1, nb), 1 / nb), 1, 2, cfg).all()
+    assert select_blocks(scores, 1, 2, BlockUnion(alpha=0.0)).all()
+
+
+def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
+    keep = torch.tensor([[True, False, True], [False, False, False]])
+    mask = chunk_mask(keep, 2, 5, 8)  # 5 context chunks in blocks (0,1) (2,3) (4); 3 own chunks
+    assert mask.tolist() == [[1, 1, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1]]
+
+
+def test_config_is_checked():
+    for bad in (dict(block=48), dict(block=8), dict(alpha=1.5), dict(sink=-1), dict(subgroup=0)):
+        with pytest.raises(ValueError):
+            BlockUnion(**bad)
+    with pytest.raises(ValueError, match="multiple of the chunk size"):
+        BlockUnion(block=32).check_chunk_size(64)
+    cfg = BlockUnion(min_context=100, block=32, sink=1, window=2)
+    assert not cfg.applies(99, 16)  # short context
+    assert not cfg.applies(100, 16) and not cfg.applies(111, 16)  # 3 blocks: sink and window keep them all
+    assert cfg.applies(112, 16)  # 7 chunks: 4 blocks
+
+
+def _random_mask(rng, e, used, context_chunks):
+    mask = torch.ones(e, used, dtype=torch.bool)
+    for i in range(e):
+        for k in range(context_chunks):
+            mask[i, k] = rng.random() < 0.4
+    return mask
+
+
+@pytest.mark.parametrize("hq, hkv, sub", [(4, 4, 1), (8, 2, 2), (8, 2, 4), (8, 1, 4)])
+@pytest.mark.parametrize("context, new", [(0, 9), (48, 16), (53, 20), (100, 1), (64, 40)])
+def test_sparse_reference_is_dense_prefill_over_the_compacted_lists(hq, hkv, sub, context, new):
+    """What FlashInfer runs: per entry, a cache of one KV head whose table is the entry's marked
+    chunks, causal from the end; equals the sparse reference on the true positions."""
+    c, d = 16, 16
+    rng = random.Random(context * 100 + new + hq)
+    k_cache, v_cache = _cache(32, hkv, c, d, seed=hq + hkv)
+    total = context + new
+    used = -(-total // c)
+    table = rng.sample(range(32), used)
+    e = hkv * (hq // hkv // sub)
+    mask = _random_mask(rng, e, used, context // c)
+    q = torch.randn(new, hq, d, generator=torch.Generator().manual_seed(new))
+    got = sparse_prefill_ref(q, k_cache, v_cache, table, context, mask)
+    for i in range(e):
+        kv = i // (e // hkv)
+        chosen = [table[k] for k in range(used) if mask[i, k]]
+        dropped = used - len(chosen)
+        heads = slice(i * sub, (i + 1) * sub)
+        want = prefill_attention_ref(q[:, heads], k_cache[:, kv:kv + 1], v_cache[:, kv:kv + 1], chosen,
+                                     context - dropped * c)
+        torch.testing.assert_close(got[:, heads], want, atol=1e-5, rtol=1e-5)
+    everything = torch.ones(e, used, dtype=torch.bool)
+    torch.testing.assert_close(sparse_prefill_ref(q, k_cache, v_cache, table, context, everything),
+                               prefill_attention_ref(q, k_cache, v_cache, table, context), atol=1e-5, rtol=1e-5)
+
+
+def test_sparse_reference_refuses_a_mask_that_does_not_fit():
+    k_cache, v_cache = _cache(8, 2, 16, 16)
+    with pytest.raises(ValueError, match="does not fit"):
+        sparse_prefill_ref(torch.zeros(4, 4, 16), k_cache, v_cache, [0, 1], 20, torch.ones(2, 3, dtype=torch.bool))
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+SPARSE = dict(min_context=64, block=32, window=1)
+
+
+def _prompts():
+    rng = random.Random(3)
+    shared = [rng.randrange(256) for _ in range(300)]
+    return [shared + [rng.randrange(256) for _ in range(n)] for n in (5, 40)] + [
+        [rng.randrange(256) for _ in range(230)]]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
+    prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
+    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(prompts, params)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, async_scheduling=async_scheduling,
+                                  sparse_prefill=dict(SPARSE, alpha=0.0))
+    assert engine.generate(prompts, params) == dense
+    stats = engine.stats()
+    assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
+
+
+def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys():
+    prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64,
+                                  sparse_prefill=dict(SPARSE, alpha=1.0))
+    outs = engine.generate(prompts, params)
+    assert all(len(o) == 40 for o in outs)
+    stats = engine.stats()
+    assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]
+    # every full chunk the tree holds (prompts' and generated tokens') has its mean key
+    pool, c, full = engine.pool, 16, []
+    stack = list(engine.tree.root.children.values())
+    while stack:
+        node = stack.pop()
+        stack += node.children.values()
+        if len(node.tokens) == c:
+            full.append(node.chunk_id)
+    assert len(full) > 30
+    want = pool.kv[:, 0, full].float().mean(3)
+    torch.testing.assert_close(pool.key_means[:, full], want, atol=1e-6, rtol=1e-6)
+    # a later prompt over the cached prefix reads the means its first prefill left
+    again = engine.generate([prompts[0][:290] + [1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
+    assert len(again[0]) == 2 and engine.stats()["sparse_pages_read"] > stats["sparse_pages_read"]
+
+
+def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
+    """One sparse piece through the engine's layer: the same as sparse_prefill_ref on the mask
+    the selection rules give from the reference scores."""
+    from replicas.attention import PrefillSpan
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6))
+    engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool and its means
+    attention, pool = engine.attention, engine.pool
+    seq_table = [n.chunk_id for n in _path(engine.tree, 24)]
+    context, new = 320, 64
+    q = torch.randn(new, 4, 64, generator=torch.Generator().manual_seed(0)) * 30  # peaked scores
+    out = torch.zeros_like(q)
+    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
+    attention.sparse_prefill(1, q, out, [span])
+    k0 = context // 16
+    keys = block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2)
+    keep = select_blocks(block_scores_ref(q, keys, 32, 64 ** -0.5), 2, 2, engine.config.sparse_prefill)
+    mask = chunk_mask(keep, 2, k0, 24)
+    assert not mask.all()
+    want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64 ** -0.5)
+    torch.testing.assert_close(out, want)
+
+
+def _path(tree, n):
+    node, path = tree.root, []
+    while len(path) < n:
+        node = next(iter(node.children.values()))
+        path.append(node)
+    return path
+
+
+def test_engine_refuses_a_block_that_is_not_a_chunk_multiple():
+    with pytest.raises(ValueError, match="multiple of the chunk size"):
+        LLMEngine.from_model("tiny", chunk_size=64, sparse_prefill=dict(block=32))
+
+
+# -- FlashInfer over the page lists (GPU) -----------------------------------------------------
+
+@pytest.mark.parametrize("dtype, hq, hkv, sub, d", [
+    (torch.bfloat16, 32, 8, 4, 128), (torch.float16, 32, 32, 1, 128), (torch.bfloat16, 8, 2, 2, 64)])
+@pytest.mark.parametrize("c", [16, 64])
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d, c):
+    pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
+    from kernels.paged_prefill import FlashInferPrefill, SparsePiece
+    rng = random.Random(c + hq)
+    k_cache, v_cache = _cache(256, hkv, c, d, dtype, "cuda", seed=c)
+    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype,
+                           device=torch.device("cuda"), sm_scale=d ** -0.5)
+    pieces, spans = [], []
+    for context, new in [(40 * c, 3 * c + 5), (17 * c + 9, 40), (9 * c, 1)]:
+        total = context + new
+        used = -(-total // c)
+        table = rng.sample(range(256), used)
+        e = hkv * (hq // hkv // sub)
+        mask = _random_mask(rng, e, used, context // c).cuda()
+        q = torch.randn(new, hq, d, device="cuda").to(dtype)
+        pieces.append(SparsePiece(q, mask, torch.tensor(table, device="cuda"), total))
+        spans.append((table, context))
+    for _ in range(2):  # planned again, same wrapper
+        outs = fi.run_sparse(pieces, k_cache, v_cache)
+    for p, (table, context), o in zip(pieces, spans, outs):
+        want = sparse_prefill_ref(p.q, k_cache, v_cache, table, context, p.mask)
+        torch.testing.assert_close(o, want, atol={torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype], rtol=0)
+
