@@ -227,7 +227,7 @@ def test_engine_refuses_a_block_that_is_not_a_chunk_multiple():
 # -- FlashInfer over the page lists (GPU) -----------------------------------------------------
 
 @pytest.mark.parametrize("dtype, hq, hkv, sub, d", [
-    (torch.bfloat16, 32, 8, 4, 128), (torch.float16, 32, 32, 1, 128), (torch.bfloat16, 8, 2, 2, 64)])
+    (torch.bfloat16, 32, 8, 4, 128), (torch.bfloat16, 32, 32, 1, 128), (torch.bfloat16, 8, 2, 2, 64)])
 @pytest.mark.parametrize("c", [16, 64])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
