@@ -4,17 +4,19 @@ cached context, dense against block-union sparse (DESIGN §5), one JSON object p
     python -m kernels.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]
 
-Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool):
+Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool),
+µs per layer, each timed over 8 back-to-back calls as a forward's layers run (host work
+overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
-  (kernels.paged_prefill.FlashInferPrefill.run; its plan, made once per step, not timed);
-- ``select_us``: block-union's selection for the piece (block keys from the pool's chunk means,
-  the Triton scores, the threshold and unions, the chunk masks);
-- ``sparse_us`` per density d: FlashInferPrefill.run_sparse over page lists keeping that share
-  of the context's blocks (drawn at random per list, plus sink and window), planned layer by
-  layer as the engine does (the read-back of the lists' lengths and the plan are timed).
-  A layer of the engine costs select_us + sparse_us at the density its selection gives.
-Timed eagerly (host work included: the sparse path waits for the device each layer), median of
-the repeats. Needs CUDA and flashinfer.
+  (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
+- per share d of the context's blocks kept (``kept@d``: the share of its chunks):
+  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: block keys from the pool's
+  chunk means, the Triton scores, the best blocks, their page ids written into the lists
+  planned once per step (not timed), FlashInfer over them; ``speedup@d`` = dense / budget;
+  ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths
+  read back, a FlashInfer plan, the run) over lists of that share drawn at random (random keys
+  score flat: the threshold would keep everything).
+Needs CUDA and flashinfer.
 """
 
 from __future__ import annotations
@@ -30,22 +32,23 @@ from kernels.block_union import BlockUnion
 from kernels.paged_prefill import FlashInferPrefill, SparsePiece
 
 
-def _time(fn, reps: int) -> float:
-    """Median µs of fn(), each call timed from the host after a synchronize (eager: its host work
-    counts)."""
+def _per_call(fn, calls: int, reps: int) -> float:
+    """Median µs per call of `calls` back-to-back calls of fn (as a forward's layers run them:
+    host work overlaps the device's, waits included), synchronized only around them."""
     fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e6)
+        times.append((time.perf_counter() - t) * 1e6 / calls)
     return sorted(times)[len(times) // 2]
 
 
 def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: list[float], reps: int,
-             cfg: BlockUnion) -> dict:
+             layers: int = 8) -> dict:
     d, dtype, dev = 128, torch.bfloat16, torch.device("cuda")
     total = context + piece
     used = -(-total // c)
@@ -59,35 +62,47 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
     fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev,
                            sm_scale=d ** -0.5)
     fi.plan([(table, context, piece)])
-    dense_us = _time(lambda: fi.run(q, k, v), reps)
+    row = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
+    row["dense_us"] = round(_per_call(lambda: fi.run(q, k, v), layers, reps), 1)
 
     means = k.float().mean(2)  # [N, Hkv, D]: the pool's chunk means
     tab = torch.tensor(table, device=dev)
-    bc, k0 = cfg.block // c, context // c
-    sub = block_union.subgroup_size(hq, hkv, cfg.subgroup)
-
-    def select():
-        keys = block_union.block_keys(means, tab[:k0], bc)
-        scores = block_union.block_scores(q, keys, cfg.block, d ** -0.5)
-        keep = block_union.select_blocks(scores, hkv, sub, cfg)
-        return block_union.chunk_mask(keep, bc, k0, used)
-
-    select_us = _time(select, reps)
-    e, nb = hq // sub, -(-k0 // bc)
+    k0 = context // c
     rng = torch.Generator(device="cpu").manual_seed(context)
-    row = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c,
-               block=cfg.block, entries=e, dense_us=round(dense_us, 1), select_us=round(select_us, 1))
     for dens in densities:
+        # a budget: planned once (not timed, as the dense plan), each layer selects and rewrites
+        cfg = BlockUnion(budget=dens)
+        bc, sub = cfg.block // c, block_union.subgroup_size(hq, hkv, cfg.subgroup)
+        e, nb = hq // sub, -(-k0 // bc)
+        pages, per, chosen = block_union.budget_lists(table, context, total, c, cfg, hkv, e)
+        ids = torch.tensor(pages, dtype=torch.int32, device=dev)
+        fi.plan_sparse(ids, [(piece, [per] * e, total - (used - 1) * c)])
+        view = ids.view(e, per)[:, chosen]
+
+        def scores():
+            keys = block_union.block_keys(means, tab[:k0], bc)
+            return block_union.block_scores(q, keys, cfg.block, d ** -0.5)
+
+        def budget_layer():
+            blocks = block_union.budget_blocks(block_union.normalised(scores(), sub), cfg)
+            view.copy_(block_union.budget_pages(blocks, tab, bc, hkv))
+            return fi.run_planned_sparse([q], k, v)
+
+        row[f"kept@{dens}"] = round((per - (used - k0)) / k0, 3)
+        row[f"budget_us@{dens}"] = round(_per_call(budget_layer, layers, reps), 1)
+        # alpha's threshold: selection as the engine runs it, lists of that share at random
+        # (random keys score flat), planned layer by layer
         keep = torch.rand(e, nb, generator=rng) < dens
         keep[:, :cfg.sink] = True
-        keep[:, max(0, nb - cfg.window):] = True
+        keep[:, nb - cfg.window:] = True
         mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
-        pieces = [SparsePiece(q, mask, tab, total)]
-        sparse_us = _time(lambda: fi.run_sparse(pieces, k, v), reps)
-        kept = mask[:, :k0].float().mean().item()
-        row[f"sparse_us@{dens}"] = round(sparse_us, 1)
-        row[f"kept@{dens}"] = round(kept, 3)
-        row[f"speedup@{dens}"] = round(dense_us / (select_us + sparse_us), 2)
+
+        def alpha_layer():
+            block_union.chunk_mask(block_union.select_blocks(scores(), sub, BlockUnion()), bc, k0, used)
+            return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v)
+
+        row[f"alpha_us@{dens}"] = round(_per_call(alpha_layer, layers, reps), 1)
+        row[f"speedup@{dens}"] = round(row["dense_us"] / row[f"budget_us@{dens}"], 2)
     return row
 
 
@@ -98,8 +113,8 @@ def main(args) -> None:
     for heads in args.heads:
         hq, hkv = (int(x) for x in heads.split("/"))
         for context in args.contexts:
-            print(json.dumps(run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps,
-                                      cfg)), flush=True)
+            print(json.dumps(run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps)),
+                  flush=True)
 
 
 def add_parser(sub) -> None:

@@ -13,7 +13,13 @@ the context blocks its queries are likely to attend:
   softmax over the blocks of q · key * sm_scale.
 - Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
   its best; union over the piece's query blocks and over each sub-group of `subgroup` query
-  heads of one KV head; plus the first `sink` and the last `window` blocks.
+  heads of one KV head; plus the first `sink` and the last `window` blocks. Or, with a
+  `budget` (`budget_blocks`), each list keeps a fixed share of the blocks: the sink, the
+  window and the best of the rest by the same normalised score (its max over the list's heads
+  and query blocks). The threshold's lists differ in length layer by layer, and FlashInfer's
+  plan takes the lengths on the host: a wait for the device and a plan (~0.2 ms of host time on
+  the H200's host) per layer. A budget's lengths are known when the step is planned: one plan a
+  step, each layer only rewrites the page ids in place, and nothing waits.
 - Page lists (`chunk_mask`): per (KV head, sub-group), the kept blocks' chunks in order, then
   the piece's own chunks (from the one holding its first token; always kept). As pages
   `chunk * Hkv + kv_head` of the pool's view `[num_chunks * Hkv, 1, c, D]` these are what
@@ -32,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BlockUnion", "block_keys", "block_scores", "chunk_mask", "select_blocks", "subgroup_size"]
+__all__ = ["BlockUnion", "block_keys", "block_scores", "budget_blocks", "budget_free", "budget_list_len", "budget_lists", "budget_pages", "chunk_mask", "normalised",
+           "select_blocks", "subgroup_size"]
 
 
 @dataclass(frozen=True)
@@ -44,6 +51,9 @@ class BlockUnion:
     sink: int = 1  # first blocks always kept
     window: int = 4  # blocks just before the piece always kept
     subgroup: int = 4  # query heads of one KV head that share a page list (capped by the group)
+    # None: alpha's threshold; else keep this share of the context's blocks (at least the sink
+    # and the window), the best by score: one FlashInfer plan per step instead of one per layer
+    budget: float | None = None
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
@@ -55,6 +65,9 @@ class BlockUnion:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
         if self.subgroup < 1:
             raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
+        if self.budget is not None and not (0 < self.budget <= 1 and self.window >= 1):
+            raise ValueError(f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
+                             f"partial block), got budget {self.budget}, window {self.window}")
 
     def check_chunk_size(self, chunk_size: int) -> None:
         if self.block % chunk_size:
@@ -87,15 +100,83 @@ def block_keys(chunk_means: Tensor, table: Tensor, block_chunks: int) -> Tensor:
     return sums.view(nb, block_chunks, *means.shape[1:]).sum(1) / counts[:, None, None]
 
 
-def select_blocks(scores: Tensor, num_kv_heads: int, sub: int, cfg: BlockUnion) -> Tensor:
-    """scores: [Hq, QB, NB] -> keep: [Hkv * S, NB] bool, S = Hq / Hkv / sub page lists per KV
-    head (entry kv * S + s serves query heads [(kv * S + s) * sub, ... + sub))."""
-    hq, _, nb = scores.shape
-    keep = scores >= cfg.alpha * scores.amax(-1, keepdim=True)  # [Hq, QB, NB]
-    keep = keep.any(1).view(hq // sub, sub, nb).any(1)  # union over query blocks, then sub-group heads
+def normalised(scores: Tensor, sub: int) -> Tensor:
+    """scores: [Hq, QB, NB] -> [E, NB], E = Hq / sub page lists: each block's score over its
+    (head, query block)'s best, the max over the list's sub heads and query blocks (entry e
+    serves query heads [e * sub, (e + 1) * sub), of KV head e // (E / Hkv))."""
+    hq, qb, nb = scores.shape
+    return (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb).amax(1)
+
+
+def select_blocks(scores: Tensor, sub: int, cfg: BlockUnion) -> Tensor:
+    """scores: [Hq, QB, NB] -> keep: [E, NB] bool: the threshold's blocks (alpha, or the budget's
+    when it is set), the sink's and the window's."""
+    nb = scores.shape[2]
+    if cfg.budget is not None:
+        blocks = budget_blocks(normalised(scores, sub), cfg)
+        keep = torch.zeros(blocks.shape[0], nb, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, blocks, True)
+    else:
+        keep = normalised(scores, sub) >= cfg.alpha  # union over query blocks and sub-group heads
     keep[:, :cfg.sink] = True
     keep[:, max(0, nb - cfg.window):] = True
     return keep
+
+
+def budget_free(cfg: BlockUnion, nb: int) -> int:
+    """Blocks a budget list chooses by score among the nb - sink - window in between."""
+    keep = min(nb, max(cfg.sink + cfg.window, math.ceil(cfg.budget * nb)))
+    return max(0, keep - cfg.sink - cfg.window)
+
+
+def budget_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
+    """agg: [E, NB] normalised scores -> [E, free] the budget's chosen blocks (neither sink nor
+    window), ascending."""
+    nb = agg.shape[1]
+    free = budget_free(cfg, nb)
+    mid = agg[:, cfg.sink:nb - cfg.window]
+    return (mid.topk(free, dim=1, sorted=False).indices + cfg.sink).sort(1).values
+
+
+def budget_lists(table: list[int], context_len: int, total: int, chunk_size: int, cfg: BlockUnion,
+                 num_kv_heads: int, entries: int) -> tuple[list[int], int, slice]:
+    """A budget piece's page lists as laid out for a step (one plan, every layer): per entry
+    (entry e reads KV head e // (entries / Hkv)) the sink's chunks, then `budget_free` blocks'
+    chunks chosen per layer, then the window's and the piece's own chunks, as pages
+    ``chunk * Hkv + kv_head``. -> (the pages, entry after entry, the chosen places 0; pages per
+    entry; the chosen places' slice within an entry)."""
+    c, bc = chunk_size, cfg.block // chunk_size
+    k0, used = context_len // c, -(-total // c)
+    nb = -(-k0 // bc)
+    free = budget_free(cfg, nb)
+    head = table[:cfg.sink * bc]
+    tail = table[(nb - cfg.window) * bc:used]
+    groups = entries // num_kv_heads
+    pages = []
+    for e in range(entries):
+        kv = e // groups
+        pages += [t * num_kv_heads + kv for t in head] + [0] * (free * bc) + [t * num_kv_heads + kv for t in tail]
+    per = budget_list_len(cfg, context_len, total, chunk_size)
+    assert per == len(head) + free * bc + len(tail)
+    return pages, per, slice(len(head), len(head) + free * bc)
+
+
+def budget_list_len(cfg: BlockUnion, context_len: int, total: int, chunk_size: int) -> int:
+    """Pages in each of a budget piece's lists: the sink's, the chosen and the window's blocks'
+    chunks, and the piece's own."""
+    bc = cfg.block // chunk_size
+    k0, used = context_len // chunk_size, -(-total // chunk_size)
+    nb = -(-k0 // bc)
+    return (cfg.sink + budget_free(cfg, nb)) * bc + used - (nb - cfg.window) * bc
+
+
+def budget_pages(blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int) -> Tensor:
+    """blocks: [E, free] chosen blocks -> their chunks' pages [E, free * block_chunks] int32
+    (chunk * Hkv + the entry's KV head), in order."""
+    e = blocks.shape[0]
+    chunks = (blocks[:, :, None] * block_chunks + torch.arange(block_chunks, device=blocks.device)).flatten(1)
+    kv = torch.arange(e, device=blocks.device) // (e // num_kv_heads)
+    return (table[chunks] * num_kv_heads + kv[:, None]).to(torch.int32)
 
 
 def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) -> Tensor:

@@ -65,8 +65,12 @@ class FlashInferPrefill:
         self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND") for _ in range(2)]
         self._turn = 1
         self._rows = -1  # query rows of the spans planned (-1: not planned yet)
-        # block-union pieces: planned and run layer by layer (each layer selects its own pages)
-        self._sparse = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND")
+        # block-union pieces: planned layer by layer (alpha: each layer's lists have their own
+        # lengths), or once a step (a budget: every layer rewrites the page ids in place), then
+        # in turn like the dense ones
+        self._sparse = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND") for _ in range(2)]
+        self._sparse_turn = 1
+        self._sparse_rows: list[tuple[int, int]] = []  # per piece planned: (query rows, page lists)
 
     def plan(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> int:
         """Plan for spans (chunk table, context_len, num_new), num_new >= 1, whose tables cover
@@ -105,46 +109,72 @@ class FlashInferPrefill:
             raise ValueError(f"the plan is for {self._rows} query rows, got {q.shape[0]}")
         return self._wrappers[self._turn].run(q.to(self.dtype), (k_cache, v_cache))
 
-    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor
-                   ) -> list[torch.Tensor]:
-        """Each piece's attention over its own page lists: [n, Hq, D] per piece.
-
-        A list (entry) serves `sub` query heads of one KV head, so FlashInfer runs with one KV
-        head over the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; a
-        piece's queries are regrouped entry-major ([E * n, sub, D], a copy of q only). Planned
-        here, layer by layer: the lists' lengths are read back to the host (FlashInfer's plan
-        takes them there), which waits for the device."""
-        c, hkv, d = self.chunk_size, self.num_kv_heads, self.head_dim
-        e = pieces[0].mask.shape[0]
-        if e % hkv or self.num_q_heads % e or any(p.mask.shape[0] != e for p in pieces):
-            raise ValueError(f"sparse pieces need the same page lists per KV head, got {[p.mask.shape for p in pieces]}")
-        sub = self.num_q_heads // e
-        counts = torch.cat([p.mask.sum(1) for p in pieces]).tolist()  # waits for the device
-        qo, kv, last, lens, qs, pages = [0], [0], [], [], [], []
-        heads = torch.arange(hkv, device=self.device)
-        i = 0
-        for p in pieces:
-            n, used = p.q.shape[0], p.mask.shape[1]
-            tail = p.total - (used - 1) * c  # the last chunk's tokens (always kept)
-            for chosen in counts[i:i + e]:
+    def plan_sparse(self, pages: torch.Tensor, pieces: Sequence[tuple[int, list[int], int]]) -> None:
+        """Plan block-union page lists: pieces (query rows n, pages of each of its E lists, the
+        last page's tokens); pages: [sum of the lists' pages] int32 on the device, list after
+        list. FlashInfer keeps `pages` itself, not a copy: the caller may rewrite its contents
+        before each run (a budget's chosen pages, layer by layer)."""
+        c = self.chunk_size
+        e = len(pieces[0][1])
+        if e % self.num_kv_heads or self.num_q_heads % e or any(len(p[1]) != e for p in pieces):
+            raise ValueError(f"sparse pieces need the same page lists per KV head, got {[len(p[1]) for p in pieces]}")
+        qo, kv, last, lens = [0], [0], [], []
+        for n, counts, tail in pieces:
+            for chosen in counts:
                 qo.append(qo[-1] + n)
                 kv.append(kv[-1] + chosen)
                 last.append(tail)
                 lens.append((chosen - 1) * c + tail)
-            i += e
-            page = p.table[None, :] * hkv + heads.repeat_interleave(e // hkv)[:, None]  # [E, used]
-            pages.append(page[p.mask])  # row-major: each entry's pages in chunk order
-            qs.append(p.q.reshape(n, e, sub, d).transpose(0, 1).reshape(e * n, sub, d))
-        self._sparse.plan(
-            torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32),
-            torch.cat(pages).to(torch.int32), torch.tensor(last, dtype=torch.int32), sub, 1, d, c,
-            causal=True, sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype,
-            seq_lens=torch.tensor(lens, dtype=torch.int32))
+        if pages.dtype != torch.int32 or pages.numel() != kv[-1]:
+            raise ValueError(f"the page lists hold {kv[-1]} int32 pages, got {pages.numel()} {pages.dtype}")
+
+        def pinned(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int32).pin_memory()
+
+        self._sparse_turn ^= 1
+        self._sparse[self._sparse_turn].plan(
+            pinned(qo), pinned(kv), pages, pinned(last), self.num_q_heads // e, 1, self.head_dim, c, causal=True,
+            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
+        self._sparse_rows = [(n, e) for n, _, _ in pieces]
+
+    def run_planned_sparse(self, qs: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor
+                           ) -> list[torch.Tensor]:
+        """The planned pieces' attention: qs [n, Hq, D] per piece -> [n, Hq, D] per piece.
+
+        A list serves `sub` query heads of one KV head, so FlashInfer runs with one KV head over
+        the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; each piece's
+        queries are regrouped list-major ([E * n, sub, D], a copy of q only)."""
+        c, d, hq = self.chunk_size, self.head_dim, self.num_q_heads
+        if [q.shape[0] for q in qs] != [n for n, _ in self._sparse_rows]:
+            raise ValueError(f"the sparse plan is for pieces of {[n for n, _ in self._sparse_rows]} rows, "
+                             f"got {[q.shape[0] for q in qs]}")
+        e = self._sparse_rows[0][1]
+        sub = hq // e
+        q = torch.cat([x.reshape(x.shape[0], e, sub, d).transpose(0, 1).reshape(-1, sub, d) for x in qs])
         paged = (k_cache.view(-1, 1, c, d), v_cache.view(-1, 1, c, d))
-        o = self._sparse.run(torch.cat(qs).to(self.dtype), paged)  # [sum E * n, sub, D]
+        o = self._sparse[self._sparse_turn].run(q.to(self.dtype), paged)  # [sum E * n, sub, D]
         outs, row = [], 0
-        for p in pieces:
-            n = p.q.shape[0]
-            outs.append(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1).reshape(n, self.num_q_heads, d))
+        for x in qs:
+            n = x.shape[0]
+            outs.append(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1).reshape(n, hq, d))
             row += e * n
         return outs
+
+    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor
+                   ) -> list[torch.Tensor]:
+        """Plan and run pieces whose lists are chunk masks (alpha's threshold, layer by layer):
+        [n, Hq, D] per piece. Reads the lists' lengths back to the host (FlashInfer's plan
+        takes them there): waits for the device."""
+        c, hkv = self.chunk_size, self.num_kv_heads
+        e = pieces[0].mask.shape[0]
+        counts = torch.cat([p.mask.sum(1) for p in pieces]).tolist()  # waits for the device
+        heads = torch.arange(hkv, device=self.device).repeat_interleave(e // hkv)
+        pages, planned = [], []
+        for i, p in enumerate(pieces):
+            if p.mask.shape[0] != e:
+                raise ValueError(f"sparse pieces need the same page lists per KV head, got {p.mask.shape[0]} and {e}")
+            page = p.table[None, :] * hkv + heads[:, None]  # [E, used]
+            pages.append(page[p.mask])  # row-major: each list's pages in chunk order
+            planned.append((p.q.shape[0], counts[i * e:(i + 1) * e], p.total - (p.mask.shape[1] - 1) * c))
+        self.plan_sparse(torch.cat(pages).to(torch.int32), planned)
+        return self.run_planned_sparse([p.q for p in pieces], k_cache, v_cache)

@@ -146,9 +146,30 @@ class Attention:
             self.prefill_plans += 1
             if len(dense) < len(prefills):
                 dense_rows = to_device([r for s in dense for r in range(s.start, s.start + s.num_new)], self.device)
+        sparse = [s for s in prefills if s.sparse]
+        budget = None
+        if sparse and self._prefill is not None and self.sparse.budget is not None:
+            budget = self._plan_budget(sparse)
         return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
                              self._plan_decode(batch), tuple(prefills), fused, dense_rows,
-                             to_device(filled, self.device) if filled else None)
+                             to_device(filled, self.device) if filled else None, budget)
+
+    def _plan_budget(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, ...]:
+        """A budget's page lists for the step's sparse spans, planned once for every layer:
+        per span the [E, chosen pages] view of the planned page ids its layers rewrite."""
+        c, hkv = self.pool.chunk_size, self.pool.kv.shape[3]
+        e = self.num_q_heads // self._sub
+        pages, planned, places = [], [], []
+        for s in spans:
+            total = s.context_len + s.num_new
+            lists, per, chosen = block_union.budget_lists(list(s.chunk_ids), s.context_len, total, c, self.sparse,
+                                                          hkv, e)
+            places.append((len(pages), per, chosen))
+            pages += lists
+            planned.append((s.num_new, [per] * e, total - (-(-total // c) - 1) * c))
+        ids = to_device(pages, self.device, torch.int32)
+        self._prefill.plan_sparse(ids, planned)
+        return tuple(ids[o:o + e * per].view(e, per)[:, chosen] for o, per, chosen in places)
 
     def _plan_decode(self, batch: Batch):
         if not batch.decodes:
@@ -210,14 +231,16 @@ class Attention:
             private_lens=tuple(grown(pl, pp, n) for pl, pp, n in
                                zip(plan.private_lens, plan.private_positions, plan.seq_lens)))
 
-    def sparse_prefill(self, layer: int, q: torch.Tensor, out: torch.Tensor, spans: list[PrefillSpan]) -> None:
+    def sparse_prefill(self, layer: int, q: torch.Tensor, out: torch.Tensor, spans: list[PrefillSpan],
+                       budget: tuple[torch.Tensor, ...] | None = None) -> None:
         """Block-union pieces of one layer: select each piece's blocks from its queries, then
-        attend over the page lists (kernels.block_union); writes their rows of out."""
+        attend over the page lists (kernels.block_union); writes their rows of out. budget: the
+        spans' planned page ids to fill (a budget through FlashInfer), else chunk masks."""
         cfg, c, hkv = self.sparse, self.pool.chunk_size, self.pool.kv.shape[3]
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
         bc = cfg.block // c
         pieces = []
-        for s in spans:
+        for i, s in enumerate(spans):
             rows = q[s.start:s.start + s.num_new]
             k0 = s.context_len // c  # chunks before the one holding the piece's first token
             keys = block_union.block_keys(self.pool.key_means[layer], s.table[:k0], bc)
@@ -225,12 +248,20 @@ class Attention:
                 scores = block_union.block_scores(rows, keys, cfg.block, self.sm_scale)
             else:
                 scores = reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale)
-            keep = block_union.select_blocks(scores, hkv, self._sub, cfg)
+            self.dense_pages += self.num_q_heads // self._sub * s.table.numel()
+            if budget is not None:
+                blocks = block_union.budget_blocks(block_union.normalised(scores, self._sub), cfg)
+                budget[i].copy_(block_union.budget_pages(blocks, s.table, bc, hkv))
+                self.sparse_pages += budget[i].shape[0] * block_union.budget_list_len(
+                    cfg, s.context_len, s.context_len + s.num_new, c)
+                continue
+            keep = block_union.select_blocks(scores, self._sub, cfg)
             mask = block_union.chunk_mask(keep, bc, k0, s.table.numel())
             self.sparse_pages += mask.sum()
-            self.dense_pages += mask.numel()
             pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
-        if self._prefill is not None:
+        if budget is not None:
+            outs = self._prefill.run_planned_sparse([q[s.start:s.start + s.num_new] for s in spans], k_cache, v_cache)
+        elif self._prefill is not None:
             outs = self._prefill.run_sparse(pieces, k_cache, v_cache)
         else:
             outs = [reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
@@ -262,6 +293,7 @@ class StepAttention:
     fused_prefill: bool = False  # the dense prefill spans through the FlashInfer plan made for this step
     dense_rows: torch.Tensor | None = None  # their rows where sparse spans are among the spans (else they follow the decodes)
     filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps mean keys
+    budget: tuple[torch.Tensor, ...] | None = None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
@@ -286,7 +318,7 @@ class StepAttention:
                         q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale)
         sparse = [s for s in self.prefills if s.sparse]
         if sparse:
-            a.sparse_prefill(layer, q, out, sparse)
+            a.sparse_prefill(layer, q, out, sparse, self.budget)
         return out
 
     def keep_key_means(self) -> None:

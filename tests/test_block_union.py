@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kernels import block_union
-from kernels.block_union import BlockUnion, block_keys, chunk_mask, select_blocks, subgroup_size
+from kernels.block_union import (BlockUnion, block_keys, budget_blocks, budget_list_len, budget_lists, budget_pages,
+                                 chunk_mask, normalised, select_blocks, subgroup_size)
 from kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
 from replicas.engine import LLMEngine
 from replicas.sequence import SamplingParams
@@ -73,13 +74,57 @@ def test_selection_keeps_alpha_of_the_best_unions_and_adds_sink_and_window():
     scores[1, 1, 2] = 0.8  # head 1 (same sub-group), query block 1: block 2
     scores[1, 1, 5] = 0.3  # under alpha x its own best
     scores[3, 0, 6] = 0.7  # head 3: the second sub-group
-    keep = select_blocks(scores, 1, 2, cfg)
+    keep = select_blocks(scores, 2, cfg)
     assert keep.shape == (2, nb)
     assert keep[0].nonzero().flatten().tolist() == [0, 2, 3, 4, 7]  # sink 0, window 7
     assert keep[1].nonzero().flatten().tolist() == [0, 6, 7]
     # flat scores (every block the best): everything kept
-    assert select_blocks(torch.full((4, 1, nb), 1 / nb), 1, 2, cfg).all()
-    assert select_blocks(scores, 1, 2, BlockUnion(alpha=0.0)).all()
+    assert select_blocks(torch.full((4, 1, nb), 1 / nb), 2, cfg).all()
+    assert select_blocks(scores, 2, BlockUnion(alpha=0.0)).all()
+
+
+def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
+    cfg = BlockUnion(budget=0.5, sink=1, window=2, subgroup=2)
+    nb = 10
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(4, 3, nb, generator=g)  # Hq 4, 3 query blocks: 2 lists of 2 heads
+    agg = normalised(scores, 2)
+    assert agg.shape == (2, nb)
+    torch.testing.assert_close(agg[1], (scores[2:] / scores[2:].amax(-1, keepdim=True)).amax(0).amax(0))
+    blocks = budget_blocks(agg, cfg)  # 5 kept: sink, window 2, and the 2 best of blocks 1..7
+    assert blocks.shape == (2, 2)
+    for e in range(2):  # (blocks tie at 1.0, each some (head, query block)'s best)
+        best = sorted((agg[e, b].item() for b in range(1, 8)), reverse=True)[:2]
+        assert sorted((agg[e, b].item() for b in blocks[e]), reverse=True) == best
+        assert blocks[e].tolist() == sorted(blocks[e].tolist()) and all(1 <= b < 8 for b in blocks[e])
+    keep = select_blocks(scores, 2, cfg)
+    assert (keep.sum(1) == 5).all() and keep[:, 0].all() and keep[:, 8:].all()
+    # a budget under the sink and window keeps just those; a whole budget keeps everything
+    assert budget_blocks(agg, BlockUnion(budget=0.1, sink=1, window=2)).shape == (2, 0)
+    assert select_blocks(scores, 2, BlockUnion(budget=1.0, window=1)).all()
+
+
+@pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
+def test_budget_lists_are_the_masked_pages(context, new, budget):
+    """The page ids a step plans for a budget piece, with the chosen blocks written in, are the
+    masked pages (chunk * Hkv + head, list by list) of the same selection: what the reference
+    attends."""
+    cfg = BlockUnion(block=32, budget=budget, sink=1, window=2, subgroup=2)
+    c, hkv, e = 16, 2, 4
+    total = context + new
+    used = -(-total // c)
+    table = random.Random(context).sample(range(200), used)
+    k0, bc = context // c, 2
+    nb = -(-k0 // bc)
+    scores = torch.rand(8, 3, nb, generator=torch.Generator().manual_seed(new))
+    blocks = budget_blocks(normalised(scores, 2), cfg)
+    pages, per, chosen = budget_lists(table, context, total, c, cfg, hkv, e)
+    assert per == budget_list_len(cfg, context, total, c) and len(pages) == e * per
+    planned = torch.tensor(pages, dtype=torch.int32).view(e, per)
+    planned[:, chosen] = budget_pages(blocks, torch.tensor(table), bc, hkv)
+    mask = chunk_mask(select_blocks(scores, 2, cfg), bc, k0, used)
+    page = torch.tensor(table)[None, :] * hkv + (torch.arange(e) // (e // hkv))[:, None]
+    assert planned.flatten().tolist() == page[mask].tolist()
 
 
 def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
@@ -89,7 +134,8 @@ def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
 
 
 def test_config_is_checked():
-    for bad in (dict(block=48), dict(block=8), dict(alpha=1.5), dict(sink=-1), dict(subgroup=0)):
+    for bad in (dict(block=48), dict(block=8), dict(alpha=1.5), dict(sink=-1), dict(subgroup=0), dict(budget=0.0),
+                dict(budget=1.5), dict(budget=0.5, window=0)):
         with pytest.raises(ValueError):
             BlockUnion(**bad)
     with pytest.raises(ValueError, match="multiple of the chunk size"):
@@ -165,10 +211,19 @@ def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
 
 
-def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys():
+def test_engine_with_a_whole_budget_gives_the_dense_tokens():
+    prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
+    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(prompts, params)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64,
+                                  sparse_prefill=dict(SPARSE, budget=1.0))
+    assert engine.generate(prompts, params) == dense
+
+
+@pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3)])
+def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys(sparse):
     prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64,
-                                  sparse_prefill=dict(SPARSE, alpha=1.0))
+                                  sparse_prefill=dict(SPARSE, **sparse))
     outs = engine.generate(prompts, params)
     assert all(len(o) == 40 for o in outs)
     stats = engine.stats()
@@ -204,7 +259,7 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     attention.sparse_prefill(1, q, out, [span])
     k0 = context // 16
     keys = block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2)
-    keep = select_blocks(block_scores_ref(q, keys, 32, 64 ** -0.5), 2, 2, engine.config.sparse_prefill)
+    keep = select_blocks(block_scores_ref(q, keys, 32, 64 ** -0.5), 2, engine.config.sparse_prefill)
     mask = chunk_mask(keep, 2, k0, 24)
     assert not mask.all()
     want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64 ** -0.5)
@@ -254,3 +309,49 @@ def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d,
         want = sparse_prefill_ref(p.q, k_cache, v_cache, table, context, p.mask)
         torch.testing.assert_close(o, want, atol={torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype], rtol=0)
 
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("hq, hkv, c", [(32, 8, 64), (8, 2, 16)])
+def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
+    """A budget's lists planned once; each 'layer' writes other chosen pages into them and runs:
+    every run is the reference on its own selection (FlashInfer reads the page ids in place)."""
+    pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
+    from kernels.paged_prefill import FlashInferPrefill
+    d, dtype, dev = (128 if hq == 32 else 64), torch.bfloat16, torch.device("cuda")
+    cfg = BlockUnion(block=2 * c, budget=0.3, sink=1, window=2)
+    sub = subgroup_size(hq, hkv, cfg.subgroup)
+    e = hq // sub
+    k_cache, v_cache = _cache(300, hkv, c, d, dtype, "cuda", seed=c)
+    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev,
+                           sm_scale=d ** -0.5)
+    rng = random.Random(hq)
+    spans = []
+    for context, new in [(60 * c, 2 * c + 3), (33 * c + 7, 20)]:
+        total = context + new
+        table = rng.sample(range(300), -(-total // c))
+        spans.append((table, context, total))
+    pages, planned, places = [], [], []
+    for table, context, total in spans:
+        lists, per, chosen = budget_lists(table, context, total, c, cfg, hkv, e)
+        places.append((len(pages), per, chosen))
+        pages += lists
+        planned.append((total - context, [per] * e, total - (len(table) - 1) * c))
+    ids = torch.tensor(pages, dtype=torch.int32, device=dev)
+    fi.plan_sparse(ids, planned)
+    for layer in range(2):
+        qs, masks = [], []
+        for (table, context, total), (o, per, chosen) in zip(spans, places):
+            k0 = context // c
+            nb = -(-k0 // 2)
+            scores = torch.rand(hq, 2, nb, generator=torch.Generator().manual_seed(layer * 7 + k0)).to(dev)
+            blocks = budget_blocks(normalised(scores, sub), cfg)
+            ids[o:o + e * per].view(e, per)[:, chosen] = budget_pages(blocks, torch.tensor(table, device=dev), 2, hkv)
+            masks.append(chunk_mask(select_blocks(scores, sub, cfg), 2, k0, len(table)))
+            qs.append(torch.randn(total - context, hq, d, device=dev).to(dtype))
+        outs = fi.run_planned_sparse(qs, k_cache, v_cache)
+        for (table, context, _), q, mask, out in zip(spans, qs, masks, outs):
+            assert not mask.all()
+            want = sparse_prefill_ref(q, k_cache, v_cache, table, context, mask)
+            torch.testing.assert_close(out, want, atol=3e-2, rtol=0)

@@ -210,9 +210,15 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
     err_sp, err_de = logit_errors(exact_out, exact, [(sp_out, sp), (de_out, de)], 12)
     assert len(err_sp) >= 48, f"only {len(err_sp)} comparable tokens"
     assert max(err_sp) <= 2 * max(err_de) + 1e-2, f"sparse off by {max(err_sp)}, dense by {max(err_de)}"
-    cut, cut_out, _ = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, alpha=1.0))
-    stats = cut.stats()
-    assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]
-    assert all(len(o) == 12 for o in cut_out)
+    bu_engine, bu_out, bu = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0))
+    assert bu_engine.attention._prefill._sparse_rows  # planned once a step, through FlashInfer
+    err_bu, = logit_errors(exact_out, exact, [(bu_out, bu)], 12)
+    assert max(err_bu) <= 2 * max(err_de) + 1e-2, f"a whole budget off by {max(err_bu)}, dense by {max(err_de)}"
     print(f"compared {len(err_sp)} tokens: max |logit error| sparse (all kept) {max(err_sp):.4f}, "
-          f"dense {max(err_de):.4f}; alpha 1 read {stats['sparse_pages_read']} of {stats['sparse_pages_dense']} pages")
+          f"a whole budget {max(err_bu):.4f}, dense {max(err_de):.4f}")
+    for cut_options in (dict(alpha=1.0), dict(budget=0.3)):
+        cut, cut_out, _ = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, **cut_options))
+        stats = cut.stats()
+        assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]
+        assert all(len(o) == 12 for o in cut_out)
+        print(f"{cut_options}: read {stats['sparse_pages_read']} of {stats['sparse_pages_dense']} pages")
