@@ -10,9 +10,10 @@ overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
   (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
 - per share d of the context's blocks kept (``kept@d``: the share of its chunks):
-  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: block keys from the pool's
-  chunk means, the Triton scores, the best blocks, their page ids written into the lists
-  planned once per step (not timed), FlashInfer over them; ``speedup@d`` = dense / budget;
+  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the Triton normalised
+  scores against the block keys (the engine's, every layer's, made once a step: not timed),
+  the best blocks, their page ids written into the lists planned once per step (not timed),
+  FlashInfer over them; ``speedup@d`` = dense / budget;
   ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths
   read back, a FlashInfer plan, the run) over lists of that share drawn at random (random keys
   score flat: the threshold would keep everything).
@@ -79,14 +80,15 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
         fi.plan_sparse(ids, [(piece, [per] * e, total - (used - 1) * c)])
         view = ids.view(e, per)[:, chosen]
 
-        def scores():
-            keys = block_union.block_keys(means, tab[:k0], bc)
-            return block_union.block_scores(q, keys, cfg.block, d ** -0.5)
+        keys = block_union.block_keys(means, tab[:k0], bc)  # (the engine's: every layer's, once a step)
+        out = torch.empty_like(q)
+
+        def agg():
+            return block_union.block_agg(q, keys, cfg.block, sub, d ** -0.5)
 
         def budget_layer():
-            blocks = block_union.budget_blocks(block_union.normalised(scores(), sub), cfg)
-            view.copy_(block_union.budget_pages(blocks, tab, bc, hkv))
-            return fi.run_planned_sparse([q], k, v)
+            block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
+            return fi.run_planned_sparse([q], k, v, [out])
 
         row[f"kept@{dens}"] = round((per - (used - k0)) / k0, 3)
         row[f"budget_us@{dens}"] = round(_per_call(budget_layer, layers, reps), 1)
@@ -98,8 +100,8 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
         mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
 
         def alpha_layer():
-            block_union.chunk_mask(block_union.select_blocks(scores(), sub, BlockUnion()), bc, k0, used)
-            return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v)
+            block_union.chunk_mask(block_union.select_blocks(agg(), BlockUnion()), bc, k0, used)
+            return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v, [out])
 
         row[f"alpha_us@{dens}"] = round(_per_call(alpha_layer, layers, reps), 1)
         row[f"speedup@{dens}"] = round(row["dense_us"] / row[f"budget_us@{dens}"], 2)

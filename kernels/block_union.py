@@ -8,9 +8,10 @@ the context blocks its queries are likely to attend:
   chunks a block. A block's key is the mean of its chunks' mean keys; the pool keeps the mean
   key of every full chunk, per layer (replicas.attention), so a shared prefix's means are
   computed once, when its chunks fill.
-- Scores [Hq, QB, NB] (`block_scores`, Triton; `kernels.reference.block_scores_ref`): for each
-  query head and query block (`block` rows of the piece), the mean over its rows of each row's
-  softmax over the blocks of q · key * sm_scale.
+- Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref`): for each query head and query
+  block (`block` rows of the piece), the mean over its rows of each row's softmax over the
+  blocks of q · key * sm_scale; normalised by their best and folded over the list's heads and
+  query blocks (`normalised`; the Triton `block_agg` does all of it in one launch).
 - Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
   its best; union over the piece's query blocks and over each sub-group of `subgroup` query
   heads of one KV head; plus the first `sink` and the last `window` blocks. Or, with a
@@ -38,8 +39,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BlockUnion", "block_keys", "block_scores", "budget_blocks", "budget_free", "budget_list_len", "budget_lists", "budget_pages", "chunk_mask", "normalised",
-           "select_blocks", "subgroup_size"]
+__all__ = ["BlockUnion", "block_agg", "block_keys", "budget_blocks", "budget_free", "budget_list_len", "budget_lists",
+           "budget_pages", "chunk_mask", "normalised", "select_blocks", "subgroup_size", "write_pages"]
 
 
 @dataclass(frozen=True)
@@ -87,17 +88,19 @@ def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
 
 
 def block_keys(chunk_means: Tensor, table: Tensor, block_chunks: int) -> Tensor:
-    """chunk_means: [num_chunks, Hkv, D] float32; table: [k] the context's chunk ids (full
-    chunks) -> [ceil(k / block_chunks), Hkv, D], each block's mean key (a short last block the
-    mean of its chunks)."""
+    """chunk_means: [..., num_chunks, Hkv, D] float32 (the pool's, a layer's or every layer's);
+    table: [k] the context's chunk ids (full chunks) -> [..., ceil(k / block_chunks), Hkv, D],
+    each block's mean key (a short last block the mean of its chunks)."""
     k = table.numel()
     nb = -(-k // block_chunks)
-    means = chunk_means[table]  # [k, Hkv, D]
-    sums = torch.zeros(nb * block_chunks, *means.shape[1:], dtype=means.dtype, device=means.device)
-    sums[:k] = means
-    counts = torch.full((nb,), float(block_chunks), device=means.device)
+    means = chunk_means.index_select(-3, table)  # [..., k, Hkv, D]
+    lead, tail = means.shape[:-3], means.shape[-2:]
+    if nb * block_chunks > k:
+        pad = means.new_zeros(*lead, nb * block_chunks - k, *tail)
+        means = torch.cat([means, pad], dim=-3)
+    counts = torch.full((nb, 1, 1), float(block_chunks), device=means.device)
     counts[-1] = k - (nb - 1) * block_chunks
-    return sums.view(nb, block_chunks, *means.shape[1:]).sum(1) / counts[:, None, None]
+    return means.view(*lead, nb, block_chunks, *tail).sum(-3) / counts
 
 
 def normalised(scores: Tensor, sub: int) -> Tensor:
@@ -108,16 +111,17 @@ def normalised(scores: Tensor, sub: int) -> Tensor:
     return (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb).amax(1)
 
 
-def select_blocks(scores: Tensor, sub: int, cfg: BlockUnion) -> Tensor:
-    """scores: [Hq, QB, NB] -> keep: [E, NB] bool: the threshold's blocks (alpha, or the budget's
-    when it is set), the sink's and the window's."""
-    nb = scores.shape[2]
+def select_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
+    """agg: [E, NB] normalised scores -> keep: [E, NB] bool: the threshold's blocks (alpha: the
+    union over the list's heads and query blocks; or the budget's when it is set), the sink's
+    and the window's."""
+    nb = agg.shape[1]
     if cfg.budget is not None:
-        blocks = budget_blocks(normalised(scores, sub), cfg)
-        keep = torch.zeros(blocks.shape[0], nb, dtype=torch.bool, device=scores.device)
+        blocks = budget_blocks(agg, cfg)
+        keep = torch.zeros(blocks.shape[0], nb, dtype=torch.bool, device=agg.device)
         keep.scatter_(1, blocks, True)
     else:
-        keep = normalised(scores, sub) >= cfg.alpha  # union over query blocks and sub-group heads
+        keep = agg >= cfg.alpha
     keep[:, :cfg.sink] = True
     keep[:, max(0, nb - cfg.window):] = True
     return keep
@@ -131,11 +135,12 @@ def budget_free(cfg: BlockUnion, nb: int) -> int:
 
 def budget_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
     """agg: [E, NB] normalised scores -> [E, free] the budget's chosen blocks (neither sink nor
-    window), ascending."""
+    window), in no particular order: a list's context pages may come in any order (all are
+    full and precede the piece's own), attention sums over them."""
     nb = agg.shape[1]
     free = budget_free(cfg, nb)
     mid = agg[:, cfg.sink:nb - cfg.window]
-    return (mid.topk(free, dim=1, sorted=False).indices + cfg.sink).sort(1).values
+    return mid.topk(free, dim=1, sorted=False).indices + cfg.sink
 
 
 def budget_lists(table: list[int], context_len: int, total: int, chunk_size: int, cfg: BlockUnion,
@@ -172,11 +177,23 @@ def budget_list_len(cfg: BlockUnion, context_len: int, total: int, chunk_size: i
 
 def budget_pages(blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int) -> Tensor:
     """blocks: [E, free] chosen blocks -> their chunks' pages [E, free * block_chunks] int32
-    (chunk * Hkv + the entry's KV head), in order."""
+    (chunk * Hkv + the entry's KV head), block after block (`write_pages` on the GPU)."""
     e = blocks.shape[0]
     chunks = (blocks[:, :, None] * block_chunks + torch.arange(block_chunks, device=blocks.device)).flatten(1)
     kv = torch.arange(e, device=blocks.device) // (e // num_kv_heads)
     return (table[chunks] * num_kv_heads + kv[:, None]).to(torch.int32)
+
+
+def write_pages(out: Tensor, blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int) -> None:
+    """Triton `budget_pages` written into out ([E, free * block_chunks] int32, rows may be strided,
+    a view of planned lists): one launch."""
+    e, free = blocks.shape
+    if out.shape != (e, free * block_chunks) or out.dtype != torch.int32 or out.stride(1) != 1:
+        raise ValueError(f"pages out {tuple(out.shape)} {out.dtype} does not fit {e} lists of {free} blocks")
+    if free:
+        import triton
+        _kernels()[1][(e,)](out, blocks, table, out.stride(0), blocks.stride(0), free, GROUPS=e // num_kv_heads,
+                            HKV=num_kv_heads, BC=block_chunks, FREE_P=triton.next_power_of_2(free))
 
 
 def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) -> Tensor:
@@ -188,72 +205,101 @@ def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) 
     return mask
 
 
-def block_scores(q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None) -> Tensor:
-    """Triton `kernels.reference.block_scores_ref`: q [T, Hq, D] (last dim contiguous), keys
-    [NB, Hkv, D] -> [Hq, ceil(T / block), NB] float32. Scores in q's precision (a 16-bit q's
-    dot products round the keys to its type), accumulated in float32."""
+def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | None = None) -> Tensor:
+    """Triton ``normalised(kernels.reference.block_scores_ref(q, keys, block, sm_scale), sub)``
+    in one launch: q [T, Hq, D] (last dim contiguous), keys [NB, Hkv, D] -> [Hq / sub, NB]
+    float32. Scores in q's precision (a 16-bit q's dot products round the keys to its type),
+    accumulated in float32."""
     import triton
 
     t, hq, d = q.shape
     nb, hkv, dk = keys.shape
-    if dk != d or hq % hkv or q.stride(2) != 1:
-        raise ValueError(f"q {tuple(q.shape)} and keys {tuple(keys.shape)} do not fit (q's last dim contiguous)")
+    if dk != d or hq % hkv or (hq // hkv) % sub or q.stride(2) != 1:
+        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and sub-groups of {sub} do not fit "
+                         f"(q's last dim contiguous)")
     if d & (d - 1) or d < 16 or block & (block - 1) or block < 16:
         raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
     keys = keys.to(q.dtype).contiguous()
-    qb = triton.cdiv(t, block)
-    out = torch.empty(hq, qb, nb, dtype=torch.float32, device=q.device)
+    e, qb = hq // sub, triton.cdiv(t, block)
+    scratch = torch.empty(e, qb, nb, dtype=torch.float32, device=q.device)  # a program's rows, then its max
+    agg = torch.zeros(e, nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
-    _kernels()[0][(hq, qb)](q, keys, out, t, nb, q.stride(0), q.stride(1), keys.stride(0), keys.stride(1),
-                            out.stride(0), out.stride(1), scale, G=hq // hkv, D=d, BLOCK_Q=block,
-                            BLOCK_N=block_n, num_warps=8 if block * d >= 128 * 128 else 4)
-    return out
+    _kernels()[0][(e, qb)](q, keys, scratch, agg.view(torch.int32), t, nb, q.stride(0), q.stride(1), keys.stride(0),
+                           keys.stride(1), scale, G=hq // hkv, SUB=sub, D=d, BLOCK_Q=block, BLOCK_N=block_n,
+                           num_warps=8 if block * d >= 128 * 128 else 4)
+    return agg
 
 
 _KERNELS = None
 
 
 def _kernels():
-    """The Triton kernel, defined on first use: the CPU reference path must not need triton."""
+    """The Triton kernels, defined on first use: the CPU reference path must not need triton."""
     global _KERNELS
     if _KERNELS is None:
         import triton
         import triton.language as tl
 
         @triton.jit
-        def _score_kernel(Q, Keys, Out, T, NB, stride_qt, stride_qh, stride_kb, stride_kh, stride_oh, stride_oq,
-                          qk_scale, G: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                          BLOCK_N: tl.constexpr):
-            # one program per (query head, query block): two passes over the block keys, the
-            # first for each row's softmax max and sum, the second for the mean of the rows' p
-            head, qblk = tl.program_id(0), tl.program_id(1)
-            kv = head // G
+        def _agg_kernel(Q, Keys, Scratch, Agg, T, NB, stride_qt, stride_qh, stride_kb, stride_kh, qk_scale,
+                        G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
+                        BLOCK_N: tl.constexpr):
+            # one program per (list, query block), for each of the list's SUB heads: two passes
+            # over the block keys (each row's softmax max and sum, then the mean of the rows' p
+            # into Scratch with the row's max), a third folding p / max into the list's row of
+            # Agg by an atomic max (on the float bits: all are >= 0)
+            lst, qblk = tl.program_id(0), tl.program_id(1)
             rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
             live = rows < T
             offs_d = tl.arange(0, D)
-            q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None],
-                        other=0.0)
-            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_Q], tl.float32)
-            for n0 in range(0, NB, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                            mask=(cols < NB)[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 domain
-                s = tl.where((cols < NB)[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-                m_i = m_new
             n_rows = tl.minimum(T - qblk * BLOCK_Q, BLOCK_Q).to(tl.float32)
-            w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
-            for n0 in range(0, NB, BLOCK_N):
-                cols = n0 + tl.arange(0, BLOCK_N)
-                k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                            mask=(cols < NB)[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * qk_scale
-                p = tl.exp2(s - m_i[:, None]) * w[:, None]
-                tl.store(Out + head * stride_oh + qblk * stride_oq + cols, tl.sum(p, 0), mask=cols < NB)
+            scratch = Scratch + (lst * tl.num_programs(1) + qblk) * NB
+            for j in range(SUB):
+                head = lst * SUB + j
+                kv = head // G
+                q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None],
+                            other=0.0)
+                m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_Q], tl.float32)
+                for n0 in range(0, NB, BLOCK_N):
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                                mask=(cols < NB)[:, None], other=0.0)
+                    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 domain
+                    s = tl.where((cols < NB)[None, :], s, float("-inf"))
+                    m_new = tl.maximum(m_i, tl.max(s, 1))
+                    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+                    m_i = m_new
+                w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
+                best = 0.0
+                for n0 in range(0, NB, BLOCK_N):
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                                mask=(cols < NB)[:, None], other=0.0)
+                    s = tl.dot(q, tl.trans(k)) * qk_scale
+                    p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
+                    p = tl.where(cols < NB, p, 0.0)
+                    tl.store(scratch + cols, p, mask=cols < NB)
+                    best = tl.maximum(best, tl.max(p, 0))
+                tl.debug_barrier()  # this program's stores, seen by all its threads
+                for n0 in range(0, NB, BLOCK_N):
+                    cols = n0 + tl.arange(0, BLOCK_N)
+                    p = tl.load(scratch + cols, mask=cols < NB, other=0.0) / best
+                    tl.atomic_max(Agg + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
+                tl.debug_barrier()  # before the next head overwrites the scratch row
 
-        _KERNELS = (_score_kernel,)
+        @triton.jit
+        def _pages_kernel(Out, Blocks, Table, stride_o, stride_b, FREE, GROUPS: tl.constexpr, HKV: tl.constexpr,
+                          BC: tl.constexpr, FREE_P: tl.constexpr):
+            # one program per list: its chosen blocks' chunks as pages chunk * Hkv + its KV head
+            lst = tl.program_id(0)
+            offs = tl.arange(0, FREE_P)
+            ok = offs < FREE
+            blk = tl.load(Blocks + lst * stride_b + offs, mask=ok, other=0)
+            for j in range(BC):
+                chunk = tl.load(Table + blk * BC + j, mask=ok, other=0)
+                tl.store(Out + lst * stride_o + offs * BC + j, (chunk * HKV + lst // GROUPS).to(tl.int32), mask=ok)
+
+        _KERNELS = (_agg_kernel, _pages_kernel)
     return _KERNELS

@@ -137,9 +137,10 @@ class FlashInferPrefill:
             sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
         self._sparse_rows = [(n, e) for n, _, _ in pieces]
 
-    def run_planned_sparse(self, qs: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor
-                           ) -> list[torch.Tensor]:
-        """The planned pieces' attention: qs [n, Hq, D] per piece -> [n, Hq, D] per piece.
+    def run_planned_sparse(self, qs: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The planned pieces' attention: qs [n, Hq, D] per piece -> [n, Hq, D] per piece, written
+        into outs if given (views of the layer's output: one copy fewer).
 
         A list serves `sub` query heads of one KV head, so FlashInfer runs with one KV head over
         the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; each piece's
@@ -153,15 +154,16 @@ class FlashInferPrefill:
         q = torch.cat([x.reshape(x.shape[0], e, sub, d).transpose(0, 1).reshape(-1, sub, d) for x in qs])
         paged = (k_cache.view(-1, 1, c, d), v_cache.view(-1, 1, c, d))
         o = self._sparse[self._sparse_turn].run(q.to(self.dtype), paged)  # [sum E * n, sub, D]
-        outs, row = [], 0
-        for x in qs:
+        outs = [torch.empty_like(x) for x in qs] if outs is None else outs
+        row = 0
+        for x, out in zip(qs, outs, strict=True):
             n = x.shape[0]
-            outs.append(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1).reshape(n, hq, d))
+            out.view(n, e, sub, d).copy_(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1))
             row += e * n
-        return outs
+        return list(outs)
 
-    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor
-                   ) -> list[torch.Tensor]:
+    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Plan and run pieces whose lists are chunk masks (alpha's threshold, layer by layer):
         [n, Hq, D] per piece. Reads the lists' lengths back to the host (FlashInfer's plan
         takes them there): waits for the device."""
@@ -177,4 +179,4 @@ class FlashInferPrefill:
             pages.append(page[p.mask])  # row-major: each list's pages in chunk order
             planned.append((p.q.shape[0], counts[i * e:(i + 1) * e], p.total - (p.mask.shape[1] - 1) * c))
         self.plan_sparse(torch.cat(pages).to(torch.int32), planned)
-        return self.run_planned_sparse([p.q for p in pieces], k_cache, v_cache)
+        return self.run_planned_sparse([p.q for p in pieces], k_cache, v_cache, outs)

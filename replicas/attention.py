@@ -55,6 +55,7 @@ class PrefillSpan:
     context_len: int  # tokens already in the cache before this step
     chunk_ids: tuple[int, ...]
     table: torch.Tensor | None = None  # block-union pieces: the chunks in use, on the device (else None)
+    keys: torch.Tensor | None = None  # and their context blocks' mean keys, every layer: [L, NB, Hkv, D] float32
 
     @property
     def sparse(self) -> bool:
@@ -125,10 +126,12 @@ class Attention:
         for seq, n in batch.prefills:
             start = seq.num_computed
             table = tuple(seq.chunk_table)
-            sparse = None
+            sparse = keys = None
             if self.sparse is not None and self.sparse.applies(start, c):
                 sparse = to_device(list(table[:-(-(start + n) // c)]), self.device)
-            prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
+                # (the context's chunks filled in earlier steps: their means are queued before this)
+                keys = block_union.block_keys(self.pool.key_means, sparse[:start // c], self.sparse.block // c)
+            prefills.append(PrefillSpan(len(positions), n, start, table, sparse, keys))
             if means:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
@@ -243,31 +246,29 @@ class Attention:
         for i, s in enumerate(spans):
             rows = q[s.start:s.start + s.num_new]
             k0 = s.context_len // c  # chunks before the one holding the piece's first token
-            keys = block_union.block_keys(self.pool.key_means[layer], s.table[:k0], bc)
             if self.backend == "triton":
-                scores = block_union.block_scores(rows, keys, cfg.block, self.sm_scale)
+                agg = block_union.block_agg(rows, s.keys[layer], cfg.block, self._sub, self.sm_scale)
             else:
-                scores = reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale)
-            self.dense_pages += self.num_q_heads // self._sub * s.table.numel()
+                agg = block_union.normalised(reference.block_scores_ref(rows, s.keys[layer], cfg.block, self.sm_scale),
+                                             self._sub)
+            self.dense_pages += agg.shape[0] * s.table.numel()
             if budget is not None:
-                blocks = block_union.budget_blocks(block_union.normalised(scores, self._sub), cfg)
-                budget[i].copy_(block_union.budget_pages(blocks, s.table, bc, hkv))
-                self.sparse_pages += budget[i].shape[0] * block_union.budget_list_len(
+                block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
+                self.sparse_pages += agg.shape[0] * block_union.budget_list_len(
                     cfg, s.context_len, s.context_len + s.num_new, c)
                 continue
-            keep = block_union.select_blocks(scores, self._sub, cfg)
-            mask = block_union.chunk_mask(keep, bc, k0, s.table.numel())
+            mask = block_union.chunk_mask(block_union.select_blocks(agg, cfg), bc, k0, s.table.numel())
             self.sparse_pages += mask.sum()
             pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
+        outs = [out[s.start:s.start + s.num_new] for s in spans]
         if budget is not None:
-            outs = self._prefill.run_planned_sparse([q[s.start:s.start + s.num_new] for s in spans], k_cache, v_cache)
+            self._prefill.run_planned_sparse([q[s.start:s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
         elif self._prefill is not None:
-            outs = self._prefill.run_sparse(pieces, k_cache, v_cache)
+            self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
         else:
-            outs = [reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
-                                                 self.sm_scale) for s, p in zip(spans, pieces)]
-        for s, o in zip(spans, outs):
-            out[s.start:s.start + s.num_new] = o
+            for s, p, o in zip(spans, pieces, outs):
+                o.copy_(reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
+                                                     self.sm_scale))
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
         if isinstance(plan, fi_decode.FiPlan):

@@ -24,27 +24,44 @@ def _cache(num_chunks, hkv, c, d, dtype=torch.float32, device="cpu", seed=0):
     return k, v
 
 
-@pytest.mark.parametrize("t, hq, hkv, d, block, nb", [
-    (1, 4, 4, 16, 16, 1), (37, 8, 2, 32, 16, 5), (64, 4, 1, 16, 32, 70), (50, 2, 2, 64, 32, 17)])
+@pytest.mark.parametrize("t, hq, hkv, sub, d, block, nb", [
+    (1, 4, 4, 1, 16, 16, 1), (37, 8, 2, 2, 32, 16, 5), (64, 4, 1, 4, 16, 32, 70), (50, 2, 2, 1, 64, 32, 17),
+    (100, 8, 2, 4, 16, 16, 66)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_block_scores_match_the_reference(t, hq, hkv, d, block, nb, dtype):
+def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator(device="cpu").manual_seed(t + nb)
     q = (torch.randn(t, hq, d, generator=g) * 2).to(device=device, dtype=dtype)
     keys = (torch.randn(nb, hkv, d, generator=g) * 2).to(device)
-    got = block_union.block_scores(q, keys, block)
-    want = block_scores_ref(q, keys.to(dtype), block)
-    assert got.shape == (hq, -(-t // block), nb)
-    torch.testing.assert_close(got, want, atol=2e-3 if dtype == torch.float16 else 1e-5, rtol=1e-2)
-    torch.testing.assert_close(got.sum(-1), torch.ones_like(got[..., 0]), atol=1e-3, rtol=0)
+    got = block_union.block_agg(q, keys, block, sub)
+    scores = block_scores_ref(q, keys.to(dtype), block)
+    assert scores.shape == (hq, -(-t // block), nb)
+    torch.testing.assert_close(scores.sum(-1), torch.ones_like(scores[..., 0]))
+    want = normalised(scores, sub)
+    assert got.shape == (hq // sub, nb)
+    torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.float16 else 1e-5, rtol=1e-2)
+    assert (got.amax(1) == 1).all()  # every list holds some (head, query block)'s best
 
 
-def test_block_scores_refuse_bad_shapes():
-    q = torch.zeros(4, 4, 24)
+def test_block_agg_refuses_bad_shapes():
     with pytest.raises(ValueError, match="powers of two"):
-        block_union.block_scores(q, torch.zeros(3, 2, 24), 16)
+        block_union.block_agg(torch.zeros(4, 4, 24), torch.zeros(3, 2, 24), 16, 1)
     with pytest.raises(ValueError, match="do not fit"):
-        block_union.block_scores(torch.zeros(4, 4, 32), torch.zeros(3, 3, 32), 16)
+        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 3, 32), 16, 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 2, 32), 16, 4)  # groups of 2
+
+
+@pytest.mark.parametrize("e, hkv, free, bc", [(8, 8, 5, 2), (4, 2, 1, 4), (32, 32, 37, 1), (2, 1, 0, 2)])
+def test_write_pages_is_budget_pages(e, hkv, free, bc):
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(free)
+    table = torch.randperm(500, generator=g)[:200].to(device)
+    blocks = torch.stack([torch.randperm(200 // bc, generator=g)[:free] for _ in range(e)]).to(device)
+    planned = torch.full((e, 3 + free * bc + 2), -7, dtype=torch.int32, device=device)
+    block_union.write_pages(planned[:, 3:3 + free * bc], blocks, table, bc, hkv)
+    assert (planned[:, :3] == -7).all() and (planned[:, 3 + free * bc:] == -7).all()
+    assert torch.equal(planned[:, 3:3 + free * bc], block_union.budget_pages(blocks, table, bc, hkv))
 
 
 def test_block_keys_are_the_mean_of_their_chunks():
@@ -53,6 +70,9 @@ def test_block_keys_are_the_mean_of_their_chunks():
     got = block_keys(means, table, 2)  # blocks: (7, 2), (9, 0), (5,)
     want = torch.stack([(means[7] + means[2]) / 2, (means[9] + means[0]) / 2, means[5]])
     torch.testing.assert_close(got, want)
+    layers = torch.randn(3, 10, 2, 8)
+    torch.testing.assert_close(block_keys(layers, table, 2)[2], block_keys(layers[2], table, 2))
+    torch.testing.assert_close(block_keys(layers, table[:4], 2)[0], block_keys(layers[0], table[:4], 2))
 
 
 def test_subgroup_size():
@@ -74,13 +94,13 @@ def test_selection_keeps_alpha_of_the_best_unions_and_adds_sink_and_window():
     scores[1, 1, 2] = 0.8  # head 1 (same sub-group), query block 1: block 2
     scores[1, 1, 5] = 0.3  # under alpha x its own best
     scores[3, 0, 6] = 0.7  # head 3: the second sub-group
-    keep = select_blocks(scores, 2, cfg)
+    keep = select_blocks(normalised(scores, 2), cfg)
     assert keep.shape == (2, nb)
     assert keep[0].nonzero().flatten().tolist() == [0, 2, 3, 4, 7]  # sink 0, window 7
     assert keep[1].nonzero().flatten().tolist() == [0, 6, 7]
     # flat scores (every block the best): everything kept
-    assert select_blocks(torch.full((4, 1, nb), 1 / nb), 2, cfg).all()
-    assert select_blocks(scores, 2, BlockUnion(alpha=0.0)).all()
+    assert select_blocks(normalised(torch.full((4, 1, nb), 1 / nb), 2), cfg).all()
+    assert select_blocks(normalised(scores, 2), BlockUnion(alpha=0.0)).all()
 
 
 def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
@@ -96,12 +116,12 @@ def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
     for e in range(2):  # (blocks tie at 1.0, each some (head, query block)'s best)
         best = sorted((agg[e, b].item() for b in range(1, 8)), reverse=True)[:2]
         assert sorted((agg[e, b].item() for b in blocks[e]), reverse=True) == best
-        assert blocks[e].tolist() == sorted(blocks[e].tolist()) and all(1 <= b < 8 for b in blocks[e])
-    keep = select_blocks(scores, 2, cfg)
+        assert len(set(blocks[e].tolist())) == 2 and all(1 <= b < 8 for b in blocks[e])
+    keep = select_blocks(agg, cfg)
     assert (keep.sum(1) == 5).all() and keep[:, 0].all() and keep[:, 8:].all()
     # a budget under the sink and window keeps just those; a whole budget keeps everything
     assert budget_blocks(agg, BlockUnion(budget=0.1, sink=1, window=2)).shape == (2, 0)
-    assert select_blocks(scores, 2, BlockUnion(budget=1.0, window=1)).all()
+    assert select_blocks(agg, BlockUnion(budget=1.0, window=1)).all()
 
 
 @pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
@@ -122,9 +142,12 @@ def test_budget_lists_are_the_masked_pages(context, new, budget):
     assert per == budget_list_len(cfg, context, total, c) and len(pages) == e * per
     planned = torch.tensor(pages, dtype=torch.int32).view(e, per)
     planned[:, chosen] = budget_pages(blocks, torch.tensor(table), bc, hkv)
-    mask = chunk_mask(select_blocks(scores, 2, cfg), bc, k0, used)
+    mask = chunk_mask(select_blocks(normalised(scores, 2), cfg), bc, k0, used)
     page = torch.tensor(table)[None, :] * hkv + (torch.arange(e) // (e // hkv))[:, None]
-    assert planned.flatten().tolist() == page[mask].tolist()
+    for i in range(e):  # the same pages; the chosen blocks' in any order, each block's chunks in order
+        assert sorted(planned[i].tolist()) == sorted(page[i][mask[i]].tolist())
+        assert planned[i, :chosen.start].tolist() == page[i, :chosen.start].tolist()
+        assert planned[i, chosen.stop:].tolist() == page[i, -(per - chosen.stop):].tolist()
 
 
 def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
@@ -255,11 +278,12 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     context, new = 320, 64
     q = torch.randn(new, 4, 64, generator=torch.Generator().manual_seed(0)) * 30  # peaked scores
     out = torch.zeros_like(q)
-    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
-    attention.sparse_prefill(1, q, out, [span])
     k0 = context // 16
-    keys = block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2)
-    keep = select_blocks(block_scores_ref(q, keys, 32, 64 ** -0.5), 2, engine.config.sparse_prefill)
+    keys = block_keys(pool.key_means, torch.tensor(seq_table[:k0]), 2)  # [L, NB, Hkv, D]
+    torch.testing.assert_close(keys[1], block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2))
+    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table), keys)
+    attention.sparse_prefill(1, q, out, [span])
+    keep = select_blocks(normalised(block_scores_ref(q, keys[1], 32, 64 ** -0.5), 2), engine.config.sparse_prefill)
     mask = chunk_mask(keep, 2, k0, 24)
     assert not mask.all()
     want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64 ** -0.5)
@@ -347,8 +371,9 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             nb = -(-k0 // 2)
             scores = torch.rand(hq, 2, nb, generator=torch.Generator().manual_seed(layer * 7 + k0)).to(dev)
             blocks = budget_blocks(normalised(scores, sub), cfg)
-            ids[o:o + e * per].view(e, per)[:, chosen] = budget_pages(blocks, torch.tensor(table, device=dev), 2, hkv)
-            masks.append(chunk_mask(select_blocks(scores, sub, cfg), 2, k0, len(table)))
+            block_union.write_pages(ids[o:o + e * per].view(e, per)[:, chosen], blocks,
+                                    torch.tensor(table, device=dev), 2, hkv)
+            masks.append(chunk_mask(select_blocks(normalised(scores, sub), cfg), 2, k0, len(table)))
             qs.append(torch.randn(total - context, hq, d, device=dev).to(dtype))
         outs = fi.run_planned_sparse(qs, k_cache, v_cache)
         for (table, context, _), q, mask, out in zip(spans, qs, masks, outs):
