@@ -12,6 +12,10 @@ on, KV chunks in use, decode plans built).
                                                         # shows what users' first requests see
     python -m replicas.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
                                                           # reference, one by one
+    python -m replicas.bench --batch 1 --prefix 0 --suffix 32768 --max-tokens 2 --sparse-budget 0.1
+                                                        # one long prompt prefilled with block-
+                                                        # union sparse attention (a budget; or
+                                                        # --sparse-alpha for the threshold)
     python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
@@ -32,6 +36,7 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from kernels.block_union import BlockUnion
 from replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from replicas.warmup import warmup
 
@@ -44,7 +49,15 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
-                        async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill)
+                        async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill,
+                        sparse_prefill=_sparse(args))
+
+
+def _sparse(args: argparse.Namespace) -> BlockUnion | None:
+    if args.sparse_budget is None and args.sparse_alpha is None:
+        return None
+    alpha = BlockUnion.alpha if args.sparse_alpha is None else args.sparse_alpha
+    return BlockUnion(min_context=args.sparse_min_context, alpha=alpha, budget=args.sparse_budget)
 
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
@@ -97,7 +110,9 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "plan_builds": engine.attention.plan_builds, "prefill_plans": engine.attention.prefill_plans,
             "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
-            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0, **warmed}
+            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
+            "sparse_budget": args.sparse_budget, "sparse_alpha": args.sparse_alpha,
+            **{k: v for k, v in s.items() if k.startswith("sparse_")}, **warmed}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,6 +139,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="the host prepares each step while the device runs the one before (default: on CUDA)")
     ap.add_argument("--flashinfer-prefill", action=argparse.BooleanOptionalAction, default=True,
                     help="prefill through FlashInfer's paged prefill where it is installed (else the reference, span by span)")
+    ap.add_argument("--sparse-budget", type=float, default=None,
+                    help="block-union sparse prefill keeping this share of a long context's blocks")
+    ap.add_argument("--sparse-alpha", type=float, default=None,
+                    help="block-union sparse prefill keeping the blocks scoring alpha x the best (no budget)")
+    ap.add_argument("--sparse-min-context", type=int, default=BlockUnion.min_context,
+                    help="shorter contexts prefill dense")
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")

@@ -40,7 +40,8 @@ def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
     want = normalised(scores, sub)
     assert got.shape == (hq // sub, nb)
     torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.float16 else 1e-5, rtol=1e-2)
-    assert (got.amax(1) == 1).all()  # every list holds some (head, query block)'s best
+    # every list holds some (head, query block)'s best (1 up to the GPU's division)
+    torch.testing.assert_close(got.amax(1), torch.ones_like(got[:, 0]), atol=1e-6, rtol=0)
 
 
 def test_block_agg_refuses_bad_shapes():
