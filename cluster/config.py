@@ -16,6 +16,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class SparsePrefillOptions(_Strict):
+    """Block-union sparse prefill of long contexts (kernels.block_union.BlockUnion; DESIGN §5).
+    Approximate attention: outputs change. Validated again by BlockUnion (block against the
+    chunk size)."""
+    min_context: int = Field(8192, ge=0)  # a piece after fewer cached tokens runs dense
+    block: Literal[16, 32, 64, 128, 256, 512] = 128  # tokens a block: a multiple of the chunk size
+    alpha: float = Field(0.1, ge=0, le=1)  # keep the blocks scoring >= alpha x the best
+    budget: float | None = Field(None, gt=0, le=1)  # or this share of the context's blocks (one plan a step)
+    sink: int = Field(1, ge=0)  # first blocks always kept
+    window: int = Field(4, ge=0)  # blocks before the piece always kept (>= 1 with a budget)
+    subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
+
+
 class EngineOptions(_Strict):
     """replicas.engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
     chunk_size: Literal[16, 32, 64, 128] = 64
@@ -28,6 +41,16 @@ class EngineOptions(_Strict):
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
     async_scheduling: bool | None = None  # each step prepared while the one before runs; None: on GPUs (EngineConfig)
+    sparse_prefill: SparsePrefillOptions | None = None  # None: every prefill dense (exact)
+
+    @model_validator(mode="after")
+    def _check_sparse(self) -> EngineOptions:
+        sparse = self.sparse_prefill
+        if sparse is not None and sparse.block % self.chunk_size:
+            raise ValueError(f"sparse_prefill.block {sparse.block} must be a multiple of chunk_size {self.chunk_size}")
+        if sparse is not None and sparse.budget is not None and sparse.window < 1:
+            raise ValueError("sparse_prefill.budget needs a window >= 1 (the context's last, partial block)")
+        return self
 
 
 class RouterOptions(_Strict):

@@ -8,7 +8,9 @@ What it runs (all through add_request / step, so tensor-parallel ranks follow, T
 - a batch of up to ``max_num_seqs`` rows sharing a two-chunk prefix, their own parts of 1 .. c
   tokens (tails at every fill), greedy, temperature, top-p and top-k-with-top-p rows side by side,
   a few decode steps each (a plan's first step eager, then its graph captured and replayed);
-- a few rows sharing nothing, every sampling row with top-k and top-p.
+- a few rows sharing nothing, every sampling row with top-k and top-p;
+- with block-union sparse prefill (``sparse_prefill``), one prompt long enough that its last
+  piece runs sparse (where the pool and max_model_len hold it): its Triton kernels compiled.
 Then it zeroes the engine's counters. Its chunks stay in the prefix cache like any finished
 request's (evicted first, being oldest): evicting them on rank 0 alone would part its pool from
 the other ranks'.
@@ -56,6 +58,11 @@ def warmup(engine) -> dict:
     params = [SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[r % len(_KINDS)]) for r in range(rows)]
     outs = engine.generate(shared, params)
     outs += engine.generate(lone, SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[-1]))
+    sparse = cfg.sparse_prefill
+    if sparse is not None:  # a context past min_context and past the blocks always kept, then a piece
+        n = max(sparse.min_context, (sparse.sink + sparse.window + 1) * sparse.block) + cfg.max_num_batched_tokens + 1
+        if n <= longest and n + 2 * c <= engine.pool.num_chunks * c:
+            outs += engine.generate([[token(31 * j + 5) for j in range(n)]], SamplingParams(max_tokens=1))
     engine.reset_counters()
     return {"warmup_s": round(time.perf_counter() - t0, 3), "warmup_requests": len(outs),
             "warmup_tokens": sum(len(o) for o in outs)}

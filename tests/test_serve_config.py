@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from pydantic import ValidationError
 
@@ -18,6 +20,7 @@ from replicas.model import load_tokenizer
     ({"engine": {"chunk_size": 64, "kv_cache": 10}}, "kv_cache"),
     ({"router": {"route_chunk": 8}}, "route_chunk"),
     ({"ingress": {"replicas": 2}}, "replicas"),
+    ({"engine": {"sparse_prefill": {"alfa": 0.2}}}, "alfa"),
 ])
 def test_unknown_field_is_an_error_naming_it(args, field):
     with pytest.raises(ValidationError, match=field):
@@ -31,6 +34,10 @@ def test_unknown_field_is_an_error_naming_it(args, field):
     {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}},
     {"api_key": "a", "api_key_env": "B"},
     {"tensor_parallel_size": 2, "num_gpus_per_replica": 1},
+    {"engine": {"sparse_prefill": {"block": 32}}},  # under the chunk size (64)
+    {"engine": {"sparse_prefill": {"budget": 0.2, "window": 0}}},
+    {"engine": {"sparse_prefill": {"alpha": 1.5}}},
+    {"engine": {"sparse_prefill": {"budget": 0}}},
 ])
 def test_bad_values_are_errors(args):
     with pytest.raises(ValidationError):
@@ -237,7 +244,14 @@ def test_engine_options_are_engine_config_fields():
     options = options.engine.model_dump()
     assert options["enforce_eager"] is True and options["async_scheduling"] is True
     config = EngineConfig(model="tiny", **options)
-    assert config.enforce_eager and config.async_scheduling
+    assert config.enforce_eager and config.async_scheduling and config.sparse_prefill is None
+    sparse = {"min_context": 4096, "block": 128, "alpha": 0.2, "budget": 0.3, "sink": 2, "window": 3, "subgroup": 2}
+    options = AppConfig.model_validate({"engine": {"sparse_prefill": sparse}}).engine.model_dump()
+    config = EngineConfig(model="tiny", **options)
+    assert dataclasses.asdict(config.sparse_prefill) == sparse  # every option reaches BlockUnion by its name
+    defaults = AppConfig.model_validate({"engine": {"sparse_prefill": {}}}).engine.sparse_prefill.model_dump()
+    from kernels.block_union import BlockUnion
+    assert defaults == dataclasses.asdict(BlockUnion())  # one set of defaults
 
 
 def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage():

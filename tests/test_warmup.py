@@ -52,3 +52,19 @@ def test_warmup_refuses_a_busy_engine():
     engine.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle"):
         warmup(engine)
+
+
+def test_warmup_runs_a_sparse_piece_when_sparse_prefill_is_on():
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, kv_cache_tokens=2048, max_num_batched_tokens=128,
+                                  max_num_seqs=8, sparse_prefill=dict(min_context=256, block=32, window=1))
+    pieces = []
+    sparse_prefill = engine.attention.sparse_prefill
+    engine.attention.sparse_prefill = lambda layer, q, out, spans, budget=None: (
+        pieces.append(len(spans)), sparse_prefill(layer, q, out, spans, budget))
+    got = warmup(engine)
+    assert got["warmup_requests"] == 8 + 8 + 1 and len(pieces) >= engine.model_config.num_layers
+    assert engine.stats()["sparse_pages_dense"] == 0  # counters zeroed
+    # too long for the model's context: skipped
+    short = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, kv_cache_tokens=2048, max_model_len=300,
+                                 max_num_seqs=8, sparse_prefill=dict(min_context=256, block=32, window=1))
+    assert warmup(short)["warmup_requests"] == 16
