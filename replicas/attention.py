@@ -28,9 +28,12 @@ the plain-torch reference.
 Block-union sparse prefill (DESIGN §5, `kernels.block_union`; on with `sparse`): a piece whose
 context is at least `sparse.min_context` tokens reads, per layer, only the context blocks its
 queries score high on, through FlashInfer's paged prefill over per-(KV head, sub-group) page
-lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer). The pool
-then keeps each full chunk's mean key per layer, updated after each step's forward
-(`StepAttention.keep_key_means`) for the chunks the step filled.
+lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer). With a
+budget the lists' lengths are known when the step is planned: FlashInfer plans them once, here,
+and each layer writes its chosen page ids into them; alpha's lists are planned layer by layer.
+The pool then keeps each full chunk's mean key per layer, updated after each step's forward
+(`StepAttention.keep_key_means`) for the chunks the step filled; a sparse span's block keys,
+every layer's, are made when the step is planned.
 """
 
 from __future__ import annotations

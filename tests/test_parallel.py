@@ -36,7 +36,8 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
     return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank,
                                kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
                                max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
-                               async_scheduling=scenario.endswith("_async"))
+                               async_scheduling=scenario.endswith("_async"),
+                               sparse_prefill=SPARSE if scenario.startswith("sparse") else None)
 
 
 def _rank1(port: int, scenario: str) -> None:
@@ -107,6 +108,12 @@ def _warmed(engine) -> dict:
     return {"warmup_requests": got["warmup_requests"], **_generate(engine)}
 
 
+def _sparse(engine) -> dict:
+    """Long prompts whose later pieces run block-union sparse: each rank selects for its own heads."""
+    prompts = [SHARED * 3 + [300 + i] * (20 + 9 * i) for i in range(3)]
+    return {"tokens": engine.generate(prompts, GREEDY), "stats": engine.stats()}
+
+
 SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort, "preemption": _preemption,
              "warmed": _warmed}
 # the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
@@ -118,6 +125,9 @@ SCENARIOS["diverge"] = _generate
 SCENARIOS["samples_apart"] = _generate
 SCENARIOS["generate_async"] = _generate  # (_config: a scenario named *_async schedules asynchronously)
 SCENARIOS["bad_input_and_abort_async"] = _bad_input_and_abort
+SCENARIOS["sparse"] = _sparse
+# sparse pieces from 96 cached tokens on (3 blocks of 32), a budget of half the blocks
+SPARSE = dict(min_context=96, block=32, sink=1, window=1, budget=0.5)
 
 
 def _run_tp2(scenario: str, tmp_path, fails: bool = False) -> dict:
@@ -166,6 +176,18 @@ def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
     want = _bad_input_and_abort(LLMEngine(CONFIG))
     got = _run_tp2("bad_input_and_abort_async", tmp_path)
     assert (got["errors"], got["stats"]["running"], got["stats"]["kv_chunks_used"]) == (want["errors"], 0, 0)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_sparse_prefill_generates_what_tp1_does(tmp_path):
+    """Block-union prefill with each rank selecting for its own heads (lists per KV head, as on
+    one rank): the same tokens and pages as one rank."""
+    want = _sparse(LLMEngine(_config("sparse")))
+    assert 0 < want["stats"]["sparse_pages_read"] < want["stats"]["sparse_pages_dense"]
+    got = _run_tp2("sparse", tmp_path)
+    assert got["tokens"] == want["tokens"]
+    # each rank counts its own lists: rank 0 holds half of the KV heads
+    assert 2 * got["stats"]["sparse_pages_read"] == want["stats"]["sparse_pages_read"]
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
