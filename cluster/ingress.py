@@ -30,6 +30,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config import AppConfig
+from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from cluster.protocol import (
     ChatChoice,
     ChatChoiceMessage,
@@ -133,12 +134,17 @@ class _CompletionFormat:
     """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
     response. Choice i of a request with n choices is its i-th generate request's output."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
-        self.id, self.model, self.prompt, self.token_ids = request_id, model, prompt, token_ids
+    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts):
+        self.id, self.model, self.prompt, self.token_ids, self.texts = request_id, model, prompt, token_ids, texts
         self.created = int(time.time())
+        self.offsets: dict[int, int] = {}  # per choice: characters of its tokens' texts sent (logprobs' text_offset)
 
     def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
-        choice = CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason,
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = completion_logprobs(out.token_ids, out.logprobs, self.texts, self.offsets.get(index, 0))
+            self.offsets[index] = self.offsets.get(index, 0) + sum(map(len, logprobs.tokens))
+        choice = CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=logprobs,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -149,7 +155,9 @@ class _CompletionFormat:
     def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
         body = [CompletionChoice(index=i, text="".join(o.text for o in outs), finish_reason=outs[-1].finish_reason,
                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                                 prompt_token_ids=self.prompt if self.token_ids else None)
+                                 prompt_token_ids=self.prompt if self.token_ids else None,
+                                 logprobs=None if outs[0].logprobs is None else completion_logprobs(
+                                     *_tokens_and_logprobs(outs), self.texts))
                 for i, outs in enumerate(choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
                                   usage=Usage.of([outs[-1] for outs in choices]))
@@ -158,8 +166,8 @@ class _CompletionFormat:
 class _ChatFormat(_CompletionFormat):
     """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the role."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool):
-        super().__init__(request_id, model, prompt, token_ids)
+    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts):
+        super().__init__(request_id, model, prompt, token_ids, texts)
         self.sent_role: set[int] = set()  # choices whose role went out
 
     def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk:
@@ -168,7 +176,9 @@ class _ChatFormat(_CompletionFormat):
             delta = {"role": "assistant", **delta}
             self.sent_role.add(index)
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
-                                  token_ids=list(out.token_ids) if self.token_ids else None)
+                                  token_ids=list(out.token_ids) if self.token_ids else None,
+                                  logprobs=None if out.logprobs is None else chat_logprobs(
+                                      out.token_ids, out.logprobs, self.texts))
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage(self, lasts: list[GenerateOutput]) -> ChatCompletionChunk:
@@ -178,11 +188,18 @@ class _ChatFormat(_CompletionFormat):
     def whole(self, choices: list[list[GenerateOutput]]) -> ChatCompletionResponse:
         body = [ChatChoice(index=i, message=ChatChoiceMessage(content="".join(o.text for o in outs)),
                            finish_reason=outs[-1].finish_reason,
-                           token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None)
+                           token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                           logprobs=None if outs[0].logprobs is None else chat_logprobs(
+                               *_tokens_and_logprobs(outs), self.texts))
                 for i, outs in enumerate(choices)]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
                                       usage=Usage.of([outs[-1] for outs in choices]),
                                       prompt_token_ids=self.prompt if self.token_ids else None)
+
+
+def _tokens_and_logprobs(outs: list[GenerateOutput]) -> tuple[list[int], list]:
+    """A choice's tokens and their logprob entries, over all its outputs."""
+    return [t for o in outs for t in o.token_ids], [e for o in outs for e in (o.logprobs or ())]
 
 
 def _exclude(token_ids: bool, usage: bool) -> dict:
@@ -230,7 +247,8 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
          headers: dict[str, str]) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
     the usage chunk if asked, then `data: [DONE]`. Outputs that add no text (a special token, half
-    a character) are not sent unless they end their choice or carry token ids that were asked for."""
+    a character) are not sent unless they end their choice or carry token ids or logprobs that
+    were asked for."""
     exclude = _exclude(fmt.token_ids, include_usage)
 
     async def events() -> AsyncIterator[str]:
@@ -260,7 +278,7 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
                 if isinstance(out, Exception):
                     raise out
                 lasts[i] = out
-                if out.text or out.finish_reason is not None or fmt.token_ids:
+                if out.text or out.finish_reason is not None or fmt.token_ids or out.logprobs is not None:
                     yield f"data: {fmt.chunk(out, i).model_dump_json(exclude=exclude)}\n\n"
             done = True
         except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
@@ -288,6 +306,7 @@ class OpenAIIngress:
         self.config = config
         self.model_name = config.model_name
         self.tokenizer = load_tokenizer(config.model)  # None: the model takes token ids only
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token texts
         self.api_key = config.resolve_api_key()
         self._llm = llm
         self._stream = llm.options(stream=True)
@@ -316,7 +335,7 @@ class OpenAIIngress:
         await self._check_logit_bias(body)
         max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens")
         rid, reqs = self._generate_request("cmpl", prompt, body, max_tokens)
-        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids)
+        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -330,7 +349,7 @@ class OpenAIIngress:
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         rid, reqs = self._generate_request("chatcmpl", prompt, body, max_tokens)
-        fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids)
+        fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     async def _respond(self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool,

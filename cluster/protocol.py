@@ -2,7 +2,7 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (logprobs, guided decoding, tools, ...) are a 400
+Known fields whose non-default values we cannot honour (echo, guided decoding, tools, ...) are a 400
 naming the field rather than a silently different answer.
 """
 
@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from replicas.sequence import SEED_RANGE, SamplingParams
+from replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -125,6 +125,12 @@ class _SamplingRequest(_NullMeansDefault):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """SamplingParams.logprobs: the most likely tokens' logprobs wanted per token (0: only the
+        drawn one's), None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int, choice: int = 0, seed: int | None = None) -> SamplingParams:
         """The params of choice `choice` (0 .. n - 1): choice i draws with seed + i, the seed the
         request's, else `seed` (None: the engine keys it)."""
@@ -135,22 +141,26 @@ class _SamplingRequest(_NullMeansDefault):
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-                              min_tokens=self.min_tokens)
+                              min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted)
 
 
 class CompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "logprobs": (None,), "echo": (None, False), "suffix": (None, ""),
-        "best_of": (None, 1),
+        **_SamplingRequest.NEUTRAL, "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
     }
 
     # text, [text], token ids, or [token ids]: one prompt per request
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    logprobs: Any = None
+    # each token's logprob and the logprobs most likely tokens' (OpenAI allows 5, vLLM 20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Any = None
     suffix: Any = None
     best_of: Any = None
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -191,7 +201,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
+        **_SamplingRequest.NEUTRAL, "tools": (None, []),
         "response_format": (None, {"type": "text"}), "functions": (None, []), "tool_choice": (None, "none", "auto"),
         "function_call": (None, "none", "auto"),
     }
@@ -199,13 +209,23 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)  # newer name of max_tokens; wins over it
     max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context
-    logprobs: Any = None
-    top_logprobs: Any = None
+    logprobs: bool = False  # each token's logprob
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the most likely tokens' (needs logprobs)
     tools: Any = None
     response_format: Any = None
     functions: Any = None  # the deprecated form of tools
     tool_choice: Any = None
     function_call: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
+            raise ValueError("top_logprobs needs logprobs=true")
+        return self
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -238,10 +258,32 @@ class Usage(BaseModel):
 FinishReason = Literal["stop", "length", "abort"]
 
 
+class CompletionLogprobs(BaseModel):
+    """/v1/completions' per-token logprobs (OpenAI's legacy form)."""
+    tokens: list[str] = []
+    token_logprobs: list[float] = []
+    top_logprobs: list[dict[str, float]] = []  # per token: the most likely tokens' text -> logprob
+    text_offset: list[int] = []  # each token's first character in the choice's text
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None  # with return_token_ids
     prompt_token_ids: list[int] | None = None  # with return_token_ids, non-streaming
@@ -264,7 +306,7 @@ class ChatChoiceMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatChoiceMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None
 
@@ -282,7 +324,7 @@ class ChatCompletionResponse(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None
 
@@ -344,3 +386,6 @@ class GenerateOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int  # so far
+    # with SamplingParams.logprobs, per token of token_ids: (its logprob, the most likely tokens'
+    # (id, logprob))
+    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None

@@ -117,7 +117,7 @@ class LLMReplica:
                         (time.perf_counter() - first_token_at) / (out.output_tokens - 1))
                 last = batch[-1]
                 yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
-                                     last.cached_tokens, out.output_tokens)
+                                     last.cached_tokens, out.output_tokens, out.logprobs)
                 if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
@@ -284,6 +284,7 @@ class _Taken:
     output_tokens: int  # completion tokens so far, the last one sent included
     stopped: bool  # a stop string ended the text
     engine_done: bool  # the engine finished the request (no abort needed): the batch's last output did
+    logprobs: tuple | None = None  # per token of token_ids, if the request asked (RequestOutput.logprobs)
 
 
 def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
@@ -292,20 +293,30 @@ def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
     neither sent nor counted, as in vLLM, even when several steps arrive at once."""
     ids: list[int] = []
     pieces: list[str] = []
+    logprobs: list | None = None
     for out in batch:
         new = out.new_token_ids
+        if out.logprobs is not None:
+            logprobs = logprobs or []
         for j in range(max(1, len(new))):  # an output with no tokens may still end the request
             piece, stopped = text.push(tuple(new[j:j + 1]), final=out.finished and j >= len(new) - 1)
             pieces.append(piece)
             ids += new[j:j + 1]
+            if out.logprobs is not None:
+                logprobs += out.logprobs[j:j + 1]
             if stopped:
                 unsent = len(new) - j - 1
                 return _Taken("".join(pieces), tuple(ids), "stop", out.output_tokens - unsent, True,
-                              batch[-1].finished)
+                              batch[-1].finished, _tuple(logprobs))
         if out.finished:
-            return _Taken("".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True)
+            return _Taken("".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True,
+                          _tuple(logprobs))
     last = batch[-1]
-    return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False)
+    return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False, _tuple(logprobs))
+
+
+def _tuple(logprobs: list | None) -> tuple | None:
+    return None if logprobs is None else tuple(logprobs)
 
 
 class _TextStream:

@@ -112,6 +112,9 @@ class RequestOutput(NamedTuple):
     prompt_tokens: int
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     output_tokens: int
+    # per new token, if the request asked (SamplingParams.logprobs): (its logprob, the most
+    # likely tokens' (id, logprob), most likely first)
+    logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
 
 
 class LLMEngine:
@@ -244,11 +247,11 @@ class LLMEngine:
         if not self.async_scheduling:
             if not batch:
                 return []
-            sampled = self.runner.run(batch, self._keys)
+            sampled, logprobs = self.runner.run(batch, self._keys)
             self.scheduler.advance(batch)
             self._count_step(batch)
             self._counters["generated_tokens"] += len(sampled)
-            return [self._append(seq, token) for seq, token in sampled.items()]
+            return [self._append(seq, token, logprobs.get(seq)) for seq, token in sampled.items()]
         launched = self.runner.launch(batch, self._keys, self._inflight) if batch else None
         outputs = self._collect(self._inflight) if self._inflight is not None else []
         self._inflight = launched
@@ -261,10 +264,11 @@ class LLMEngine:
         """A launched step's tokens into their placeholders; a sequence that finished since
         (its token before ended it, or an abort) drops its own."""
         outputs, finished = [], Status.FINISHED
-        for seq, slot, token in zip(launched.samplers, launched.slots, self.runner.collect(launched)):
+        tokens, logprobs = self.runner.collect(launched)
+        for i, (seq, slot, token) in enumerate(zip(launched.samplers, launched.slots, tokens)):
             if seq.status is not finished:
                 seq.output_ids[slot] = token
-                outputs.append(self._settle(seq, token, slot + 1))
+                outputs.append(self._settle(seq, token, slot + 1, logprobs.get(i)))
         self._counters["generated_tokens"] += len(outputs)
         return outputs
 
@@ -285,11 +289,11 @@ class LLMEngine:
             start = seq.num_computed - n
             c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
 
-    def _append(self, seq: Sequence, token: int) -> RequestOutput:
+    def _append(self, seq: Sequence, token: int, logprobs: tuple | None = None) -> RequestOutput:
         seq.output_ids.append(token)
-        return self._settle(seq, token, len(seq.output_ids))
+        return self._settle(seq, token, len(seq.output_ids), logprobs)
 
-    def _settle(self, seq: Sequence, token: int, n: int) -> RequestOutput:
+    def _settle(self, seq: Sequence, token: int, n: int, logprobs: tuple | None = None) -> RequestOutput:
         """The output of `token`, the sequence's n-th; finishes the sequence if it ends there
         (dropping a placeholder past it). Runs per row per step: attribute lookups kept few."""
         p = seq.params
@@ -309,7 +313,7 @@ class LLMEngine:
             c["prompt_tokens"] += len(seq.prompt_ids)
             c["cached_prompt_tokens"] += seq.num_cached_prompt
         return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_cached_prompt, n)
+                             seq.num_cached_prompt, n, None if logprobs is None else [logprobs])
 
     def generate(self, prompts: Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:

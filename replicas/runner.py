@@ -15,7 +15,7 @@ import torch
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
 from replicas.penalties import Penalties
-from replicas.sampler import sample_ids
+from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
 from replicas.sequence import Sequence
 from replicas.transfer import to_device
@@ -32,6 +32,30 @@ class Launched(NamedTuple):
     tokens: torch.Tensor | None  # [S] int64 on the device
     host: torch.Tensor | None  # [S] int64 on the host (pinned on CUDA), filled once `done` has passed
     done: torch.cuda.Event | None  # CUDA: recorded after the copy to `host`
+    logprobs: StepLogprobs | None = None  # on the host too (filled once `done` has passed), if any row asked
+
+
+class StepLogprobs(NamedTuple):
+    """The logprobs of a step's rows that asked for them (SamplingParams.logprobs)."""
+    rows: list[int]  # their places among the step's samplers
+    values: torch.Tensor  # [W, 1 + k] float32: the drawn token's logprob, then the k most likely tokens'
+    ids: torch.Tensor  # [W, k] int64: those tokens
+
+    def to_host(self, pinned: bool) -> StepLogprobs:
+        """Copies on the host, not waited for (pinned: page-locked, for the asynchronous copy)."""
+        copies = [torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned).copy_(x, non_blocking=pinned)
+                  for x in (self.values, self.ids)]
+        return StepLogprobs(self.rows, *copies)
+
+    def entries(self, samplers: list[Sequence]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Per row (its place among the samplers): (the drawn token's logprob, its request's k
+        most likely (token, logprob)). Reads the host copies."""
+        values, ids = self.values.tolist(), self.ids.tolist()
+        out = {}
+        for row, vals, top in zip(self.rows, values, ids):
+            k = samplers[row].params.logprobs
+            out[row] = (vals[0], tuple(zip(top[:k], vals[1:k + 1])))
+        return out
 
 
 class ModelRunner:
@@ -47,25 +71,29 @@ class ModelRunner:
         # is the host's own time in it (replicas.bench's host_ms_per_step)
         self.wait_s = 0.0
 
-    def run(self, batch: Batch, keys: dict[str, int]) -> dict[Sequence, int]:
+    def run(self, batch: Batch, keys: dict[str, int]) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
-        tokens all ran this step (a decode, or the last piece of a prefill)."""
-        samplers, tokens = self._forward(batch, keys, None)
+        tokens all ran this step (a decode, or the last piece of a prefill), and the logprobs
+        (StepLogprobs.entries) of those that asked."""
+        samplers, tokens, logprobs = self._forward(batch, keys, None)
         if not samplers:
-            return {}
+            return {}, {}
         t = time.perf_counter()
         ids = tokens.tolist()  # waits for the device
         self.wait_s += time.perf_counter() - t
-        return dict(zip(samplers, ids))
+        entries = {} if logprobs is None else logprobs.to_host(False).entries(samplers)
+        return dict(zip(samplers, ids)), {samplers[i]: e for i, e in entries.items()}
 
     def launch(self, batch: Batch, keys: dict[str, int], prev: Launched | None) -> Launched:
         """``run`` without waiting for the device: queue the step and return at once (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
         this step's inputs may hold."""
-        samplers, tokens = self._forward(batch, keys, prev)
+        samplers, tokens, logprobs = self._forward(batch, keys, prev)
         if not samplers:
             return Launched([], [], None, None, None)
         host, done = tokens, None
+        if logprobs is not None:
+            logprobs = logprobs.to_host(tokens.is_cuda)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -76,7 +104,7 @@ class ModelRunner:
             out = seq.output_ids
             slots.append(len(out))
             out.append(-1 - i)
-        return Launched(samplers, slots, tokens, host, done)
+        return Launched(samplers, slots, tokens, host, done, logprobs)
 
     def _stop_ids(self, p) -> tuple[int, ...]:
         """The tokens that would end a request of params p: its stop_token_ids (those in the
@@ -84,22 +112,23 @@ class ModelRunner:
         return (tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
                 + (() if p.ignore_eos else self.eos_token_ids))
 
-    def collect(self, launched: Launched) -> list[int]:
-        """The launched step's sampled tokens, samplers' order (waits for the device)."""
+    def collect(self, launched: Launched) -> tuple[list[int], dict[int, tuple]]:
+        """The launched step's sampled tokens, samplers' order (waits for the device), and the
+        logprobs (StepLogprobs.entries) of the rows that asked, by their place."""
         if launched.host is None:
-            return []
+            return [], {}
         t = time.perf_counter()
         if launched.done is not None:
             launched.done.synchronize()
         ids = launched.host.tolist()
         self.wait_s += time.perf_counter() - t
-        return ids
+        return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
 
     @torch.inference_mode()
-    def _forward(self, batch: Batch, keys: dict[str, int],
-                 prev: Launched | None) -> tuple[list[Sequence], torch.Tensor | None]:
+    def _forward(self, batch: Batch, keys: dict[str, int], prev: Launched | None
+                 ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
-        on the device), nothing waited for."""
+        on the device, the logprobs of the rows that asked), nothing waited for."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
         ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
@@ -120,7 +149,7 @@ class ModelRunner:
             hidden = self.model(input_ids, attn.positions, attn)
         attn.keep_key_means()  # (sparse prefill: the mean keys of the chunks this step filled)
         if not samplers:
-            return [], None
+            return [], None, None
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         # each sampling sequence draws with its request's key and the index of the token drawn
@@ -137,4 +166,9 @@ class ModelRunner:
             broadcast_from_first(tokens)
         if penalized is not None:
             self.penalties.record(penalized, tokens)
-        return samplers, tokens
+        asked = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        logprobs = None
+        if asked:
+            k = max(samplers[i].params.logprobs for i in asked)
+            logprobs = StepLogprobs(asked, *token_logprobs(logits, asked, tokens, k))
+        return samplers, tokens, logprobs

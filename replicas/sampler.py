@@ -76,6 +76,21 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[in
     return logits.argmax(dim=-1).index_copy_(0, index, _race(probs, u))
 
 
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows' log-probabilities under their raw logits (vLLM's default: before bias, penalties
+    and temperature): ([W, 1 + k] float32: the drawn token's, then the k most likely tokens', and
+    [W, k] int64: those tokens), W = len(rows). logits: [S, V]; tokens: [S] drawn."""
+    every = len(rows) == logits.shape[0]
+    index = None if every else to_device(rows, logits.device)
+    lp = torch.log_softmax(logits if every else logits[index], dim=-1)  # [W, V]
+    drawn = lp.gather(1, (tokens if every else tokens[index])[:, None])  # [W, 1]
+    if not k:
+        return drawn, torch.empty(len(rows), 0, dtype=torch.long, device=logits.device)
+    top = lp.topk(k, dim=-1)
+    return torch.cat([drawn, top.values], dim=1), top.indices
+
+
 def unseeded_key(engine_seed: int, arrival: int) -> int:
     """The key of a request without a seed: SplitMix64's mix of the engine's seed and the
     request's arrival number, reproducible for a given engine seed and request order, and far

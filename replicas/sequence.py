@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 # which the sampler once drew with, raised on them for every row of the step's batch).
 GREEDY_BELOW_TEMPERATURE = 1e-5
 SEED_RANGE = range(-2**63, 2**64)  # as torch.Generator.manual_seed; the sampler's key is the seed mod 2**64
+MAX_LOGPROBS = 20  # most likely tokens a request may ask the logprobs of, per token (OpenAI: top_logprobs <= 20)
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class SamplingParams:
     # vLLM's: until this many tokens are out, EOS (unless ignore_eos) and stop_token_ids cannot be
     # drawn and stop strings are not looked for
     min_tokens: int = 0
+    # each generated token's log-probability under the model (its raw logits: before penalties,
+    # bias and temperature, as vLLM's default) and the logprobs most likely tokens' (0 .. 20);
+    # None: no logprobs
+    logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -72,6 +77,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed in SEED_RANGE):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 

@@ -229,3 +229,70 @@ def test_n_choices_are_the_engines_draws_with_seeds_seed_plus_i(server, client, 
     # could coincide)
     unseeded = client.completions.create(model=args["model"], prompt=PROMPT, n=3, max_tokens=12, temperature=0.9)
     assert len({c.text for c in unseeded.choices}) >= 2
+
+
+def _engine_logprobs(engine, prompt_ids, params):
+    """The engine's tokens for prompt_ids and each token's logprob entry (RequestOutput.logprobs)."""
+    rid = f"logprobs-{len(prompt_ids)}-{params.logprobs}"
+    engine.add_request(rid, prompt_ids, params)
+    tokens, entries = [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                tokens += out.new_token_ids
+                entries += out.logprobs
+    return tokens, entries
+
+
+def test_openai_client_logprobs(server, client, engine):
+    # completions' logprobs=k and chat's logprobs / top_logprobs: each token's logprob under the
+    # model and the k most likely tokens', the engine's; streamed as in the whole response
+    _, args = server
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    tokens, entries = _engine_logprobs(engine, prompt_ids, SamplingParams(max_tokens=8, temperature=0, logprobs=2))
+    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
+                                  extra_body={"return_token_ids": True})
+    choice = r.choices[0]
+    assert choice.token_ids == tokens
+    lp = choice.logprobs
+    assert lp.token_logprobs == pytest.approx([e[0] for e in entries], abs=1e-4)
+    texts = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
+    assert lp.tokens == texts
+    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    for top, (drawn, best) in zip(lp.top_logprobs, entries, strict=True):
+        assert len(best) == 2 and drawn == pytest.approx(best[0][1])  # greedy: the drawn token is the likeliest
+        want = {}
+        for t, v in best:  # (tokens that decode alike: the likeliest keeps the key)
+            want.setdefault(engine.tokenizer.decode([t], skip_special_tokens=False), v)
+        assert top.keys() == want.keys() and list(top.values()) == pytest.approx(list(want.values()), abs=1e-4)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(
+        model=args["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True) if c.choices]
+    assert [t for s in streamed if s for t in s.tokens] == lp.tokens
+    assert [o for s in streamed if s for o in s.text_offset] == lp.text_offset
+    assert [v for s in streamed if s for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
+    # without logprobs: none
+    assert client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == chat.choices[0].message.content or any(
+        "\ufffd" in c.token for c in content)  # (a byte of a multi-byte character decodes alone to U+FFFD)
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.logprob == pytest.approx(c.top_logprobs[0].logprob)
+        assert c.bytes == list(c.token.encode()) and c.logprob <= 0
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+    bare = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=3, temperature=0,
+                                          logprobs=True)
+    assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
+    stream = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=3, stream=True)
+    assert [c.token for k in stream if k.choices and k.choices[0].logprobs
+            for c in k.choices[0].logprobs.content] == [c.token for c in content]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=args["model"], messages=messages, max_tokens=2, top_logprobs=2)
+    assert "top_logprobs" in str(e.value)
+    for bad in (dict(logprobs=21), dict(logprobs=2, echo=True)):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2, **bad)

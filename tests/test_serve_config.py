@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from cluster.app import build_app
 from cluster.config import AppConfig
+from cluster.logprobs import TokenTexts
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput
 from replicas.deployment import _take, _TextStream
 from replicas.engine import RequestOutput
@@ -123,6 +124,9 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),  # vLLM extensions we do not implement: refused
     ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
+    ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: a count, not a flag
 ])
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
@@ -139,6 +143,32 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
     assert p.logit_bias == ((3, 2.5), (7, -100)) and p.penalized
     plain = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": None, "logit_bias": None})
     assert not plain.sampling_params(8).penalized and plain.sampling_params(8).logit_bias == ()
+
+
+def test_logprobs_reach_the_sampling_params():
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).sampling_params(8).logprobs == 3
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}).sampling_params(8).logprobs == 0
+    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": None}).sampling_params(8).logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for extra, want in (({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
+                        ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": False, "top_logprobs": 0}, None)):
+        assert ChatCompletionRequest.model_validate({**chat, **extra}).sampling_params(8).logprobs == want
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 1}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest.model_validate({**chat, **bad})
+
+
+def test_logprob_forms():
+    from cluster.logprobs import chat_logprobs, completion_logprobs
+    texts = TokenTexts(load_tokenizer("tiny"))
+    entries = [(-0.5, ((72, -0.5), (73, -1.5))), (-2.0, ((105, -0.25), (33, -2.0)))]
+    got = completion_logprobs([72, 33], entries, texts, offset=4)
+    assert got.tokens == ["H", "!"] and got.token_logprobs == [-0.5, -2.0] and got.text_offset == [4, 5]
+    assert got.top_logprobs == [{"H": -0.5, "I": -1.5}, {"i": -0.25, "!": -2.0}]
+    chat = chat_logprobs([72, 33], entries, texts).content
+    assert [(c.token, c.logprob, c.bytes) for c in chat] == [("H", -0.5, [72]), ("!", -2.0, [33])]
+    assert [(t.token, t.logprob) for t in chat[1].top_logprobs] == [("i", -0.25), ("!", -2.0)]
+    assert TokenTexts(None)(42) == "token_id:42"  # a model without a tokenizer: vLLM's names
 
 
 def test_null_means_the_default():
@@ -200,11 +230,14 @@ def test_text_stream_stop_strings_and_utf8():
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
 
 
-def _outputs(ids: list[int], per_step: int, finish: str | None, prompt: int = 3) -> list[RequestOutput]:
-    """The engine's step outputs of one request that generates ids, per_step tokens a step."""
+def _outputs(ids: list[int], per_step: int, finish: str | None, prompt: int = 3,
+             logprobs: bool = False) -> list[RequestOutput]:
+    """The engine's step outputs of one request that generates ids, per_step tokens a step (with
+    logprobs: token t's entry (-t, ((t, -t),)))."""
     steps = [ids[i:i + per_step] for i in range(0, len(ids), per_step)]
     return [RequestOutput("r", s, finish is not None and i == len(steps) - 1, finish if i == len(steps) - 1 else None,
-                          prompt, 0, per_step * i + len(s)) for i, s in enumerate(steps)]
+                          prompt, 0, per_step * i + len(s), [(-t, ((t, -t),)) for t in s] if logprobs else None)
+            for i, s in enumerate(steps)]
 
 
 @pytest.mark.parametrize("per_step", [1, 2])
@@ -220,7 +253,10 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
     batch = _outputs(ids, per_step, finish)
     got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
     assert got.stopped and got.reason == "stop" and got.text == "ab cd "
-    assert got.token_ids == tuple(ids[:upto]) and got.output_tokens == upto
+    assert got.token_ids == tuple(ids[:upto]) and got.output_tokens == upto and got.logprobs is None
+    # logprobs stay with their tokens: through the stop string's, none after
+    got = _take(_TextStream(tok, prompt, ("STOP",)), _outputs(ids, per_step, finish, logprobs=True))
+    assert got.token_ids == tuple(ids[:upto]) and got.logprobs == tuple((-t, ((t, -t),)) for t in ids[:upto])
     assert got.engine_done == (finish is not None)  # only then does the engine hold it no more
     # without the stop string the whole batch goes, and its end with the last step
     got = _take(_TextStream(tok, prompt, ()), batch)
@@ -289,7 +325,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
                for t, delay in zip(texts, (0.003, 0.001, 0.002))]
 
     async def body() -> list[str]:
-        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], False), True, {})
+        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], False, TokenTexts(None)), True, {})
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
@@ -333,7 +369,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
             Failing.cancelled = True
 
     async def body() -> list[str]:
-        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False), False, {})
+        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False, TokenTexts(None)), False, {})
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]

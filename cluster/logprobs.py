@@ -1,0 +1,61 @@
+"""Logprobs in OpenAI's two response forms, from the replicas' per-token entries
+(GenerateOutput.logprobs: (the token's logprob, the most likely tokens' (id, logprob))).
+
+A token's text is its id decoded alone (a piece of a multi-byte character decodes to U+FFFD, as
+in vLLM); a model without a tokenizer names tokens "token_id:<id>", vLLM's form for that.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from cluster.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
+from replicas.model.tokenizer import Tokenizer
+
+Entry = tuple[float, tuple[tuple[int, float], ...]]
+
+
+class TokenTexts:
+    """Token id -> its text, decoded once."""
+
+    def __init__(self, tokenizer: Tokenizer | None):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = f"token_id:{token}" if self.tokenizer is None else \
+                self.tokenizer.decode([token], skip_special_tokens=False)
+            if len(self._texts) < 1 << 16:
+                self._texts[token] = text
+        return text
+
+
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts,
+                        offset: int = 0) -> CompletionLogprobs:
+    """/v1/completions' form; offset: characters of the choice's text before these tokens."""
+    tokens = [texts(t) for t in token_ids]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    top = []
+    for _, best in entries:  # most likely first; of tokens that decode alike, the likeliest's
+        alts: dict[str, float] = {}
+        for t, lp in best:
+            alts.setdefault(texts(t), lp)
+        top.append(alts)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[lp for lp, _ in entries], top_logprobs=top,
+                              text_offset=offsets)
+
+
+def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts) -> ChatLogprobs:
+    """/v1/chat/completions' form."""
+    def top(token: int, logprob: float) -> dict:
+        text = texts(token)
+        return dict(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
+
+    return ChatLogprobs(content=[
+        TokenLogprob(**top(t, lp), top_logprobs=[TopLogprob(**top(b, blp)) for b, blp in best])
+        for t, (lp, best) in zip(token_ids, entries, strict=True)])
