@@ -10,10 +10,10 @@ overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
   (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
 - per share d of the context's blocks kept (``kept@d``: the share of its chunks):
-  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the Triton normalised
-  scores against the block keys (the engine's, every layer's, made once a step: not timed),
-  the best blocks, their page ids written into the lists planned once per step (not timed),
-  FlashInfer over them; ``speedup@d`` = dense / budget;
+  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the block keys from the
+  pool's chunk means and the normalised scores (Triton), the best blocks, their page ids
+  written into the lists planned once per step (not timed), FlashInfer over them;
+  ``speedup@d`` = dense / budget;
   ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths
   read back, a FlashInfer plan, the run) over lists of that share drawn at random (random keys
   score flat: the threshold would keep everything).
@@ -80,10 +80,10 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
         fi.plan_sparse(ids, [(piece, [per] * e, total - (used - 1) * c)])
         view = ids.view(e, per)[:, chosen]
 
-        keys = block_union.block_keys(means, tab[:k0], bc)  # (the engine's: every layer's, once a step)
         out = torch.empty_like(q)
 
         def agg():
+            keys = block_union.block_keys_gpu(means, tab[:k0], bc, q.dtype)
             return block_union.block_agg(q, keys, cfg.block, sub, d ** -0.5)
 
         def budget_layer():

@@ -39,8 +39,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BlockUnion", "block_agg", "block_keys", "budget_blocks", "budget_free", "budget_list_len", "budget_lists",
-           "budget_pages", "chunk_mask", "normalised", "select_blocks", "subgroup_size", "write_pages"]
+__all__ = ["BlockUnion", "block_agg", "block_keys", "block_keys_gpu", "budget_blocks", "budget_free", "budget_list_len",
+           "budget_lists", "budget_pages", "chunk_key_means", "chunk_mask", "normalised", "select_blocks",
+           "subgroup_size", "write_pages"]
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,38 @@ def block_keys(chunk_means: Tensor, table: Tensor, block_chunks: int) -> Tensor:
     counts = torch.full((nb, 1, 1), float(block_chunks), device=means.device)
     counts[-1] = k - (nb - 1) * block_chunks
     return means.view(*lead, nb, block_chunks, *tail).sum(-3) / counts
+
+
+def block_keys_gpu(chunk_means: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
+    """Triton `block_keys` for one layer, in one launch: chunk_means [num_chunks, Hkv, D] float32,
+    table [k] -> [ceil(k / block_chunks), Hkv, D] in dtype (the queries', for the scores)."""
+    import triton
+
+    k = table.numel()
+    _, hkv, d = chunk_means.shape
+    nb = -(-k // block_chunks)
+    out = torch.empty(nb, hkv, d, dtype=dtype, device=chunk_means.device)
+    if chunk_means.stride(2) != 1 or d & (d - 1):
+        raise ValueError(f"chunk means {tuple(chunk_means.shape)}: a power-of-two head dim, contiguous")
+    block_n = min(64, triton.next_power_of_2(nb))
+    _kernels()[2][(triton.cdiv(nb, block_n), hkv)](
+        chunk_means, table, out, k, nb, chunk_means.stride(0), chunk_means.stride(1), out.stride(0), out.stride(1),
+        BC=block_chunks, D=d, BLOCK_N=block_n)
+    return out
+
+
+def chunk_key_means(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
+    """Triton: out[:, chunks] = k_pool[:, chunks].float().mean(chunk slots), every layer in one
+    launch and with no copy of the chunks. k_pool: [L, N, Hkv, c, D] (the pool's K, a view);
+    out: [L, N, Hkv, D] float32 (the pool's mean keys)."""
+    num_layers, _, hkv, c, d = k_pool.shape
+    if k_pool.stride(4) != 1 or out.stride(3) != 1 or k_pool.stride(3) != d or c & (c - 1) or d & (d - 1):
+        raise ValueError(f"K pool {tuple(k_pool.shape)} / means {tuple(out.shape)}: contiguous chunks of powers of two")
+    f = chunks.numel()
+    if f:
+        _kernels()[3][(num_layers * f, hkv)](
+            k_pool, chunks, out, f, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), out.stride(0),
+            out.stride(1), out.stride(2), C=c, D=d, ROWS=min(c, max(1, 4096 // d)))
 
 
 def normalised(scores: Tensor, sub: int) -> Tensor:
@@ -301,5 +334,38 @@ def _kernels():
                 chunk = tl.load(Table + blk * BC + j, mask=ok, other=0)
                 tl.store(Out + lst * stride_o + offs * BC + j, (chunk * HKV + lst // GROUPS).to(tl.int32), mask=ok)
 
-        _KERNELS = (_agg_kernel, _pages_kernel)
+        @triton.jit
+        def _block_keys_kernel(Means, Table, Out, K, NB, stride_mn, stride_mh, stride_ob, stride_oh,
+                               BC: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+            # one program per (BLOCK_N blocks, KV head): each block's chunks' means, averaged
+            blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            kv = tl.program_id(1)
+            offs_d = tl.arange(0, D)
+            acc = tl.zeros([BLOCK_N, D], tl.float32)
+            for j in range(BC):
+                chunk = blocks * BC + j
+                ok = chunk < K
+                cid = tl.load(Table + chunk, mask=ok, other=0)
+                acc += tl.load(Means + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :], mask=ok[:, None],
+                               other=0.0)
+            count = tl.maximum(tl.minimum(K - blocks * BC, BC), 1).to(tl.float32)
+            tl.store(Out + blocks[:, None] * stride_ob + kv * stride_oh + offs_d[None, :],
+                     (acc / count[:, None]).to(Out.dtype.element_ty), mask=(blocks < NB)[:, None])
+
+        @triton.jit
+        def _chunk_means_kernel(KPool, Chunks, Out, F, stride_kl, stride_kn, stride_kh, stride_ol, stride_on,
+                                stride_oh, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+            # one program per (layer, chunk, KV head): the mean of the chunk's C keys
+            layer, i = tl.program_id(0) // F, tl.program_id(0) % F
+            kv = tl.program_id(1)
+            cid = tl.load(Chunks + i)
+            offs_d = tl.arange(0, D)
+            base = KPool + layer * stride_kl + cid * stride_kn + kv * stride_kh
+            acc = tl.zeros([D], tl.float32)
+            for r0 in range(0, C, ROWS):
+                rows = r0 + tl.arange(0, ROWS)
+                acc += tl.sum(tl.load(base + rows[:, None] * D + offs_d[None, :]).to(tl.float32), 0)
+            tl.store(Out + layer * stride_ol + cid * stride_on + kv * stride_oh + offs_d, acc / C)
+
+        _KERNELS = (_agg_kernel, _pages_kernel, _block_keys_kernel, _chunk_means_kernel)
     return _KERNELS

@@ -32,8 +32,8 @@ lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer
 budget the lists' lengths are known when the step is planned: FlashInfer plans them once, here,
 and each layer writes its chosen page ids into them; alpha's lists are planned layer by layer.
 The pool then keeps each full chunk's mean key per layer, updated after each step's forward
-(`StepAttention.keep_key_means`) for the chunks the step filled; a sparse span's block keys,
-every layer's, are made when the step is planned.
+(`StepAttention.keep_key_means`) for the chunks the step filled; each layer averages its
+context blocks' keys from them.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ class PrefillSpan:
     context_len: int  # tokens already in the cache before this step
     chunk_ids: tuple[int, ...]
     table: torch.Tensor | None = None  # block-union pieces: the chunks in use, on the device (else None)
-    keys: torch.Tensor | None = None  # and their context blocks' mean keys, every layer: [L, NB, Hkv, D] float32
 
     @property
     def sparse(self) -> bool:
@@ -129,12 +128,10 @@ class Attention:
         for seq, n in batch.prefills:
             start = seq.num_computed
             table = tuple(seq.chunk_table)
-            sparse = keys = None
+            sparse = None
             if self.sparse is not None and self.sparse.applies(start, c):
                 sparse = to_device(list(table[:-(-(start + n) // c)]), self.device)
-                # (the context's chunks filled in earlier steps: their means are queued before this)
-                keys = block_union.block_keys(self.pool.key_means, sparse[:start // c], self.sparse.block // c)
-            prefills.append(PrefillSpan(len(positions), n, start, table, sparse, keys))
+            prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
             if means:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
@@ -249,11 +246,15 @@ class Attention:
         for i, s in enumerate(spans):
             rows = q[s.start:s.start + s.num_new]
             k0 = s.context_len // c  # chunks before the one holding the piece's first token
+            # the context blocks' mean keys, from the pool's chunk means (their chunks filled in
+            # earlier steps: queued before this)
+            means = self.pool.key_means[layer]
             if self.backend == "triton":
-                agg = block_union.block_agg(rows, s.keys[layer], cfg.block, self._sub, self.sm_scale)
+                keys = block_union.block_keys_gpu(means, s.table[:k0], bc, rows.dtype)
+                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale)
             else:
-                agg = block_union.normalised(reference.block_scores_ref(rows, s.keys[layer], cfg.block, self.sm_scale),
-                                             self._sub)
+                keys = block_union.block_keys(means, s.table[:k0], bc)
+                agg = block_union.normalised(reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale), self._sub)
             self.dense_pages += agg.shape[0] * s.table.numel()
             if budget is not None:
                 block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
@@ -328,5 +329,8 @@ class StepAttention:
     def keep_key_means(self) -> None:
         """After the forward: the mean key of each chunk this step filled, every layer."""
         if self.filled is not None:
-            kv = self.attention.pool.kv  # [L, 2, N, Hkv, c, D]
-            self.attention.pool.key_means[:, self.filled] = kv[:, 0, self.filled].float().mean(3)
+            pool = self.attention.pool
+            if self.attention.backend == "triton":  # (no [L, F, Hkv, c, D] copy of the chunks)
+                block_union.chunk_key_means(pool.kv[:, 0], self.filled, pool.key_means)
+            else:
+                pool.key_means[:, self.filled] = pool.kv[:, 0, self.filled].float().mean(3)

@@ -76,6 +76,32 @@ def test_block_keys_are_the_mean_of_their_chunks():
     torch.testing.assert_close(block_keys(layers, table[:4], 2)[0], block_keys(layers[0], table[:4], 2))
 
 
+@pytest.mark.parametrize("k, bc, dtype", [(1, 2, torch.float32), (9, 2, torch.float32), (130, 2, torch.float16),
+                                           (64, 4, torch.bfloat16), (5, 1, torch.float32)])
+def test_block_keys_kernel_is_block_keys(k, bc, dtype):
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(k)
+    means = torch.randn(200, 2, 32, generator=g).to(device)
+    table = torch.randperm(200, generator=g)[:k].to(device)
+    got = block_union.block_keys_gpu(means, table, bc, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, block_keys(means, table, bc).to(dtype))
+
+
+@pytest.mark.parametrize("c, d", [(16, 16), (64, 32)])
+def test_chunk_key_means_kernel_is_the_mean_of_each_chunks_keys(c, d):
+    device = "cuda" if CUDA else "cpu"
+    kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(device=device,
+                                                                                          dtype=torch.bfloat16)
+    means = torch.full((3, 40, 2, d), -9.0, device=device)
+    chunks = torch.tensor([7, 0, 39, 12], device=device)
+    block_union.chunk_key_means(kv[:, 0], chunks, means)
+    torch.testing.assert_close(means[:, chunks], kv[:, 0, chunks].float().mean(3))
+    others = [i for i in range(40) if i not in (7, 0, 39, 12)]
+    assert (means[:, others] == -9).all()
+    block_union.chunk_key_means(kv[:, 0], chunks[:0], means)  # nothing filled: nothing launched
+
+
 def test_subgroup_size():
     assert subgroup_size(32, 8, 4) == 4
     assert subgroup_size(32, 32, 4) == 1
@@ -282,7 +308,7 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     k0 = context // 16
     keys = block_keys(pool.key_means, torch.tensor(seq_table[:k0]), 2)  # [L, NB, Hkv, D]
     torch.testing.assert_close(keys[1], block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2))
-    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table), keys)
+    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
     attention.sparse_prefill(1, q, out, [span])
     keep = select_blocks(normalised(block_scores_ref(q, keys[1], 32, 64 ** -0.5), 2), engine.config.sparse_prefill)
     mask = chunk_mask(keep, 2, k0, 24)
@@ -381,3 +407,17 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             assert not mask.all()
             want = sparse_prefill_ref(q, k_cache, v_cache, table, context, mask)
             torch.testing.assert_close(out, want, atol=3e-2, rtol=0)
+
+
+def test_engine_sparse_prefill_through_the_triton_kernels():
+    """The triton backend (under the interpreter on the CPU): mean keys, block keys and scores
+    from the Triton kernels; with every block kept, the dense tokens; the pool's mean keys exact."""
+    prompts, params = _prompts()[:2], SamplingParams(max_tokens=6, temperature=0)
+    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=128).generate(prompts, params)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=128,
+                                  attention_backend="triton", sparse_prefill=dict(SPARSE, alpha=0.0))
+    assert engine.generate(prompts, params) == dense
+    stats = engine.stats()
+    assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
+    full = [n.chunk_id for n in _path(engine.tree, 18)]
+    torch.testing.assert_close(engine.pool.key_means[:, full], engine.pool.kv[:, 0, full].float().mean(3))
