@@ -410,11 +410,14 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
 
 
 def test_engine_sparse_prefill_through_the_triton_kernels():
-    """The triton backend (under the interpreter on the CPU): mean keys, block keys and scores
-    from the Triton kernels; with every block kept, the dense tokens; the pool's mean keys exact."""
+    """The triton backend (under the interpreter on the CPU; float32 on a GPU, which FlashInfer
+    does not take: the reference attends): mean keys, block keys and scores from the Triton
+    kernels; with every block kept, the dense tokens; the pool's mean keys exact."""
+    device = "cuda" if CUDA else "cpu"
     prompts, params = _prompts()[:2], SamplingParams(max_tokens=6, temperature=0)
-    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=128).generate(prompts, params)
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=128,
+    dense = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, max_num_batched_tokens=128,
+                                 attention_backend="torch").generate(prompts, params)
+    engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, max_num_batched_tokens=128,
                                   attention_backend="triton", sparse_prefill=dict(SPARSE, alpha=0.0))
     assert engine.generate(prompts, params) == dense
     stats = engine.stats()
