@@ -345,7 +345,7 @@ def _kernels():
             for j in range(BC):
                 chunk = blocks * BC + j
                 ok = chunk < K
-                cid = tl.load(Table + chunk, mask=ok, other=0)
+                cid = tl.load(Table + chunk, mask=ok, other=0).to(tl.int64)
                 acc += tl.load(Means + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :], mask=ok[:, None],
                                other=0.0)
             count = tl.maximum(tl.minimum(K - blocks * BC, BC), 1).to(tl.float32)
@@ -356,9 +356,10 @@ def _kernels():
         def _chunk_means_kernel(KPool, Chunks, Out, F, stride_kl, stride_kn, stride_kh, stride_ol, stride_on,
                                 stride_oh, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
             # one program per (layer, chunk, KV head): the mean of the chunk's C keys
-            layer, i = tl.program_id(0) // F, tl.program_id(0) % F
+            # (offsets in int64: a layer's stride times the layers passes 2**31 in a large pool)
+            layer, i = (tl.program_id(0) // F).to(tl.int64), tl.program_id(0) % F
             kv = tl.program_id(1)
-            cid = tl.load(Chunks + i)
+            cid = tl.load(Chunks + i).to(tl.int64)
             offs_d = tl.arange(0, D)
             base = KPool + layer * stride_kl + cid * stride_kn + kv * stride_kh
             acc = tl.zeros([D], tl.float32)
