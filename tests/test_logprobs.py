@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from replicas.engine import LLMEngine, SamplingParams
+from tests.test_penalties import _record_logits
 
 PROMPTS = [list(range(20, 60)), list(range(20, 50)) + [7, 7, 7], [300, 301, 302]]
 
@@ -14,20 +15,7 @@ PROMPTS = [list(range(20, 60)), list(range(20, 50)) + [7, 7, 7], [300, 301, 302]
 def _run(engine, prompts, params):
     """Step the engine to the end: per request, its outputs in order, and the raw logits of every
     token it sampled (the model's own forward, recorded)."""
-    rows, seen = [], defaultdict(list)
-    forward, compute = engine.runner._forward, engine.model.compute_logits
-
-    def forward_and_name_rows(batch, keys, prev):
-        rows[:] = [s.request_id for s, n in batch.items if s.num_computed + n == s.num_tokens]
-        return forward(batch, keys, prev)
-
-    def compute_and_keep(hidden):
-        logits = compute(hidden)
-        for rid, row in zip(rows, logits, strict=True):
-            seen[rid].append(row.clone())
-        return logits
-
-    engine.runner._forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
+    seen = _record_logits(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), prompt, p)
     outs = defaultdict(list)
