@@ -134,17 +134,30 @@ class _CompletionFormat:
     """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
     response. Choice i of a request with n choices is its i-th generate request's output."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts):
+    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts,
+                 echo: str | None = None):
         self.id, self.model, self.prompt, self.token_ids, self.texts = request_id, model, prompt, token_ids, texts
+        self.echo = echo  # the prompt's text, sent before each choice's (completions' echo), or None
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # per choice: characters of its tokens' texts sent (logprobs' text_offset)
 
+    def _with_prompt(self, outs: list[GenerateOutput]) -> tuple[list[int], list]:
+        """A choice's tokens and logprob entries (from its outputs outs), after the prompt's when
+        it is echoed with its logprobs (the first output carries them)."""
+        ids, entries = _tokens_and_logprobs(outs)
+        if self.echo is not None and outs[0].prompt_logprobs is not None:
+            return self.prompt + ids, list(outs[0].prompt_logprobs) + entries
+        return ids, entries
+
     def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
+        first = self.echo is not None and index not in self.offsets  # (the echo goes first)
         logprobs = None
         if out.logprobs is not None:
-            logprobs = completion_logprobs(out.token_ids, out.logprobs, self.texts, self.offsets.get(index, 0))
-            self.offsets[index] = self.offsets.get(index, 0) + sum(map(len, logprobs.tokens))
-        choice = CompletionChoice(index=index, text=out.text, finish_reason=out.finish_reason, logprobs=logprobs,
+            ids, entries = self._with_prompt([out]) if first else _tokens_and_logprobs([out])
+            logprobs = completion_logprobs(ids, entries, self.texts, self.offsets.get(index, 0))
+        self.offsets[index] = self.offsets.get(index, 0) + (sum(map(len, logprobs.tokens)) if logprobs else 0)
+        choice = CompletionChoice(index=index, text=self.echo + out.text if first else out.text,
+                                  finish_reason=out.finish_reason, logprobs=logprobs,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
@@ -153,11 +166,12 @@ class _CompletionFormat:
                                   usage=Usage.of(lasts))
 
     def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
-        body = [CompletionChoice(index=i, text="".join(o.text for o in outs), finish_reason=outs[-1].finish_reason,
+        body = [CompletionChoice(index=i, text=(self.echo or "") + "".join(o.text for o in outs),
+                                 finish_reason=outs[-1].finish_reason,
                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
                                  prompt_token_ids=self.prompt if self.token_ids else None,
                                  logprobs=None if outs[0].logprobs is None else completion_logprobs(
-                                     *_tokens_and_logprobs(outs), self.texts))
+                                     *self._with_prompt(outs), self.texts))
                 for i, outs in enumerate(choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
                                   usage=Usage.of([outs[-1] for outs in choices]))
@@ -335,7 +349,8 @@ class OpenAIIngress:
         await self._check_logit_bias(body)
         max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens")
         rid, reqs = self._generate_request("cmpl", prompt, body, max_tokens)
-        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts)
+        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts,
+                                self._echo_text(body, prompt) if body.echo else None)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -407,6 +422,13 @@ class OpenAIIngress:
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="prompt")
         return prompt
+
+    def _echo_text(self, body: CompletionRequest, prompt: list[int]) -> str:
+        """The prompt as echoed: as sent, or its token ids decoded ("" without a tokenizer)."""
+        text = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
+        if isinstance(text, str):
+            return text
+        return "" if self.tokenizer is None else self.tokenizer.decode(prompt)
 
     def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")

@@ -32,22 +32,24 @@ class TokenTexts:
         return text
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts,
+def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry | None], texts: TokenTexts,
                         offset: int = 0) -> CompletionLogprobs:
-    """/v1/completions' form; offset: characters of the choice's text before these tokens."""
+    """/v1/completions' form; offset: characters of the choice's text before these tokens (the
+    tokens' texts' lengths count on from it). An entry None (an echoed prompt's first token) is
+    a null logprob and null alternatives."""
     tokens = [texts(t) for t in token_ids]
     offsets = []
     for text in tokens:
         offsets.append(offset)
         offset += len(text)
-    top = []
-    for _, best in entries:  # most likely first; of tokens that decode alike, the likeliest's
-        alts: dict[str, float] = {}
-        for t, lp in best:
+    top: list[dict[str, float] | None] = []
+    for entry in entries:  # most likely first; of tokens that decode alike, the likeliest's
+        alts: dict[str, float] | None = None if entry is None else {}
+        for t, lp in () if entry is None else entry[1]:
             alts.setdefault(texts(t), lp)
         top.append(alts)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[lp for lp, _ in entries], top_logprobs=top,
-                              text_offset=offsets)
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[None if e is None else e[0] for e in entries],
+                              top_logprobs=top, text_offset=offsets)
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts) -> ChatLogprobs:

@@ -2,12 +2,13 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (echo, guided decoding, tools, ...) are a 400
+Known fields whose non-default values we cannot honour (best_of, guided decoding, tools, ...) are a 400
 naming the field rather than a silently different answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -146,7 +147,7 @@ class _SamplingRequest(_NullMeansDefault):
 
 class CompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "echo": (None, False), "suffix": (None, ""), "best_of": (None, 1),
+        **_SamplingRequest.NEUTRAL, "suffix": (None, ""), "best_of": (None, 1),
     }
 
     # text, [text], token ids, or [token ids]: one prompt per request
@@ -154,13 +155,19 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     # each token's logprob and the logprobs most likely tokens' (OpenAI allows 5, vLLM 20)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: Any = None
+    echo: bool = False  # the prompt before the completion (with logprobs: the prompt tokens' too)
     suffix: Any = None
     best_of: Any = None
 
     @property
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self, max_tokens: int, choice: int = 0, seed: int | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, choice, seed)
+        if self.echo and self.logprobs is not None:  # the prompt's logprobs too (its whole prompt computed)
+            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     @field_validator("prompt")
     @classmethod
@@ -261,8 +268,8 @@ FinishReason = Literal["stop", "length", "abort"]
 class CompletionLogprobs(BaseModel):
     """/v1/completions' per-token logprobs (OpenAI's legacy form)."""
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []  # per token: the most likely tokens' text -> logprob
+    token_logprobs: list[float | None] = []  # (None: an echoed prompt's first token)
+    top_logprobs: list[dict[str, float] | None] = []  # per token: the most likely tokens' text -> logprob
     text_offset: list[int] = []  # each token's first character in the choice's text
 
 
@@ -389,3 +396,6 @@ class GenerateOutput:
     # with SamplingParams.logprobs, per token of token_ids: (its logprob, the most likely tokens'
     # (id, logprob))
     logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
+    # with SamplingParams.prompt_logprobs, in the first output: the same per prompt token (None
+    # for the first)
+    prompt_logprobs: tuple | None = None

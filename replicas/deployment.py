@@ -117,7 +117,7 @@ class LLMReplica:
                         (time.perf_counter() - first_token_at) / (out.output_tokens - 1))
                 last = batch[-1]
                 yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
-                                     last.cached_tokens, out.output_tokens, out.logprobs)
+                                     last.cached_tokens, out.output_tokens, out.logprobs, out.prompt_logprobs)
                 if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
@@ -285,6 +285,7 @@ class _Taken:
     stopped: bool  # a stop string ended the text
     engine_done: bool  # the engine finished the request (no abort needed): the batch's last output did
     logprobs: tuple | None = None  # per token of token_ids, if the request asked (RequestOutput.logprobs)
+    prompt_logprobs: tuple | None = None  # in the first output, if the request asked
 
 
 def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
@@ -294,6 +295,7 @@ def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
     ids: list[int] = []
     pieces: list[str] = []
     logprobs: list | None = None
+    prompt = next((tuple(o.prompt_logprobs) for o in batch if o.prompt_logprobs is not None), None)
     for out in batch:
         new = out.new_token_ids
         if out.logprobs is not None:
@@ -307,12 +309,12 @@ def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
             if stopped:
                 unsent = len(new) - j - 1
                 return _Taken("".join(pieces), tuple(ids), "stop", out.output_tokens - unsent, True,
-                              batch[-1].finished, _tuple(logprobs))
+                              batch[-1].finished, _tuple(logprobs), prompt)
         if out.finished:
             return _Taken("".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True,
-                          _tuple(logprobs))
+                          _tuple(logprobs), prompt)
     last = batch[-1]
-    return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False, _tuple(logprobs))
+    return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False, _tuple(logprobs), prompt)
 
 
 def _tuple(logprobs: list | None) -> tuple | None:

@@ -115,6 +115,9 @@ class RequestOutput(NamedTuple):
     # per new token, if the request asked (SamplingParams.logprobs): (its logprob, the most
     # likely tokens' (id, logprob), most likely first)
     logprobs: list[tuple[float, tuple[tuple[int, float], ...]]] | None = None
+    # the request's first output, if it asked (SamplingParams.prompt_logprobs): per prompt token,
+    # the same (None for the first)
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -313,7 +316,8 @@ class LLMEngine:
             c["prompt_tokens"] += len(seq.prompt_ids)
             c["cached_prompt_tokens"] += seq.num_cached_prompt
         return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_cached_prompt, n, None if logprobs is None else [logprobs])
+                             seq.num_cached_prompt, n, None if logprobs is None else [logprobs],
+                             seq.prompt_logprobs if n == 1 else None)
 
     def generate(self, prompts: Seq[Seq[int]],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:

@@ -106,6 +106,36 @@ class ModelRunner:
             out.append(-1 - i)
         return Launched(samplers, slots, tokens, host, done, logprobs)
 
+    @staticmethod
+    def _prompt_logprob_rows(batch: Batch) -> list[tuple[Sequence, int, int, int]]:
+        """(sequence, first row, first prompt position, rows) of the prefill pieces whose prompt
+        logprobs are due: each row's logits score the next prompt token."""
+        out, row = [], len(batch.decodes)
+        for seq, n in batch.prefills:
+            start = seq.num_computed
+            last = min(start + n, len(seq.prompt_ids) - 1)  # (the last prompt token predicts an output)
+            if seq.params.prompt_logprobs is not None and last > start:
+                out.append((seq, row, start, last - start))
+            row += n
+        return out
+
+    _PROMPT_LOGPROB_ROWS = 512  # rows whose logits [rows, V] float32 exist at once
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, pieces: list[tuple[Sequence, int, int, int]]) -> None:
+        """Each piece's prompt tokens' logprobs into its sequence (read back now: waits for the
+        device; only steps holding such pieces)."""
+        for seq, row, start, n in pieces:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None] * len(seq.prompt_ids)
+            k = seq.params.prompt_logprobs
+            for r0 in range(0, n, self._PROMPT_LOGPROB_ROWS):
+                r1 = min(n, r0 + self._PROMPT_LOGPROB_ROWS)
+                logits = self.model.compute_logits(hidden[row + r0:row + r1])  # [R, V]
+                nxt = to_device(seq.prompt_ids[start + r0 + 1:start + r1 + 1], self.device)
+                values, ids = token_logprobs(logits, list(range(r1 - r0)), nxt, k)
+                for i, (vals, top) in enumerate(zip(values.tolist(), ids.tolist())):
+                    seq.prompt_logprobs[start + r0 + i + 1] = (vals[0], tuple(zip(top, vals[1:])))
+
     def _stop_ids(self, p) -> tuple[int, ...]:
         """The tokens that would end a request of params p: its stop_token_ids (those in the
         vocabulary: no others can be drawn), EOS unless ignore_eos."""
@@ -141,6 +171,7 @@ class ModelRunner:
                 last_rows.append(row - 1)
                 samplers.append(seq)
         input_ids = to_device(ids, self.device)
+        prompt_rows = self._prompt_logprob_rows(batch)
         if prev is not None and prev.tokens is not None and min(ids) < 0:
             # placeholders of prev's tokens (Launched): taken on the device, not waited for
             input_ids = torch.where(input_ids < 0, prev.tokens[(-1 - input_ids).clamp(min=0)], input_ids)
@@ -148,6 +179,8 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(input_ids, attn.positions, attn)
         attn.keep_key_means()  # (sparse prefill: the mean keys of the chunks this step filled)
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows)
         if not samplers:
             return [], None, None
         # [S, V] float32; a decode-only step samples every row (no gather)

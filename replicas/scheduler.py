@@ -193,7 +193,7 @@ class Scheduler:
         Besides the piece, keep one chunk per running sequence in hand so that admitting a
         request does not immediately force a preemption when running decodes cross a chunk.
         """
-        if self.sharing:
+        if self.sharing and seq.params.prompt_logprobs is None:  # (prompt logprobs: every token computed)
             # the last token always runs: its logits give the first output token
             path = self.tree.match(seq.token_ids, seq.num_tokens - 1)
             self.tree.acquire(path, self.now)

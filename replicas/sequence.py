@@ -46,6 +46,9 @@ class SamplingParams:
     # bias and temperature, as vLLM's default) and the logprobs most likely tokens' (0 .. 20);
     # None: no logprobs
     logprobs: int | None = None
+    # vLLM's: the same for each prompt token after the first (the logprob of token i given the
+    # tokens before it); such a request computes its whole prompt (no prefix-cache hit)
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -77,9 +80,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and not (isinstance(self.seed, int) and self.seed in SEED_RANGE):
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 
@@ -116,6 +120,9 @@ class Sequence:
     # its way into the tree, the table dropped): with the table's length, what decode plans key on
     table_version: int = 0
     num_cached_prompt: int | None = None  # prompt tokens served from the cache at first admission
+    # with params.prompt_logprobs: per prompt token, (its logprob, the most likely tokens' (id,
+    # logprob)), None for the first and for those not computed yet
+    prompt_logprobs: list | None = None
     _path: tuple = field(default=(None, ()), repr=False)  # path_ids() cache: ((len, version), ids)
     finish_reason: str | None = None
 

@@ -59,3 +59,41 @@ def test_engine_logprobs_are_the_raw_logits_log_softmax(async_scheduling, device
 def test_logprobs_out_of_range_are_refused(bad):
     with pytest.raises(ValueError, match="logprobs"):
         SamplingParams(logprobs=bad)
+
+
+def _first_token_logits(prompt):
+    """The model's logits after `prompt` (a fresh engine: nothing cached)."""
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16)
+    seen = _record_logits(engine)
+    engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+    (rows,) = seen.values()
+    return rows[0]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prompt_logprobs_score_each_prompt_token_given_those_before(async_scheduling):
+    """Each prompt token's logprob (and the k likeliest) under the logits after the tokens before
+    it; in pieces (chunked prefill), and with the prompt's prefix already cached (the request
+    computes it anyway); the first token has none; they come with the first output only."""
+    prompt = [(37 * i + 11) % 250 for i in range(45)]
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=16,
+                                  async_scheduling=async_scheduling)
+    engine.generate([prompt[:40]], SamplingParams(max_tokens=2))  # caches the first 32 tokens
+    engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1,
+                                                              ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.prompt_logprobs is not None for o in outs] == [True, False, False]
+    got = outs[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    assert engine.stats()["cached_prompt_tokens"] == 0  # (only the first, which found nothing cached, counted so far)
+    for i in (1, 2, 17, 31, 32, 33, 44):
+        lp = torch.log_softmax(_first_token_logits(prompt[:i]).float(), -1)
+        drawn, top = got[i]
+        assert drawn == pytest.approx(lp[prompt[i]].item(), abs=1e-4)
+        assert [t for t, _ in top] == lp.topk(2).indices.tolist()
+        assert [v for _, v in top] == pytest.approx(lp.topk(2).values.tolist(), abs=1e-4)
+    # a plain request over the same prompt is served from the cache as before
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert engine.stats()["cached_prompt_tokens"] >= 32

@@ -293,6 +293,38 @@ def test_openai_client_logprobs(server, client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=args["model"], messages=messages, max_tokens=2, top_logprobs=2)
     assert "top_logprobs" in str(e.value)
-    for bad in (dict(logprobs=21), dict(logprobs=2, echo=True)):
+    for bad in (dict(logprobs=21), dict(logprobs=2, best_of=3)):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2, **bad)
+
+
+def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
+    # completions' echo: the prompt before the completion; with logprobs (lm-eval-harness's
+    # loglikelihood request: echo, logprobs=1, max_tokens=1) the prompt tokens' logprobs too,
+    # the first null, each the engine's
+    _, args = server
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    plain = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0)
+    echoed = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text == PROMPT + plain.choices[0].text and echoed.choices[0].logprobs is None
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    assert streamed == echoed.choices[0].text
+
+    rid = "echo-logprobs"
+    engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1))
+    first = next(o for _ in range(100) for o in engine.step() if o.request_id == rid)
+    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
+                                  logprobs=1)
+    lp = r.choices[0].logprobs
+    n = len(prompt_ids)
+    assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.tokens[:n] == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
+    want = [e[0] for e in first.prompt_logprobs[1:]] + [first.logprobs[0][0]]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 1)]
+    assert r.choices[0].text.startswith(PROMPT)
+    chunks = [c.choices[0] for c in client.completions.create(
+        model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True)
+        if c.choices]
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs

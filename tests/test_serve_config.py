@@ -107,7 +107,8 @@ def test_build_app_gpu_share():
     ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [[1], [2]]}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "echo": "yes"}, "echo"),
+    ({"prompt": "x", "best_of": 2}, "best_of"),
     ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),  # OpenAI's range: [-2, 2]
     ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -158,6 +159,13 @@ def test_logprobs_reach_the_sampling_params():
             ChatCompletionRequest.model_validate({**chat, **bad})
 
 
+def test_echo_with_logprobs_asks_for_the_prompts():
+    body = {"prompt": "x", "logprobs": 1}
+    assert CompletionRequest.model_validate({**body, "echo": True}).sampling_params(8).prompt_logprobs == 1
+    assert CompletionRequest.model_validate(body).sampling_params(8).prompt_logprobs is None
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).sampling_params(8).prompt_logprobs is None
+
+
 def test_logprob_forms():
     from cluster.logprobs import chat_logprobs, completion_logprobs
     texts = TokenTexts(load_tokenizer("tiny"))
@@ -169,6 +177,8 @@ def test_logprob_forms():
     assert [(c.token, c.logprob, c.bytes) for c in chat] == [("H", -0.5, [72]), ("!", -2.0, [33])]
     assert [(t.token, t.logprob) for t in chat[1].top_logprobs] == [("i", -0.25), ("!", -2.0)]
     assert TokenTexts(None)(42) == "token_id:42"  # a model without a tokenizer: vLLM's names
+    echoed = completion_logprobs([72, 33], [None, entries[1]], texts)  # an echoed prompt's first token
+    assert echoed.token_logprobs == [None, -2.0] and echoed.top_logprobs == [None, {"i": -0.25, "!": -2.0}]
 
 
 def test_null_means_the_default():
@@ -255,8 +265,11 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
     assert got.stopped and got.reason == "stop" and got.text == "ab cd "
     assert got.token_ids == tuple(ids[:upto]) and got.output_tokens == upto and got.logprobs is None
     # logprobs stay with their tokens: through the stop string's, none after
-    got = _take(_TextStream(tok, prompt, ("STOP",)), _outputs(ids, per_step, finish, logprobs=True))
+    batch = _outputs(ids, per_step, finish, logprobs=True)
+    batch[0] = batch[0]._replace(prompt_logprobs=[None, (-1.0, ())])  # the first output's
+    got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
     assert got.token_ids == tuple(ids[:upto]) and got.logprobs == tuple((-t, ((t, -t),)) for t in ids[:upto])
+    assert got.prompt_logprobs == (None, (-1.0, ()))
     assert got.engine_done == (finish is not None)  # only then does the engine hold it no more
     # without the stop string the whole batch goes, and its end with the last step
     got = _take(_TextStream(tok, prompt, ()), batch)
