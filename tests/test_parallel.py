@@ -24,7 +24,9 @@ CONFIG2 = dataclasses.replace(CONFIG, tp_size=2)
 SHARED = list(range(40, 40 + 70))  # 70 shared tokens: 4 whole chunks and a partial one
 PROMPTS = [SHARED + [300 + i] * (i + 1) for i in range(6)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+# (with logprobs and prompt logprobs: every rank computes them, rank 0's are returned)
+SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2,
+                         prompt_logprobs=1)
 # penalties: every rank keeps the row's token counts from the tokens rank 0 broadcast
 PENALIZED = dataclasses.replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
                                 logit_bias={5: 1.5})
