@@ -158,7 +158,8 @@ class ModelRunner:
     def _forward(self, batch: Batch, keys: dict[str, int], prev: Launched | None
                  ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
-        on the device, the logprobs of the rows that asked), nothing waited for."""
+        on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
+        prompt whose logprobs were asked for: they are read back as it runs)."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
         ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
