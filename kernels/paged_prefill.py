@@ -71,6 +71,7 @@ class FlashInferPrefill:
         self._sparse = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND") for _ in range(2)]
         self._sparse_turn = 1
         self._sparse_rows: list[tuple[int, int]] = []  # per piece planned: (query rows, page lists)
+        self.sparse_pages_planned = 0  # pages in the lists last planned
 
     def plan(self, spans: Sequence[tuple[Sequence[int], int, int]]) -> int:
         """Plan for spans (chunk table, context_len, num_new), num_new >= 1, whose tables cover
@@ -136,6 +137,7 @@ class FlashInferPrefill:
             pinned(qo), pinned(kv), pages, pinned(last), self.num_q_heads // e, 1, self.head_dim, c, causal=True,
             sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
         self._sparse_rows = [(n, e) for n, _, _ in pieces]
+        self.sparse_pages_planned = kv[-1]
 
     def run_planned_sparse(self, qs: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
                            outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:

@@ -101,7 +101,7 @@ class Attention:
                 raise ValueError("sparse prefill needs a pool that keeps its chunks' mean keys")
             self._sub = block_union.subgroup_size(num_q_heads, num_kv_heads, sparse.subgroup)
         # pages (chunk, KV head) that sparse pieces' layers read, and would have read dense
-        self.sparse_pages = torch.zeros((), dtype=torch.int64, device=device)  # summed on the device
+        self.sparse_pages = 0  # (counted on the host: the lists' lengths are there, or read back for the plan)
         self.dense_pages = 0
         self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
@@ -262,13 +262,15 @@ class Attention:
                     cfg, s.context_len, s.context_len + s.num_new, c)
                 continue
             mask = block_union.chunk_mask(block_union.select_blocks(agg, cfg), bc, k0, s.table.numel())
-            self.sparse_pages += mask.sum()
+            if self._prefill is None:  # (the reference path; FlashInfer's counts its pages as it plans)
+                self.sparse_pages += int(mask.sum())
             pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
         outs = [out[s.start:s.start + s.num_new] for s in spans]
         if budget is not None:
             self._prefill.run_planned_sparse([q[s.start:s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
+            self.sparse_pages += self._prefill.sparse_pages_planned
         else:
             for s, p, o in zip(spans, pieces, outs):
                 o.copy_(reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,

@@ -366,7 +366,7 @@ class LLMEngine:
         a = self.attention
         if a.sparse is None:
             return {}
-        return {"sparse_pages_read": int(a.sparse_pages), "sparse_pages_dense": a.dense_pages}
+        return {"sparse_pages_read": a.sparse_pages, "sparse_pages_dense": a.dense_pages}
 
     def reset_counters(self) -> None:
         """Zero what stats() and the benchmarks count (after replicas.warmup): requests, tokens,
@@ -374,7 +374,7 @@ class LLMEngine:
         self._counters = dict.fromkeys(self._counters, 0)
         self.scheduler.num_preemptions = 0
         self.attention.plan_builds = 0
-        self.attention.sparse_pages.zero_()
+        self.attention.sparse_pages = 0
         self.attention.dense_pages = 0
         self.runner.wait_s = 0.0
         if self.runner.graphs is not None:
