@@ -310,6 +310,8 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
     assert streamed == echoed.choices[0].text
+    by_ids = client.completions.create(model=args["model"], prompt=prompt_ids, max_tokens=4, temperature=0, echo=True)
+    assert by_ids.choices[0].text == engine.tokenizer.decode(prompt_ids) + plain.choices[0].text  # the ids decoded
 
     rid = "echo-logprobs"
     engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1))
