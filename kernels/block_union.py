@@ -254,7 +254,7 @@ def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | N
         raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
     keys = keys.to(q.dtype).contiguous()
     e, qb = hq // sub, triton.cdiv(t, block)
-    scratch = torch.empty(e, qb, nb, dtype=torch.float32, device=q.device)  # a program's rows, then its max
+    scratch = torch.empty(e, qb, nb, dtype=torch.float32, device=q.device)  # each program: its head's block means
     agg = torch.zeros(e, nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
