@@ -483,7 +483,9 @@ class OpenAIIngress:
         seed = None if body.n == 1 or body.seed is not None else secrets.randbits(64)
         return rid, [GenerateRequest(request_id=rid if body.n == 1 else f"{rid}-{i}", prompt_token_ids=tuple(prompt),
                                      params=body.sampling_params(max_tokens, i, seed), stop=body.stop_strings,
-                                     model=self.model_name, prefix_hashes=tuple(hashes))
+                                     model=self.model_name, prefix_hashes=tuple(hashes),
+                                     skip_special_tokens=body.skip_special_tokens,
+                                     include_stop_str_in_output=body.include_stop_str_in_output)
                      for i in range(body.n)]
 
     # -- talking to the replicas ------------------------------------------------------------

@@ -51,8 +51,7 @@ class _SamplingRequest(_NullMeansDefault):
     # field -> the values that mean "feature off"; anything else is refused
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         # vLLM's extensions we do not implement: their non-default values would change the answer
-        "include_stop_str_in_output": (None, False),
-        "skip_special_tokens": (None, True), "guided_json": (None,), "guided_regex": (None,),
+        "guided_json": (None,), "guided_regex": (None,),
         "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
     }
 
@@ -76,8 +75,8 @@ class _SamplingRequest(_NullMeansDefault):
     min_p: float = Field(0.0, ge=0, le=1)  # extension (vLLM)
     logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(0, ge=0)  # extension (vLLM): no stop before this many tokens
-    include_stop_str_in_output: Any = None
-    skip_special_tokens: Any = None
+    include_stop_str_in_output: bool = False  # extension (vLLM): the text ends after the stop string
+    skip_special_tokens: bool = True  # extension (vLLM): False renders special tokens in the text
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
@@ -381,6 +380,8 @@ class GenerateRequest:
     stop: tuple[str, ...]  # stop strings: the text ends before the first one, finish_reason "stop"
     model: str
     prefix_hashes: tuple[int, ...] = ()  # chained chunk hashes of the prompt's head, for the router
+    skip_special_tokens: bool = True  # the text without special tokens' (vLLM's)
+    include_stop_str_in_output: bool = False  # the text through the stop string (vLLM's)
 
 
 @dataclass(frozen=True)

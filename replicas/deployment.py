@@ -93,7 +93,8 @@ class LLMReplica:
         """Stream one request: each output holds what is new since the previous one."""
         self._raise_if_dead()
         rid = request.request_id
-        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens)
+        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
+                           request.skip_special_tokens, request.include_stop_str_in_output)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._post(_Add(rid, request.prompt_token_ids, request.params))
         arrival = time.perf_counter()
@@ -326,15 +327,18 @@ class _TextStream:
 
     Text that could still be the start of a stop string is held back (longest stop - 1 chars);
     on a stop string the text ends right before it. Stop strings are looked for from the
-    min_tokens-th token on (vLLM: text before it is not searched again).
+    min_tokens-th token on (vLLM: text before it is not searched again). vLLM's options:
+    skip_special_tokens=False renders special tokens' text; include_stop=True ends the text after
+    the stop string instead.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...],
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, skip_special_tokens: bool = True, include_stop: bool = False):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model has none")
-        self._detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids))
-        self._stop = stop
+        self._detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids),
+                                                                           skip_special_tokens)
+        self._stop, self._include_stop = stop, include_stop
         self._min_tokens, self._tokens = min_tokens, 0
         self._hold = max(map(len, stop), default=1) - 1
         self._text = ""
@@ -356,10 +360,11 @@ class _TextStream:
 
     def _cut_at_stop(self, checked: int) -> bool:
         # A stop string found now ends in the new text, so it starts after checked - len(stop).
-        hits = [i for s in self._stop if (i := self._text.find(s, max(0, checked - len(s) + 1))) >= 0]
+        hits = [(i, len(s)) for s in self._stop if (i := self._text.find(s, max(0, checked - len(s) + 1))) >= 0]
         if not hits:
             return False
-        self._text = self._text[: min(hits)]
+        start, length = min(hits)  # (of stop strings found at one place, the shortest)
+        self._text = self._text[: start + length if self._include_stop else start]
         return True
 
 

@@ -210,6 +210,18 @@ def test_stop_string_truncates_text(one):
     cut = _completion(url, max_tokens=40, ignore_eos=True, stop=[stop]).json()["choices"][0]
     assert cut["finish_reason"] == "stop"
     assert cut["text"] == full[: full.index(stop)]
+    # vLLM's include_stop_str_in_output: through the stop string
+    cut = _completion(url, max_tokens=40, ignore_eos=True, stop=[stop], include_stop_str_in_output=True).json()
+    assert cut["choices"][0]["text"] == full[: full.index(stop) + len(stop)]
+
+
+def test_special_tokens_in_the_text_on_request(one):
+    # vLLM's skip_special_tokens=false: an EOS drawn (biased to certainty, ignore_eos) shows as its text
+    url, _ = one
+    eos = 257  # the tiny preset's <|eos|>
+    body = dict(max_tokens=3, ignore_eos=True, logit_bias={str(eos): 100})
+    assert _completion(url, **body).json()["choices"][0]["text"] == ""
+    assert _completion(url, **body, skip_special_tokens=False).json()["choices"][0]["text"] == "<|eos|>" * 3
 
 
 def test_disconnected_stream_frees_its_chunks(one):

@@ -122,8 +122,9 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "seed": 2**64}, "seed"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),  # vLLM extensions we do not implement: refused
-    ({"prompt": "x", "include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),  # vLLM extensions we do not implement: refused
     ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
@@ -229,6 +230,14 @@ def test_text_stream_stop_strings_and_utf8():
     assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=5), tok, "héllo wörld") == ("hél", True)
     assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=7), tok, "héllo wörld") == ("héllo ", True)
     assert _run(_TextStream(tok, prompt, ("lo",), min_tokens=7), tok, "héllo wörld") == ("héllo wörld", False)
+    # vLLM's include_stop_str_in_output: the text ends after the stop string
+    assert _run(_TextStream(tok, prompt, ("wör",), include_stop=True), tok, "héllo wörld") == ("héllo wör", True)
+    assert _run(_TextStream(tok, prompt, ("zzz", "lo"), include_stop=True), tok, "héllo wörld") == ("héllo", True)
+    # vLLM's skip_special_tokens=False: special tokens' text too
+    ids = tok.encode("ab", add_special_tokens=False) + [257] + tok.encode("c", add_special_tokens=False)
+    for skip, want in ((True, "abc"), (False, "ab<|eos|>c")):
+        stream = _TextStream(tok, prompt, (), skip_special_tokens=skip)
+        assert "".join(stream.push((t,), final=i == len(ids) - 1)[0] for i, t in enumerate(ids)) == want
     # the last len(longest stop) - 1 chars are held back (they may begin a stop string) until the end
     stream = _TextStream(tok, prompt, ("abc",))
     assert stream.push(tuple(tok.encode("xab", add_special_tokens=False)), final=False) == ("x", False)

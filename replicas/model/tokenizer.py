@@ -112,16 +112,17 @@ class IncrementalDetokenizer:
 
     CONTEXT = 5  # prompt ids kept as decoding context
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip = skip_special_tokens  # False: special tokens' text too (vLLM's option of the name)
         self.ids = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - self.CONTEXT, 0)  # window start
         self.read_offset = len(self.ids)  # ids before this have been emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        seen = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        seen = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
         if len(text) <= len(seen) or text.endswith("\ufffd"):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
@@ -129,8 +130,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a generation: the text still held back (an incomplete character, as U+FFFD)."""
-        seen = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        text = self.tokenizer.decode(self.ids[self.prefix_offset :])
+        seen = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip)
+        text = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return text[len(seen) :]
 
