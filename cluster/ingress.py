@@ -41,12 +41,16 @@ from cluster.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
     GenerateOutput,
     GenerateRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
     Usage,
 )
 from replicas.model import load_tokenizer
@@ -367,6 +371,36 @@ class OpenAIIngress:
         fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
+    @app.post("/tokenize")
+    async def tokenize(self, request: Request) -> JSONResponse:
+        """vLLM's: a prompt's token ids (or a chat's, as /v1/chat/completions renders it)."""
+        self._authorize(request)
+        body = await self._parse(request, TokenizeRequest)
+        self._check_model(body.model)
+        if body.messages is not None:
+            long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
+            ids = await _off_loop_if(long, self._chat_prompt, body)
+        else:
+            ids = await _off_loop_if(len(body.prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode,
+                                     body.prompt, body.add_special_tokens)
+        info = await self._model_info()
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"],
+                                             tokens=ids).model_dump())
+
+    @app.post("/detokenize")
+    async def detokenize(self, request: Request) -> JSONResponse:
+        """vLLM's: token ids' text."""
+        self._authorize(request)
+        body = await self._parse(request, DetokenizeRequest)
+        self._check_model(body.model)
+        vocab = (await self._model_info())["vocab_size"]
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="tokens")
+        tokenizer = self._tokenizer_for("token texts")
+        text = await _off_loop_if(len(body.tokens) > _OFF_LOOP_SIZE, tokenizer.decode, body.tokens)
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
+
     async def _respond(self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool,
                        include_usage: bool) -> Response:
         """Start every choice's request (each waits for its first output, so errors get a status
@@ -430,7 +464,7 @@ class OpenAIIngress:
             return text
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt)
 
-    def _chat_prompt(self, body: ChatCompletionRequest) -> list[int]:
+    def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:

@@ -238,7 +238,39 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+class TokenizeRequest(_NullMeansDefault):
+    """vLLM's POST /tokenize: a prompt's token ids, or a chat's as its template renders them."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True  # (a prompt's: BOS; a chat's template holds its own)
+
+    @model_validator(mode="after")
+    def _one_of(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_NullMeansDefault):
+    """vLLM's POST /detokenize: token ids' text."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str | None = None
+    tokens: list[int]
+
+
 # -- responses -------------------------------------------------------------------------------
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class PromptTokensDetails(BaseModel):

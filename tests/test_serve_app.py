@@ -330,3 +330,29 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
         model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True)
         if c.choices]
     assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs
+
+
+def test_tokenize_and_detokenize(server, client, engine):
+    # vLLM's /tokenize and /detokenize: the ids the completions and chat endpoints use, and back
+    base, args = server
+    r = httpx.post(f"{base}/tokenize", json={"model": args["model"], "prompt": PROMPT}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["tokens"] == engine.tokenizer.encode(PROMPT) and body["count"] == len(body["tokens"])
+    assert body["max_model_len"] == engine.max_model_len
+    bare = httpx.post(f"{base}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}, timeout=60).json()
+    assert bare["tokens"] == engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Hi there"}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}, timeout=60).json()
+    used = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=1)
+    assert chat["count"] == used.usage.prompt_tokens
+    r = httpx.post(f"{base}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
+    assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
+    for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, None),
+                             ("/tokenize", {}, None),
+                             ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens"),
+                             ("/tokenize", {"model": "other", "prompt": "x"}, "model")):
+        r = httpx.post(f"{base}{path}", json=bad, timeout=60)
+        assert r.status_code in (400, 404), (path, bad, r.text)
+        assert param is None or r.json()["error"]["param"] == param
