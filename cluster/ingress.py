@@ -32,6 +32,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from cluster.config import AppConfig
 from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from cluster.protocol import (
+    MAX_PROMPTS,
     ChatChoice,
     ChatChoiceMessage,
     ChatCompletionChunk,
@@ -136,56 +137,57 @@ def _unavailable(e: Exception) -> APIError:
 
 class _CompletionFormat:
     """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
-    response. Choice i of a request with n choices is its i-th generate request's output."""
+    response. Choice c is the c-th generate request's output: prompt c // n's choice c % n."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts,
-                 echo: str | None = None):
-        self.id, self.model, self.prompt, self.token_ids, self.texts = request_id, model, prompt, token_ids, texts
-        self.echo = echo  # the prompt's text, sent before each choice's (completions' echo), or None
+    def __init__(self, request_id: str, model: str, prompts: list[list[int]], n: int, token_ids: bool,
+                 texts: TokenTexts, echo: list[str] | None = None):
+        self.id, self.model, self.prompts, self.n = request_id, model, prompts, n
+        self.token_ids, self.texts = token_ids, texts
+        self.echo = echo  # per prompt, its text, sent before each of its choices' (completions' echo), or None
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # per choice: characters of its tokens' texts sent (logprobs' text_offset)
 
-    def _with_prompt(self, outs: list[GenerateOutput]) -> tuple[list[int], list]:
-        """A choice's tokens and logprob entries (from its outputs outs), after the prompt's when
-        it is echoed with its logprobs (the first output carries them)."""
+    def _with_prompt(self, outs: list[GenerateOutput], index: int) -> tuple[list[int], list]:
+        """Choice index's tokens and logprob entries (from its outputs outs), after its prompt's
+        when that is echoed with its logprobs (the first output carries them)."""
         ids, entries = _tokens_and_logprobs(outs)
         if self.echo is not None and outs[0].prompt_logprobs is not None:
-            return self.prompt + ids, list(outs[0].prompt_logprobs) + entries
+            return self.prompts[index // self.n] + ids, list(outs[0].prompt_logprobs) + entries
         return ids, entries
 
     def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
         first = self.echo is not None and index not in self.offsets  # (the echo goes first)
         logprobs = None
         if out.logprobs is not None:
-            ids, entries = self._with_prompt([out]) if first else _tokens_and_logprobs([out])
+            ids, entries = self._with_prompt([out], index) if first else _tokens_and_logprobs([out])
             logprobs = completion_logprobs(ids, entries, self.texts, self.offsets.get(index, 0))
         self.offsets[index] = self.offsets.get(index, 0) + (sum(map(len, logprobs.tokens)) if logprobs else 0)
-        choice = CompletionChoice(index=index, text=self.echo + out.text if first else out.text,
+        choice = CompletionChoice(index=index, text=self.echo[index // self.n] + out.text if first else out.text,
                                   finish_reason=out.finish_reason, logprobs=logprobs,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage(self, lasts: list[GenerateOutput]) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                  usage=Usage.of(lasts))
+                                  usage=Usage.of(lasts, self.n))
 
     def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
-        body = [CompletionChoice(index=i, text=(self.echo or "") + "".join(o.text for o in outs),
+        body = [CompletionChoice(index=i, text=(self.echo[i // self.n] if self.echo else "") + "".join(o.text for o in outs),
                                  finish_reason=outs[-1].finish_reason,
                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                                 prompt_token_ids=self.prompt if self.token_ids else None,
+                                 prompt_token_ids=self.prompts[i // self.n] if self.token_ids else None,
                                  logprobs=None if outs[0].logprobs is None else completion_logprobs(
-                                     *self._with_prompt(outs), self.texts))
+                                     *self._with_prompt(outs, i), self.texts))
                 for i, outs in enumerate(choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
-                                  usage=Usage.of([outs[-1] for outs in choices]))
+                                  usage=Usage.of([outs[-1] for outs in choices], self.n))
 
 
 class _ChatFormat(_CompletionFormat):
     """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the role."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], token_ids: bool, texts: TokenTexts):
-        super().__init__(request_id, model, prompt, token_ids, texts)
+    def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts):
+        super().__init__(request_id, model, [prompt], n, token_ids, texts)
         self.sent_role: set[int] = set()  # choices whose role went out
 
     def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk:
@@ -201,7 +203,7 @@ class _ChatFormat(_CompletionFormat):
 
     def usage(self, lasts: list[GenerateOutput]) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=Usage.of(lasts))
+                                   usage=Usage.of(lasts, self.n))
 
     def whole(self, choices: list[list[GenerateOutput]]) -> ChatCompletionResponse:
         body = [ChatChoice(index=i, message=ChatChoiceMessage(content="".join(o.text for o in outs)),
@@ -211,8 +213,8 @@ class _ChatFormat(_CompletionFormat):
                                *_tokens_and_logprobs(outs), self.texts))
                 for i, outs in enumerate(choices)]
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
-                                      usage=Usage.of([outs[-1] for outs in choices]),
-                                      prompt_token_ids=self.prompt if self.token_ids else None)
+                                      usage=Usage.of([outs[-1] for outs in choices], self.n),
+                                      prompt_token_ids=self.prompts[0] if self.token_ids else None)
 
 
 def _tokens_and_logprobs(outs: list[GenerateOutput]) -> tuple[list[int], list]:
@@ -349,12 +351,15 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
-        prompt = await self._completion_prompt(body)
+        if len(body.prompts) * body.n > MAX_PROMPTS:
+            raise APIError(400, f"{len(body.prompts)} prompts x n={body.n} choices exceed {MAX_PROMPTS} completions "
+                           "in one request", param="prompt")
+        prompts = await self._completion_prompts(body)
         await self._check_logit_bias(body)
-        max_tokens = await self._check_length(prompt, body.max_tokens, param="max_tokens")
-        rid, reqs = self._generate_request("cmpl", prompt, body, max_tokens)
-        fmt = _CompletionFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts,
-                                self._echo_text(body, prompt) if body.echo else None)
+        limits = [await self._check_length(p, body.max_tokens, param="max_tokens") for p in prompts]
+        rid, reqs = self._generate_request("cmpl", prompts, limits, body)
+        echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
+        fmt = _CompletionFormat(rid, self.model_name, prompts, body.n, body.return_token_ids, self.token_texts, echo)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -367,8 +372,8 @@ class OpenAIIngress:
         await self._check_logit_bias(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        rid, reqs = self._generate_request("chatcmpl", prompt, body, max_tokens)
-        fmt = _ChatFormat(rid, self.model_name, prompt, body.return_token_ids, self.token_texts)
+        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body)
+        fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/tokenize")
@@ -446,22 +451,23 @@ class OpenAIIngress:
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                            param="model", code="model_not_found")
 
-    async def _completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
-            else body.prompt
-        if isinstance(prompt, str):
-            return await _off_loop_if(len(prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode, prompt)
+    async def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        """The body's prompts as token ids (texts tokenized, ids checked against the vocabulary)."""
+        sent = body.prompts
+        if isinstance(sent[0], str):
+            encode = self._tokenizer_for("text prompts").encode
+            return await _off_loop_if(sum(map(len, sent)) > _OFF_LOOP_SIZE, lambda: [encode(p) for p in sent])
         vocab = (await self._model_info())["vocab_size"]
-        bad = None if 0 <= min(prompt) and max(prompt) < vocab else next(t for t in prompt if not 0 <= t < vocab)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="prompt")
-        return prompt
+        for prompt in sent:
+            bad = None if 0 <= min(prompt) and max(prompt) < vocab else next(t for t in prompt if not 0 <= t < vocab)
+            if bad is not None:
+                raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="prompt")
+        return [list(p) for p in sent]
 
-    def _echo_text(self, body: CompletionRequest, prompt: list[int]) -> str:
-        """The prompt as echoed: as sent, or its token ids decoded ("" without a tokenizer)."""
-        text = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], str) else body.prompt
-        if isinstance(text, str):
-            return text
+    def _echo_text(self, sent: str | list[int], prompt: list[int]) -> str:
+        """A prompt as echoed: as sent, or its token ids decoded ("" without a tokenizer)."""
+        if isinstance(sent, str):
+            return sent
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt)
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
@@ -497,30 +503,36 @@ class OpenAIIngress:
                            param=param if max_tokens is not None else None, code="context_length_exceeded")
         return wanted
 
-    def _generate_request(self, kind: str, prompt: list[int], body: CompletionRequest | ChatCompletionRequest,
-                          max_tokens: int) -> tuple[str, list[GenerateRequest]]:
-        """-> (the response's id, one generate request per choice)."""
+    def _generate_request(self, kind: str, prompts: list[list[int]], limits: list[int],
+                          body: CompletionRequest | ChatCompletionRequest) -> tuple[str, list[GenerateRequest]]:
+        """-> (the response's id, one generate request per choice: prompt after prompt, each
+        with its n choices); limits: each prompt's max_tokens."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
-        if body.min_tokens > max_tokens:  # (max_tokens: the request's, or what the context leaves)
-            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {max_tokens} tokens this completion "
+        if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
+            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {min(limits)} tokens this completion "
                            "may have", param="min_tokens")
-        # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
-        # length and params.max_tokens from this request
-        hashes = chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
-                              self.model_name)
         # n choices: n requests with the same prompt and hashes (so the router sends them to the
-        # replica that holds it, whose prefix tree stores it once), ids <id>-<i>, seeds seed + i
-        # (unseeded choices get a random seed: the engine's own keys come from its seed and the
-        # request's arrival, alike on every replica, so choices on two replicas could draw alike)
+        # replica that holds it, whose prefix tree stores it once), ids <id>-<k> (k = prompt * n +
+        # choice), choice i seeded seed + i (unseeded choices get a random seed: the engine's own
+        # keys come from its seed and the request's arrival, alike on every replica, so choices on
+        # two replicas could draw alike)
         rid = f"{kind}-{uuid.uuid4().hex}"
         seed = None if body.n == 1 or body.seed is not None else secrets.randbits(64)
-        return rid, [GenerateRequest(request_id=rid if body.n == 1 else f"{rid}-{i}", prompt_token_ids=tuple(prompt),
+        one = len(prompts) == 1 and body.n == 1
+        reqs = []
+        for p, (prompt, max_tokens) in enumerate(zip(prompts, limits)):
+            # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
+            # length and params.max_tokens from this request
+            hashes = tuple(chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
+                                        self.model_name))
+            reqs += [GenerateRequest(request_id=rid if one else f"{rid}-{p * body.n + i}", prompt_token_ids=tuple(prompt),
                                      params=body.sampling_params(max_tokens, i, seed), stop=body.stop_strings,
-                                     model=self.model_name, prefix_hashes=tuple(hashes),
+                                     model=self.model_name, prefix_hashes=hashes,
                                      skip_special_tokens=body.skip_special_tokens,
                                      include_stop_str_in_output=body.include_stop_str_in_output)
                      for i in range(body.n)]
+        return rid, reqs
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _model_info(self) -> dict:

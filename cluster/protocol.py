@@ -22,6 +22,7 @@ MAX_STOP_STRINGS = 64  # each one is searched for in the text at every token (Op
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_N = 16  # choices a request may ask for
+MAX_PROMPTS = 256  # prompts one /v1/completions request may batch
 
 
 class _NullMeansDefault(BaseModel):
@@ -149,7 +150,8 @@ class CompletionRequest(_SamplingRequest):
         **_SamplingRequest.NEUTRAL, "suffix": (None, ""), "best_of": (None, 1),
     }
 
-    # text, [text], token ids, or [token ids]: one prompt per request
+    # text, [texts], token ids, or [token id lists]: a list is a batch of prompts, each with its n
+    # choices (choice index: prompt * n + choice)
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     # each token's logprob and the logprobs most likely tokens' (OpenAI allows 5, vLLM 20)
@@ -170,15 +172,21 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
+    def _prompts(cls, prompt):
         if isinstance(prompt, list):
             if len(prompt) == 0:
                 raise ValueError("prompt must not be empty")
-            if isinstance(prompt[0], (str, list)) and len(prompt) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(prompt)}")
-            if isinstance(prompt[0], list) and len(prompt[0]) == 0:
+            if isinstance(prompt[0], (str, list)) and len(prompt) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request, got {len(prompt)}")
+            if isinstance(prompt[0], list) and any(len(p) == 0 for p in prompt):
                 raise ValueError("prompt must not be empty")
         return prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts (a batch: OpenAI's list of texts or of token id lists)."""
+        p = self.prompt
+        return list(p) if isinstance(p, list) and isinstance(p[0], (str, list)) else [p]
 
 
 class ContentPart(BaseModel):
@@ -284,13 +292,14 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
     @classmethod
-    def of(cls, lasts: list[GenerateOutput]) -> Usage:
-        """From each choice's latest output: the prompt counted once (the first choice's, cached
-        tokens too), the completions' tokens summed, as OpenAI counts n choices."""
-        first, completion = lasts[0], sum(o.completion_tokens for o in lasts)
-        return cls(prompt_tokens=first.prompt_tokens, completion_tokens=completion,
-                   total_tokens=first.prompt_tokens + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=first.cached_tokens))
+    def of(cls, lasts: list[GenerateOutput], n: int = 1) -> Usage:
+        """From each choice's latest output (n choices a prompt, prompt after prompt): each prompt
+        counted once (its first choice's, cached tokens too), the completions' tokens summed, as
+        OpenAI counts n choices and batched prompts."""
+        firsts, completion = lasts[::n], sum(o.completion_tokens for o in lasts)
+        prompt = sum(o.prompt_tokens for o in firsts)
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)))
 
 
 FinishReason = Literal["stop", "length", "abort"]

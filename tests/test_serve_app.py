@@ -356,3 +356,31 @@ def test_tokenize_and_detokenize(server, client, engine):
         r = httpx.post(f"{base}{path}", json=bad, timeout=60)
         assert r.status_code in (400, 404), (path, bad, r.text)
         assert param is None or r.json()["error"]["param"] == param
+
+
+def test_openai_client_batched_prompts(server, client, engine):
+    # a list of prompts (as lm-eval-harness batches them): choice p * n + i is prompt p's i-th;
+    # usage counts each prompt once and every completion; streamed per index as in the whole
+    _, args = server
+    prompts = [PROMPT, "Hello there", "x"]
+    ids = [engine.tokenizer.encode(p) for p in prompts]
+    sampled = {"max_tokens": 6, "temperature": 0.9, "seed": 11}
+    r = client.completions.create(model=args["model"], prompt=prompts, n=2, **sampled,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == list(range(6))
+    want = [engine.generate([p], SamplingParams(max_tokens=6, temperature=0.9, seed=11 + i))[0]
+            for p in ids for i in range(2)]
+    assert [c.token_ids for c in r.choices] == want
+    assert [c.prompt_token_ids for c in r.choices] == [p for p in ids for _ in range(2)]
+    assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == sum(map(len, want))
+    texts = [""] * 6
+    for chunk in client.completions.create(model=args["model"], prompt=prompts, n=2, stream=True, **sampled):
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    by_ids = client.completions.create(model=args["model"], prompt=ids, max_tokens=4, temperature=0, echo=True)
+    for c, p, text in zip(by_ids.choices, ids, prompts):
+        assert c.text.startswith(text)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=args["model"], prompt=["a"] * 200, n=2, max_tokens=1)
+    assert "256" in str(e.value)

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from cluster.app import build_app
 from cluster.config import AppConfig
 from cluster.logprobs import TokenTexts
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput
+from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput, Usage
 from replicas.deployment import _take, _TextStream
 from replicas.engine import RequestOutput
 from replicas.model import load_tokenizer
@@ -104,8 +104,9 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": ["a"] * 257}, "prompt"),  # a batch of at most 256 prompts
+    ({"prompt": [[1], []]}, "prompt"),
+    ({"prompt": ["a", 1]}, "prompt"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "echo": "yes"}, "echo"),
     ({"prompt": "x", "best_of": 2}, "best_of"),
@@ -134,6 +135,22 @@ def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_prompt_forms_and_batches():
+    for prompt, want in (("ab", ["ab"]), (["ab"], ["ab"]), (["a", "b"], ["a", "b"]), ([5, 6], [[5, 6]]),
+                         ([[5], [6, 7]], [[5], [6, 7]])):
+        assert CompletionRequest.model_validate({"prompt": prompt}).prompts == want
+
+
+def test_usage_counts_each_prompt_once_and_every_completion():
+    def out(prompt, cached, completion):
+        return GenerateOutput("r", "", (), "length", prompt, cached, completion)
+
+    lasts = [out(10, 4, 3), out(10, 4, 5), out(7, 0, 2), out(7, 0, 1)]  # 2 prompts x n = 2
+    usage = Usage.of(lasts, 2)
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (17, 11, 4)
+    assert Usage.of(lasts[:2], 2).prompt_tokens == 10 and Usage.of(lasts[:1]).total_tokens == 13
 
 
 def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
@@ -347,7 +364,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
                for t, delay in zip(texts, (0.003, 0.001, 0.002))]
 
     async def body() -> list[str]:
-        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], False, TokenTexts(None)), True, {})
+        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], 3, False, TokenTexts(None)), True, {})
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
@@ -391,7 +408,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
             Failing.cancelled = True
 
     async def body() -> list[str]:
-        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [1, 2, 3], False, TokenTexts(None)), False, {})
+        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {})
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
