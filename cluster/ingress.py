@@ -172,7 +172,8 @@ class _CompletionFormat:
                                   usage=Usage.of(lasts, self.n))
 
     def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
-        body = [CompletionChoice(index=i, text=(self.echo[i // self.n] if self.echo else "") + "".join(o.text for o in outs),
+        echo = self.echo or [""] * len(self.prompts)
+        body = [CompletionChoice(index=i, text=echo[i // self.n] + "".join(o.text for o in outs),
                                  finish_reason=outs[-1].finish_reason,
                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
                                  prompt_token_ids=self.prompts[i // self.n] if self.token_ids else None,
@@ -510,8 +511,8 @@ class OpenAIIngress:
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
-            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {min(limits)} tokens this completion "
-                           "may have", param="min_tokens")
+            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {min(limits)} tokens this "
+                           "completion may have", param="min_tokens")
         # n choices: n requests with the same prompt and hashes (so the router sends them to the
         # replica that holds it, whose prefix tree stores it once), ids <id>-<k> (k = prompt * n +
         # choice), choice i seeded seed + i (unseeded choices get a random seed: the engine's own
@@ -526,7 +527,8 @@ class OpenAIIngress:
             # length and params.max_tokens from this request
             hashes = tuple(chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
                                         self.model_name))
-            reqs += [GenerateRequest(request_id=rid if one else f"{rid}-{p * body.n + i}", prompt_token_ids=tuple(prompt),
+            reqs += [GenerateRequest(request_id=rid if one else f"{rid}-{p * body.n + i}",
+                                     prompt_token_ids=tuple(prompt),
                                      params=body.sampling_params(max_tokens, i, seed), stop=body.stop_strings,
                                      model=self.model_name, prefix_hashes=hashes,
                                      skip_special_tokens=body.skip_special_tokens,

@@ -254,7 +254,8 @@ class Attention:
                 agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale)
             else:
                 keys = block_union.block_keys(means, s.table[:k0], bc)
-                agg = block_union.normalised(reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale), self._sub)
+                scores = reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale)
+                agg = block_union.normalised(scores, self._sub)
             self.dense_pages += agg.shape[0] * s.table.numel()
             if budget is not None:
                 block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
