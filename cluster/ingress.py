@@ -368,8 +368,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
-        prompt = await _off_loop_if(long, self._chat_prompt, body)
+        prompt = await self._chat_prompt_off_loop(body)
         await self._check_logit_bias(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
@@ -384,8 +383,7 @@ class OpenAIIngress:
         body = await self._parse(request, TokenizeRequest)
         self._check_model(body.model)
         if body.messages is not None:
-            long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
-            ids = await _off_loop_if(long, self._chat_prompt, body)
+            ids = await self._chat_prompt_off_loop(body)
         else:
             ids = await _off_loop_if(len(body.prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode,
                                      body.prompt, body.add_special_tokens)
@@ -470,6 +468,11 @@ class OpenAIIngress:
         if isinstance(sent, str):
             return sent
         return "" if self.tokenizer is None else self.tokenizer.decode(prompt)
+
+    async def _chat_prompt_off_loop(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+        """_chat_prompt, in a worker thread when the messages are long."""
+        long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
+        return await _off_loop_if(long, self._chat_prompt, body)
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")

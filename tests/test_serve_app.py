@@ -379,7 +379,7 @@ def test_openai_client_batched_prompts(server, client, engine):
             texts[c.index] += c.text
     assert texts == [c.text for c in r.choices]
     by_ids = client.completions.create(model=args["model"], prompt=ids, max_tokens=4, temperature=0, echo=True)
-    for c, p, text in zip(by_ids.choices, ids, prompts):
+    for c, text in zip(by_ids.choices, prompts, strict=True):
         assert c.text.startswith(text)
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=args["model"], prompt=["a"] * 200, n=2, max_tokens=1)
