@@ -357,6 +357,7 @@ class OpenAIIngress:
                            "in one request", param="prompt")
         prompts = await self._completion_prompts(body)
         await self._check_logit_bias(body)
+        await self._check_guide(body)
         limits = [await self._check_length(p, body.max_tokens, param="max_tokens") for p in prompts]
         rid, reqs = self._generate_request("cmpl", prompts, limits, body)
         echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
@@ -370,6 +371,7 @@ class OpenAIIngress:
         self._check_model(body.model)
         prompt = await self._chat_prompt_off_loop(body)
         await self._check_logit_bias(body)
+        await self._check_guide(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body)
@@ -495,6 +497,19 @@ class OpenAIIngress:
             bad = [t for t in body.logit_bias if int(t) >= vocab]
             if bad:
                 raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {vocab})", param="logit_bias")
+
+    async def _check_guide(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """400 when the body's structured output does not parse (a schema xgrammar cannot take, a
+        bad regex or grammar), or the model has no tokenizer to guide text with."""
+        guide = body.guide
+        if guide is None:
+            return
+        self._tokenizer_for("structured outputs")
+        size = sum(map(len, guide.spec)) if isinstance(guide.spec, tuple) else len(guide.spec)
+        try:
+            await _off_loop_if(size > _OFF_LOOP_SIZE, guide.grammar)
+        except ValueError as e:
+            raise APIError(400, str(e), param=body.guide_field) from None
 
     async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
         """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it."""

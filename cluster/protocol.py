@@ -2,18 +2,25 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (best_of, guided decoding, tools, ...) are a 400
-naming the field rather than a silently different answer.
+Known fields whose non-default values we cannot honour (best_of, tools, ...) are a 400 naming the
+field rather than a silently different answer.
+
+Structured outputs come in OpenAI's form (`response_format`: json_object, json_schema) and vLLM's
+(`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with
+json / regex / choice / grammar / json_object): at most one of them per request, as a
+replicas.guided.Guide in the sampling params.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from replicas.guided import Guide
 from replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
 # -- requests --------------------------------------------------------------------------------
@@ -46,15 +53,60 @@ class StreamOptions(_NullMeansDefault):
     include_usage: bool = False  # one last chunk with `usage` and no choices
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the schema the output follows (none: any JSON object)."""
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (free), json_object (any JSON object), json_schema."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs `json_schema`")
+        return self
+
+
+class StructuredOutputs(_NullMeansDefault):
+    """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    NEUTRAL: ClassVar[dict[str, tuple]] = {"structural_tag": (None,), "whitespace_pattern": (None,)}
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    structural_tag: Any = None
+    whitespace_pattern: Any = None
+
+    @field_validator("structural_tag", "whitespace_pattern")
+    @classmethod
+    def _unsupported(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+
 class _SamplingRequest(_NullMeansDefault):
     """Fields common to /v1/completions and /v1/chat/completions."""
     model_config = ConfigDict(strict=True, extra="ignore")
     # field -> the values that mean "feature off"; anything else is refused
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        # vLLM's extensions we do not implement: their non-default values would change the answer
-        "guided_json": (None,), "guided_regex": (None,),
-        "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+        # vLLM's extension we do not implement: its non-default values would change the answer
+        "guided_whitespace_pattern": (None,),
     }
+    # the structured-output fields, of which a request may give one
+    GUIDES: ClassVar[tuple[str, ...]] = ("response_format", "guided_json", "guided_regex", "guided_choice",
+                                         "guided_grammar", "structured_outputs")
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -78,11 +130,16 @@ class _SamplingRequest(_NullMeansDefault):
     min_tokens: int = Field(0, ge=0)  # extension (vLLM): no stop before this many tokens
     include_stop_str_in_output: bool = False  # extension (vLLM): the text ends after the stop string
     skip_special_tokens: bool = True  # extension (vLLM): False renders special tokens in the text
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
-    structured_outputs: Any = None
+    # structured outputs (see the module's docstring)
+    response_format: ResponseFormat | None = None
+    guided_json: str | dict[str, Any] | None = None  # extension (vLLM): a JSON schema
+    guided_regex: str | None = None  # extension (vLLM)
+    guided_choice: list[str] | None = None  # extension (vLLM)
+    guided_grammar: str | None = None  # extension (vLLM): EBNF, rule `root`
+    structured_outputs: StructuredOutputs | None = None  # extension (vLLM)
+    guided_whitespace_pattern: Any = None
+    _guide: Guide | None = PrivateAttr(None)  # of the structured-output field given (_one_guide)
+    _guide_field: str | None = PrivateAttr(None)  # that field's name
 
     @field_validator("stop")
     @classmethod
@@ -118,6 +175,35 @@ class _SamplingRequest(_NullMeansDefault):
             raise ValueError(f"{info.field_name}={value!r} is not supported")
         return value
 
+    @field_validator(*GUIDES)
+    @classmethod
+    def _well_formed_guide(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is not None:
+            _make_guide(info.field_name, value)  # (ValueError: the 400 names the field)
+        return value
+
+    @model_validator(mode="after")
+    def _one_guide(self) -> _SamplingRequest:
+        given = [name for name in self.GUIDES if _make_guide(name, getattr(self, name)) is not None]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(self.GUIDES)} may be given, got {', '.join(given)}")
+        if given:
+            self._guide_field, self._guide = given[0], _make_guide(given[0], getattr(self, given[0]))
+            if self.min_tokens:  # (a grammar that has ended allows only the EOS min_tokens holds off)
+                raise ValueError(f"min_tokens cannot be combined with {given[0]}")
+        return self
+
+
+    @property
+    def guide(self) -> Guide | None:
+        """SamplingParams.guided: the request's structured output, if any."""
+        return self._guide
+
+    @property
+    def guide_field(self) -> str | None:
+        """The structured-output field the request gave, if any (errors name it)."""
+        return self._guide_field
+
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
@@ -142,7 +228,37 @@ class _SamplingRequest(_NullMeansDefault):
                               ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-                              min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted)
+                              min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted, guided=self.guide)
+
+
+def _make_guide(name: str, value: Any) -> Guide | None:
+    """The Guide of structured-output field `name` given `value` (None: none asked for; ValueError:
+    malformed; whether a schema, regex or grammar parses is checked against the grammar engine
+    later: Guide.grammar)."""
+    if value is None:
+        return None
+    if name == "response_format":
+        if value.type == "text":
+            return None
+        schema = value.json_schema.json_schema if value.type == "json_schema" else None
+        return Guide("json_object") if schema is None else Guide("json", json.dumps(schema))
+    if name == "structured_outputs":
+        given = [k for k in ("json_", "regex", "choice", "grammar") if getattr(value, k) is not None]
+        if value.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object")
+        kind = given[0].rstrip("_")
+        spec = getattr(value, given[0]) if kind != "json_object" else ""
+        return _guide(kind, spec, not value.disable_any_whitespace)
+    return _guide(name.removeprefix("guided_"), value)
+
+
+def _guide(kind: str, spec: Any, any_whitespace: bool = True) -> Guide:
+    """A Guide from vLLM's forms: a JSON schema as a dict or its text, choices as a list."""
+    if kind == "json" and isinstance(spec, dict):
+        spec = json.dumps(spec)
+    return Guide(kind, tuple(spec) if kind == "choice" else spec, any_whitespace)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -216,7 +332,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
         **_SamplingRequest.NEUTRAL, "tools": (None, []),
-        "response_format": (None, {"type": "text"}), "functions": (None, []), "tool_choice": (None, "none", "auto"),
+        "functions": (None, []), "tool_choice": (None, "none", "auto"),
         "function_call": (None, "none", "auto"),
     }
 
@@ -226,7 +342,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False  # each token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the most likely tokens' (needs logprobs)
     tools: Any = None
-    response_format: Any = None
     functions: Any = None  # the deprecated form of tools
     tool_choice: Any = None
     function_call: Any = None

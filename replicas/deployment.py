@@ -80,6 +80,7 @@ class LLMReplica:
         self._streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
         self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")  # guided requests' grammars
         self._stats = self.engine.stats()  # snapshot taken between steps; read by stats/routing stats
         # the router's view of this replica's tree: hashes seeded by the served model name, as the
         # ingress hashes prompts (router/hashing.py); refreshed between steps, never during one
@@ -95,6 +96,10 @@ class LLMReplica:
         rid = request.request_id
         text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
                            request.skip_special_tokens, request.include_stop_str_in_output)
+        if request.params.guided is not None:
+            # compiled here, off the step loop (seconds for a large schema and vocabulary): the
+            # engine's add then finds it cached (a ValueError for a bad guide reaches the caller)
+            await asyncio.get_running_loop().run_in_executor(self._compiler, self._compile, request.params.guided)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
         self._post(_Add(rid, request.prompt_token_ids, request.params))
         arrival = time.perf_counter()
@@ -125,6 +130,9 @@ class LLMReplica:
             del self._streams[rid]
             if not engine_done:  # cancelled, failed, or stopped by a stop string
                 self._post(_Abort(rid))
+
+    def _compile(self, guide) -> None:
+        self.engine.guides().compile(guide)
 
     def _post(self, op: _Add | _Abort) -> None:
         self._inbox.append(op)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,6 +22,7 @@ import torch
 
 from kernels.block_union import BlockUnion
 from replicas.attention import Attention
+from replicas.guided import Guides
 from replicas.kv_pool import KVPool
 from replicas.model import load_model
 from replicas.prefix_tree import PrefixTree
@@ -161,6 +163,9 @@ class LLMEngine:
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)
+        self._guides: Guides | None = None  # grammars of guided requests, made at the first one
+        self._guides_lock = threading.Lock()
+        self._guided: set[str] = set()  # the live guided requests (async_scheduling waits for their tokens)
         self._arrivals = itertools.count()
         self._counters = dict.fromkeys(
             ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
@@ -206,12 +211,26 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
-        seq = Sequence(request_id, prompt, params, next(self._arrivals))
+        matcher = None if params.guided is None else self.guides().matcher(params.guided)
+        seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher)
+        if matcher is not None:
+            self._guided.add(request_id)
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
             self._keys[request_id] = (params.seed if params.seed is not None
                                       else unseeded_key(self.config.seed, seq.arrival))
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def guides(self) -> Guides:
+        """The engine's grammars (replicas.guided), made on first use. `guides().compile(guide)`
+        may run in another thread (the replica compiles before it adds a request)."""
+        with self._guides_lock:
+            if self._guides is None:
+                if self.tokenizer is None:
+                    raise ValueError("guided decoding needs a tokenizer and this model has none")
+                self._guides = Guides(self.tokenizer, self.model_config.vocab_size,
+                                      tuple(self.model_config.eos_token_ids))
+            return self._guides
 
     def _validate_prompt(self, ids: Seq[int]) -> list[int]:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Seq):
@@ -233,6 +252,7 @@ class LLMEngine:
         if seq is None:
             return False
         self._keys.pop(request_id, None)
+        self._guided.discard(request_id)
         self.runner.penalties.release(request_id)
         self.scheduler.finish(seq, "abort")
         return True
@@ -246,8 +266,13 @@ class LLMEngine:
 
         With async_scheduling: schedule and launch this step, then collect the step launched
         before (its tokens: what this returns) while the device runs this one."""
+        if self._inflight is not None and self._guided:
+            # a guided row's next mask needs its token: collect the step in flight, run the next
+            # ones synchronously while any guided request lives
+            outputs, self._inflight = self._collect(self._inflight), None
+            return outputs
         batch = self.scheduler.schedule()
-        if not self.async_scheduling:
+        if not self.async_scheduling or self._guided:
             if not batch:
                 return []
             sampled, logprobs = self.runner.run(batch, self._keys)
@@ -301,6 +326,8 @@ class LLMEngine:
         (dropping a placeholder past it). Runs per row per step: attribute lookups kept few."""
         p = seq.params
         reason = None
+        if seq.matcher is not None and not seq.matcher.is_terminated() and not seq.matcher.accept_token(token):
+            raise RuntimeError(f"request {seq.request_id}: token {token} is outside its grammar (the mask was not applied)")
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
@@ -310,6 +337,7 @@ class LLMEngine:
             self.scheduler.finish(seq, reason)
             del self._seqs[seq.request_id]
             self._keys.pop(seq.request_id, None)
+            self._guided.discard(seq.request_id)
             self.runner.penalties.release(seq.request_id)
             c = self._counters
             c["finished_requests"] += 1

@@ -14,6 +14,7 @@ import torch
 
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
+from replicas.guided import fill_bitmask, mask_logits
 from replicas.penalties import Penalties
 from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
@@ -186,6 +187,9 @@ class ModelRunner:
             return [], None, None
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
+        guided = [i for i, s in enumerate(samplers) if s.matcher is not None]
+        if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
+            logits = mask_logits(logits, guided, fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size))
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
         penalized = self.penalties.gather(samplers)  # (None: no row penalizes)

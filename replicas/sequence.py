@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from replicas.guided import Guide
 
 if TYPE_CHECKING:
     from replicas.prefix_tree import Node
@@ -49,6 +51,9 @@ class SamplingParams:
     # vLLM's: the same for each prompt token after the first (the logprob of token i given the
     # tokens before it); such a request computes its whole prompt (no prefix-cache hit)
     prompt_logprobs: int | None = None
+    # structured outputs (replicas.guided): the output kept inside a JSON schema, regex, choice
+    # or grammar; None: free text
+    guided: Guide | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -84,6 +89,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
+        if self.guided is not None:
+            if not isinstance(self.guided, Guide):
+                raise ValueError(f"guided must be a replicas.guided.Guide, got {type(self.guided).__name__}")
+            if self.min_tokens:  # a grammar that has ended allows nothing but the EOS min_tokens bans
+                raise ValueError("min_tokens cannot be combined with guided decoding")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 
@@ -124,6 +134,9 @@ class Sequence:
     # logprob)), None for the first and for those not computed yet
     prompt_logprobs: list | None = None
     _path: tuple = field(default=(None, ()), repr=False)  # path_ids() cache: ((len, version), ids)
+    # params.guided's grammar state (an xgrammar GrammarMatcher, set by the engine): it has taken
+    # every output token so far
+    matcher: Any = field(default=None, repr=False)
     finish_reason: str | None = None
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 from pydantic import ValidationError
@@ -13,6 +14,7 @@ from cluster.logprobs import TokenTexts
 from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput, Usage
 from replicas.deployment import _take, _TextStream
 from replicas.engine import RequestOutput
+from replicas.guided import Guide
 from replicas.model import load_tokenizer
 
 
@@ -125,8 +127,16 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    ({"prompt": "x", "guided_regex": "a+"}, "guided_regex"),  # vLLM extensions we do not implement: refused
-    ({"prompt": "x", "guided_json": {"type": "object"}}, "guided_json"),
+    ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # vLLM's, not implemented
+    ({"prompt": "x", "guided_choice": []}, "guided_choice"),  # structured outputs, malformed
+    ({"prompt": "x", "guided_choice": ["a", 1]}, "guided_choice"),
+    ({"prompt": "x", "guided_json": 5}, "guided_json"),
+    ({"prompt": "x", "guided_regex": ""}, "guided_regex"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format"),
+    ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {}}, "structured_outputs"),
+    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: a count, not a flag
@@ -415,3 +425,40 @@ def test_stream_that_fails_midway_says_so_and_ends():
     assert json.loads(events[0])["choices"][0]["text"] == "Hel"
     assert "replica died" in json.loads(events[1])["error"]["message"]
     assert events[2:] == ["[DONE]"] and Failing.cancelled
+
+
+def test_structured_outputs_reach_the_sampling_params_in_every_form():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    text = json.dumps(schema)
+    forms = [
+        ({"response_format": {"type": "json_object"}}, Guide("json_object")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+         Guide("json", text)),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, Guide("json_object")),
+        ({"response_format": {"type": "text"}}, None),
+        ({"guided_json": schema}, Guide("json", text)),
+        ({"guided_json": text}, Guide("json", text)),
+        ({"guided_regex": "a+"}, Guide("regex", "a+")),
+        ({"guided_choice": ["a", "b"]}, Guide("choice", ("a", "b"))),
+        ({"guided_grammar": 'root ::= "a"'}, Guide("grammar", 'root ::= "a"')),
+        ({"structured_outputs": {"json": schema, "disable_any_whitespace": True}}, Guide("json", text, False)),
+        ({"structured_outputs": {"json_object": True}}, Guide("json_object")),
+        ({"structured_outputs": {"choice": ["x"]}}, Guide("choice", ("x",))),
+        ({"guided_regex": None, "response_format": None}, None),
+    ]
+    for extra, want in forms:
+        body = CompletionRequest.model_validate({"prompt": "x", **extra})
+        assert body.sampling_params(8).guided == want, extra
+        chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+        assert chat.sampling_params(8).guided == want and chat.guide_field == body.guide_field
+    assert CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a"}).guide_field == "guided_regex"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one of"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "at most one of"),
+    ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens cannot be combined with guided_choice"),
+])
+def test_structured_outputs_one_at_a_time_and_not_with_min_tokens(extra, match):
+    with pytest.raises(ValidationError, match=match):
+        CompletionRequest.model_validate({"prompt": "x", **extra})

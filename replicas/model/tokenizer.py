@@ -80,6 +80,11 @@ class Tokenizer:
                                                                special_tokens=[("<|bos|>", 256)])
         return cls(backend, bos_token="<|bos|>", eos_tokens=("<|eos|>", "<|end|>"), chat_template=BYTE_CHAT_TEMPLATE)
 
+    @property
+    def backend(self) -> _Backend:
+        """The `tokenizers` tokenizer underneath (its vocabulary, for guided decoding)."""
+        return self._backend
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 

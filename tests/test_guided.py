@@ -1,0 +1,246 @@
+"""Guided decoding (structured outputs): guides and their errors, the token mask, and the engine's
+outputs inside their grammar (sync and async, beside free rows, with logprobs)."""
+
+import json
+import re
+from collections import defaultdict
+
+import pytest
+import torch
+
+from replicas.engine import LLMEngine, SamplingParams
+from replicas.guided import Guide, Guides, allowed_mask, fill_bitmask, mask_logits
+from replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
+from tests.test_penalties import _record_logits
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok", "color"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "ok": {"type": "boolean"},
+                         "color": {"enum": ["red", "green", "blue"]}}}
+REGEX = r"[a-z]{3}-\d{2}"
+CHOICES = ("red", "green", "blue")
+EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
+
+
+def _check_schema(obj) -> None:
+    """obj follows SCHEMA (what the schema says, spelled out)."""
+    assert isinstance(obj, dict) and set(obj) == {"name", "age", "ok", "color"}
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
+    assert type(obj["age"]) is int and 0 <= obj["age"] <= 99
+    assert type(obj["ok"]) is bool
+    assert obj["color"] in CHOICES
+
+
+# The random-weight model picks among the tokens a grammar allows about evenly, so some grammars
+# would run to max_tokens: a JSON object's free keys and values end on a quote (about 1 in 200), any
+# whitespace is 4 tokens of the few allowed between JSON's. A bias makes those ends likely and
+# whitespace less so; the mask alone still decides what may come.
+BIASES = {"json": {ord(c): -2.0 for c in " \n\t\r"}, "json_object": {ord('"'): 4.0, ord("}"): 4.0}}
+CASES = {  # guide -> a check of the finished text
+    "json": (Guide("json", json.dumps(SCHEMA)), lambda text: _check_schema(json.loads(text))),
+    "json_compact": (Guide("json", json.dumps(SCHEMA), any_whitespace=False),
+                     lambda text: (_check_schema(json.loads(text)),
+                                   json.dumps(json.loads(text), ensure_ascii=False) == text)),  # one form
+    "json_object": (Guide("json_object"), lambda text: isinstance(json.loads(text), dict)),
+    "regex": (Guide("regex", REGEX), lambda text: re.fullmatch(REGEX, text) is not None),
+    "choice": (Guide("choice", CHOICES), lambda text: text in CHOICES),
+    "grammar": (Guide("grammar", EBNF), lambda text: re.fullmatch(r"yes|no|maybe [0-9]", text) is not None),
+}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=8192)
+
+
+# -- guides ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, spec, match", [
+    ("xml", "", "kind must be one of"),
+    ("json", "", "must not be empty"),
+    ("regex", 5, "takes a string"),
+    ("choice", (), "non-empty list"),
+    ("choice", ("a", ""), "non-empty strings"),
+    ("choice", "ab", "non-empty list"),
+])
+def test_malformed_guides_are_refused(kind, spec, match):
+    with pytest.raises(ValueError, match=match):
+        Guide(kind, spec)
+
+
+@pytest.mark.parametrize("guide, match", [
+    (Guide("json", "{not json"), r"^guided json: Failed to parse JSON"),
+    (Guide("json", '{"type": "nonsense"}'), r"^guided json: .*nonsense"),
+    (Guide("regex", "a(b"), r"^guided regex: .*parenthesis"),
+    (Guide("grammar", "root ::= x"), r'^guided grammar: .*Rule "x" is not defined'),
+])
+def test_guides_that_do_not_parse_say_why(guide, match):
+    with pytest.raises(ValueError, match=match):
+        guide.grammar()
+
+
+def test_sampling_params_refuse_min_tokens_with_a_guide_and_a_non_guide():
+    with pytest.raises(ValueError, match="min_tokens cannot be combined"):
+        SamplingParams(max_tokens=8, min_tokens=2, guided=Guide("choice", ("a",)))
+    with pytest.raises(ValueError, match="guided must be"):
+        SamplingParams(guided={"kind": "json_object"})
+
+
+# -- the mask --------------------------------------------------------------------------------
+
+
+def test_allowed_mask_reads_bit_t_of_word_t_over_32():
+    v = 70
+    words = torch.zeros(2, 3, dtype=torch.int32)
+    words[0, 0] = 1 - 2**31  # tokens 0 and 31 (bit 31 is the sign bit)
+    words[0, 2] = 1 << 5  # token 69
+    words[1, 1] = -1  # tokens 32 .. 63 (every bit, the sign bit too)
+    got = allowed_mask(words, v)
+    assert got.shape == (2, v)
+    assert got[0].nonzero().flatten().tolist() == [0, 31, 69]
+    assert got[1].nonzero().flatten().tolist() == list(range(32, 64))
+
+
+def test_mask_logits_touches_only_the_guided_rows():
+    logits = torch.randn(3, 40)
+    words = torch.zeros(1, 2, dtype=torch.int32)
+    words[0, 1] = 0b101  # tokens 32 and 34
+    out = mask_logits(logits, [1], words)
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [32, 34]
+    assert torch.equal(out[1, [32, 34]], logits[1, [32, 34]])
+    assert torch.isinf(logits).sum() == 0  # the input is left as it was
+
+
+def test_special_tokens_and_padded_ids_are_never_allowed():
+    # the byte tokenizer's chat markers read as text to xgrammar unless we mark them; a regex of
+    # any 8 characters would otherwise take `<|user|>` as one token
+    tok = Tokenizer.byte()
+    vocab = tok.vocab_size + 40  # a model's padded rows past the tokenizer's
+    guides = Guides(tok, vocab, tok.eos_token_ids)
+    m = guides.matcher(Guide("regex", r"[\s\S]{8}"))
+    allowed = allowed_mask(fill_bitmask([m], vocab), vocab)[0]
+    assert allowed[:128].all()  # every ASCII byte (a lone UTF-8 continuation byte starts no character)
+    assert not allowed[256:].any()  # no special token (EOS neither: 8 characters must come first), no padding
+    for t in tok.encode("<|user|", add_special_tokens=False):
+        assert m.accept_token(t)
+    allowed = allowed_mask(fill_bitmask([m], vocab), vocab)[0]
+    assert allowed[ord(">")] and not allowed[256 + BYTE_SPECIALS.index("<|user|>")]
+
+
+# -- the engine ------------------------------------------------------------------------------
+
+
+def _text(engine, ids):
+    assert ids[-1] in engine.model_config.eos_token_ids  # the grammar ended and so did the request
+    return engine.tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_their_grammar(engine, name, temperature):
+    guide, check = CASES[name]
+    prompt = engine.tokenizer.encode("Answer: ")
+    for seed in range(3):
+        out, = engine.generate([prompt], SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
+                                                        guided=guide, logit_bias=BIASES.get(name, {})))
+        text = _text(engine, out)
+        assert check(text) is not False, text
+
+
+def test_the_random_model_alone_follows_no_grammar(engine):
+    # what makes the test above able to fail: without the guide these prompts give noise
+    prompt = engine.tokenizer.encode("Answer: ")
+    for seed in range(3):
+        out, = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=seed))
+        text = engine.tokenizer.decode(out)
+        assert not any(_passes(check, text) for _, check in CASES.values()), text
+
+
+def _passes(check, text) -> bool:
+    try:
+        return check(text) is not False
+    except (ValueError, AssertionError, TypeError):
+        return False
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
+    # free rows give what they give with no guided row beside them; guided rows follow their
+    # grammar; async scheduling (which waits for each token while a guided row lives) gives the
+    # sync engine's tokens, a guided request arriving mid-run included
+    def run(with_guided: bool, async_on: bool):
+        engine = LLMEngine.from_model("tiny", chunk_size=16, async_scheduling=async_on)
+        free = [SamplingParams(max_tokens=20, temperature=0.7, seed=s, ignore_eos=True) for s in range(3)]
+        prompts = [list(range(20, 60)), list(range(30, 45)), list(range(50, 90))]
+        for i, (p, sp) in enumerate(zip(prompts, free)):
+            engine.add_request(f"free{i}", p, sp)
+        outs, late = defaultdict(list), with_guided
+        if with_guided:
+            engine.add_request("json", prompts[0], SamplingParams(max_tokens=96, temperature=0.9, seed=5,
+                                                                  guided=CASES["json_compact"][0]))
+        steps = 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] += out.new_token_ids
+            steps += 1
+            if late and steps == 4:
+                engine.add_request("choice", prompts[1], SamplingParams(max_tokens=8, guided=Guide("choice", CHOICES)))
+                late = False
+        return engine, outs
+
+    engine, alone = run(False, async_scheduling)
+    engine, mixed = run(True, async_scheduling)
+    _, sync = run(True, False)
+    for i in range(3):
+        assert mixed[f"free{i}"] == alone[f"free{i}"]
+    CASES["json_compact"][1](_text(engine, mixed["json"]))
+    assert _text(engine, mixed["choice"]) in CHOICES
+    assert dict(mixed) == dict(sync)
+    assert not engine._guided  # every guided request gone with its end
+
+
+def test_logprobs_of_a_guided_row_are_over_its_allowed_tokens(engine):
+    seen = _record_logits(engine)
+    try:
+        engine.add_request("g", engine.tokenizer.encode("Pick: "),
+                           SamplingParams(max_tokens=8, temperature=0, logprobs=5, guided=Guide("choice", CHOICES)))
+        outs = []
+        while engine.has_unfinished():
+            outs += engine.step()
+    finally:
+        del engine.runner._forward, engine.model.compute_logits  # the instance's own, back to the class's
+    first = outs[0]
+    (drawn, top), = first.logprobs
+    allowed = {ord(c[0]) for c in CHOICES}  # r, g, b: the choices' first bytes
+    raw = torch.log_softmax(seen["g"][0].float(), -1)
+    ids = list(allowed)
+    want = raw[ids] - torch.logsumexp(raw[ids], 0)  # renormalised over the allowed tokens
+    assert drawn == pytest.approx(want[ids.index(first.new_token_ids[0])].item(), abs=1e-5)
+    assert {t for t, v in top if v > float("-inf")} == allowed
+    assert all(v == float("-inf") for t, v in top if t not in allowed)
+
+
+def test_the_engine_refuses_a_bad_guide_and_keeps_nothing(engine):
+    before = engine.stats()
+    with pytest.raises(ValueError, match="guided regex"):
+        engine.add_request("bad", [1, 2, 3], SamplingParams(guided=Guide("regex", "(")))
+    assert not engine.has_unfinished() and engine.stats() == before and not engine._guided
+
+
+def test_abort_drops_the_guided_request(engine):
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, guided=Guide("json_object")))
+    engine.step()
+    assert engine._guided == {"a"}
+    assert engine.abort("a")
+    assert not engine._guided and not engine.has_unfinished()
+
+
+def test_a_model_without_a_tokenizer_cannot_guide(engine, monkeypatch):
+    fresh = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=1024)
+    fresh.tokenizer = None
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        fresh.add_request("x", [1, 2], SamplingParams(guided=Guide("json_object")))
+    assert not fresh.has_unfinished()
