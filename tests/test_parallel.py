@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from replicas.engine import EngineConfig, LLMEngine
+from replicas.guided import Guide
 from replicas.parallel import TPEngine, TPWorker, free_port, init_group
 from replicas.sequence import SamplingParams
 from replicas.warmup import warmup
@@ -30,6 +31,9 @@ SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, igno
 # penalties: every rank keeps the row's token counts from the tokens rank 0 broadcast
 PENALIZED = dataclasses.replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
                                 logit_bias={5: 1.5})
+# guided: every rank keeps the row's grammar state from the tokens rank 0 broadcast (and async
+# scheduling waits for each token while it lives)
+GUIDED = SamplingParams(max_tokens=40, temperature=0.9, seed=2, guided=Guide("regex", r"[a-z]{3}-\d{2}"))
 JOIN_S = 120
 
 
@@ -75,7 +79,7 @@ def _rank0(port: int, scenario: str, out_path: str) -> None:
 
 # Scenarios: run on rank 0's TPEngine, and on a one-rank LLMEngine for what they should give.
 def _generate(engine) -> dict:
-    params = [GREEDY] * (len(PROMPTS) - 3) + [PENALIZED, GREEDY, SAMPLED]
+    params = [GREEDY] * (len(PROMPTS) - 3) + [PENALIZED, GUIDED, SAMPLED]
     return {"tokens": engine.generate(PROMPTS, params), "stats": engine.stats()}
 
 

@@ -8,6 +8,7 @@ test controls its size; `serve run` connects to it with --address.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -22,6 +23,7 @@ import yaml
 
 from cluster.local import LocalCluster
 from replicas.engine import LLMEngine, SamplingParams
+from replicas.guided import Guide
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local.yaml"
@@ -384,3 +386,50 @@ def test_openai_client_batched_prompts(server, client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=args["model"], prompt=["a"] * 200, n=2, max_tokens=1)
     assert "256" in str(e.value)
+
+
+def test_openai_client_structured_outputs(server, client, engine):
+    # OpenAI's response_format and vLLM's guided_* through the openai client: the replica's tokens
+    # are the engine's under the same guide, the text follows it, streams equal the whole; a
+    # schema, regex or grammar that does not parse, or two guides at once, is a 400 naming it
+    _, args = server
+    model = args["model"]
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "boolean"}},
+              "required": ["color", "n"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    messages = [{"role": "user", "content": "Pick a color"}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
+                                          response_format=fmt, extra_body={"return_token_ids": True})
+    obj = json.loads(chat.choices[0].message.content)
+    assert obj["color"] in ("red", "green", "blue") and type(obj["n"]) is bool and set(obj) == {"color", "n"}
+    assert chat.choices[0].finish_reason == "stop"
+    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    want = engine.generate([prompt_ids], SamplingParams(max_tokens=200, temperature=0,
+                                                        guided=Guide("json", json.dumps(schema))))[0]
+    assert chat.choices[0].token_ids == want
+    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
+                                              response_format=fmt, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+
+    for extra, check in (({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+                         ({"guided_regex": r"\d{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
+                         ({"structured_outputs": {"grammar": 'root ::= "a" [0-9] | "b"'}},
+                          lambda t: re.fullmatch(r"a[0-9]|b", t))):
+        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0.9, seed=3, n=2,
+                                      extra_body=extra)
+        assert all(check(c.text) and c.finish_reason == "stop" for c in r.choices), (extra, r.choices)
+
+    for extra, param in (({"guided_json": {"type": "nonsense"}}, "guided_json"),
+                         ({"guided_regex": "a(b"}, "guided_regex"),
+                         ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+                         ({"guided_choice": ["a"], "guided_regex": "b"}, None)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra)
+        assert e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                       response_format={"type": "json_schema", "json_schema": {
+                                           "name": "x", "schema": {"type": "object", "minProperties": "two"}}})
+    assert e.value.body["param"] == "response_format"
+    # the replica still serves
+    assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].finish_reason == "length"
