@@ -163,13 +163,25 @@ def _tokenizer_info(xgr, tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[
                              stop_token_ids=list(stop_ids), add_prefix_space=detected.add_prefix_space)
 
 
-def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int) -> torch.Tensor:
+def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int,
+                 stop_token_ids: tuple[int, ...]) -> torch.Tensor:
     """[len(matchers), W] int32 on the host: bit t % 32 of word t // 32 set where token t may come
-    next in that matcher's grammar."""
+    next in that matcher's grammar; after its end (a request that ignores EOS goes on) the stop
+    tokens only."""
     mask = _xgrammar().allocate_token_bitmask(len(matchers), vocab_size)
     for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(mask, i)
+        if m.is_terminated():
+            mask[i] = 0
+            for t in stop_token_ids:
+                mask[i, t // 32] |= _bit(t % 32)
+        else:
+            m.fill_next_token_bitmask(mask, i)
     return mask
+
+
+def _bit(b: int) -> int:
+    """Bit b of an int32 word, as the int32 value it gives (bit 31 is the sign)."""
+    return 1 << b if b < 31 else -(1 << 31)
 
 
 def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:

@@ -121,12 +121,12 @@ def test_special_tokens_and_padded_ids_are_never_allowed():
     vocab = tok.vocab_size + 40  # a model's padded rows past the tokenizer's
     guides = Guides(tok, vocab, tok.eos_token_ids)
     m = guides.matcher(Guide("regex", r"[\s\S]{8}"))
-    allowed = allowed_mask(fill_bitmask([m], vocab), vocab)[0]
+    allowed = allowed_mask(fill_bitmask([m], vocab, tok.eos_token_ids), vocab)[0]
     assert allowed[:128].all()  # every ASCII byte (a lone UTF-8 continuation byte starts no character)
     assert not allowed[256:].any()  # no special token (EOS neither: 8 characters must come first), no padding
     for t in tok.encode("<|user|", add_special_tokens=False):
         assert m.accept_token(t)
-    allowed = allowed_mask(fill_bitmask([m], vocab), vocab)[0]
+    allowed = allowed_mask(fill_bitmask([m], vocab, tok.eos_token_ids), vocab)[0]
     assert allowed[ord(">")] and not allowed[256 + BYTE_SPECIALS.index("<|user|>")]
 
 
@@ -244,3 +244,50 @@ def test_a_model_without_a_tokenizer_cannot_guide(engine, monkeypatch):
     with pytest.raises(ValueError, match="needs a tokenizer"):
         fresh.add_request("x", [1, 2], SamplingParams(guided=Guide("json_object")))
     assert not fresh.has_unfinished()
+
+
+def test_a_row_that_ignores_eos_draws_only_eos_after_its_grammar_ends(engine):
+    out, = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True,
+                                                       guided=Guide("choice", ("ab",))))
+    eos = engine.model_config.eos_token_ids[0]
+    assert out == engine.tokenizer.encode("ab", add_special_tokens=False) + [eos] * 10
+
+
+def test_bit_31_is_the_sign_bit():
+    from replicas.guided import _bit
+    words = torch.tensor([[_bit(31) | _bit(0)]], dtype=torch.int32)
+    assert allowed_mask(words, 32)[0].nonzero().flatten().tolist() == [0, 31]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_guides_as_the_cpu_engine_does():
+    # tiny fp32 on CUDA (async scheduling and CUDA-graphed decode, its defaults there): guided rows
+    # beside free rows give the CPU engine's tokens, the grammars hold, and a guided request that
+    # arrives mid-run is taken
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def run(device):
+        engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, kv_cache_tokens=8192)
+        prompts = [list(range(20, 60)), list(range(30, 45)), list(range(50, 90)), list(range(25, 70))]
+        names = ["json_compact", "regex", "choice"]
+        for i, name in enumerate(names):
+            engine.add_request(name, prompts[i], SamplingParams(max_tokens=120, temperature=0, guided=CASES[name][0]))
+        for i in range(4):
+            engine.add_request(f"free{i}", prompts[i], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+        outs, steps = defaultdict(list), 0
+        while engine.has_unfinished():
+            for out in engine.step():
+                outs[out.request_id] += out.new_token_ids
+            steps += 1
+            if steps == 10:
+                engine.add_request("grammar", prompts[3], SamplingParams(max_tokens=20, temperature=0,
+                                                                         guided=CASES["grammar"][0]))
+        return engine, dict(outs)
+
+    engine, got = run("cuda")
+    assert engine.async_scheduling and engine.runner.graphs is not None and engine.runner.graphs.replays > 0
+    _, want = run("cpu")
+    assert got == want
+    for name in ("json_compact", "regex", "choice", "grammar"):
+        assert CASES[name][1](_text(engine, got[name])) is not False
