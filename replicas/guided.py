@@ -19,6 +19,7 @@ part of the output, so a grammar must not count it (xgrammar would read a byte-l
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -163,20 +164,27 @@ def _tokenizer_info(xgr, tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[
                              stop_token_ids=list(stop_ids), add_prefix_space=detected.add_prefix_space)
 
 
-def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int,
-                 stop_token_ids: tuple[int, ...]) -> torch.Tensor:
-    """[len(matchers), W] int32 on the host: bit t % 32 of word t // 32 set where token t may come
-    next in that matcher's grammar; after its end (a request that ignores EOS goes on) the stop
-    tokens only."""
-    mask = _xgrammar().allocate_token_bitmask(len(matchers), vocab_size)
-    for i, m in enumerate(matchers):
-        if m.is_terminated():
-            mask[i] = 0
-            for t in stop_token_ids:
-                mask[i, t // 32] |= _bit(t % 32)
-        else:
-            m.fill_next_token_bitmask(mask, i)
+def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_token_ids: tuple[int, ...],
+                 pinned: bool = False) -> torch.Tensor:
+    """[len(matchers), W] int32 on the host (pinned: page-locked, for an asynchronous copy): bit
+    t % 32 of word t // 32 set where token t may come next in that matcher's grammar; after its
+    end (a request that ignores EOS goes on) the stop tokens only. The matchers are filled on
+    xgrammar's threads (a JSON string's mask over a 128k vocabulary takes tens of microseconds a
+    row; 256 rows took 9 ms of an H200 host's step in one thread)."""
+    mask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
+    live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
+    if live:
+        _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in live], mask, indices=live)
+    for i in sorted(set(range(len(matchers))) - set(live)):
+        mask[i] = 0
+        for t in stop_token_ids:
+            mask[i, t // 32] |= _bit(t % 32)
     return mask
+
+
+@functools.lru_cache(maxsize=None)
+def _batch_matcher():
+    return _xgrammar().BatchGrammarMatcher()
 
 
 def _bit(b: int) -> int:
@@ -198,7 +206,7 @@ def mask_logits(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) ->
 
     dev = logits.device
     if dev.type == "cuda":  # through pinned memory: a pageable copy would wait for the queued steps
-        bitmask = bitmask.pin_memory().to(dev, non_blocking=True)
+        bitmask = (bitmask if bitmask.is_pinned() else bitmask.pin_memory()).to(dev, non_blocking=True)
     allowed = allowed_mask(bitmask, logits.shape[1])
     if len(rows) == logits.shape[0] and rows == list(range(len(rows))):
         return logits.masked_fill(~allowed, float("-inf"))

@@ -189,7 +189,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
         guided = [i for i, s in enumerate(samplers) if s.matcher is not None]
         if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
-            words = fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids)
+            words = fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids,
+                                 pinned=logits.is_cuda)
             logits = mask_logits(logits, guided, words)
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch

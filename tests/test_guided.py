@@ -291,3 +291,19 @@ def test_cuda_engine_guides_as_the_cpu_engine_does():
     assert got == want
     for name in ("json_compact", "regex", "choice", "grammar"):
         assert CASES[name][1](_text(engine, got[name])) is not False
+
+
+def test_the_batched_fill_equals_each_matchers_own_and_ended_rows_allow_the_stop_tokens():
+    tok = Tokenizer.byte()
+    vocab = tok.vocab_size + 40
+    guides = Guides(tok, vocab, tok.eos_token_ids)
+    ms = [guides.matcher(CASES[name][0]) for name in ("json", "regex", "choice", "grammar")]
+    for t in tok.encode("red", add_special_tokens=False) + [tok.eos_token_ids[0]]:
+        assert ms[2].accept_token(t)  # the choice ended
+    assert ms[1].accept_token(ord("q"))
+    got = fill_bitmask(ms, vocab, tok.eos_token_ids)
+    for i in (0, 1, 3):
+        own = torch.zeros(1, got.shape[1], dtype=torch.int32)
+        ms[i].fill_next_token_bitmask(own, 0)
+        assert torch.equal(got[i], own[0])
+    assert allowed_mask(got[2:3], vocab)[0].nonzero().flatten().tolist() == list(tok.eos_token_ids)
