@@ -211,9 +211,12 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
-        matcher = None if params.guided is None else self.guides().matcher(params.guided)
+        # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
+        # the others keep the request's id, to step synchronously as rank 0 does)
+        guided = params.guided is not None
+        matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
         seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher)
-        if matcher is not None:
+        if guided:
             self._guided.add(request_id)
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
             self._keys[request_id] = (params.seed if params.seed is not None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 import threading
 from dataclasses import dataclass
@@ -186,7 +187,8 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
 
 @functools.lru_cache(maxsize=None)
 def _batch_matcher():
-    return _xgrammar().BatchGrammarMatcher()
+    # a few threads: several engines (tensor-parallel ranks, replicas) may share a node's cores
+    return _xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
 
 
 def _bit(b: int) -> int:
