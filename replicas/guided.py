@@ -24,6 +24,7 @@ import json
 import os
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,8 +116,11 @@ def _xgrammar():
 
 
 class Guides:
-    """One engine's grammars: the vocabulary's token info, compiled grammars (cached by guide),
-    a matcher (grammar state) per guided request, and the step's bitmask."""
+    """One engine's grammars: the vocabulary's token info, and the grammars compiled for it (the
+    last MAX_COMPILED of them kept, so distinct schemas do not grow the replica's memory without
+    bound); matcher() makes a request's grammar state (Sequence.matcher)."""
+
+    MAX_COMPILED = 256
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         xgr = _xgrammar()
@@ -126,7 +130,7 @@ class Guides:
             raise ValueError("guided decoding needs an end-of-text token in the vocabulary")
         self._info = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_token_ids)
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=8, cache_enabled=False)
-        self._compiled: dict[Guide, xgrammar.CompiledGrammar] = {}
+        self._compiled: OrderedDict[Guide, xgrammar.CompiledGrammar] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # compile() runs in the replica's threads, matcher() in the step's
 
     def compile(self, guide: Guide) -> xgrammar.CompiledGrammar:
@@ -134,17 +138,20 @@ class Guides:
         that does not parse."""
         with self._lock:
             hit = self._compiled.get(guide)
-        if hit is not None:
-            return hit
-        grammar = guide.grammar()
-        compiled = self._compiler.compile_grammar(grammar)
+            if hit is not None:
+                self._compiled.move_to_end(guide)
+                return hit
+        compiled = self._compiler.compile_grammar(guide.grammar())  # (outside the lock: it may take seconds)
         with self._lock:
-            return self._compiled.setdefault(guide, compiled)
+            compiled = self._compiled.setdefault(guide, compiled)
+            self._compiled.move_to_end(guide)
+            while len(self._compiled) > self.MAX_COMPILED:
+                self._compiled.popitem(last=False)
+            return compiled
 
     def matcher(self, guide: Guide) -> xgrammar.GrammarMatcher:
         """A fresh grammar state for one request."""
         return _xgrammar().GrammarMatcher(self.compile(guide))
-
 
 
 def _tokenizer_info(xgr, tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[int, ...]):

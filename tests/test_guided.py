@@ -307,3 +307,15 @@ def test_the_batched_fill_equals_each_matchers_own_and_ended_rows_allow_the_stop
         ms[i].fill_next_token_bitmask(own, 0)
         assert torch.equal(got[i], own[0])
     assert allowed_mask(got[2:3], vocab)[0].nonzero().flatten().tolist() == list(tok.eos_token_ids)
+
+
+def test_compiled_grammars_are_cached_and_bounded(monkeypatch):
+    tok = Tokenizer.byte()
+    guides = Guides(tok, tok.vocab_size, tok.eos_token_ids)
+    monkeypatch.setattr(Guides, "MAX_COMPILED", 3)
+    first = guides.compile(Guide("regex", "a0"))
+    assert guides.compile(Guide("regex", "a0")) is first  # cached
+    for i in range(1, 5):
+        guides.compile(Guide("regex", f"a{i}"))
+        guides.compile(Guide("regex", "a0"))  # used again: kept
+    assert list(guides._compiled) == [Guide("regex", "a3"), Guide("regex", "a4"), Guide("regex", "a0")]  # LRU order
