@@ -78,7 +78,6 @@ class ResponseFormat(BaseModel):
 class StructuredOutputs(_NullMeansDefault):
     """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object."""
     model_config = ConfigDict(strict=True, extra="ignore")
-    NEUTRAL: ClassVar[dict[str, tuple]] = {"structural_tag": (None,), "whitespace_pattern": (None,)}
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None
@@ -192,7 +191,6 @@ class _SamplingRequest(_NullMeansDefault):
             if self.min_tokens:  # (a grammar that has ended allows only the EOS min_tokens holds off)
                 raise ValueError(f"min_tokens cannot be combined with {given[0]}")
         return self
-
 
     @property
     def guide(self) -> Guide | None:
