@@ -238,7 +238,7 @@ def test_abort_drops_the_guided_request(engine):
     assert not engine._guided and not engine.has_unfinished()
 
 
-def test_a_model_without_a_tokenizer_cannot_guide(engine, monkeypatch):
+def test_a_model_without_a_tokenizer_cannot_guide():
     fresh = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=1024)
     fresh.tokenizer = None
     with pytest.raises(ValueError, match="needs a tokenizer"):
