@@ -69,6 +69,8 @@ class Guide:
             raise ValueError(f"guided {self.kind} exceeds {MAX_SPEC_CHARS} characters")
         elif self.kind in ("json", "regex", "grammar") and not self.spec:
             raise ValueError(f"guided {self.kind} must not be empty")
+        if self.kind not in ("json", "json_object"):  # (JSON's alone: one compiled grammar per spec)
+            object.__setattr__(self, "any_whitespace", True)
 
     def grammar(self) -> xgrammar.Grammar:
         """The guide as an xgrammar Grammar (no vocabulary yet); ValueError saying what is wrong

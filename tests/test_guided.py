@@ -23,13 +23,12 @@ CHOICES = ("red", "green", "blue")
 EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
 
 
-def _check_schema(obj) -> None:
+def _follows_schema(obj) -> bool:
     """obj follows SCHEMA (what the schema says, spelled out)."""
-    assert isinstance(obj, dict) and set(obj) == {"name", "age", "ok", "color"}
-    assert isinstance(obj["name"], str) and len(obj["name"]) <= 6
-    assert type(obj["age"]) is int and 0 <= obj["age"] <= 99
-    assert type(obj["ok"]) is bool
-    assert obj["color"] in CHOICES
+    return (isinstance(obj, dict) and set(obj) == {"name", "age", "ok", "color"}
+            and isinstance(obj["name"], str) and len(obj["name"]) <= 6
+            and type(obj["age"]) is int and 0 <= obj["age"] <= 99
+            and type(obj["ok"]) is bool and obj["color"] in CHOICES)
 
 
 # The random-weight model picks among the tokens a grammar allows about evenly, so some grammars
@@ -37,11 +36,11 @@ def _check_schema(obj) -> None:
 # whitespace is 4 tokens of the few allowed between JSON's. A bias makes those ends likely and
 # whitespace less so; the mask alone still decides what may come.
 BIASES = {"json": {ord(c): -2.0 for c in " \n\t\r"}, "json_object": {ord('"'): 4.0, ord("}"): 4.0}}
-CASES = {  # guide -> a check of the finished text
-    "json": (Guide("json", json.dumps(SCHEMA)), lambda text: _check_schema(json.loads(text))),
+CASES = {  # guide -> whether a finished text follows it (True; False or a parse error: it does not)
+    "json": (Guide("json", json.dumps(SCHEMA)), lambda text: _follows_schema(json.loads(text))),
     "json_compact": (Guide("json", json.dumps(SCHEMA), any_whitespace=False),
-                     lambda text: (_check_schema(json.loads(text)),
-                                   json.dumps(json.loads(text), ensure_ascii=False) == text)),  # one form
+                     lambda text: (_follows_schema(json.loads(text))  # and in its one compact form
+                                   and json.dumps(json.loads(text), ensure_ascii=False) == text)),
     "json_object": (Guide("json_object"), lambda text: isinstance(json.loads(text), dict)),
     "regex": (Guide("regex", REGEX), lambda text: re.fullmatch(REGEX, text) is not None),
     "choice": (Guide("choice", CHOICES), lambda text: text in CHOICES),
@@ -79,6 +78,11 @@ def test_malformed_guides_are_refused(kind, spec, match):
 def test_guides_that_do_not_parse_say_why(guide, match):
     with pytest.raises(ValueError, match=match):
         guide.grammar()
+
+
+def test_whitespace_is_a_json_option_only():
+    assert Guide("regex", "a+", any_whitespace=False) == Guide("regex", "a+")  # one cache entry
+    assert Guide("json_object", any_whitespace=False) != Guide("json_object")
 
 
 def test_sampling_params_refuse_min_tokens_with_a_guide_and_a_non_guide():
@@ -147,7 +151,7 @@ def test_outputs_follow_their_grammar(engine, name, temperature):
         out, = engine.generate([prompt], SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
                                                         guided=guide, logit_bias=BIASES.get(name, {})))
         text = _text(engine, out)
-        assert check(text) is not False, text
+        assert check(text), text
 
 
 def test_the_random_model_alone_follows_no_grammar(engine):
@@ -161,7 +165,7 @@ def test_the_random_model_alone_follows_no_grammar(engine):
 
 def _passes(check, text) -> bool:
     try:
-        return check(text) is not False
+        return check(text)
     except (ValueError, AssertionError, TypeError):
         return False
 
@@ -196,7 +200,7 @@ def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
     _, sync = run(True, False)
     for i in range(3):
         assert mixed[f"free{i}"] == alone[f"free{i}"]
-    CASES["json_compact"][1](_text(engine, mixed["json"]))
+    assert CASES["json_compact"][1](_text(engine, mixed["json"]))
     assert _text(engine, mixed["choice"]) in CHOICES
     assert dict(mixed) == dict(sync)
     assert not engine._guided  # every guided request gone with its end
@@ -290,7 +294,7 @@ def test_cuda_engine_guides_as_the_cpu_engine_does():
     _, want = run("cpu")
     assert got == want
     for name in ("json_compact", "regex", "choice", "grammar"):
-        assert CASES[name][1](_text(engine, got[name])) is not False
+        assert CASES[name][1](_text(engine, got[name]))
 
 
 def test_the_batched_fill_equals_each_matchers_own_and_ended_rows_allow_the_stop_tokens():
