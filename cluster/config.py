@@ -93,6 +93,11 @@ class AppConfig(_Strict):
     router: RouterOptions = RouterOptions()
     ingress: IngressOptions = IngressOptions()
 
+    # how tool calls are found in a model's text under tool_choice `auto` (cluster/tools.py; vLLM's
+    # --tool-call-parser): `hermes` (<tool_call> blocks: Hermes, Qwen, the tiny preset's template),
+    # `llama3_json` (Llama 3.1+). None: `auto` is a 400 (`required` and named functions still work)
+    tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
     api_key_env: str | None = None  # or: the name of an environment variable holding the key
     max_request_bytes: PositiveInt = 10 * 2**20  # larger bodies get 413

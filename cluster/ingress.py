@@ -18,6 +18,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -53,7 +54,9 @@ from cluster.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     Usage,
+    template_tools,
 )
+from cluster.tools import ToolOutput
 from replicas.model import load_tokenizer
 from router.hashing import chunk_hashes
 
@@ -185,18 +188,31 @@ class _CompletionFormat:
 
 
 class _ChatFormat(_CompletionFormat):
-    """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the role."""
+    """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the
+    role. Under a tool choice (cluster/tools.py) each choice's text goes through a ToolOutput."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts):
+    def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts,
+                 tool_choice: Any = "none", tool_call_parser: str | None = None):
         super().__init__(request_id, model, [prompt], n, token_ids, texts)
         self.sent_role: set[int] = set()  # choices whose role went out
+        self.tool_choice, self.tool_call_parser = tool_choice, tool_call_parser
+        self.tool_outputs: dict[int, ToolOutput | None] = {}  # per choice, streamed
 
-    def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk:
-        delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+    def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk | None:
+        if index not in self.tool_outputs:
+            self.tool_outputs[index] = ToolOutput.of(self.tool_choice, self.tool_call_parser)
+        tools = self.tool_outputs[index]
+        if tools is None:
+            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
+            finish = out.finish_reason
+        else:
+            delta, finish = tools.step(out.text, out.finish_reason)
         if index not in self.sent_role:
-            delta = {"role": "assistant", **delta}
+            delta = {"role": "assistant", **({} if "tool_calls" in delta else {"content": ""}), **delta}
             self.sent_role.add(index)
-        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=out.finish_reason,
+        elif not delta and finish is None and not self.token_ids and out.logprobs is None:
+            return None  # text held back (it may begin a tool call): nothing to send yet
+        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
                                   token_ids=list(out.token_ids) if self.token_ids else None,
                                   logprobs=None if out.logprobs is None else chat_logprobs(
                                       out.token_ids, out.logprobs, self.texts))
@@ -207,12 +223,16 @@ class _ChatFormat(_CompletionFormat):
                                    usage=Usage.of(lasts, self.n))
 
     def whole(self, choices: list[list[GenerateOutput]]) -> ChatCompletionResponse:
-        body = [ChatChoice(index=i, message=ChatChoiceMessage(content="".join(o.text for o in outs)),
-                           finish_reason=outs[-1].finish_reason,
-                           token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                           logprobs=None if outs[0].logprobs is None else chat_logprobs(
-                               *_tokens_and_logprobs(outs), self.texts))
-                for i, outs in enumerate(choices)]
+        body = []
+        for i, outs in enumerate(choices):
+            text, finish = "".join(o.text for o in outs), outs[-1].finish_reason
+            tools = ToolOutput.of(self.tool_choice, self.tool_call_parser)
+            content, calls, finish = (text, [], finish) if tools is None else tools.whole(text, finish)
+            body.append(ChatChoice(index=i, message=ChatChoiceMessage(content=content, tool_calls=calls or None),
+                                   finish_reason=finish,
+                                   token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                                   logprobs=None if outs[0].logprobs is None else chat_logprobs(
+                                       *_tokens_and_logprobs(outs), self.texts)))
         return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
                                       usage=Usage.of([outs[-1] for outs in choices], self.n),
                                       prompt_token_ids=self.prompts[0] if self.token_ids else None)
@@ -300,7 +320,9 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
                     raise out
                 lasts[i] = out
                 if out.text or out.finish_reason is not None or fmt.token_ids or out.logprobs is not None:
-                    yield f"data: {fmt.chunk(out, i).model_dump_json(exclude=exclude)}\n\n"
+                    chunk = fmt.chunk(out, i)
+                    if chunk is not None:
+                        yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
             done = True
         except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
             logger.exception("stream failed")
@@ -369,13 +391,17 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
+        if body.effective_tool_choice == "auto" and body.tools and self.config.tool_call_parser is None:
+            raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server\'s tool_call_parser '
+                           'set; send tool_choice "required", a named function or "none"', param="tool_choice")
         prompt = await self._chat_prompt_off_loop(body)
         await self._check_logit_bias(body)
         await self._check_guide(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body)
-        fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts)
+        fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts,
+                          body.effective_tool_choice, self.config.tool_call_parser)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/tokenize")
@@ -478,9 +504,9 @@ class OpenAIIngress:
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            messages = [m.for_template() for m in body.messages]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools(body.tools))
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
         return tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS

@@ -20,6 +20,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from cluster.tools import tool_guide
 from replicas.guided import Guide
 from replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 
@@ -30,6 +31,7 @@ MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_N = 16  # choices a request may ask for
 MAX_PROMPTS = 256  # prompts one /v1/completions request may batch
+MAX_TOOLS = 128  # functions one chat request may offer (OpenAI's limit)
 
 
 class _NullMeansDefault(BaseModel):
@@ -229,6 +231,10 @@ class _SamplingRequest(_NullMeansDefault):
                               min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted, guided=self.guide)
 
 
+def _choice_text(choice: Any) -> str:
+    return f"{{function: {choice.function.name}}}" if isinstance(choice, NamedToolChoice) else str(choice)
+
+
 def _make_guide(name: str, value: Any) -> Guide | None:
     """The Guide of structured-output field `name` given `value` (None: none asked for; ValueError:
     malformed; whether a schema, regex or grammar parses is checked against the grammar engine
@@ -316,22 +322,88 @@ class ContentPart(BaseModel):
         return kind
 
 
+class FunctionCallIn(BaseModel):
+    """A function call an earlier assistant turn made: `arguments` is JSON text, as OpenAI sends it."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+    arguments: str
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     role: str  # the chat template decides which roles it knows
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text or "" for p in self.content)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates take it (as vLLM and transformers pass it): role and
+        content text, and the tool fields given, a call's arguments parsed to an object (the form
+        the templates of tool-calling models render with `tojson`)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type,
+                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        out |= {k: getattr(self, k) for k in ("tool_call_id", "name") if getattr(self, k) is not None}
+        return out
+
+
+def template_tools(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """Tools as chat templates take them (transformers' `tools`: OpenAI's tool objects)."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"a tool call's arguments must be JSON text, got {text[:80]!r}") from None
+
+
+class FunctionDefinition(BaseModel):
+    """A tool the model may call: `parameters` is a JSON schema of its arguments (none: any object)."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the one function the model must call."""
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
+
 
 class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "tools": (None, []),
-        "functions": (None, []), "tool_choice": (None, "none", "auto"),
-        "function_call": (None, "none", "auto"),
+        **_SamplingRequest.NEUTRAL, "functions": (None, []), "function_call": (None, "none", "auto"),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -339,9 +411,13 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context
     logprobs: bool = False  # each token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the most likely tokens' (needs logprobs)
-    tools: Any = None
+    # tool calling (cluster/tools.py): the functions the model may call, and whether it must
+    # (`required`: one or more of them, or the one named) or may (`auto`, the default with tools:
+    # the server's tool_call_parser finds calls in its text)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True  # `required`: more than one call allowed
     functions: Any = None  # the deprecated form of tools
-    tool_choice: Any = None
     function_call: Any = None
 
     @model_validator(mode="after")
@@ -349,6 +425,36 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:  # as OpenAI and vLLM
             raise ValueError("top_logprobs needs logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tool_choice_with_its_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools must have distinct function names")
+        choice = self.tool_choice
+        if self.forced_tool_calls and not names:
+            raise ValueError(f"tool_choice={_choice_text(choice)} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        if self.forced_tool_calls:
+            if self.guide is not None:
+                raise ValueError(f"tool_choice={_choice_text(choice)} cannot be combined with {self.guide_field}")
+            if self.min_tokens:
+                raise ValueError(f"min_tokens cannot be combined with tool_choice={_choice_text(choice)}")
+            self._guide, self._guide_field = tool_guide(self.tools, choice, self.parallel_tool_calls), "tools"
+        return self
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """tool_choice, its default filled in: `auto` when tools are given, else `none` (OpenAI's)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def forced_tool_calls(self) -> bool:
+        """The output must be tool calls (`required` or a named function): a guide makes it one."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def top_logprobs_wanted(self) -> int | None:
@@ -366,6 +472,7 @@ class TokenizeRequest(_NullMeansDefault):
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True  # (a prompt's: BOS; a chat's template holds its own)
+    tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)  # a chat's tools, as the template renders them
 
     @model_validator(mode="after")
     def _one_of(self) -> TokenizeRequest:
@@ -415,7 +522,7 @@ class Usage(BaseModel):
                    prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)))
 
 
-FinishReason = Literal["stop", "length", "abort"]
+FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 
 class CompletionLogprobs(BaseModel):
@@ -458,9 +565,21 @@ class CompletionResponse(BaseModel):
     usage: Usage | None = None  # streaming: only on the include_usage chunk
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None: the turn is tool calls only
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)  # (as OpenAI: absent when none)
 
 
 class ChatChoice(BaseModel):
@@ -483,7 +602,10 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}
+    # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}; tool calls come as
+    # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}, a call's later
+    # deltas with its index and more of its arguments' text only (cluster/tools.py)
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None

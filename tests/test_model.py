@@ -419,8 +419,8 @@ def test_byte_chat_template():
     assert text == "<|bos|><|system|>be brief<|end|><|user|>hi there<|end|><|assistant|>"
     assert tok.apply_chat_template(MESSAGES[:2], add_generation_prompt=False).endswith("hi there<|end|>")
     assert tok.encode(text, add_special_tokens=False)[:2] == [256, 258]
-    with pytest.raises(ValueError, match="unknown role tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ValueError, match="unknown role robot"):
+        tok.apply_chat_template([{"role": "robot", "content": "x"}])
 
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])

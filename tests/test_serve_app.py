@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cluster.local import LocalCluster
+from cluster.protocol import ChatCompletionRequest
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide
 
@@ -433,3 +434,75 @@ def test_openai_client_structured_outputs(server, client, engine):
     assert e.value.body["param"] == "response_format"
     # the replica still serves
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_openai_client_tool_calls(server, client, engine):
+    # tools through the openai client: `required` and a named function give calls that follow the
+    # tool's schema (the replica's tokens the engine's under the same guide), their streamed
+    # deltas add up to the whole; `auto` (local.yaml's hermes parser) over a conversation holding
+    # a call and its result gives the random model's greedy text as content; bad tool requests
+    # are 400s and the replica serves on
+    _, args = server
+    model = args["model"]
+    weather = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+               "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}}}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    bias = {ord(c): -2.0 for c in " \n\t\r"}  # whitespace less likely (see tests/test_guided.py's BIASES)
+    base = dict(model=model, messages=messages, tools=tools, max_tokens=300, temperature=0,
+                logit_bias={str(t): b for t, b in bias.items()})
+    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, tools=tools),
+                                         add_special_tokens=False)
+
+    def follows(call) -> bool:
+        args = json.loads(call.function.arguments)
+        return call.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in "CF"
+
+    def streamed_calls(**extra) -> tuple[list[tuple[str, str]], str | None]:
+        calls, finish = {}, None
+        for chunk in client.chat.completions.create(**base, **extra, stream=True):
+            delta = chunk.choices[0].delta
+            assert not delta.content
+            for c in delta.tool_calls or ():
+                if c.id is not None:
+                    calls[c.index] = [c.function.name, ""]
+                calls[c.index][1] += c.function.arguments
+            finish = chunk.choices[0].finish_reason or finish
+        return [tuple(calls[i]) for i in sorted(calls)], finish
+
+    for choice, finish in (("required", "tool_calls"),
+                           ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
+        r = client.chat.completions.create(**base, tool_choice=choice, parallel_tool_calls=False,
+                                           extra_body={"return_token_ids": True})
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == finish and message.content is None and len(message.tool_calls) == 1
+        assert follows(message.tool_calls[0]) and message.tool_calls[0].id.startswith("call_"), message
+        guide = ChatCompletionRequest.model_validate({"messages": messages, "tools": tools, "tool_choice": choice,
+                                                      "parallel_tool_calls": False}).guide
+        want = engine.generate([prompt_ids], SamplingParams(max_tokens=300, temperature=0, guided=guide,
+                                                            logit_bias=bias))[0]
+        assert r.choices[0].token_ids == want
+        calls, stream_finish = streamed_calls(tool_choice=choice, parallel_tool_calls=False)
+        assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls]
+        assert stream_finish == finish
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Oslo", "unit": "C"}'}}
+    talk = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    auto = client.chat.completions.create(model=model, messages=talk, tools=tools, max_tokens=16, temperature=0)
+    # as the template takes them: content text, a call's arguments an object
+    parsed = {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}}
+    rendered = engine.tokenizer.apply_chat_template(
+        [messages[0], {"role": "assistant", "content": "", "tool_calls": [parsed]}, talk[2]], tools=tools)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>' in rendered
+    want = engine.generate([engine.tokenizer.encode(rendered, add_special_tokens=False)],
+                           SamplingParams(max_tokens=16, temperature=0))[0]
+    assert not auto.choices[0].message.tool_calls and auto.choices[0].message.content == engine.tokenizer.decode(want)
+
+    for extra in ({"tool_choice": {"type": "function", "function": {"name": "fly"}}},
+                  {"tool_choice": "required", "response_format": {"type": "json_object"}},
+                  {"tools": [{"type": "function", "function": {"name": "bad name"}}]}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**{**base, **extra})
+    assert client.chat.completions.create(model=model, messages=messages, max_tokens=2).choices[0].finish_reason

@@ -200,6 +200,17 @@ def test_bad_chat_input(one):
     r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}})
     assert r.status_code == 200, r.text  # an OpenAI field we do not use is ignored
+    # tools whose tool_choice is `auto` (the default) on an app with no tool_call_parser (as vLLM)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}]
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
+                   json={"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
+    assert "tool_call_parser" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required", "max_tokens": 256,
+        "parallel_tool_calls": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
 
 
 def test_stop_string_truncates_text(one):

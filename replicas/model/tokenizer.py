@@ -21,13 +21,27 @@ from tokenizers import Tokenizer as _Backend
 from replicas.model.config import read_json
 
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 256..261
+# Tools in a system turn and calls as Hermes' <tool_call> blocks (cluster/tools.py's `hermes`
+# parser reads them back); a tool's answer is a user turn in <tool_response>.
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}"
+    "<|system|>You may call these functions, each as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:"
+    "{% for t in tools %}{{ '\\n' }}{{ (t['function'] if t['function'] is defined else t) | tojson }}{% endfor %}<|end|>"
+    "{% endif %}"
     "{% for m in messages %}"
-    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
     "{{ raise_exception('unknown role ' ~ m['role']) }}"
     "{% endif %}"
-    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% if m['role'] == 'tool' %}"
+    "<|user|><tool_response>{{ m['content'] }}</tool_response><|end|>"
+    "{% else %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% for c in m['tool_calls'] or [] %}"
+    "<tool_call>{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}</tool_call>"
+    "{% endfor %}"
+    "<|end|>"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
@@ -92,12 +106,15 @@ class Tokenizer:
         # Incomplete UTF-8 decodes to U+FFFD; ids outside the vocabulary (padded model rows) decode to "".
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The chat as the template renders it; tools: OpenAI's tool objects, as transformers
+        passes them (the template decides whether and how it shows them)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         try:
             return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
