@@ -61,7 +61,7 @@ def _sparse(args: argparse.Namespace) -> BlockUnion | None:
     return BlockUnion(min_context=args.sparse_min_context, alpha=alpha, budget=args.sparse_budget)
 
 
-# --guided: every row's output kept inside one of these (replicas.guided); the JSON rows' free
+# --guided: every row's output (or --guided-rows of them) kept inside one of these (replicas.guided); the JSON rows' free
 # string runs as long as the model keeps off the quote
 GUIDES = {"json": Guide("json", json.dumps({"type": "object", "properties": {"text": {"type": "string"}}})),
           "json_object": Guide("json_object"), "regex": Guide("regex", r"([a-z]{1,8} ){1,64}"),
@@ -75,13 +75,14 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     warmed = warmup(engine) if args.warmup else {}  # (counters zeroed after it)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
+    guided_rows = args.batch if args.guided_rows is None else args.guided_rows
     for i in range(args.batch):
         suffix = args.suffix + (7 * i % args.chunk_size if args.stagger else 0)
         engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(suffix)],
                            SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                           top_k=args.top_k, ignore_eos=True,
                                           seed=i if args.seeded else None,
-                                          guided=GUIDES[args.guided] if args.guided else None))
+                                          guided=GUIDES[args.guided] if args.guided and i < guided_rows else None))
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "prefix": args.prefix, "suffix": args.suffix,
             "stagger": args.stagger,
             "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seeded": args.seeded, "guided": args.guided,
+            "seeded": args.seeded, "guided": args.guided, "guided_rows": guided_rows if args.guided else 0,
             "prefill_s": round(prefill_s, 3),
             "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
             "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="shorter contexts prefill dense")
     ap.add_argument("--guided", choices=sorted(GUIDES), default=None,
                     help="every row's output kept inside this guide (structured outputs; see GUIDES)")
+    ap.add_argument("--guided-rows", type=int, default=None, help="with --guided: only the first N rows guided")
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")

@@ -268,14 +268,11 @@ class LLMEngine:
         """One iteration: schedule -> run the model -> append tokens, finish what is done.
 
         With async_scheduling: schedule and launch this step, then collect the step launched
-        before (its tokens: what this returns) while the device runs this one."""
-        if self._inflight is not None and self._guided:
-            # a guided row's next mask needs its token: collect the step in flight, run the next
-            # ones synchronously while any guided request lives
-            outputs, self._inflight = self._collect(self._inflight), None
-            return outputs
+        before (its tokens: what this returns) while the device runs this one. While guided
+        requests live, the collect comes inside the launch: once this step's forward is queued,
+        before its grammar masks are made, which need the tokens collected."""
         batch = self.scheduler.schedule()
-        if not self.async_scheduling or self._guided:
+        if not self.async_scheduling:
             if not batch:
                 return []
             sampled, logprobs = self.runner.run(batch, self._keys)
@@ -283,8 +280,16 @@ class LLMEngine:
             self._count_step(batch)
             self._counters["generated_tokens"] += len(sampled)
             return [self._append(seq, token, logprobs.get(seq)) for seq, token in sampled.items()]
-        launched = self.runner.launch(batch, self._keys, self._inflight) if batch else None
-        outputs = self._collect(self._inflight) if self._inflight is not None else []
+        outputs: list[RequestOutput] = []
+
+        def collect() -> None:  # the step in flight's tokens, once
+            if self._inflight is not None:
+                outputs.extend(self._collect(self._inflight))
+                self._inflight = None
+
+        launched = self.runner.launch(batch, self._keys, self._inflight,
+                                      before_mask=collect if self._guided else None) if batch else None
+        collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
             self.scheduler.advance(batch)

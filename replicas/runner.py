@@ -8,7 +8,7 @@ step's sampled tokens; `launch` queues the step and returns, and `collect` waits
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -18,7 +18,7 @@ from replicas.guided import fill_bitmask, mask_logits
 from replicas.penalties import Penalties
 from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
-from replicas.sequence import Sequence
+from replicas.sequence import Sequence, Status
 from replicas.transfer import to_device
 
 
@@ -85,11 +85,14 @@ class ModelRunner:
         entries = {} if logprobs is None else logprobs.to_host(False).entries(samplers)
         return dict(zip(samplers, ids)), {samplers[i]: e for i, e in entries.items()}
 
-    def launch(self, batch: Batch, keys: dict[str, int], prev: Launched | None) -> Launched:
+    def launch(self, batch: Batch, keys: dict[str, int], prev: Launched | None,
+               before_mask: Callable[[], None] | None = None) -> Launched:
         """``run`` without waiting for the device: queue the step and return at once (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
-        this step's inputs may hold."""
-        samplers, tokens, logprobs = self._forward(batch, keys, prev)
+        this step's inputs may hold. before_mask: called once the step's forward is queued,
+        before its grammar masks are made (the engine collects prev there: guided rows' masks
+        need its tokens); not called when nothing in the step samples."""
+        samplers, tokens, logprobs = self._forward(batch, keys, prev, before_mask)
         if not samplers:
             return Launched([], [], None, None, None)
         host, done = tokens, None
@@ -100,11 +103,12 @@ class ModelRunner:
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        slots = []
+        slots, finished = [], Status.FINISHED
         for i, seq in enumerate(samplers):
             out = seq.output_ids
             slots.append(len(out))
-            out.append(-1 - i)
+            if seq.status is not finished:  # (one that finished at before_mask's collect keeps no placeholder)
+                out.append(-1 - i)
         return Launched(samplers, slots, tokens, host, done, logprobs)
 
     @staticmethod
@@ -156,11 +160,14 @@ class ModelRunner:
         return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
 
     @torch.inference_mode()
-    def _forward(self, batch: Batch, keys: dict[str, int], prev: Launched | None
+    def _forward(self, batch: Batch, keys: dict[str, int], prev: Launched | None,
+                 before_mask: Callable[[], None] | None = None
                  ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
         on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
-        prompt whose logprobs were asked for: they are read back as it runs)."""
+        prompt whose logprobs were asked for: they are read back as it runs). before_mask: see
+        launch; what the sampler takes from the engine (keys, penalty slots, output counts) is
+        read before it, as a row may finish there."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
         ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
@@ -187,20 +194,22 @@ class ModelRunner:
             return [], None, None
         # [S, V] float32; a decode-only step samples every row (no gather)
         logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
+        # each sampling sequence draws with its request's key and the index of the token drawn
+        # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
+        penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
+        counters = [len(s.output_ids) for s in samplers]
+        row_keys = [keys.get(s.request_id) for s in samplers]
+        # rows short of their min_tokens: their stop tokens cannot be drawn yet
+        banned = [(i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters))
+                  if n < s.params.min_tokens]
+        if before_mask is not None:
+            before_mask()
         guided = [i for i, s in enumerate(samplers) if s.matcher is not None]
         if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
             words = fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids,
                                  pinned=logits.is_cuda)
             logits = mask_logits(logits, guided, words)
-        # each sampling sequence draws with its request's key and the index of the token drawn
-        # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
-        penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
-        counters = [len(s.output_ids) for s in samplers]
-        # rows short of their min_tokens: their stop tokens cannot be drawn yet
-        banned = [(i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters))
-                  if n < s.params.min_tokens]
-        tokens = sample_ids(logits, [s.params for s in samplers], [keys.get(s.request_id) for s in samplers],
-                            counters, penalized, banned)
+        tokens = sample_ids(logits, [s.params for s in samplers], row_keys, counters, penalized, banned)
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
             from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)

@@ -173,8 +173,8 @@ def _passes(check, text) -> bool:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
     # free rows give what they give with no guided row beside them; guided rows follow their
-    # grammar; async scheduling (which waits for each token while a guided row lives) gives the
-    # sync engine's tokens, a guided request arriving mid-run included
+    # grammar; async scheduling (which collects each step inside the next one's launch while a
+    # guided row lives) gives the sync engine's tokens, a guided request arriving mid-run included
     def run(with_guided: bool, async_on: bool):
         engine = LLMEngine.from_model("tiny", chunk_size=16, async_scheduling=async_on)
         free = [SamplingParams(max_tokens=20, temperature=0.7, seed=s, ignore_eos=True) for s in range(3)]
@@ -204,6 +204,36 @@ def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
     assert _text(engine, mixed["choice"]) in CHOICES
     assert dict(mixed) == dict(sync)
     assert not engine._guided  # every guided request gone with its end
+
+
+def test_async_guided_steps_keep_a_step_in_flight():
+    # with a guided row alive, each step's forward is queued (its logits computed) before the
+    # step in flight is collected, and a step stays in flight after each: the overlap holds
+    engine = LLMEngine.from_model("tiny", chunk_size=16, async_scheduling=True)
+    events = []
+    compute, collect = engine.model.compute_logits, engine.runner.collect
+    engine.model.compute_logits = lambda hidden: (events.append("logits"), compute(hidden))[1]
+    engine.runner.collect = lambda launched: (events.append("collect"), collect(launched))[1]
+    engine.add_request("json", list(range(20, 40)), SamplingParams(max_tokens=96, temperature=0.9, seed=1,
+                                                                   guided=CASES["json_compact"][0]))
+    engine.add_request("free", list(range(40, 60)), SamplingParams(max_tokens=120, seed=2, ignore_eos=True))
+    seq = engine._seqs["json"]
+    outs, steps = defaultdict(list), []
+    while engine.has_unfinished():
+        guided_alive, start = bool(engine._guided), len(events)
+        for out in engine.step():
+            outs[out.request_id] += out.new_token_ids
+        if guided_alive:  # (the step's events, a step in flight after it)
+            steps.append((events[start:], engine._inflight is not None and engine._inflight.host is not None))
+    # the first step launches only; each after it: logits (its own), then collect (the one before)
+    assert steps[0] == (["logits"], True) and len(steps) > 10
+    assert all(step == (["logits", "collect"], True) for step in steps[1:-1]), steps
+    assert steps[-1][0] == ["logits", "collect"]  # (the guided row's last token: collected here)
+    assert CASES["json_compact"][1](_text(engine, outs["json"]))
+    # it ended at a collect inside the next step's launch, which holds its row: no placeholder
+    # for that step's token was left behind it
+    assert seq.output_ids == outs["json"]
+    del engine.model.compute_logits, engine.runner.collect
 
 
 def test_logprobs_of_a_guided_row_are_over_its_allowed_tokens(engine):
