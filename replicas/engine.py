@@ -165,7 +165,7 @@ class LLMEngine:
         self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)
         self._guides: Guides | None = None  # grammars of guided requests, made at the first one
         self._guides_lock = threading.Lock()
-        self._guided: set[str] = set()  # the live guided requests (async_scheduling waits for their tokens)
+        self._guided: set[str] = set()  # the live guided requests (async_scheduling collects inside the launch)
         self._arrivals = itertools.count()
         self._counters = dict.fromkeys(
             ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
@@ -212,7 +212,7 @@ class LLMEngine:
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
         # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
-        # the others keep the request's id, to step synchronously as rank 0 does)
+        # the others keep the request's id, to collect each step where rank 0 does: inside the next launch)
         guided = params.guided is not None
         matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
         seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher)

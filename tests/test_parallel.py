@@ -31,8 +31,8 @@ SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, igno
 # penalties: every rank keeps the row's token counts from the tokens rank 0 broadcast
 PENALIZED = dataclasses.replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
                                 logit_bias={5: 1.5})
-# guided: every rank keeps the row's grammar state from the tokens rank 0 broadcast (and async
-# scheduling waits for each token while it lives)
+# guided: rank 0 keeps the row's grammar state (its tokens are broadcast), and async scheduling
+# collects each step inside the next one's launch, on every rank, while it lives
 GUIDED = SamplingParams(max_tokens=40, temperature=0.9, seed=2, guided=Guide("regex", r"[a-z]{3}-\d{2}"))
 JOIN_S = 120
 
