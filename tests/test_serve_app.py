@@ -500,9 +500,12 @@ def test_openai_client_tool_calls(server, client, engine):
                            SamplingParams(max_tokens=16, temperature=0))[0]
     assert not auto.choices[0].message.tool_calls and auto.choices[0].message.content == engine.tokenizer.decode(want)
 
-    for extra in ({"tool_choice": {"type": "function", "function": {"name": "fly"}}},
-                  {"tool_choice": "required", "response_format": {"type": "json_object"}},
-                  {"tools": [{"type": "function", "function": {"name": "bad name"}}]}):
-        with pytest.raises(openai.BadRequestError):
+    unparsable = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "two"}}}]
+    for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, None),
+                         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+                         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+                         ({"tools": unparsable, "tool_choice": "required"}, "tools")):
+        with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{**base, **extra})
+        assert e.value.body["param"] == param, e.value.body
     assert client.chat.completions.create(model=model, messages=messages, max_tokens=2).choices[0].finish_reason
