@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import pickle
 import traceback
 
@@ -37,35 +38,43 @@ GUIDED = SamplingParams(max_tokens=40, temperature=0.9, seed=2, guided=Guide("re
 JOIN_S = 120
 
 
-def _config(scenario: str, tp_size: int = 1, rank: int = 0) -> EngineConfig:
+def _config(scenario: str, tp_size: int = 1, rank: int = 0, device: str = "cpu") -> EngineConfig:
     sizes = KV_TOKENS.get(scenario, (CONFIG.kv_cache_tokens,) * 2)
-    return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank,
+    return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank, device=device,
                                kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
                                max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
                                async_scheduling=scenario.endswith("_async"),
                                sparse_prefill=SPARSE if scenario.startswith("sparse") else None)
 
 
-def _rank1(port: int, scenario: str) -> None:
+def _on_gpu(rank: int, device: str) -> None:
+    """A CUDA rank sees its own GPU only, as a replica's Ray worker does (before CUDA starts)."""
+    if device == "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+
+
+def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
     """Rank 1: step with rank 0 until it closes the group."""
+    _on_gpu(1, device)
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
         import replicas.runner
         sample_ids = replicas.runner.sample_ids
         replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
-    init_group(1, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
+    init_group(1, 2, "127.0.0.1", port, device, timeout_s=JOIN_S)
     try:
-        TPWorker(_config(scenario, 2, 1)).serve()
+        TPWorker(_config(scenario, 2, 1, device)).serve()
     finally:
         dist.destroy_process_group()
 
 
-def _rank0(port: int, scenario: str, out_path: str) -> None:
+def _rank0(port: int, scenario: str, out_path: str, device: str = "cpu") -> None:
+    _on_gpu(0, device)
     torch.set_num_threads(1)
     result: dict = {}
     try:
-        init_group(0, 2, "127.0.0.1", port, "cpu", timeout_s=JOIN_S)
-        engine = TPEngine(LLMEngine(_config(scenario, 2)))
+        init_group(0, 2, "127.0.0.1", port, device, timeout_s=JOIN_S)
+        engine = TPEngine(LLMEngine(_config(scenario, 2, 0, device)))
         result = SCENARIOS[scenario](engine)
         engine.close()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -136,10 +145,13 @@ SCENARIOS["sparse"] = _sparse
 SPARSE = dict(min_context=96, block=32, sink=1, window=1, budget=0.5)
 
 
-def _run_tp2(scenario: str, tmp_path, fails: bool = False) -> dict:
+def _run_tp2(scenario: str, tmp_path, fails: bool = False, device: str = "cpu") -> dict:
     port, out = free_port(), str(tmp_path / f"{scenario}.pkl")
-    ctx = mp.get_context("fork")  # as in tests/test_model.py: a spawned rank re-imports torch (slow)
-    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out)), ctx.Process(target=_rank1, args=(port, scenario))]
+    # forked as in tests/test_model.py (a spawned rank re-imports torch: slow); CUDA ranks spawned
+    # (CUDA does not survive a fork), each on a GPU of its own
+    ctx = mp.get_context("fork" if device == "cpu" else "spawn")
+    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out, device)),
+             ctx.Process(target=_rank1, args=(port, scenario, device))]
     for p in ranks:
         p.start()
     try:
@@ -182,6 +194,19 @@ def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
     want = _bad_input_and_abort(LLMEngine(CONFIG))
     got = _run_tp2("bad_input_and_abort_async", tmp_path)
     assert (got["errors"], got["stats"]["running"], got["stats"]["kv_chunks_used"]) == (want["errors"], 0, 0)
+
+
+@pytest.mark.gpu2
+@pytest.mark.parametrize("scenario", ["generate", "generate_async"])
+def test_tp2_on_two_gpus_generates_what_one_gpu_does(scenario, tmp_path):
+    """Two CUDA ranks over NCCL (a GPU each, as a replica's ranks run), fp32: the tokens one GPU
+    gives, greedy, penalized, guided and sampled rows alike, synchronous and asynchronous."""
+    if torch.cuda.device_count() < 2:
+        pytest.fail(f"needs two CUDA devices, found {torch.cuda.device_count()}")
+    want = _generate(LLMEngine(dataclasses.replace(_config(scenario), device="cuda:0")))
+    got = _run_tp2(scenario, tmp_path, device="cuda")
+    assert got["tokens"] == want["tokens"]
+    assert got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
