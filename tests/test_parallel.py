@@ -47,21 +47,24 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0, device: str = "cpu")
                                sparse_prefill=SPARSE if scenario.startswith("sparse") else None)
 
 
-def _on_gpu(rank: int, device: str) -> None:
-    """A CUDA rank sees its own GPU only, as a replica's Ray worker does (before CUDA starts)."""
+def _on_gpu(rank: int, device: str) -> str:
+    """A CUDA rank sees its own GPU only, as a replica's Ray worker does (set before CUDA starts):
+    -> the device it joins the group on (cuda:0, as the replica's ranks do)."""
     if device == "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = str(rank)
+        return "cuda:0"
+    return device
 
 
 def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
     """Rank 1: step with rank 0 until it closes the group."""
-    _on_gpu(1, device)
+    group_device = _on_gpu(1, device)
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
         import replicas.runner
         sample_ids = replicas.runner.sample_ids
         replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
-    init_group(1, 2, "127.0.0.1", port, device, timeout_s=JOIN_S)
+    init_group(1, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
     try:
         TPWorker(_config(scenario, 2, 1, device)).serve()
     finally:
@@ -69,11 +72,11 @@ def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
 
 
 def _rank0(port: int, scenario: str, out_path: str, device: str = "cpu") -> None:
-    _on_gpu(0, device)
+    group_device = _on_gpu(0, device)
     torch.set_num_threads(1)
     result: dict = {}
     try:
-        init_group(0, 2, "127.0.0.1", port, device, timeout_s=JOIN_S)
+        init_group(0, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
         engine = TPEngine(LLMEngine(_config(scenario, 2, 0, device)))
         result = SCENARIOS[scenario](engine)
         engine.close()
