@@ -15,9 +15,10 @@
   Text that does not parse as calls stays the message's content, as in vLLM.
 - `none`: plain text (the template still sees the tools).
 
-ToolOutput turns one choice's text into its message (whole) or into stream deltas. Streamed,
-content goes out as it comes until a call may have begun; calls go out whole when the choice
-ends (a named function's arguments stream as they come).
+ToolOutput turns one choice's text into its message (whole) or into stream deltas. Streamed, a
+named function's arguments go out as they come, each of `required`'s calls once its object
+closes; under `auto` content goes out as it comes until a call may have begun, and the calls when
+the choice ends.
 """
 
 from __future__ import annotations
@@ -70,12 +71,42 @@ def tool_guide(tools: list, choice: Any, parallel: bool) -> Guide:
     return Guide("json", json.dumps(schema))
 
 
-def _forced_calls(text: str) -> list[dict[str, Any]] | None:
-    """`required`'s output (a JSON array of {"name", "parameters"}) as calls; None if it does not
-    parse (cut short by max_tokens)."""
+class _ArrayItems:
+    """The whole items of a JSON array of objects as its text grows (`required`'s output, which
+    its guide keeps a prefix of `[{...}, {...}]`): each object's text once its brace closes."""
+
+    def __init__(self):
+        self.pos, self.depth, self.start = 0, 0, -1
+        self.in_string = self.escaped = self.closed = False
+
+    def feed(self, text: str) -> list[str]:
+        """text: all of it so far -> the items that closed in what is new."""
+        items = []
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                self.escaped, self.in_string = (False, True) if self.escaped else (c == "\\", c != '"')
+            elif c == '"':
+                self.in_string = True
+            elif c in "[{":
+                self.depth += 1
+                if self.depth == 2:
+                    self.start = i
+            elif c in "]}":
+                self.depth -= 1
+                if self.depth == 1 and self.start >= 0:
+                    items.append(text[self.start:i + 1])
+                    self.start = -1
+                self.closed |= self.depth == 0
+        self.pos = len(text)
+        return items
+
+
+def _item_call(item: str) -> dict[str, Any] | None:
+    """An item of `required`'s array, {"name", "parameters"}, as a call (None: not one)."""
     try:
-        items = json.loads(text)
-        return [_call(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
+        obj = json.loads(item)
+        return _call(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
     except (json.JSONDecodeError, KeyError, TypeError):
         return None
 
@@ -179,15 +210,22 @@ class ToolOutput:
 
     whole(text, finish) -> (content, calls, finish reason) of the message; streamed, step(delta,
     finish) -> (the delta's fields, its finish reason) for each output, its text so far kept here.
+    Both give the same message: the stream's deltas add up to the whole.
+    - named: the text is the call's arguments (streamed as they come).
+    - required: each whole item of the array is a call (streamed as its object closes); the
+      finish reason is `tool_calls` once the array closes. Cut short, the whole items are the
+      calls, and with none the text is content.
+    - auto: the parser's; content streams until a call may begin, the calls go out at the end.
     """
 
     def __init__(self, choice: Any, parser: ToolCallParser | None):
         self.named = None if isinstance(choice, str) else choice.function.name
-        self.forced = choice == "required" or self.named is not None
+        self.required = choice == "required"
         self.parser = parser
         self.text = ""
-        self.sent = 0  # characters of text streamed as content
-        self.started = False  # calls may have begun: the rest is held
+        self.sent = 0  # auto: characters of text streamed as content
+        self.started = False  # named: the call's first delta went out; auto: calls may have begun (the rest is held)
+        self.items, self.calls, self.bad = _ArrayItems(), 0, False  # required: the array, calls streamed, an item not a call met
 
     @classmethod
     def of(cls, choice: Any, parser_name: str | None) -> ToolOutput | None:
@@ -199,39 +237,63 @@ class ToolOutput:
     def whole(self, text: str, finish: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
         if self.named is not None:
             return None, [_call(self.named, text)], finish
-        if self.forced:
-            calls = _forced_calls(text)
-            return (text, [], finish) if calls is None else (None, calls, "tool_calls")
+        if self.required:
+            items = _ArrayItems()
+            calls = _calls_of(items.feed(text))
+            return (None if calls else text), calls, "tool_calls" if calls and items.closed else finish
         content, calls = self.parser.parse(text)
         return content, calls, "tool_calls" if calls else finish
 
     def step(self, delta: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         self.text += delta
-        if self.named is not None:  # the arguments stream as they come, after a first delta that names the call
-            if not self.started:
-                self.started = True
-                call = {"index": 0, "id": _call_id(), "type": "function",
-                        "function": {"name": self.named, "arguments": delta}}
-            else:
-                call = {"index": 0, "function": {"arguments": delta}}
-            return ({"tool_calls": [call]} if delta or "id" in call else {}), finish
-        if not self.forced and not self.started:
+        if self.named is not None:
+            return self._step_named(delta), finish
+        if self.required:
+            return self._step_required(finish)
+        return self._step_auto(finish)
+
+    def _step_named(self, delta: str) -> dict[str, Any]:
+        if not self.started:  # the first delta names the call
+            self.started = True
+            return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
+                                    "function": {"name": self.named, "arguments": delta}}]}
+        return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
+
+    def _step_required(self, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        items = self.items.feed(self.text)
+        calls = [] if self.bad else _calls_of(items)
+        self.bad |= len(calls) < len(items)  # (no calls after it, as in whole)
+        out = {"tool_calls": [{"index": self.calls + i, **c} for i, c in enumerate(calls)]} if calls else {}
+        self.calls += len(calls)
+        if finish is None:
+            return out, None
+        if not self.calls:  # not one call: the text is content
+            return {"content": self.text}, finish
+        return out, "tool_calls" if self.items.closed else finish
+
+    def _step_auto(self, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        out = {}
+        if not self.started:
             start = self.parser.start(self.text)
             self.started = start is not None
             end = start if self.started else len(self.text) - (0 if finish else self.parser.held(self.text))
-            if not self.text[:end].strip():  # leading whitespace waits for content (none before calls)
-                end = self.sent
-            out = {"content": self.text[self.sent:end]} if end > self.sent else {}
-            self.sent = max(self.sent, end)
-            if not self.started and finish is not None and self.sent < len(self.text):
-                out = {"content": out.get("content", "") + self.text[self.sent:]}
-                self.sent = len(self.text)
-        else:
-            out = {}
-        if finish is None or (not self.forced and not self.started):
-            return out, finish
+            if self.text[:end].strip() and end > self.sent:  # (leading whitespace waits: none goes before calls)
+                out, self.sent = {"content": self.text[self.sent:end]}, end
+        if finish is None:
+            return out, None
         content, calls, finish = self.whole(self.text, finish)
         if calls:
             return {**out, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
-        rest = (content or "")[self.sent:]  # no calls after all: the held text is content
-        return ({"content": out.get("content", "") + rest} if out.get("content") or rest else out), finish
+        rest = content[self.sent:]  # no calls: all the text is content, the held part too
+        return ({"content": out.get("content", "") + rest} if out or rest else {}), finish
+
+
+def _calls_of(items: list[str]) -> list[dict[str, Any]]:
+    """Items of `required`'s array as calls, up to one that is not a call (the guide keeps them calls)."""
+    calls = []
+    for item in items:
+        call = _item_call(item)
+        if call is None:
+            break
+        calls.append(call)
+    return calls

@@ -251,7 +251,9 @@ STREAM_CASES = {
                "\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}"],
     "llama3_json": ["The weather", "  {\"name\": \"f\", \"parameters\": {\"a\": 1}}", "<|python_tag|>{\"name\": \"f\", "
                     "\"parameters\": {}}; {\"name\": \"g\", \"parameters\": {}}", "{broken", "<|python", "  \n "],
-    "required": ['[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]', '[{"name": "f", "para'],
+    "required": ['[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"s": "}]\\"{"}}]', '[{"name": "f", "para',
+                 '[{"name": "f", "parameters": {"b": [1, {"c": 2}]}}, {"name": "g", "parameters": {"x"',
+                 '[{"name": "f"}, {"name": "g", "parameters": {}}]'],  # (cut short; an item not a call)
     "named": ['{"a": 1, "b": [true]}', '{"a": '],
 }
 
@@ -309,3 +311,16 @@ def test_auto_holds_back_what_may_begin_a_call():
     out = ToolOutput.of("auto", "llama3_json")
     assert out.step("  ", None) == ({}, None)  # leading whitespace waits: a call may follow
     assert out.step("{", None) == ({}, None)
+
+
+def test_required_streams_each_call_as_its_object_closes():
+    out = ToolOutput.of("required", None)
+    assert out.step('[{"name": "f", "parameters": {"a": ', None) == ({}, None)
+    delta, finish = out.step('1}}, {"name"', None)
+    assert finish is None and [(c["index"], c["id"][:5], c["function"]["name"], c["function"]["arguments"])
+                               for c in delta["tool_calls"]] == [(0, "call_", "f", '{"a": 1}')]
+    delta, finish = out.step(': "g", "parameters": {}}]', "stop")
+    assert finish == "tool_calls" and [(c["index"], c["function"]["name"]) for c in delta["tool_calls"]] == [(1, "g")]
+    # cut short: the whole items are the calls, the finish reason stays the engine's
+    content, calls, finish = ToolOutput.of("required", None).whole('[{"name": "f", "parameters": {}}, {"na', "length")
+    assert (content, _calls(calls), finish) == (None, [("f", {})], "length")
