@@ -61,8 +61,8 @@ def _sparse(args: argparse.Namespace) -> BlockUnion | None:
     return BlockUnion(min_context=args.sparse_min_context, alpha=alpha, budget=args.sparse_budget)
 
 
-# --guided: every row's output (or --guided-rows of them) kept inside one of these (replicas.guided); the JSON rows' free
-# string runs as long as the model keeps off the quote
+# --guided: every row's output (or the first --guided-rows rows') kept inside one of these
+# (replicas.guided); the JSON rows' free string runs as long as the model keeps off the quote
 GUIDES = {"json": Guide("json", json.dumps({"type": "object", "properties": {"text": {"type": "string"}}})),
           "json_object": Guide("json_object"), "regex": Guide("regex", r"([a-z]{1,8} ){1,64}"),
           "choice": Guide("choice", ("red", "green", "blue"))}
