@@ -579,7 +579,8 @@ class ToolCall(BaseModel):
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None  # None: the turn is tool calls only
-    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)  # (as OpenAI: absent when none)
+    # as OpenAI's: absent when there are none
+    tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
 
 class ChatChoice(BaseModel):

@@ -145,7 +145,8 @@ class HermesParser:
         return None if i < 0 else i
 
     def held(self, text: str) -> int:
-        return next((n for n in range(min(len(text), len(self.START) - 1), 0, -1) if self.START.startswith(text[-n:])), 0)
+        longest = min(len(text), len(self.START) - 1)
+        return next((n for n in range(longest, 0, -1) if self.START.startswith(text[-n:])), 0)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         start = self.start(text)
@@ -225,7 +226,8 @@ class ToolOutput:
         self.text = ""
         self.sent = 0  # auto: characters of text streamed as content
         self.started = False  # named: the call's first delta went out; auto: calls may have begun (the rest is held)
-        self.items, self.calls, self.bad = _ArrayItems(), 0, False  # required: the array, calls streamed, an item not a call met
+        # required: the array scanned, the calls streamed, whether an item that is not a call came
+        self.items, self.calls, self.bad = _ArrayItems(), 0, False
 
     @classmethod
     def of(cls, choice: Any, parser_name: str | None) -> ToolOutput | None:
