@@ -97,6 +97,9 @@ class AppConfig(_Strict):
     # --tool-call-parser): `hermes` (<tool_call> blocks: Hermes, Qwen, the tiny preset's template),
     # `llama3_json` (Llama 3.1+). None: `auto` is a 400 (`required` and named functions still work)
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None
+    # reasoning models' thinking as chat messages' `reasoning_content` apart from their content
+    # (cluster/reasoning.py; vLLM's --reasoning-parser): `deepseek_r1`, `qwen3`. None: all content
+    reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
 
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
     api_key_env: str | None = None  # or: the name of an environment variable holding the key

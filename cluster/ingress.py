@@ -56,6 +56,7 @@ from cluster.protocol import (
     Usage,
     template_tools,
 )
+from cluster.reasoning import ReasoningSplit
 from cluster.tools import ToolOutput
 from replicas.model import load_tokenizer
 from router.hashing import chunk_hashes
@@ -189,29 +190,42 @@ class _CompletionFormat:
 
 class _ChatFormat(_CompletionFormat):
     """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the
-    role. Under a tool choice (cluster/tools.py) each choice's text goes through a ToolOutput."""
+    role. Under a reasoning parser (cluster/reasoning.py) each choice's thinking is split from its
+    content (not for a guided request: its guide holds the whole output); under a tool choice
+    (cluster/tools.py) the content goes through a ToolOutput."""
 
     def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts,
-                 tool_choice: Any = "none", tool_call_parser: str | None = None):
+                 tool_choice: Any = "none", tool_call_parser: str | None = None, reasoning_parser: str | None = None):
         super().__init__(request_id, model, [prompt], n, token_ids, texts)
         self.sent_role: set[int] = set()  # choices whose role went out
         self.tool_choice, self.tool_call_parser = tool_choice, tool_call_parser
-        self.tool_outputs: dict[int, ToolOutput | None] = {}  # per choice, streamed
+        self.reasoning_parser = reasoning_parser
+        self.streams: dict[int, tuple[ReasoningSplit | None, ToolOutput | None]] = {}  # per choice, streamed
+
+    def _new(self) -> tuple[ReasoningSplit | None, ToolOutput | None]:
+        """A choice's reasoning split and tool output (None: not asked for)."""
+        return (None if self.reasoning_parser is None else ReasoningSplit(self.reasoning_parser),
+                ToolOutput.of(self.tool_choice, self.tool_call_parser))
 
     def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk | None:
-        if index not in self.tool_outputs:
-            self.tool_outputs[index] = ToolOutput.of(self.tool_choice, self.tool_call_parser)
-        tools = self.tool_outputs[index]
-        if tools is None:
-            delta = {"content": out.text} if out.text or out.finish_reason is None else {}
-            finish = out.finish_reason
+        if index not in self.streams:
+            self.streams[index] = self._new()
+        split, tools = self.streams[index]
+        finish = out.finish_reason
+        reasoning, text = ("", out.text) if split is None else split.step(out.text, final=finish is not None)
+        if tools is not None:
+            delta, finish = tools.step(text, finish)
+        elif text or (finish is None and split is None):
+            delta = {"content": text}
         else:
-            delta, finish = tools.step(out.text, out.finish_reason)
+            delta = {}
+        if reasoning:
+            delta = {"reasoning_content": reasoning, **delta}
         if index not in self.sent_role:
             delta = {"role": "assistant", **({} if "tool_calls" in delta else {"content": ""}), **delta}
             self.sent_role.add(index)
         elif not delta and finish is None and not self.token_ids and out.logprobs is None:
-            return None  # text held back (it may begin a tool call): nothing to send yet
+            return None  # text held back (it may begin a tag or a tool call): nothing to send yet
         choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
                                   token_ids=list(out.token_ids) if self.token_ids else None,
                                   logprobs=None if out.logprobs is None else chat_logprobs(
@@ -226,9 +240,13 @@ class _ChatFormat(_CompletionFormat):
         body = []
         for i, outs in enumerate(choices):
             text, finish = "".join(o.text for o in outs), outs[-1].finish_reason
-            tools = ToolOutput.of(self.tool_choice, self.tool_call_parser)
+            split, tools = self._new()
+            reasoning, text = (None, text) if split is None else split.whole(text)
             content, calls, finish = (text, [], finish) if tools is None else tools.whole(text, finish)
-            body.append(ChatChoice(index=i, message=ChatChoiceMessage(content=content, tool_calls=calls or None),
+            if reasoning is not None and content == "":
+                content = None  # (all thinking)
+            message = ChatChoiceMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
+            body.append(ChatChoice(index=i, message=message,
                                    finish_reason=finish,
                                    token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
                                    logprobs=None if outs[0].logprobs is None else chat_logprobs(
@@ -401,7 +419,8 @@ class OpenAIIngress:
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
         rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body)
         fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts,
-                          body.effective_tool_choice, self.config.tool_call_parser)
+                          body.effective_tool_choice, self.config.tool_call_parser,
+                          None if body.guide is not None else self.config.reasoning_parser)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/tokenize")

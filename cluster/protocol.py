@@ -578,7 +578,9 @@ class ToolCall(BaseModel):
 
 class ChatChoiceMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None: the turn is tool calls only
+    content: str | None  # None: the turn is tool calls (or thinking) only
+    # a reasoning model's thinking (AppConfig.reasoning_parser), absent when there is none (vLLM's)
+    reasoning_content: str | None = Field(None, exclude_if=lambda text: text is None)
     # as OpenAI's: absent when there are none
     tool_calls: list[ToolCall] | None = Field(None, exclude_if=lambda calls: calls is None)
 
@@ -603,7 +605,8 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
-    # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}; tool calls come as
+    # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}; thinking comes as
+    # {"reasoning_content": ...} (cluster/reasoning.py), tool calls as
     # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}, a call's later
     # deltas with its index and more of its arguments' text only (cluster/tools.py)
     delta: dict[str, Any]

@@ -37,6 +37,7 @@ ONE = {
     # before it serves (not the CPU's default either)
     "engine": {"kv_cache_tokens": 16384, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32, "async_scheduling": True},
     "warmup": True,
+    "reasoning_parser": "qwen3",  # (the tiny model never opens with <think>: all of its text is content)
 }
 TIMEOUT = httpx.Timeout(300.0)
 
@@ -200,6 +201,13 @@ def test_bad_chat_input(one):
     r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}})
     assert r.status_code == 200, r.text  # an OpenAI field we do not use is ignored
+    assert set(r.json()["choices"][0]["message"]) == {"role", "content"}  # no reasoning_content: none was split off
+    # a guided output is not split: its guide holds the whole of it
+    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT, json={
+        "messages": [{"role": "user", "content": "hi"}], "guided_regex": "<think>[a-z]{3}</think>[a-z]{2}"})
+    message = r.json()["choices"][0]["message"]
+    assert r.status_code == 200 and "reasoning_content" not in message, r.text
+    assert message["content"].startswith("<think>") and len(message["content"]) == 20, message
     # tools whose tool_choice is `auto` (the default) on an app with no tool_call_parser (as vLLM)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
                                                                           "additionalProperties": False}}}]
