@@ -56,7 +56,7 @@ from cluster.protocol import (
     Usage,
     template_tools,
 )
-from cluster.reasoning import ReasoningSplit
+from cluster.reasoning import ReasoningSplit, think_tags
 from cluster.tools import ToolOutput
 from replicas.model import load_tokenizer
 from router.hashing import chunk_hashes
@@ -417,10 +417,12 @@ class OpenAIIngress:
         await self._check_guide(body)
         max_tokens = await self._check_length(prompt, body.requested_max_tokens,
                                               param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
-        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body)
+        # a guided request under a reasoning parser thinks freely first, where the tags are tokens
+        think = think_tags(self.tokenizer, self.config.reasoning_parser, body.guide is not None)
+        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, think)
         fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts,
                           body.effective_tool_choice, self.config.tool_call_parser,
-                          None if body.guide is not None else self.config.reasoning_parser)
+                          None if body.guide is not None and think is None else self.config.reasoning_parser)
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/tokenize")
@@ -568,9 +570,10 @@ class OpenAIIngress:
         return wanted
 
     def _generate_request(self, kind: str, prompts: list[list[int]], limits: list[int],
-                          body: CompletionRequest | ChatCompletionRequest) -> tuple[str, list[GenerateRequest]]:
+                          body: CompletionRequest | ChatCompletionRequest,
+                          think: tuple[int | None, int] | None = None) -> tuple[str, list[GenerateRequest]]:
         """-> (the response's id, one generate request per choice: prompt after prompt, each
-        with its n choices); limits: each prompt's max_tokens."""
+        with its n choices); limits: each prompt's max_tokens; think: SamplingParams.think."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
@@ -590,9 +593,11 @@ class OpenAIIngress:
             # length and params.max_tokens from this request
             hashes = tuple(chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
                                         self.model_name))
+            params = [body.sampling_params(max_tokens, i, seed) for i in range(body.n)]
+            if think is not None:
+                params = [dataclasses.replace(one_params, think=think) for one_params in params]
             reqs += [GenerateRequest(request_id=rid if one else f"{rid}-{p * body.n + i}",
-                                     prompt_token_ids=tuple(prompt),
-                                     params=body.sampling_params(max_tokens, i, seed), stop=body.stop_strings,
+                                     prompt_token_ids=tuple(prompt), params=params[i], stop=body.stop_strings,
                                      model=self.model_name, prefix_hashes=hashes,
                                      skip_special_tokens=body.skip_special_tokens,
                                      include_stop_str_in_output=body.include_stop_str_in_output)

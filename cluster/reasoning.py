@@ -7,8 +7,10 @@ message's `reasoning_content` beside its `content` (AppConfig.reasoning_parser).
 - `qwen3` (Qwen3, QwQ): an output that starts with `<think>` is reasoning up to `</think>` (or its
   end, cut short), content after; any other output is content (thinking off).
 
-A request with a guide (structured outputs, or tool_choice `required` / a named function) is not
-split: its guide holds the whole output, so the model does not think first. Under tool_choice
+A request with a guide (structured outputs, or tool_choice `required` / a named function) thinks
+freely first where the tokenizer has `<think>` and `</think>` as tokens of their own
+(SamplingParams.think, from think_tags): the guide holds the content after `</think>`, as in
+vLLM. Where it has not, the guide holds the whole output and it is not split. Under tool_choice
 `auto` the tool-call parser reads the content only, as in vLLM.
 
 ReasoningSplit turns one choice's text into (reasoning, content), whole or streamed: streamed,
@@ -19,6 +21,18 @@ from __future__ import annotations
 
 PARSERS = ("deepseek_r1", "qwen3")
 START, END = "<think>", "</think>"
+
+
+def think_tags(tokenizer, parser: str | None, guided: bool) -> tuple[int | None, int] | None:
+    """SamplingParams.think of a chat request under `parser`: (start, end) token ids of the tags,
+    start None where the template opens the thinking (deepseek_r1); None where nothing is guided,
+    no parser is set, or the tags are not tokens of their own (the guide then holds it all)."""
+    if parser is None or not guided or tokenizer is None:
+        return None
+    start, end = (tokenizer.backend.token_to_id(tag) for tag in (START, END))
+    if start is None or end is None:
+        return None
+    return (None if parser == "deepseek_r1" else start), end
 
 
 def _held(text: str, tag: str) -> int:

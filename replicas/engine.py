@@ -29,7 +29,7 @@ from replicas.prefix_tree import PrefixTree
 from replicas.runner import Launched, ModelRunner
 from replicas.sampler import unseeded_key
 from replicas.scheduler import Scheduler
-from replicas.sequence import SamplingParams, Sequence, Status
+from replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status
 from router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
@@ -215,7 +215,8 @@ class LLMEngine:
         # the others keep the request's id, to collect each step where rank 0 does: inside the next launch)
         guided = params.guided is not None
         matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
-        seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher)
+        seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher,
+                       thinking=GUIDED if params.think is None else THINKING if params.think[0] is None else MAY_THINK)
         if guided:
             self._guided.add(request_id)
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
@@ -334,7 +335,8 @@ class LLMEngine:
         (dropping a placeholder past it). Runs per row per step: attribute lookups kept few."""
         p = seq.params
         reason = None
-        if seq.matcher is not None and not seq.matcher.is_terminated() and not seq.matcher.accept_token(token):
+        if (seq.matcher is not None and (seq.thinking == GUIDED or _grammar_takes(seq, token))
+                and not seq.matcher.is_terminated() and not seq.matcher.accept_token(token)):
             raise RuntimeError(f"request {seq.request_id}: token {token} is outside its grammar (the mask was not applied)")
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
@@ -425,6 +427,21 @@ class LLMEngine:
     def check(self) -> None:
         """Assert the KV cache's invariants (tests call this after every step)."""
         self.tree.check(self.scheduler.running, self.scheduler.last_decode_paths)
+
+
+def _grammar_takes(seq: Sequence, token: int) -> bool:
+    """Whether a guided row still outside its grammar (params.think) gives `token` to it; moves
+    the row on: a first token that is not `start` begins the grammar, `start` begins thinking,
+    `end` ends it (the tags go to neither)."""
+    start, end = seq.params.think
+    if seq.thinking == MAY_THINK and token != start:
+        seq.thinking = GUIDED
+        return True
+    if seq.thinking == MAY_THINK:
+        seq.thinking = THINKING
+    elif token == end:
+        seq.thinking = GUIDED
+    return False
 
 
 def _check_tp_group(config: EngineConfig) -> None:

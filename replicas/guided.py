@@ -190,7 +190,7 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
     for i in sorted(set(range(len(matchers))) - set(live)):
         mask[i] = 0
         for t in stop_token_ids:
-            mask[i, t // 32] |= _bit(t % 32)
+            allow(mask, i, t)
     return mask
 
 
@@ -198,6 +198,11 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
 def _batch_matcher():
     # a few threads: several engines (tensor-parallel ranks, replicas) may share a node's cores
     return _xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+
+
+def allow(words: torch.Tensor, row: int, token: int) -> None:
+    """Set token's bit in row `row` of a [N, W] int32 bitmask (fill_bitmask's), in place."""
+    words[row, token // 32] |= _bit(token % 32)
 
 
 def _bit(b: int) -> int:

@@ -14,11 +14,11 @@ import torch
 
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
-from replicas.guided import fill_bitmask, mask_logits
+from replicas.guided import allow, fill_bitmask, mask_logits
 from replicas.penalties import Penalties
 from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
-from replicas.sequence import Sequence, Status
+from replicas.sequence import MAY_THINK, THINKING, Sequence, Status
 from replicas.transfer import to_device
 
 
@@ -204,10 +204,14 @@ class ModelRunner:
                   if n < s.params.min_tokens]
         if before_mask is not None:
             before_mask()
-        guided = [i for i, s in enumerate(samplers) if s.matcher is not None]
+        # (a thinking row is free: SamplingParams.think)
+        guided = [i for i, s in enumerate(samplers) if s.matcher is not None and s.thinking != THINKING]
         if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
             words = fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids,
                                  pinned=logits.is_cuda)
+            for row, i in enumerate(guided):
+                if samplers[i].thinking == MAY_THINK:  # its first token may open thinking instead
+                    allow(words, row, samplers[i].params.think[0])
             logits = mask_logits(logits, guided, words)
         tokens = sample_ids(logits, [s.params for s in samplers], row_keys, counters, penalized, banned)
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree

@@ -54,6 +54,12 @@ class SamplingParams:
     # structured outputs (replicas.guided): the output kept inside a JSON schema, regex, choice
     # or grammar; None: free text
     guided: Guide | None = None
+    # with `guided`, a reasoning model's thinking left free before the grammar (vLLM's structured
+    # outputs under a reasoning parser): (start, end) token ids of its tags. start None: the
+    # output opens thinking (the prompt opened it), free until `end`; else its first token may be
+    # `start` (thinking, free until `end`) besides the grammar's. The grammar holds what follows
+    # `end` (the tags themselves go to neither). None: the grammar holds the whole output.
+    think: tuple[int | None, int] | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
@@ -94,6 +100,10 @@ class SamplingParams:
                 raise ValueError(f"guided must be a replicas.guided.Guide, got {type(self.guided).__name__}")
             if self.min_tokens:  # a grammar that has ended allows nothing but the EOS min_tokens bans
                 raise ValueError("min_tokens cannot be combined with guided decoding")
+        if self.think is not None:
+            start, end = self.think if isinstance(self.think, tuple) and len(self.think) == 2 else (-1, -1)
+            if self.guided is None or not _token_id(end) or not (start is None or _token_id(start)):
+                raise ValueError(f"think must be (start token id or None, end token id) with guided, got {self.think!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 
@@ -105,6 +115,14 @@ class SamplingParams:
     def penalized(self) -> bool:
         """Whether the request's logits depend on the tokens it has seen (the penalties)."""
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+def _token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+# Sequence.thinking: where a guided row with SamplingParams.think stands
+GUIDED, MAY_THINK, THINKING = 0, 1, 2  # the grammar holds its tokens; its first may open thinking; thinking
 
 
 class Status(enum.Enum):
@@ -135,8 +153,9 @@ class Sequence:
     prompt_logprobs: list | None = None
     _path: tuple = field(default=(None, ()), repr=False)  # path_ids() cache: ((len, version), ids)
     # params.guided's grammar state (an xgrammar GrammarMatcher, set by the engine): it has taken
-    # every output token so far
+    # every output token so far (but a reasoning model's thinking: params.think)
     matcher: Any = field(default=None, repr=False)
+    thinking: int = GUIDED  # GUIDED, MAY_THINK or THINKING (params.think)
     finish_reason: str | None = None
 
     @property

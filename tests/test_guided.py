@@ -353,3 +353,34 @@ def test_compiled_grammars_are_cached_and_bounded(monkeypatch):
         guides.compile(Guide("regex", f"a{i}"))
         guides.compile(Guide("regex", "a0"))  # used again: kept
     assert list(guides._compiled) == [Guide("regex", "a3"), Guide("regex", "a4"), Guide("regex", "a0")]  # LRU order
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_thinking_runs_free_and_the_grammar_holds_what_follows(async_scheduling):
+    # SamplingParams.think, with '<' and '>' as the tags (the tiny model has no <think> tokens):
+    # thinking opened by the prompt (start None) or by the first token, free until '>', then the
+    # regex; a first token that is the grammar's leaves no thinking at all
+    engine = LLMEngine.from_model("tiny", chunk_size=16, async_scheduling=async_scheduling)
+    lt, gt, eos = ord("<"), ord(">"), engine.model_config.eos_token_ids[0]
+    prompt = engine.tokenizer.encode("Think, then answer: ")
+    free = set()
+    for think, bias in (((None, gt), {gt: 3.0}), ((lt, gt), {lt: 8.0, gt: 3.0}), ((lt, gt), {lt: -100.0})):
+        for seed in range(3):
+            params = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, guided=Guide("regex", REGEX),
+                                    think=think, logit_bias={eos: -100.0, **bias})
+            text = _text(engine, engine.generate([prompt], params)[0])
+            if bias.get(lt) == -100.0:  # never opened: the grammar from the first token
+                assert re.fullmatch(REGEX, text), text
+                continue
+            head, sep, answer = text.partition(">")
+            assert sep and re.fullmatch(REGEX, answer), text
+            assert head.startswith("<") == (think[0] is not None), text
+            free |= set(head.lstrip("<")) - set("abcdefghijklmnopqrstuvwxyz0123456789-")
+    assert free  # the thinking held what the grammar never allows
+
+
+def test_think_needs_a_guide_and_token_ids():
+    for think, guided in (((1, 2), None), (("<", 2), Guide("regex", "a")), ((1, None), Guide("regex", "a")),
+                          ((1, 2, 3), Guide("regex", "a"))):
+        with pytest.raises(ValueError, match="think must be"):
+            SamplingParams(think=think, guided=guided)

@@ -1,11 +1,16 @@
 """Reasoning parsers (cluster/reasoning.py): thinking apart from the answer, whole and streamed."""
 
+import re
+
 import pytest
+from tokenizers import AddedToken
 
 from cluster.ingress import _ChatFormat
 from cluster.logprobs import TokenTexts
 from cluster.protocol import GenerateOutput
-from cluster.reasoning import ReasoningSplit
+from cluster.reasoning import ReasoningSplit, think_tags
+from replicas.engine import LLMEngine, SamplingParams
+from replicas.guided import Guide
 from replicas.model.tokenizer import Tokenizer
 from tests.test_tools import _splits
 
@@ -103,3 +108,35 @@ def test_an_output_all_thinking_has_no_content_and_a_plain_one_no_reasoning():
     fmt = _ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(Tokenizer.byte()), reasoning_parser="qwen3")
     body = fmt.whole([_outputs(["plain"], "stop")]).model_dump()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "plain"}  # no reasoning_content key
+
+
+def _byte_tokenizer_with_think_tags(tokenizer: Tokenizer) -> Tokenizer:
+    """The byte tokenizer with <think> and </think> as tokens of their own (ids 262, 263; as
+    Qwen3's, not special: they stay in the text)."""
+    tokenizer.backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
+    return tokenizer
+
+
+def test_think_tags_are_the_tokenizers_own():
+    tok = _byte_tokenizer_with_think_tags(Tokenizer.byte())
+    assert think_tags(tok, "qwen3", guided=True) == (262, 263)
+    assert think_tags(tok, "deepseek_r1", guided=True) == (None, 263)  # its template opens the thinking
+    assert think_tags(tok, "qwen3", guided=False) is None and think_tags(tok, None, guided=True) is None
+    assert think_tags(Tokenizer.byte(), "qwen3", guided=True) is None  # no such tokens: the guide holds it all
+
+
+def test_a_guided_chat_thinks_first_then_answers_in_its_grammar():
+    # the engine under SamplingParams.think from the tokenizer's tags, its text through the chat
+    # format: the thinking in reasoning_content, the content inside the regex
+    engine = LLMEngine.from_model("tiny", chunk_size=16)
+    tok = _byte_tokenizer_with_think_tags(engine.tokenizer)
+    start, end = think_tags(tok, "qwen3", guided=True)
+    eos, regex = engine.model_config.eos_token_ids[0], r"[a-z]{3}-\d{2}"
+    fmt = _ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(tok), reasoning_parser="qwen3")
+    for seed in range(3):
+        params = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, guided=Guide("regex", regex),
+                                think=(start, end), logit_bias={start: 10.0, end: 3.0, eos: -100.0})
+        ids = engine.generate([tok.encode("Think: ")], params)[0]
+        assert ids[0] == start and end in ids and ids[-1] == eos, ids
+        message = fmt.whole([_outputs([tok.decode(ids)], "stop")]).choices[0].message
+        assert message.reasoning_content and re.fullmatch(regex, message.content), message
