@@ -211,6 +211,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
+        if params.think is not None and any(t is not None and t >= vocab for t in params.think):
+            raise ValueError(f"think names tokens {params.think}: token ids are in [0, {vocab})")
         # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
         # the others keep the request's id, to collect each step where rank 0 does: inside the next launch)
         guided = params.guided is not None

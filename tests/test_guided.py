@@ -379,8 +379,11 @@ def test_thinking_runs_free_and_the_grammar_holds_what_follows(async_scheduling)
     assert free  # the thinking held what the grammar never allows
 
 
-def test_think_needs_a_guide_and_token_ids():
+def test_think_needs_a_guide_and_token_ids(engine):
     for think, guided in (((1, 2), None), (("<", 2), Guide("regex", "a")), ((1, None), Guide("regex", "a")),
                           ((1, 2, 3), Guide("regex", "a"))):
         with pytest.raises(ValueError, match="think must be"):
             SamplingParams(think=think, guided=guided)
+    with pytest.raises(ValueError, match="token ids are in"):  # past the vocabulary: refused, nothing kept
+        engine.add_request("far", [1, 2], SamplingParams(guided=Guide("regex", "a"), think=(None, 10**6)))
+    assert not engine.has_unfinished()
