@@ -446,10 +446,11 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
-        """tool_choice, its default filled in: `auto` when tools are given, else `none` (OpenAI's)."""
-        if self.tool_choice is not None:
-            return self.tool_choice
-        return "auto" if self.tools else "none"
+        """tool_choice, its default filled in: `auto` when tools are given, else `none` (OpenAI's);
+        `none` without tools whatever it says (no text is read as calls of no tools)."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
 
     @property
     def forced_tool_calls(self) -> bool:

@@ -134,6 +134,7 @@ def test_bad_tool_requests_are_refused(body, match):
 
 def test_tool_choice_defaults_and_guides():
     assert _request().effective_tool_choice == "none" and _request(tools=TOOLS).effective_tool_choice == "auto"
+    assert _request(tools=[], tool_choice="auto").effective_tool_choice == "none"  # no tools: nothing to call
     for choice in ("none", "auto"):
         assert _request(tools=TOOLS, tool_choice=choice).guide is None
     named = _request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}})
