@@ -103,7 +103,8 @@ class SamplingParams:
         if self.think is not None:
             start, end = self.think if isinstance(self.think, tuple) and len(self.think) == 2 else (-1, -1)
             if self.guided is None or not _token_id(end) or not (start is None or _token_id(start)):
-                raise ValueError(f"think must be (start token id or None, end token id) with guided, got {self.think!r}")
+                raise ValueError(f"think must be (start token id or None, end token id) with guided, "
+                                 f"got {self.think!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 
