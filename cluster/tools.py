@@ -17,8 +17,8 @@
 
 ToolOutput turns one choice's text into its message (whole) or into stream deltas. Streamed, a
 named function's arguments go out as they come, each of `required`'s calls once its object
-closes; under `auto` content goes out as it comes until a call may have begun, and the calls when
-the choice ends.
+closes; under `auto` content goes out as it comes until a call may have begun, and each call once
+its parser holds it whole (a hermes block closed; llama3_json's at the end).
 """
 
 from __future__ import annotations
@@ -124,6 +124,9 @@ class ToolCallParser(Protocol):
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         """The whole text -> (content, calls); ([the text], []) where no calls parse."""
 
+    def closed(self, text: str) -> int:
+        """How many of parse's calls the text so far holds whole already (streamed before the end)."""
+
 
 def _arguments(obj: dict, *keys: str) -> str:
     """A call's arguments as JSON text (from the first of keys the object has; an object, or
@@ -137,8 +140,12 @@ def _arguments(obj: dict, *keys: str) -> str:
 
 
 class HermesParser:
+    """<tool_call> blocks after any content: the calls are the blocks that parse, up to the first
+    that does not (the rest dropped); none parsing: the whole text is content. A block left open
+    at the end (cut short) counts if its JSON is whole."""
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
+    _CLOSED = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 
     def start(self, text: str) -> int | None:
         i = text.find(self.START)
@@ -150,19 +157,31 @@ class HermesParser:
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         start = self.start(text)
-        if start is None:
-            return text, []
-        try:
-            calls = []
-            for body in self._BLOCK.findall(text, start):
-                obj = json.loads(body)
-                calls.append(_call(obj["name"], _arguments(obj, "arguments", "parameters")))
-        except (json.JSONDecodeError, KeyError, TypeError):
+        calls = [] if start is None else _block_calls(self._BLOCK.findall(text, start))
+        if not calls:
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
+    def closed(self, text: str) -> int:
+        start = self.start(text)
+        return 0 if start is None else len(_block_calls(self._CLOSED.findall(text, start)))
+
+
+def _block_calls(bodies: list[str]) -> list[dict[str, Any]]:
+    """Hermes blocks' JSON as calls, up to the first that is not one."""
+    calls = []
+    for body in bodies:
+        try:
+            obj = json.loads(body)
+            calls.append(_call(obj["name"], _arguments(obj, "arguments", "parameters")))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+    return calls
+
 
 class Llama3JsonParser:
+    """The whole output JSON calls, `;` between them, after an optional <|python_tag|>; anything
+    else in it: all content. Its calls are known only at the end."""
     TAG = "<|python_tag|>"
 
     def start(self, text: str) -> int | None:
@@ -193,6 +212,10 @@ class Llama3JsonParser:
             return text, []
 
 
+    def closed(self, text: str) -> int:
+        return 0
+
+
 def _skip(text: str, i: int) -> int:
     while i < len(text) and text[i].isspace():
         i += 1
@@ -216,7 +239,8 @@ class ToolOutput:
     - required: each whole item of the array is a call (streamed as its object closes); the
       finish reason is `tool_calls` once the array closes. Cut short, the whole items are the
       calls, and with none the text is content.
-    - auto: the parser's; content streams until a call may begin, the calls go out at the end.
+    - auto: the parser's; content streams until a call may begin, each call once the parser
+      holds it whole (hermes: its block closed; llama3_json: at the end).
     """
 
     def __init__(self, choice: Any, parser: ToolCallParser | None):
@@ -226,8 +250,9 @@ class ToolOutput:
         self.text = ""
         self.sent = 0  # auto: characters of text streamed as content
         self.started = False  # named: the call's first delta went out; auto: calls may have begun (the rest is held)
-        # required: the array scanned, the calls streamed, whether an item that is not a call came
-        self.items, self.calls, self.bad = _ArrayItems(), 0, False
+        self.calls = 0  # required and auto: calls streamed
+        # required: the array scanned, whether an item that is not a call came
+        self.items, self.bad = _ArrayItems(), False
 
     @classmethod
     def of(cls, choice: Any, parser_name: str | None) -> ToolOutput | None:
@@ -274,7 +299,7 @@ class ToolOutput:
         return out, "tool_calls" if self.items.closed else finish
 
     def _step_auto(self, finish: str | None) -> tuple[dict[str, Any], str | None]:
-        out = {}
+        out: dict[str, Any] = {}
         if not self.started:
             start = self.parser.start(self.text)
             self.started = start is not None
@@ -282,12 +307,22 @@ class ToolOutput:
             if self.text[:end].strip() and end > self.sent:  # (leading whitespace waits: none goes before calls)
                 out, self.sent = {"content": self.text[self.sent:end]}, end
         if finish is None:
+            if self.started and self.parser.closed(self.text) > self.calls:  # calls whole already: out now
+                _, calls = self.parser.parse(self.text)
+                out["tool_calls"] = self._new_calls(calls[:self.parser.closed(self.text)])
             return out, None
         content, calls, finish = self.whole(self.text, finish)
         if calls:
-            return {**out, "tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, finish
+            new = self._new_calls(calls)
+            return ({**out, "tool_calls": new} if new else out), finish
         rest = content[self.sent:]  # no calls: all the text is content, the held part too
         return ({"content": out.get("content", "") + rest} if out or rest else {}), finish
+
+    def _new_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The calls past those streamed, as deltas (each whole, with its index)."""
+        new = [{"index": self.calls + i, **c} for i, c in enumerate(calls[self.calls:])]
+        self.calls += len(new)
+        return new
 
 
 def _calls_of(items: list[str]) -> list[dict[str, Any]]:

@@ -221,6 +221,8 @@ def _calls(calls) -> list[tuple[str, dict]]:
      "Sure.\n", [("f", {}), ("g", {"b": 2})]),
     ('  \n<tool_call>{"name": "f", "arguments": {"a": "é"}}', None, [("f", {"a": "é"})]),  # cut short: the last block unclosed
     ("<tool_call>{broken}</tool_call>", "<tool_call>{broken}</tool_call>", []),
+    ('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{oops}</tool_call>'  # calls up to a bad block
+     '<tool_call>{"name": "g", "arguments": {}}</tool_call>', None, [("f", {})]),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),  # no name
     ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
 ])
@@ -249,7 +251,11 @@ STREAM_CASES = {
     "hermes": ["Hello there", "  ", "Sure.\n<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>",
                "<tool_call>{broken}</tool_call> and more", "ends in <tool_ca", "a < b <tool",
                "x<tool_call>{\"name\":\"f\",\"arguments\":{}}</tool_call>\n<tool_call>{\"name\":\"g\",\"arguments\":{}}</tool_call>",
-               "\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}"],
+               "\n\n<tool_call>{\"name\": \"f\", \"arguments\": {}}",
+               "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>{bad}</tool_call>",
+               # a block whose JSON looks whole before its end, then is not: no call for it
+               "<tool_call>{\"name\": \"f\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"g\", "
+               "\"arguments\": {}} tail</tool_call>"],
     "llama3_json": ["The weather", "  {\"name\": \"f\", \"parameters\": {\"a\": 1}}", "<|python_tag|>{\"name\": \"f\", "
                     "\"parameters\": {}}; {\"name\": \"g\", \"parameters\": {}}", "{broken", "<|python", "  \n "],
     "required": ['[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {"s": "}]\\"{"}}]', '[{"name": "f", "para',
@@ -302,6 +308,21 @@ def test_streamed_deltas_add_up_to_the_whole_message(mode, finish):
             assert streamed == (content or ""), (mode, text, pieces)
             assert [tuple(by_index[i]) for i in sorted(by_index)] == [
                 (c["function"]["name"], c["function"]["arguments"]) for c in calls], (mode, text, pieces)
+
+
+def test_auto_streams_each_hermes_call_once_its_block_closes():
+    out = ToolOutput.of("auto", "hermes")
+    assert out.step('Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}', None) == ({"content": "Sure."}, None)
+    delta, _ = out.step("</tool_call>\n<tool_call>", None)
+    assert [(c["index"], c["function"]["name"]) for c in delta["tool_calls"]] == [(0, "f")]
+    delta, finish = out.step('{"name": "g", "arguments": {}}</tool_call>', "stop")
+    assert finish == "tool_calls" and [(c["index"], c["function"]["name"]) for c in delta["tool_calls"]] == [(1, "g")]
+    # a block closing in the same delta as the next one's JSON looks whole: only the closed one
+    out = ToolOutput.of("auto", "hermes")
+    delta, _ = out.step('<tool_call>{"name": "f", "arguments": {}}</tool_call><tool_call>{"name": "g", '
+                        '"arguments": {}}', None)
+    assert [c["function"]["name"] for c in delta["tool_calls"]] == ["f"]
+    assert out.step(" tail</tool_call>", "stop") == ({}, "tool_calls")  # g's block does not parse whole
 
 
 def test_auto_holds_back_what_may_begin_a_call():
