@@ -2,13 +2,14 @@
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
-Known fields whose non-default values we cannot honour (best_of, tools, ...) are a 400 naming the
-field rather than a silently different answer.
+Known fields whose non-default values we cannot honour (best_of, suffix, functions, ...) are a 400
+naming the field rather than a silently different answer.
 
 Structured outputs come in OpenAI's form (`response_format`: json_object, json_schema) and vLLM's
 (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with
 json / regex / choice / grammar / json_object): at most one of them per request, as a
-replicas.guided.Guide in the sampling params.
+replicas.guided.Guide in the sampling params. Chat's `tools` / `tool_choice` (cluster/tools.py)
+make one too where the calls are forced (`required`, a named function).
 """
 
 from __future__ import annotations
