@@ -409,7 +409,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
-        if body.effective_tool_choice == "auto" and body.tools and self.config.tool_call_parser is None:
+        if body.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
             raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server\'s tool_call_parser '
                            'set; send tool_choice "required", a named function or "none"', param="tool_choice")
         prompt = await self._chat_prompt_off_loop(body)

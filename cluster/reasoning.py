@@ -35,7 +35,7 @@ def think_tags(tokenizer, parser: str | None, guided: bool) -> tuple[int | None,
     return (None if parser == "deepseek_r1" else start), end
 
 
-def _held(text: str, tag: str) -> int:
+def held(text: str, tag: str) -> int:
     """Characters at the end of text that may begin tag."""
     longest = min(len(text), len(tag) - 1)
     return next((n for n in range(longest, 0, -1) if tag.startswith(text[-n:])), 0)
@@ -84,7 +84,7 @@ class ReasoningSplit:
             if found >= 0:
                 self.end, self.sent_content = found, found + len(END)
         if self.end < 0:  # still thinking: hold back what may begin `</think>`
-            upto = len(self.text) - (0 if final else _held(self.text, END))
+            upto = len(self.text) - (0 if final else held(self.text, END))
             out, self.sent_reasoning = self.text[self.sent_reasoning:upto], max(self.sent_reasoning, upto)
             return out, ""
         reasoning = self.text[self.sent_reasoning:self.end] if self.sent_reasoning < self.end else ""

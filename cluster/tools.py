@@ -26,12 +26,10 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
+from cluster.reasoning import held
 from replicas.guided import Guide
-
-PARSERS = ("hermes", "llama3_json")  # AppConfig.tool_call_parser
-
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
@@ -102,13 +100,27 @@ class _ArrayItems:
         return items
 
 
-def _item_call(item: str) -> dict[str, Any] | None:
-    """An item of `required`'s array, {"name", "parameters"}, as a call (None: not one)."""
-    try:
-        obj = json.loads(item)
-        return _call(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
+def _item_call(item: str) -> dict[str, Any]:
+    """An item of `required`'s array, {"name", "parameters"}, as a call (raises: not one)."""
+    obj = json.loads(item)
+    return _call(obj["name"], json.dumps(obj["parameters"], ensure_ascii=False))
+
+
+def _block_call(body: str) -> dict[str, Any]:
+    """A hermes block's JSON, {"name", "arguments"} (or "parameters"), as a call (raises: not one)."""
+    obj = json.loads(body)
+    return _call(obj["name"], _arguments(obj, "arguments", "parameters"))
+
+
+def _calls_until_bad(texts: list[str], call_of: Callable[[str], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The texts as calls, up to the first that is not one."""
+    calls = []
+    for text in texts:
+        try:
+            calls.append(call_of(text))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            break
+    return calls
 
 
 # -- parsers for `auto` --------------------------------------------------------------------------
@@ -152,31 +164,18 @@ class HermesParser:
         return None if i < 0 else i
 
     def held(self, text: str) -> int:
-        longest = min(len(text), len(self.START) - 1)
-        return next((n for n in range(longest, 0, -1) if self.START.startswith(text[-n:])), 0)
+        return held(text, self.START)
 
     def parse(self, text: str) -> tuple[str | None, list[dict[str, Any]]]:
         start = self.start(text)
-        calls = [] if start is None else _block_calls(self._BLOCK.findall(text, start))
+        calls = [] if start is None else _calls_until_bad(self._BLOCK.findall(text, start), _block_call)
         if not calls:
             return text, []
         return (text[:start] if text[:start].strip() else None), calls
 
     def closed(self, text: str) -> int:
         start = self.start(text)
-        return 0 if start is None else len(_block_calls(self._CLOSED.findall(text, start)))
-
-
-def _block_calls(bodies: list[str]) -> list[dict[str, Any]]:
-    """Hermes blocks' JSON as calls, up to the first that is not one."""
-    calls = []
-    for body in bodies:
-        try:
-            obj = json.loads(body)
-            calls.append(_call(obj["name"], _arguments(obj, "arguments", "parameters")))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            break
-    return calls
+        return 0 if start is None else len(_calls_until_bad(self._CLOSED.findall(text, start), _block_call))
 
 
 class Llama3JsonParser:
@@ -256,9 +255,12 @@ class ToolOutput:
 
     @classmethod
     def of(cls, choice: Any, parser_name: str | None) -> ToolOutput | None:
-        """The output of a choice under a request's effective tool_choice (None: plain text)."""
-        if choice == "none" or (choice == "auto" and parser_name is None):
+        """The output of a choice under a request's effective tool_choice (None: plain text).
+        `auto` needs a parser (the ingress answers 400 without one)."""
+        if choice == "none":
             return None
+        if choice == "auto" and parser_name is None:
+            raise ValueError('tool_choice "auto" needs a tool_call_parser')
         return cls(choice, parser(parser_name) if choice == "auto" else None)
 
     def whole(self, text: str, finish: str | None) -> tuple[str | None, list[dict[str, Any]], str | None]:
@@ -266,7 +268,7 @@ class ToolOutput:
             return None, [_call(self.named, text)], finish
         if self.required:
             items = _ArrayItems()
-            calls = _calls_of(items.feed(text))
+            calls = _calls_until_bad(items.feed(text), _item_call)
             return (None if calls else text), calls, "tool_calls" if calls and items.closed else finish
         content, calls = self.parser.parse(text)
         return content, calls, "tool_calls" if calls else finish
@@ -288,10 +290,9 @@ class ToolOutput:
 
     def _step_required(self, finish: str | None) -> tuple[dict[str, Any], str | None]:
         items = self.items.feed(self.text)
-        calls = [] if self.bad else _calls_of(items)
+        calls = [] if self.bad else _calls_until_bad(items, _item_call)
         self.bad |= len(calls) < len(items)  # (no calls after it, as in whole)
-        out = {"tool_calls": [{"index": self.calls + i, **c} for i, c in enumerate(calls)]} if calls else {}
-        self.calls += len(calls)
+        out = {"tool_calls": self._indexed(calls)} if calls else {}
         if finish is None:
             return out, None
         if not self.calls:  # not one call: the text is content
@@ -319,18 +320,11 @@ class ToolOutput:
         return ({"content": out.get("content", "") + rest} if out or rest else {}), finish
 
     def _new_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The calls past those streamed, as deltas (each whole, with its index)."""
-        new = [{"index": self.calls + i, **c} for i, c in enumerate(calls[self.calls:])]
-        self.calls += len(new)
-        return new
+        """The calls past those streamed, as deltas (see _indexed)."""
+        return self._indexed(calls[self.calls:])
 
-
-def _calls_of(items: list[str]) -> list[dict[str, Any]]:
-    """Items of `required`'s array as calls, up to one that is not a call (the guide keeps them calls)."""
-    calls = []
-    for item in items:
-        call = _item_call(item)
-        if call is None:
-            break
-        calls.append(call)
-    return calls
+    def _indexed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Calls about to stream, after those streamed, as deltas: each whole, with its index."""
+        out = [{"index": self.calls + i, **c} for i, c in enumerate(calls)]
+        self.calls += len(out)
+        return out

@@ -69,16 +69,16 @@ def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
     try:
         TPWorker(_config(scenario, 2, 1, device)).serve()
     finally:
-        _leave(device, 0)
+        _leave(device)
 
 
-def _leave(device: str, code: int) -> None:
+def _leave(device: str) -> None:
     """End a rank's group. A spawned (CUDA) rank then exits at once, as a forked one does: its
     interpreter's shutdown measured stuck past JOIN_S on the H200s, its work done."""
     if device == "cpu":
         dist.destroy_process_group()
     else:
-        os._exit(code if sys.exc_info()[0] is None else 1)
+        os._exit(0 if sys.exc_info()[0] is None else 1)
 
 
 def _rank0(port: int, scenario: str, out_path: str, device: str = "cpu") -> None:
@@ -96,7 +96,7 @@ def _rank0(port: int, scenario: str, out_path: str, device: str = "cpu") -> None
         with open(out_path, "wb") as f:
             pickle.dump(result, f)
         if dist.is_initialized():
-            _leave(device, 0)
+            _leave(device)
 
 
 # Scenarios: run on rank 0's TPEngine, and on a one-rank LLMEngine for what they should give.

@@ -325,6 +325,12 @@ def test_auto_streams_each_hermes_call_once_its_block_closes():
     assert out.step(" tail</tool_call>", "stop") == ({}, "tool_calls")  # g's block does not parse whole
 
 
+def test_auto_without_a_parser_is_refused_not_read_as_text():
+    with pytest.raises(ValueError, match="needs a tool_call_parser"):
+        ToolOutput.of("auto", None)
+    assert ToolOutput.of("none", None) is None
+
+
 def test_auto_holds_back_what_may_begin_a_call():
     out = ToolOutput.of("auto", "hermes")
     assert out.step("Sure <tool", None) == ({"content": "Sure "}, None)
