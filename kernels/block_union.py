@@ -81,6 +81,10 @@ class BlockUnion:
         blocks = -(-(context_len // chunk_size) // (self.block // chunk_size))
         return context_len >= self.min_context and blocks > self.sink + self.window
 
+    def first_sparse_context(self, chunk_size: int) -> int:
+        """The shortest context after which a piece runs sparse (applies from there on)."""
+        return max(self.min_context, (self.sink + self.window) * self.block + chunk_size)
+
 
 def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
     """Query heads per page list: the largest divisor of the GQA group up to `subgroup`."""

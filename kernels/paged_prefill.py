@@ -38,6 +38,11 @@ class SparsePiece(NamedTuple):
     total: int  # tokens in those chunks (context + n)
 
 
+def _pinned(x: list[int]) -> torch.Tensor:
+    """int32 host tensor, page-locked: FlashInfer's plan copies it to the device without blocking."""
+    return torch.tensor(x, dtype=torch.int32).pin_memory()
+
+
 def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether FlashInfer's prefill can serve a pool of this dtype and head size on `device`."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128, 256) \
@@ -92,14 +97,11 @@ class FlashInferPrefill:
             lens.append(total)
         # Host index arrays pinned and the page list on the device, so that planning does not
         # wait for the steps already queued (FlashInfer copies them without blocking from there)
-        def pinned(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32).pin_memory()
-
         self._turn ^= 1
         self._wrappers[self._turn].plan(
-            pinned(qo), pinned(kv), pinned(pages).to(self.device, non_blocking=True), pinned(last),
+            _pinned(qo), _pinned(kv), _pinned(pages).to(self.device, non_blocking=True), _pinned(last),
             self.num_q_heads, self.num_kv_heads, self.head_dim, c, causal=True, sm_scale=self.sm_scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
+            q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=_pinned(lens))
         self._rows = qo[-1]
         return self._rows
 
@@ -129,13 +131,10 @@ class FlashInferPrefill:
         if pages.dtype != torch.int32 or pages.numel() != kv[-1]:
             raise ValueError(f"the page lists hold {kv[-1]} int32 pages, got {pages.numel()} {pages.dtype}")
 
-        def pinned(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int32).pin_memory()
-
         self._sparse_turn ^= 1
         self._sparse[self._sparse_turn].plan(
-            pinned(qo), pinned(kv), pages, pinned(last), self.num_q_heads // e, 1, self.head_dim, c, causal=True,
-            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=pinned(lens))
+            _pinned(qo), _pinned(kv), pages, _pinned(last), self.num_q_heads // e, 1, self.head_dim, c, causal=True,
+            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=_pinned(lens))
         self._sparse_rows = [(n, e) for n, _, _ in pieces]
         self.sparse_pages_planned = kv[-1]
 

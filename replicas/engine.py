@@ -88,10 +88,10 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.sparse_prefill, dict):
             object.__setattr__(self, "sparse_prefill", BlockUnion(**self.sparse_prefill))
-        if self.sparse_prefill is not None:
-            self.sparse_prefill.check_chunk_size(self.chunk_size)
         if self.chunk_size not in (16, 32, 64, 128):
             raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {self.chunk_size}")
+        if self.sparse_prefill is not None:
+            self.sparse_prefill.check_chunk_size(self.chunk_size)
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -126,11 +126,10 @@ class Guides:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
         xgr = _xgrammar()
-        self.vocab_size = vocab_size
-        self.stop_token_ids = tuple(t for t in stop_token_ids if 0 <= t < vocab_size)
-        if not self.stop_token_ids:
+        stop_ids = tuple(t for t in stop_token_ids if 0 <= t < vocab_size)
+        if not stop_ids:
             raise ValueError("guided decoding needs an end-of-text token in the vocabulary")
-        self._info = _tokenizer_info(xgr, tokenizer, vocab_size, self.stop_token_ids)
+        self._info = _tokenizer_info(xgr, tokenizer, vocab_size, stop_ids)
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=8, cache_enabled=False)
         self._compiled: OrderedDict[Guide, xgrammar.CompiledGrammar] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # compile() runs in the replica's threads, matcher() in the step's
@@ -179,10 +178,8 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
     """[len(matchers), W] int32 on the host (pinned: page-locked, for an asynchronous copy): bit
     t % 32 of word t // 32 set where token t may come next in that matcher's grammar; after its
     end (a request that ignores EOS goes on) the stop tokens only. The matchers are filled on
-    xgrammar's threads (BatchGrammarMatcher). Measured, 256 rows over a 128256-token vocabulary:
-    inside a JSON string 43 ms in one thread and 41 batched on a 2-core CPU, a regex 1.0 and
-    0.27 ms; on the H200 host the engine's steps did not change measurably (replicas.bench
-    --guided)."""
+    xgrammar's threads (BatchGrammarMatcher; the step times it gives are in the README,
+    replicas.bench --guided)."""
     mask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
     live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
     if live:

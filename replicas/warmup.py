@@ -60,7 +60,7 @@ def warmup(engine) -> dict:
     outs += engine.generate(lone, SamplingParams(max_tokens=_DECODE_STEPS, ignore_eos=True, **_KINDS[-1]))
     sparse = cfg.sparse_prefill
     if sparse is not None:  # a context past min_context and past the blocks always kept, then a piece
-        n = max(sparse.min_context, (sparse.sink + sparse.window + 1) * sparse.block) + cfg.max_num_batched_tokens + 1
+        n = sparse.first_sparse_context(c) + cfg.max_num_batched_tokens + 1
         if n <= longest and n + 2 * c <= engine.pool.num_chunks * c:
             outs += engine.generate([[token(31 * j + 5) for j in range(n)]], SamplingParams(max_tokens=1))
     engine.reset_counters()

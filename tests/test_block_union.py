@@ -99,7 +99,9 @@ def test_chunk_key_means_kernel_is_the_mean_of_each_chunks_keys(c, d):
     torch.testing.assert_close(means[:, chunks], kv[:, 0, chunks].float().mean(3))
     others = [i for i in range(40) if i not in (7, 0, 39, 12)]
     assert (means[:, others] == -9).all()
-    block_union.chunk_key_means(kv[:, 0], chunks[:0], means)  # nothing filled: nothing launched
+    before = means.clone()
+    block_union.chunk_key_means(kv[:, 0], chunks[:0], means)  # nothing filled: nothing changes
+    assert torch.equal(means, before)
 
 
 def test_subgroup_size():
@@ -194,6 +196,11 @@ def test_config_is_checked():
     assert not cfg.applies(99, 16)  # short context
     assert not cfg.applies(100, 16) and not cfg.applies(111, 16)  # 3 blocks: sink and window keep them all
     assert cfg.applies(112, 16)  # 7 chunks: 4 blocks
+    assert cfg.first_sparse_context(16) == 112
+    for cfg, c in ((BlockUnion(min_context=0, block=128, sink=1, window=4), 64), (BlockUnion(min_context=5000), 16),
+                   (BlockUnion(min_context=100, block=32, sink=0, window=1), 32)):
+        first = cfg.first_sparse_context(c)  # where applies turns on, and stays
+        assert not cfg.applies(first - 1, c) and all(cfg.applies(first + i, c) for i in range(0, 400, 7))
 
 
 def _random_mask(rng, e, used, context_chunks):

@@ -166,7 +166,7 @@ def test_the_random_model_alone_follows_no_grammar(engine):
 def _passes(check, text) -> bool:
     try:
         return check(text)
-    except (ValueError, AssertionError, TypeError):
+    except (ValueError, TypeError):
         return False
 
 
@@ -197,12 +197,12 @@ def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
 
     engine, alone = run(False, async_scheduling)
     engine, mixed = run(True, async_scheduling)
-    _, sync = run(True, False)
     for i in range(3):
         assert mixed[f"free{i}"] == alone[f"free{i}"]
     assert CASES["json_compact"][1](_text(engine, mixed["json"]))
     assert _text(engine, mixed["choice"]) in CHOICES
-    assert dict(mixed) == dict(sync)
+    if async_scheduling:  # (the sync run would repeat itself)
+        assert dict(mixed) == dict(run(True, False)[1])
     assert not engine._guided  # every guided request gone with its end
 
 
