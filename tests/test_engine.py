@@ -318,6 +318,9 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny, tmp_path):
         LLMEngine.from_model(str(bad))
     with pytest.raises(ValueError, match="unknown engine option"):
         LLMEngine.from_model("tiny", chunk_sise=64)
+    for bad_chunk in (0, 48):  # the chunk size named, before the sparse block is checked against it
+        with pytest.raises(ValueError, match="chunk_size must be"):
+            EngineConfig(model="tiny", chunk_size=bad_chunk, sparse_prefill=dict(block=128))
 
 
 def test_sampling_seeded_stop_and_abort(tiny):
