@@ -1,0 +1,91 @@
+"""PNG plots of load-test reports (matplotlib, imported only here): latency CDFs, a sweep's
+throughput and TTFT against the offered rate, each replica's share of the requests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _label(run: dict) -> str:
+    rate = run.get("request_rate")
+    return f"{run.get('label') or ''} {'inf' if rate in (None, 'inf') else f'{rate:g}'} req/s".strip()
+
+
+def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
+    """Plots of runs (reports with detail) into directory out; returns the files written."""
+    plt = _plt()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for run in runs:
+        recs = [r for r in run.get("records", []) if r["error_kind"] is None and r["e2el"] is not None]
+        ttft = np.sort([r["ttft"] * 1e3 for r in recs])
+        tpot = np.sort([(r["e2el"] - r["ttft"]) / (r["output_tokens"] - 1) * 1e3 for r in recs
+                        if (r["output_tokens"] or 0) > 1])
+        for ax, xs in zip(axes, (ttft, tpot)):
+            if xs.size:
+                ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=_label(run))
+    for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
+        ax.set_xlabel(name)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out / "latency_cdf.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+
+    rated = [r for r in runs if isinstance(r.get("request_rate"), (int, float))]
+    if len(rated) > 1:
+        rated.sort(key=lambda r: r["request_rate"])
+        rates = [r["request_rate"] for r in rated]
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        axes[0].plot(rates, [r["request_throughput"] for r in rated], "o-", label="completed")
+        axes[0].plot(rates, rates, ":", color="gray", label="offered")
+        axes[0].set_ylabel("requests / s")
+        axes[1].plot(rates, [r["median_ttft_ms"] for r in rated], "o-", label="TTFT p50")
+        p99 = next((k for k in rated[0] if k.startswith("p99_ttft")), None)
+        if p99:
+            axes[1].plot(rates, [r[p99] for r in rated], "s--", label="TTFT p99")
+        axes[1].set_ylabel("ms")
+        axes[1].set_yscale("log")
+        for ax in axes:
+            ax.set_xlabel("offered request rate (req/s)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        written.append(out / "sweep.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+
+    replicas = sorted({rep for run in runs for rep in run.get("replicas", {})})
+    if replicas:
+        fig, ax = plt.subplots(figsize=(max(5, len(replicas) * 0.8 + 3), 4))
+        width = 0.8 / len(runs)
+        for k, run in enumerate(runs):
+            total = sum(v["requests"] for v in run["replicas"].values()) or 1
+            share = [run["replicas"].get(rep, {"requests": 0})["requests"] / total for rep in replicas]
+            ax.bar(np.arange(len(replicas)) + k * width, share, width, label=_label(run))
+        ax.set_xticks(np.arange(len(replicas)) + width * (len(runs) - 1) / 2)
+        ax.set_xticklabels([rep[-8:] for rep in replicas], rotation=30, fontsize=7)
+        ax.set_ylabel("share of requests")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / "replica_share.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written

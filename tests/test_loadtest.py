@@ -1,0 +1,286 @@
+"""The load test's parts without a cluster: workloads, arrivals, rendering, the report, the
+command line's errors, and runs against servers that refuse, hang or stub (real HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+
+from cluster.loadtest import workloads as wl
+from cluster.loadtest.cli import main
+from cluster.loadtest.client import ClientOptions, run_client
+from cluster.loadtest.metrics import Slo, summarize
+from cluster.loadtest.render import Renderer, Request
+
+GENERATORS = {
+    "gsp": wl.Gsp(num_groups=4, prompts_per_group=5, system_prompt_len=64, question_len=8, output_len=4),
+    "tenants": wl.Tenants(num_tenants=4, prompt_len=64, turns=3, turn_len=8, output_len=4, active_sessions=5),
+    "prefix_repetition": wl.PrefixRepetition(prefix_len=32, suffix_len=8, num_prefixes=3, output_len=4),
+    "random": wl.Random_(input_len=32, output_len=4, range_ratio=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_workloads_are_deterministic_under_a_seed(name):
+    gen = GENERATORS[name]
+    a, b, c = gen.specs(1, 40), gen.specs(1, 40), gen.specs(2, 40)
+    assert a == b
+    assert a != c
+    assert [s.index for s in a] == list(range(40))
+    r = Renderer("tokens", seed=1)
+    assert [r.request(s) for s in a] == [Renderer("tokens", seed=1).request(s) for s in b]
+    # another content seed: the same structure, other tokens
+    assert [r.request(s).prompt for s in a] != [Renderer("tokens", seed=2).request(s).prompt for s in a]
+
+
+def test_gsp_is_groups_of_a_shared_system_prompt_and_own_questions():
+    gen = wl.Gsp(num_groups=3, prompts_per_group=4, system_prompt_len=50, question_len=7, output_len=9)
+    specs = gen.specs(0)
+    assert len(specs) == 12 and all(s.max_tokens == 9 for s in specs)
+    r = Renderer("tokens", seed=0)
+    by_group: dict = {}
+    for s in specs:
+        ids = r.request(s).prompt
+        assert len(ids) == 57 == s.prompt_len
+        by_group.setdefault(s.tenant, []).append(ids)
+    assert sorted(map(len, by_group.values())) == [4, 4, 4]
+    for prompts in by_group.values():
+        assert len({tuple(p[:50]) for p in prompts}) == 1  # one system prompt per group
+        assert len({tuple(p[50:]) for p in prompts}) == 4  # a question each
+    assert len({tuple(p[0][:50]) for p in by_group.values()}) == 3  # the groups' prompts differ
+    assert [s.tenant for s in specs] != sorted(s.tenant for s in specs)  # interleaved
+
+
+def test_tenants_sessions_resend_their_conversation():
+    gen = wl.Tenants(num_tenants=5, prompt_len=40, zipf=1.5, turns=3, turn_len=6, output_len=5, active_sessions=4)
+    specs = gen.specs(3, 300)
+    r = Renderer("tokens", seed=0)
+    by_index = {s.index: s for s in specs}
+    sessions: dict = {}
+    for s in specs:
+        sessions.setdefault(s.session, []).append(s)
+    for turns in sessions.values():
+        assert [t.turn for t in turns] == list(range(len(turns)))  # each turn once, in order
+        assert len(turns) <= 3 and len({t.tenant for t in turns}) == 1
+        assert turns[0].after is None
+        for prev, nxt in zip(turns, turns[1:]):
+            assert nxt.after == prev.index and by_index[nxt.after] is prev
+            # the next turn resends the previous prompt, the reply, then a new user turn
+            assert nxt.turns[:len(prev.turns)] == prev.turns
+            assert [role for role, _ in nxt.turns[len(prev.turns):]] == ["assistant", "user"]
+            assert nxt.prompt_len == prev.prompt_len + 5 + 6
+            p, n = r.request(prev).prompt, r.request(nxt).prompt
+            assert n[:len(p)] == p
+    # every session opens with its tenant's system prompt; Zipf: tenant 0 the most popular
+    systems = {s.tenant: s.turns[0] for s in specs}
+    assert all(role == "system" for role, _ in systems.values()) and len(set(systems.values())) == len(systems)
+    counts = Counter(s.tenant for s in specs if s.turn == 0)
+    assert counts.most_common(1)[0][0] == "t0"
+
+
+def test_prefix_repetition_and_random_share_what_they_promise():
+    specs = wl.PrefixRepetition(prefix_len=16, suffix_len=4, num_prefixes=3).specs(0, 30)
+    r = Renderer("tokens", seed=0)
+    prompts = [r.request(s).prompt for s in specs]
+    assert len({tuple(p[:16]) for p in prompts}) == 3 and len({tuple(p[16:]) for p in prompts}) == 30
+    assert Counter(s.tenant for s in specs) == {"p0": 10, "p1": 10, "p2": 10}
+    rnd = wl.Random_(input_len=20, output_len=6, range_ratio=0.5).specs(0, 50)
+    lens = [s.prompt_len for s in rnd]
+    assert min(lens) >= 10 and max(lens) <= 30 and len(set(lens)) > 3
+    assert len({tuple(r.request(s).prompt[:8]) for s in rnd}) == 50  # nothing shared
+    shared = wl.Random_(input_len=8, prefix_len=12).specs(0, 5)
+    assert len({tuple(r.request(s).prompt[:12]) for s in shared}) == 1
+
+
+def test_arrivals_poisson_and_gamma():
+    a = wl.poisson_offsets(4000, 20.0, seed=1)
+    assert a == wl.poisson_offsets(4000, 20.0, seed=1) and a[0] == 0.0
+    gaps = [y - x for x, y in zip(a, a[1:])]
+    assert abs(len(gaps) / a[-1] - 20.0) < 1.5  # mean rate
+    cv = (sum((g - a[-1] / len(gaps)) ** 2 for g in gaps) / len(gaps)) ** 0.5 / (a[-1] / len(gaps))
+    assert 0.9 < cv < 1.1  # exponential gaps: cv 1
+    bursty = wl.poisson_offsets(4000, 20.0, burstiness=0.25, seed=1)
+    bgaps = [y - x for x, y in zip(bursty, bursty[1:])]
+    bmean = sum(bgaps) / len(bgaps)
+    assert (sum((g - bmean) ** 2 for g in bgaps) / len(bgaps)) ** 0.5 / bmean > 1.6  # cv 1 / sqrt(0.25) = 2
+    assert wl.poisson_offsets(3, math.inf) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="rate must be > 0"):
+        wl.poisson_offsets(3, 0.0)
+
+
+def test_trace_loading_and_replay(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "hello", "max_tokens": 3, "timestamp": 10.5, "tenant": "a"}\n\n'
+                 '{"prompt": [1, 2, 3], "timestamp": 11.0}\n'
+                 '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "timestamp": 12.25}\n')
+    specs = wl.load_trace(f, default_max_tokens=7)
+    assert [s.max_tokens for s in specs] == [3, 7, 2]
+    assert wl.Arrivals(replay=True).offsets(specs) == [0.0, 0.5, 1.75]
+    r = Renderer("tokens")
+    reqs = [r.request(s) for s in specs]
+    assert reqs[0].prompt == "hello" and reqs[0].tenant == "a" and reqs[0].path == "/v1/completions"
+    assert reqs[1].prompt == [1, 2, 3]
+    assert reqs[2].messages == [{"role": "user", "content": "hi"}] and reqs[2].path == "/v1/chat/completions"
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "t.jsonl:2: not JSON"),
+    ('{"prompt": ""}', "t.jsonl:2: prompt must be non-empty"),
+    ('{"prompt": "a", "messages": []}', "exactly one of prompt and messages"),
+    ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be a positive integer"),
+    ('{"prompt": "a", "colour": 1}', "unknown field"),
+    ('{"prompt": [1, -2]}', "list of token ids"),
+    ('{"messages": [{"role": "user"}]}', "messages must be"),
+    ('{"prompt": "a", "timestamp": 0.5}', "timestamps must not decrease"),
+    ('[1, 2]', "must be a JSON object"),
+])
+def test_a_malformed_trace_line_is_named(tmp_path, line, message, capsys):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "ok", "timestamp": 1}\n' + line + "\n")
+    with pytest.raises(wl.TraceError, match=message.replace("[", r"\[")):
+        wl.load_trace(f)
+    with pytest.raises(SystemExit) as e:
+        main(["--dataset", str(f), "--url", "http://127.0.0.1:1"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--request-rate", "0"], "--request-rate: the value must be > 0"),
+    (["--request-rate", "-3"], "must be > 0"),
+    (["--request-rate", "fast"], "must be a number"),
+    (["--workload", "nope"], "invalid choice: 'nope'"),
+    (["--sweep", "1,0"], "every sweep rate must be > 0"),
+    (["--num-prompts", "0"], "must be > 0"),
+    (["--goodput", "ttft:x"], "goodput ttft must be a positive number"),
+    (["--goodput", "latency:3"], "goodput takes ttft"),
+    (["--search-goodput", "90"], "--search-goodput needs --goodput"),
+    (["--clients", "2"], "give --address"),
+    (["--url", "localhost:8000"], "must start with http://"),
+    (["--token-range", "9:3"], "0 <= LO < HI"),
+    (["--replay"], "--replay takes a --dataset"),
+    (["--dataset", "/nonexistent/trace.jsonl"], "cannot read the trace"),
+])
+def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_slo_parse_and_units():
+    assert Slo.parse("ttft:2,tpot:50") == Slo(2.0, 50.0, None)
+    assert Slo.parse("ttft:500ms tpot:0.05s e2el:10") == Slo(0.5, 50.0, 10.0)
+    with pytest.raises(ValueError, match="twice"):
+        Slo.parse("ttft:1,ttft:2")
+
+
+def test_the_command_as_a_module_exits_2_on_bad_input():
+    p = subprocess.run([sys.executable, "-m", "cluster.loadtest", "--request-rate", "0"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "must be > 0" in p.stderr
+
+
+def test_a_dead_url_ends_with_errors_within_its_limit(tmp_path, capsys):
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    out = tmp_path / "r.jsonl"
+    t0 = time.monotonic()
+    code = main(["--url", f"http://127.0.0.1:{port}", "--num-prompts", "12", "--request-rate", "50",
+                 "--max-duration", "20", "--no-progress", "--save-result", str(out)])
+    assert time.monotonic() - t0 < 20
+    assert code == 1
+    report = json.loads(out.read_text().splitlines()[0])
+    assert report["completed"] == 0 and report["failed"] == 12
+    assert report["errors_by_kind"] == {"connect": 12}
+    assert len(report["records"]) == 12 and all(r["error"] for r in report["records"])
+    assert "no request completed" in capsys.readouterr().err
+
+
+class _Hanging:
+    """A TCP server that accepts and reads, and never answers."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.ready.wait(10)
+
+    def _run(self):
+        async def handle(reader, writer):
+            await reader.read(1 << 20)
+            await asyncio.sleep(3600)
+
+        async def start():
+            self.server = await asyncio.start_server(handle, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+            self.ready.set()
+
+        self.loop.run_until_complete(start())
+        self.loop.run_forever()
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_server_that_stops_answering_gives_errors_not_a_hang():
+    server = _Hanging()
+    try:
+        reqs = [Request(i, 4, prompt=[1, 2, 3]) for i in range(6)]
+        t0 = time.monotonic()
+        res = asyncio.run(run_client(reqs, [0.0, 0.0, 0.1, 0.2, 5.0, 6.0], [f"http://127.0.0.1:{server.port}"],
+                                     ClientOptions(request_timeout=60), max_duration=1.5))
+        assert time.monotonic() - t0 < 10
+    finally:
+        server.close()
+    kinds = Counter(r.error_kind for r in res.records)
+    assert kinds == {"cancelled": 4, "not_sent": 2}
+    report = summarize([res])
+    assert report["completed"] == 0 and report["failed"] == 6
+    # and a request's own timeout, well inside the run's
+    server = _Hanging()
+    try:
+        res = asyncio.run(run_client([Request(0, 4, prompt=[1])], [0.0], [f"http://127.0.0.1:{server.port}"],
+                                     ClientOptions(request_timeout=0.5), max_duration=30))
+    finally:
+        server.close()
+    assert res.records[0].error_kind == "timeout" and res.duration < 10
+
+
+def test_client_capacity_against_a_stub_endpoint():
+    from cluster.loadtest.capacity import measure
+
+    got = measure(tokens=16, concurrency=8, seconds=1.0)
+    assert got["completed"] > 20 and got["client_max_request_rate"] > 20
+    assert got["client_max_chunks_per_s"] >= 16 * got["client_max_request_rate"]
+
+
+def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
+    from cluster.loadtest.capacity import stub_server
+
+    out, plots = tmp_path / "r.jsonl", tmp_path / "plots"
+    with stub_server(tokens=5) as url:
+        code = main(["--url", url, "--prompt-format", "tokens", "--model", "stub", "--workload", "random",
+                     "--num-prompts", "20", "--random-input-len", "8", "--sweep", "50,100", "--no-progress",
+                     "--save-result", str(out), "--plot", str(plots), "--label", "stub"])
+    assert code == 0
+    *runs, summary = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["request_rate"] for r in runs] == [50, 100] and all(r["completed"] == 20 for r in runs)
+    assert all(r["output_lens"] == [5] * 20 and r["replicas"]["stub"]["requests"] == 20 for r in runs)
+    assert summary["sweep"]["at_request_rate"] in (50, 100)
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(printed) == 3 and "records" not in printed[0]  # stdout: the reports without their lists
+    for name in ("latency_cdf.png", "sweep.png", "replica_share.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
