@@ -22,6 +22,20 @@ on, KV chunks in use, decode plans built).
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
+
+Under live traffic (--request-rate: requests arrive as a Poisson stream, the engine stepping
+as a replica does, adding each request at the first step boundary after it arrives):
+
+    python -m replicas.bench --model llama3-8b --backend triton --prefix 2048 --suffix 64 \
+        --max-tokens 128 --request-rate 8,24,64 --requests 512 --warmup
+
+prints per rate the request throughput, TTFT and TPOT (mean, p50, p99; TTFT from the arrival),
+normalized latency (E2EL / output tokens), decode-only steps and how many ran from a CUDA graph,
+host ms a step, and decode plans built. --groups G gives G distinct shared prefixes (SGLang's
+gsp), the requests of the groups interleaved. The arrival times are cluster.loadtest's for the
+same rate and seed (a gamma process of shape 1), so the whole stack can be driven with the same
+schedule: `python -m cluster.loadtest --workload gsp --gsp-num-groups G --gsp-prompts-per-group
+N/G --gsp-system-prompt-len 2048 --gsp-question-len 64 --gsp-output-len 128 --request-rate R`.
 """
 
 from __future__ import annotations
@@ -51,7 +65,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
                         async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill,
-                        sparse_prefill=_sparse(args))
+                        sparse_prefill=_sparse(args), enable_prefix_sharing=args.prefix_sharing)
 
 
 def _sparse(args: argparse.Namespace) -> BlockUnion | None:
@@ -125,6 +139,97 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             **{k: v for k, v in s.items() if k.startswith("sparse_")}, **warmed}
 
 
+def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
+    """n arrival times (s) of a Poisson stream: cluster.loadtest.workloads.poisson_offsets's
+    (burstiness 1), written again here: replicas sits below cluster and never imports it."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.gammavariate(1.0, 1.0 / rate)
+    return out
+
+
+def _pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return 0.0
+    k = (len(xs) - 1) * p / 100
+    lo = int(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
+def _ms(name: str, xs: list[float]) -> dict:
+    return {f"mean_{name}_ms": round(1e3 * sum(xs) / max(1, len(xs)), 2),
+            f"median_{name}_ms": round(1e3 * _pct(xs, 50), 2), f"p99_{name}_ms": round(1e3 * _pct(xs, 99), 2)}
+
+
+def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -> dict:
+    """Requests arriving as a Poisson stream at `rate` a second, the engine stepped as a replica
+    steps it: each request added at the first step boundary after its arrival."""
+    engine.reset_counters()
+    rng = random.Random(1000 + run_index)  # fresh prompts each run: none finds the last run's cached
+    groups = max(1, args.groups)
+    prefixes = [[rng.randrange(256) for _ in range(args.prefix)] for _ in range(groups)]
+    order = [i % groups for i in range(args.requests)]
+    random.Random(run_index).shuffle(order)
+    prompts = [prefixes[g] + [rng.randrange(256) for _ in range(args.suffix)] for g in order]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True)
+    offsets = poisson_offsets(args.requests, rate, args.seed)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    arrival, first, last, count = {}, {}, {}, {}
+    steps_s, batch_sizes = [], []
+    sync()
+    t0 = time.perf_counter()
+    wait0 = engine.runner.wait_s
+    nxt = 0
+    while nxt < args.requests or engine.has_unfinished():
+        now = time.perf_counter() - t0
+        while nxt < args.requests and offsets[nxt] <= now:
+            rid = str(nxt)
+            engine.add_request(rid, prompts[nxt], params)
+            arrival[rid] = t0 + offsets[nxt]
+            nxt += 1
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, offsets[nxt] - (time.perf_counter() - t0)))
+            continue
+        s0 = time.perf_counter()
+        outs = engine.step()
+        t = time.perf_counter()
+        steps_s.append(t - s0)
+        batch_sizes.append(engine.stats()["last_decode_batch"])
+        for out in outs:
+            first.setdefault(out.request_id, t)
+            last[out.request_id] = t
+            count[out.request_id] = out.output_tokens
+    sync()
+    wall = time.perf_counter() - t0
+    done = list(arrival)
+    ttft = [first[r] - arrival[r] for r in done]
+    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in done if count[r] > 1]
+    norm = [(last[r] - arrival[r]) / count[r] for r in done]
+    s = engine.stats()
+    graphs = engine.runner.graphs
+    replays = graphs.replays if graphs else 0
+    return {"bench": "engine_poisson", "model": args.model, "backend": engine.attention.backend,
+            "device": str(engine.device), "async_scheduling": engine.async_scheduling, "request_rate": rate,
+            "requests": args.requests, "groups": groups, "prefix": args.prefix, "suffix": args.suffix,
+            "max_tokens": args.max_tokens, "duration": round(wall, 3),
+            "request_throughput": round(len(done) / wall, 3),
+            "output_throughput": round(sum(count.values()) / wall, 1), "total_output_tokens": sum(count.values()),
+            **_ms("ttft", ttft), **_ms("tpot", tpot), **_ms("norm_latency", norm),
+            "steps": s["steps"], "decode_steps": s["decode_steps"], "graph_replays": replays,
+            # decode-only steps that ran from a CUDA graph (a replay is one decode-only step)
+            "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
+            "graph_captures": graphs.captures if graphs else 0, "plan_builds": engine.attention.plan_builds,
+            "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
+            "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
+            "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
+            "max_decode_batch": s["max_decode_batch"], "cached_prompt_tokens": s["cached_prompt_tokens"],
+            "prompt_tokens": s["prompt_tokens"], "preemptions": s["preemptions"],
+            "prefix_sharing": engine.config.enable_prefix_sharing, "max_kv_chunks_used": s["max_kv_chunks_used"]}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m replicas.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
@@ -161,7 +266,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
+    ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
+                    help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
+    ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")
+    ap.add_argument("--requests", type=int, default=256, help="with --request-rate: requests per rate")
+    ap.add_argument("--groups", type=int, default=1, help="with --request-rate: distinct shared prefixes")
+    ap.add_argument("--seed", type=int, default=0, help="with --request-rate: the arrival times' seed")
     args = ap.parse_args(argv)
+    if args.request_rate is not None:
+        rates = [float(r) for r in args.request_rate.split(",")]
+        if not rates or min(rates) <= 0 or args.requests < 1 or args.tp != 1:
+            ap.error("--request-rate takes rates > 0, --requests >= 1, one GPU (no --tp)")
+        args.batch = max(args.batch, args.requests)  # max_num_seqs: the engine admits all it can hold
+        for backend in args.backend or ["auto"]:
+            engine = LLMEngine(_config(args, backend))
+            warmed = warmup(engine) if args.warmup else {}
+            for k, rate in enumerate(rates):
+                print(json.dumps({**run_poisson(args, engine, rate, k), **warmed}), flush=True)
+            del engine
+            _release()
+        return
     if args.tp > 1:
         from replicas.parallel import free_port
 

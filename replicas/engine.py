@@ -169,7 +169,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         self._counters = dict.fromkeys(
             ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
-             "finished_requests", "steps", "max_decode_batch", "last_decode_batch"), 0)
+             "finished_requests", "steps", "decode_steps", "max_decode_batch", "last_decode_batch",
+             "max_kv_chunks_used"), 0)
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -314,8 +315,11 @@ class LLMEngine:
     def _count_step(self, batch) -> None:
         c = self._counters
         c["steps"] += 1
+        c["decode_steps"] += not batch.prefills  # decode-only steps: the ones a CUDA graph may run
         c["last_decode_batch"] = len(batch.decodes)
         c["max_decode_batch"] = max(c["max_decode_batch"], len(batch.decodes))
+        used = self.pool.num_chunks - self.pool.num_free - self.tree.num_cached  # held by live sequences
+        c["max_kv_chunks_used"] = max(c["max_kv_chunks_used"], used)
         # prompt positions among the tokens that just ran: a decode row's one token is the
         # prompt's last when the row had nothing but it left to compute (its first output)
         # (a row that finished while the step ran, async_scheduling, computed no prompt token)

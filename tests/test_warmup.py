@@ -21,7 +21,8 @@ def test_a_warmed_engine_is_idle_counts_nothing_and_generates_as_a_fresh_one(asy
     assert not engine.has_unfinished() and s["running"] == s["waiting"] == s["kv_chunks_used"] == 0
     assert s["kv_chunks_cached"] > 0  # its prompts' chunks stay in the prefix cache, evictable
     counted = ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
-               "finished_requests", "steps", "max_decode_batch", "last_decode_batch", "preemptions")
+               "finished_requests", "steps", "decode_steps", "max_decode_batch", "last_decode_batch", "max_kv_chunks_used",
+               "preemptions")
     assert {k: s[k] for k in counted} == dict.fromkeys(counted, 0)
     assert engine.attention.plan_builds == 0
     engine.check()
