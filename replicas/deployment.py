@@ -1,28 +1,31 @@
-"""LLMReplica: the Serve deployment around one LLMEngine.
+"""LLMReplica: the Serve deployment around one engine, which runs in a process of its own.
 
-One replica = one engine + one step loop. Every request the replica holds is a sequence in that
-engine, so each `engine.step()` batches all of them (continuous batching across HTTP requests).
+One replica = one engine process (replicas/engine_process.py) + this front. Every request the
+replica holds is a sequence in that engine, so each step batches all of them (continuous
+batching across HTTP requests). The engine process steps back to back while it has work, so
+nothing this process does (Serve's plumbing, streaming, the event loop) takes the interpreter
+from it:
 
-    generate(req) ──add──▶ inbox ──▶ step loop: apply inbox, step() in the engine thread ──┐
-         ▲                                                                            │
-         └──────────── per-request queue of RequestOutput ◀──── dispatch ──────────────┘
+    generate(req) ──add──▶ pipe ──▶ engine process: adds and aborts between steps, step() ──┐
+         ▲                                                                              │
+         └── per-request queue of RequestOutput ◀── on_step (one message a step) ◀──────┘
 
-The engine is touched only by the step loop: `step()` runs in one dedicated thread (it blocks for
-a whole forward pass) while the event loop keeps serving; adds and aborts wait in the inbox and are
-applied on the event loop between two steps, so they never race a step. A request whose caller
-goes away (client disconnect: Serve cancels the generator) is aborted, which frees its chunks.
+A request whose caller goes away (client disconnect: Serve cancels the generator), or that a
+stop string ended, is aborted in the engine, which frees its chunks. The engine's stats and its
+cache digest for the router come with its step messages.
 
-With tensor_parallel_size n > 1 the replica is rank 0 of n (replicas/parallel.py): it starts ranks
-1 .. n-1 as Ray actors in its placement group's other bundles (build_app asks for n bundles, one
-GPU each, on one node), and its engine is a TPEngine that drives them through every step.
+With tensor_parallel_size n > 1 the engine process is rank 0 of n (replicas/parallel.py): the
+replica starts ranks 1 .. n-1 as Ray actors in its placement group's other bundles (build_app
+asks for n bundles, one GPU each, on one node), and its engine process, a TPEngine, drives them
+through every step.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import ray
@@ -31,87 +34,71 @@ from ray.serve import metrics
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.protocol import GenerateOutput, GenerateRequest
-from replicas.engine import EngineConfig, LLMEngine, RequestOutput
-from replicas.model import IncrementalDetokenizer, Tokenizer
-from replicas.parallel import TPEngine, TPWorker, free_port, init_group, worker_config
-from replicas.sequence import SamplingParams
-from replicas.warmup import warmup
-
-
-@dataclass
-class _Add:
-    request_id: str
-    prompt: tuple[int, ...]
-    params: SamplingParams
-
-
-@dataclass
-class _Abort:
-    request_id: str
+from replicas.engine import EngineConfig, RequestOutput
+from replicas.engine_process import EngineDied, EngineProcess
+from replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
+from replicas.parallel import TPWorker, free_port, init_group, worker_config
 
 
 @dataclass
 class _Stream:
     """The event-loop side of one request in the engine."""
-    accepted: asyncio.Future  # set when the add is applied: None, or the engine's ValueError
-    outputs: asyncio.Queue[RequestOutput | _EngineDied]  # one per step; _EngineDied if the loop dies
-
-
-class _EngineDied(Exception):
-    pass
+    accepted: asyncio.Future  # set when the engine applied the add: None, or its ValueError
+    outputs: asyncio.Queue[RequestOutput | EngineDied]  # one per step; EngineDied if the engine process dies
 
 
 @serve.deployment
 class LLMReplica:
-    DIGEST_PERIOD_S = 1.0  # how often the step loop refreshes the cache digest for the router
+    DIGEST_PERIOD_S = 1.0  # how often the engine refreshes the cache digest for the router
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
     def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
                  cpus_per_rank: float = 1, warm_up: bool = False):
         self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
-        if engine_config.tp_size == 1:
-            self.engine = LLMEngine(engine_config)
-        else:
-            self.engine, self._tp_ranks = _start_tp(engine_config, cpus_per_rank)
-        # compiled before the replica reports ready (Serve waits for __init__), not on a user's request
-        self.warmup_stats = warmup(self.engine) if warm_up else None
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
-        self._inbox: list[_Add | _Abort] = []
-        self._streams: dict[str, _Stream] = {}
-        self._wake = asyncio.Event()
-        self._stepper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
-        self._compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")  # guided requests' grammars
-        self._stats = self.engine.stats()  # snapshot taken between steps; read by stats/routing stats
+        rendezvous, check = None, None
+        if engine_config.tp_size > 1:
+            engine_config, self._tp_ranks, rendezvous, check = _start_tp_ranks(engine_config, cpus_per_rank)
         # the router's view of this replica's tree: hashes seeded by the served model name, as the
-        # ingress hashes prompts (router/hashing.py); refreshed between steps, never during one
-        self._digest_args = (served_model_name or engine_config.model, route_chunks)
-        self._digest, self._digest_at = [], 0.0
+        # ingress hashes prompts (router/hashing.py); taken between steps, never during one.
+        # Built and warmed up (kernels compiled) before the replica reports ready: Serve waits for __init__.
+        self.core = EngineProcess(engine_config, warm_up=warm_up,
+                                  digest_args=(served_model_name or engine_config.model, route_chunks),
+                                  digest_period_s=self.DIGEST_PERIOD_S, tp_rendezvous=rendezvous, while_waiting=check)
+        info = self.core.info
+        self.warmup_stats = info["warmup"]
+        self._model_info = {"max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}
+        self.tokenizer = load_tokenizer(engine_config.model)  # detokenizes the streams here (the engine's own)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self._streams: dict[str, _Stream] = {}
+        self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
+        self._digest, self._digest_at = info["digest"]
         self._metrics = _Metrics(self._stats)
-        self._loop = asyncio.get_running_loop().create_task(self._step_loop())
+        self._dead: str | None = None  # why the engine process is gone, once it is
+        self.core.start_receiving(asyncio.get_running_loop(), self._on_step, self._on_death)
 
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Stream one request: each output holds what is new since the previous one."""
         self._raise_if_dead()
         rid = request.request_id
-        text = _TextStream(self.engine.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
+        text = _TextStream(self.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
                            request.skip_special_tokens, request.include_stop_str_in_output)
         if request.params.guided is not None:
-            # compiled here, off the step loop (seconds for a large schema and vocabulary): the
-            # engine's add then finds it cached (a ValueError for a bad guide reaches the caller)
-            await asyncio.get_running_loop().run_in_executor(self._compiler, self._compile, request.params.guided)
+            # compiled in the engine process off its step loop (seconds for a large schema and
+            # vocabulary): its add then finds it cached (a ValueError for a bad guide reaches the caller)
+            await self.core.compile(request.params.guided)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
-        self._post(_Add(rid, request.prompt_token_ids, request.params))
         arrival = time.perf_counter()
         first_token_at = None
         engine_done = False
         try:
+            self.core.add(rid, list(request.prompt_token_ids), request.params)
             await stream.accepted  # the engine's ValueError for a bad request surfaces here
             while not engine_done:
                 batch = [await stream.outputs.get()]
                 while not stream.outputs.empty():  # the caller fell behind: send several steps as one
                     batch.append(stream.outputs.get_nowait())
-                if isinstance(batch[-1], _EngineDied):
+                if isinstance(batch[-1], EngineDied):
                     raise batch[-1]
                 if first_token_at is None:
                     first_token_at = time.perf_counter()
@@ -128,73 +115,45 @@ class LLMReplica:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
             del self._streams[rid]
-            if not engine_done:  # cancelled, failed, or stopped by a stop string
-                self._post(_Abort(rid))
+            if not engine_done and self._dead is None:  # cancelled, failed, or stopped by a stop string
+                self.core.abort(rid)
 
-    def _compile(self, guide) -> None:
-        self.engine.guides().compile(guide)
-
-    def _post(self, op: _Add | _Abort) -> None:
-        self._inbox.append(op)
-        self._wake.set()
-
-    # -- the step loop ----------------------------------------------------------------------
-    async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                idle = not self._inbox and not self.engine.has_unfinished()
-                if idle or time.time() - self._digest_at >= self.DIGEST_PERIOD_S:
-                    self._refresh_digest()  # going idle: publish the tree's final state
-                if idle:
-                    self._wake.clear()
-                    await self._wake.wait()
-                self._apply_inbox()
-                if self.engine.has_unfinished():
-                    for out in await loop.run_in_executor(self._stepper, self.engine.step):
-                        stream = self._streams.get(out.request_id)
-                        if stream is not None:  # None: aborted while the step ran
-                            stream.outputs.put_nowait(out)
-                self._stats = self.engine.stats()
-                self._metrics.update(self._stats)
-        except BaseException as e:
-            died = _EngineDied(f"engine step loop died: {e!r}")
-            died.__cause__ = e
-            for stream in self._streams.values():
-                if not stream.accepted.done():
-                    stream.accepted.set_exception(died)
-                stream.outputs.put_nowait(died)
-            raise
-
-    def _refresh_digest(self) -> None:
-        self._digest, self._digest_at = self.engine.cache_digest(*self._digest_args), time.time()
-
-    def _apply_inbox(self) -> None:
-        ops, self._inbox = self._inbox, []
-        for op in ops:
-            if isinstance(op, _Abort):
-                self.engine.abort(op.request_id)
-                continue
-            stream = self._streams.get(op.request_id)
-            if stream is None or stream.accepted.done():  # the caller left before its add was applied
-                continue
-            try:
-                self.engine.add_request(op.request_id, list(op.prompt), op.params)
-            except ValueError as e:
-                stream.accepted.set_exception(e)
-            else:
+    # -- the engine's messages (on the event loop) ------------------------------------------
+    def _on_step(self, outputs: list[RequestOutput], accepted: list[str], rejected: list[tuple[str, str]],
+                 stats: dict, digest: tuple[list[int], float] | None) -> None:
+        for rid in accepted:
+            stream = self._streams.get(rid)
+            if stream is not None and not stream.accepted.done():  # (None: the caller left meanwhile)
                 stream.accepted.set_result(None)
+        for rid, message in rejected:
+            stream = self._streams.get(rid)
+            if stream is not None and not stream.accepted.done():
+                stream.accepted.set_exception(ValueError(message))
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:  # None: aborted while the step ran
+                stream.outputs.put_nowait(out)
+        self._stats = stats
+        self._metrics.update(stats)
+        if digest is not None:
+            self._digest, self._digest_at = digest
+
+    def _on_death(self, reason: str) -> None:
+        self._dead = reason
+        died = EngineDied(f"the engine failed: {reason}")
+        for stream in self._streams.values():
+            if not stream.accepted.done():
+                stream.accepted.set_exception(died)
+            stream.outputs.put_nowait(died)
 
     def _raise_if_dead(self) -> None:
-        if self._loop.done():
-            exc = None if self._loop.cancelled() else self._loop.exception()
-            raise _EngineDied(f"engine step loop is not running: {exc!r}") from exc
+        if self._dead is not None:
+            raise EngineDied(f"the engine is not running: {self._dead}")
 
     # -- Serve hooks and introspection ------------------------------------------------------
     async def check_health(self) -> None:
-        self._raise_if_dead()
-        # a rank that died leaves rank 0 waiting in a collective, its step loop still "running":
-        # failing the check makes Serve replace the replica (and with it the other ranks)
+        self._raise_if_dead()  # a failing check makes Serve replace the replica (and its engine process)
+        # a rank that died leaves rank 0 waiting in a collective, its engine process still "running"
         if self._tp_ranks:
             await asyncio.wait_for(asyncio.gather(*(rank.ping.remote() for rank in self._tp_ranks)),
                                    timeout=self.TP_PING_TIMEOUT_S)
@@ -206,30 +165,45 @@ class LLMReplica:
                 "digest": self._digest, "as_of": self._digest_at}
 
     async def stats(self) -> dict[str, int]:
-        """engine.stats() as of the last step (or the last add/abort while idle)."""
+        """engine.stats() as of the engine's last step."""
         return dict(self._stats)
 
     async def model_info(self) -> dict:
         """What the ingress validates requests against."""
-        return {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size}
+        return dict(self._model_info)
+
+    def __del__(self) -> None:
+        core = getattr(self, "core", None)
+        if core is not None:
+            core.close()
 
 
 @ray.remote(max_concurrency=2)  # ping answers while serve runs
 class _TPRank:
     """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process, stepping
-    with rank 0 over the group (replicas/parallel.py), not through Ray calls."""
+    with rank 0 (the replica's engine process) over the group (replicas/parallel.py), not through Ray calls."""
 
     def __init__(self, config: EngineConfig):
         self.config = config
         self.worker: TPWorker | None = None
-        self.stopped: str | None = None  # why serve returned, once it has
+        self.started = threading.Event()  # serve waits for start: both are called at once
+        self.stopped: str | None = None  # why start or serve returned, once one has
 
     def start(self, addr: str, port: int) -> None:
         """Join the group, then build the engine (with every other rank: the pool size is agreed)."""
-        init_group(self.config.tp_rank, self.config.tp_size, addr, port, _rank_device(self.config))
-        self.worker = TPWorker(self.config)
+        try:
+            init_group(self.config.tp_rank, self.config.tp_size, addr, port, _rank_device(self.config))
+            self.worker = TPWorker(self.config)
+        except BaseException as e:
+            self.stopped = f"{type(e).__name__}: {e}"
+            raise
+        finally:
+            self.started.set()
 
     def serve(self) -> None:
+        self.started.wait()
+        if self.worker is None:
+            raise RuntimeError(f"tensor-parallel rank {self.config.tp_rank} did not start: {self.stopped}")
         try:
             self.worker.serve()
             self.stopped = "rank 0 closed the group"
@@ -248,9 +222,11 @@ def _rank_device(config: EngineConfig) -> str:
     return "cuda:0" if config.device == "cuda" else config.device
 
 
-def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, list]:
-    """Start ranks 1 .. n-1 in the replica's placement group and join them as rank 0.
-    -> (rank 0's TPEngine, the other ranks' actors)."""
+def _start_tp_ranks(config: EngineConfig, cpus_per_rank: float) -> tuple[EngineConfig, list, tuple[str, int],
+                                                                          Callable[[], None]]:
+    """Start ranks 1 .. n-1 in the replica's placement group, joining rank 0's rendezvous and
+    then stepping with it (warmup included: rank 0's engine process steps as soon as it is built).
+    -> (rank 0's config, the ranks' actors, the rendezvous, a check that raises a rank's failure)."""
     group = ray.util.get_current_placement_group()
     if group is None or len(group.bundle_specs) < config.tp_size:
         raise ValueError(f"tensor_parallel_size={config.tp_size} needs a placement group of that many bundles "
@@ -263,25 +239,13 @@ def _start_tp(config: EngineConfig, cpus_per_rank: float) -> tuple[TPEngine, lis
     ranks = [_TPRank.options(num_cpus=cpus_per_rank, num_gpus=1 if config.device == "cuda" else 0,
                              scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
              .remote(worker_config(config, r)) for r in range(1, config.tp_size)]
-    started = [rank.start.remote(addr, port) for rank in ranks]
-    # rank 0 joins (which waits for every rank) and builds its engine while the others build theirs;
-    # a rank that fails to start raises here instead of leaving rank 0 waiting for it
-    # (no `with`: its exit would wait for rank 0's join, which a failed rank never completes)
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tp-start")
-    own = pool.submit(lambda: (init_group(0, config.tp_size, addr, port, _rank_device(config)), LLMEngine(config))[1])
-    try:
-        pending = started
-        while pending:
-            if own.done():
-                own.result()  # rank 0's own failure raises here
-            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
-            ray.get(done)  # another rank's failure raises here
-        engine = own.result()
-    finally:
-        pool.shutdown(wait=False)
-    for rank in ranks:
-        rank.serve.remote()  # runs until the replica (the ranks' owner) goes; ping tells if it ends
-    return TPEngine(engine), ranks
+    refs = [rank.start.remote(addr, port) for rank in ranks] + [rank.serve.remote() for rank in ranks]
+
+    def check() -> None:  # while rank 0's engine process starts: a rank that failed raises here
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        ray.get(done)  # (a start that returned is fine; a serve that returned this early raised)
+
+    return config, ranks, (addr, port), check
 
 
 @dataclass(frozen=True)
