@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="outputs run to max_tokens (default on: fixed output lengths)")
+    g.add_argument("--token-ids", action="store_true",
+                   help="ask for each chunk's token ids (return_token_ids, a vLLM extension): a chunk per token "
+                   "even where its text is empty, so ITLs are per token")
     g.add_argument("--request-timeout", type=pfloat, default=300.0, help="seconds one request may take")
     g.add_argument("--max-duration", type=pfloat, default=600.0,
                    help="seconds a run may take: then what is in flight is cancelled and reported")
@@ -191,7 +194,8 @@ class Runner:
     def __init__(self, args: argparse.Namespace, specs: list[wl.Spec]):
         self.args, self.specs = args, specs
         self.options = ClientOptions(model=args.model, api_key=args.api_key, temperature=args.temperature,
-                                     ignore_eos=args.ignore_eos, request_timeout=args.request_timeout)
+                                     ignore_eos=args.ignore_eos, request_timeout=args.request_timeout,
+                                     extra_body={"return_token_ids": True} if args.token_ids else {})
         self.urls = args.urls
         if args.address:
             from cluster.loadtest.distributed import node_urls  # Ray only where a cluster is asked for
