@@ -303,14 +303,15 @@ class StepAttention:
     filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps mean keys
     budget: tuple[torch.Tensor, ...] | None = None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]; out: [T, Hq, D] to write (every row), else a new one
         a = self.attention
         k_cache, v_cache = a.pool.k(layer), a.pool.v(layer)
         # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
         k_cache[self.chunk_idx, :, self.offset] = k.to(k_cache.dtype)
         v_cache[self.chunk_idx, :, self.offset] = v.to(v_cache.dtype)
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         b = self.num_decodes
         if b:
             out[:b] = a.decode(q[:b], k_cache, v_cache, self.decode_plan)

@@ -65,7 +65,8 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
                         async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill,
-                        sparse_prefill=_sparse(args), enable_prefix_sharing=args.prefix_sharing)
+                        sparse_prefill=_sparse(args), enable_prefix_sharing=args.prefix_sharing,
+                        piecewise_graphs=args.piecewise_graphs)
 
 
 def _sparse(args: argparse.Namespace) -> BlockUnion | None:
@@ -135,6 +136,7 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
+            "piecewise_replays": engine.runner.pieces.replays if engine.runner.pieces else 0,
             "sparse_budget": args.sparse_budget, "sparse_alpha": args.sparse_alpha,
             **{k: v for k, v in s.items() if k.startswith("sparse_")}, **warmed}
 
@@ -209,7 +211,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     tpot = [(last[r] - first[r]) / (count[r] - 1) for r in done if count[r] > 1]
     norm = [(last[r] - arrival[r]) / count[r] for r in done]
     s = engine.stats()
-    graphs = engine.runner.graphs
+    graphs, pieces = engine.runner.graphs, engine.runner.pieces
     replays = graphs.replays if graphs else 0
     return {"bench": "engine_poisson", "model": args.model, "backend": engine.attention.backend,
             "device": str(engine.device), "async_scheduling": engine.async_scheduling, "request_rate": rate,
@@ -222,6 +224,9 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
             # decode-only steps that ran from a CUDA graph (a replay is one decode-only step)
             "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
             "graph_captures": graphs.captures if graphs else 0, "plan_builds": engine.attention.plan_builds,
+            # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
+            "piecewise_steps": pieces.replays if pieces else 0,
+            "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
             "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
             "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
             "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
@@ -266,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
+    ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
+                    help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; default: on CUDA)")
     ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                     help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
     ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")

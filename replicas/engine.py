@@ -67,6 +67,11 @@ class EngineConfig:
     # CUDA: False runs a decode-only step's forward from a CUDA graph of its decode plan
     # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
     enforce_eager: bool = False
+    # The forward's pieces between attentions as CUDA graphs per token-count bucket, for the steps
+    # no whole-step graph runs (mixed steps, decode steps of a new plan): replicas/piecewise.py.
+    # None: on CUDA with the triton backend unless enforce_eager; True on the CPU runs the same
+    # pieces as plain calls (tests); False: those steps run eagerly.
+    piecewise_graphs: bool | None = None
     # Prepare and queue each step while the device runs the one before, collecting that one's
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
@@ -157,7 +162,9 @@ class LLMEngine:
                                    flashinfer_prefill=config.flashinfer_prefill, sparse=sparse)
         self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
                                   tp_size=config.tp_size, vocab_size=mc.vocab_size,
-                                  eos_token_ids=tuple(mc.eos_token_ids))
+                                  eos_token_ids=tuple(mc.eos_token_ids),
+                                  max_num_batched_tokens=config.max_num_batched_tokens,
+                                  piecewise=config.piecewise_graphs)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
@@ -424,6 +431,8 @@ class LLMEngine:
         if self.runner.graphs is not None:
             self.runner.graphs.captures = self.runner.graphs.replays = 0
             self.runner.graphs.capture_s = 0.0
+        if self.runner.pieces is not None:
+            self.runner.pieces.replays = 0
 
     def cache_digest(self, model_name: str, route_chunks: int, limit: int = 4096) -> list[int]:
         """The chained chunk hashes (router.hashing, seeded by the served model name) of the

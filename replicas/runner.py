@@ -1,7 +1,9 @@
 """Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
 
 On CUDA a decode-only step's forward runs from a CUDA graph of its decode plan
-(`replicas.cuda_graph`) unless the engine runs eagerly (`enforce_eager`). `run` waits for the
+(`replicas.cuda_graph`) once the plan has lived a step, and every other step of a graphed token
+count from the pieces between its attentions (`replicas.piecewise`), unless the engine runs
+eagerly (`enforce_eager`). `run` waits for the
 step's sampled tokens; `launch` queues the step and returns, and `collect` waits for them later
 (the engine's asynchronous scheduling)."""
 
@@ -16,6 +18,7 @@ from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
 from replicas.guided import allow, fill_bitmask, mask_logits
 from replicas.penalties import Penalties
+from replicas.piecewise import PiecewiseGraphs
 from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
 from replicas.sequence import MAY_THINK, THINKING, Sequence, Status
@@ -62,12 +65,20 @@ class StepLogprobs(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
                  enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), max_num_batched_tokens: int = 2048,
+                 piecewise: bool | None = None):
+        """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
+        None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
+        pieces as plain calls (the CPU tests)."""
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
-        self.graphs = (DecodeGraphs(model, attention.pool.chunk_size)
-                       if device.type == "cuda" and not enforce_eager else None)
+        cuda_graphs = device.type == "cuda" and not enforce_eager
+        self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs else None
+        if piecewise is None:
+            piecewise = cuda_graphs and attention.backend == "triton"
+        self.pieces = (PiecewiseGraphs(model, max_num_batched_tokens, graphs=cuda_graphs)
+                       if piecewise else None)
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
         # is the host's own time in it (replicas.bench's host_ms_per_step)
         self.wait_s = 0.0
@@ -185,6 +196,8 @@ class ModelRunner:
             # placeholders of prev's tokens (Launched): taken on the device, not waited for
             input_ids = torch.where(input_ids < 0, prev.tokens[(-1 - input_ids).clamp(min=0)], input_ids)
         hidden = self.graphs.forward(input_ids, attn) if self.graphs is not None else None
+        if hidden is None and self.pieces is not None:
+            hidden = self.pieces.forward(input_ids, attn)
         if hidden is None:
             hidden = self.model(input_ids, attn.positions, attn)
         attn.keep_key_means()  # (sparse prefill: the mean keys of the chunks this step filled)

@@ -1,7 +1,10 @@
 """Llama-family decoder (HF LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM), tensor-parallel.
 
 The model holds no KV cache: each layer hands q, k, v to the caller's attention backend,
-`attn.forward(layer_idx, q, k, v) -> o`, which owns the cache and the softmax scale.
+`attn.forward(layer_idx, q, k, v) -> o`, which owns the cache and the softmax scale. A layer is
+`before_attention` (norm, q/k/v projection, rotary), the attention, then `after_attention` (output
+projection, norm, MLP): replicas/piecewise.py runs the halves as CUDA graphs with the attention
+between them.
 """
 
 from __future__ import annotations
@@ -38,17 +41,24 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [T, H] -> q: [T, Hq, D], k, v: [T, Hkv, D] (heads local to this rank), rotated."""
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
-        q = q.view(T, self.num_heads, D)  # [T, Hq, D], heads local to this rank
-        k = k.view(T, self.num_kv_heads, D)  # [T, Hkv, D]
+        q = q.view(T, self.num_heads, D)
+        k = k.view(T, self.num_kv_heads, D)
         v = v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary_qk(q, k, cos, sin)
-        o = attn.forward(self.layer_idx, q, k, v)  # [T, Hq, D]
-        return self.o_proj(o.reshape(T, self.num_heads * D))
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention's output o: [T, Hq, D] -> [T, H]."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        return self.out(attn.forward(self.layer_idx, *self.qkv(x, cos, sin)))
 
 
 class LlamaMLP(nn.Module):
@@ -71,17 +81,27 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn) -> tuple[torch.Tensor, torch.Tensor]:
-        # The residual stream h is carried beside the layer outputs so that each add fuses into the
-        # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
-        # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`.
+    # The residual stream h is carried beside the layer outputs so that each add fuses into the
+    # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
+    # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`.
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                         sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> (q, k, v, residual)."""
         if residual is None:  # the first layer: x is the embedding
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm(x, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn), residual)
+        return *self.self_attn.qkv(x, cos, sin), residual
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention's output o: [T, Hq, D] -> (the layer's output, residual)."""
+        x, residual = self.post_attention_layernorm(self.self_attn.out(o), residual)
         return self.mlp(x), residual
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                attn) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.before_attention(x, residual, cos, sin)
+        return self.after_attention(attn.forward(self.self_attn.layer_idx, q, k, v), residual)
 
 
 class LlamaModel(nn.Module):
@@ -92,9 +112,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_rank, tp_size) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """-> (embeddings [T, H], cos, sin [T, D])."""
+        x = self.embed_tokens(input_ids)
+        return x, *self.rotary_emb(positions, x.dtype)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # [T, H]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, D] each
+        x, cos, sin = self.embed(input_ids, positions)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, cos, sin, attn)

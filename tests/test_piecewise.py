@@ -1,0 +1,61 @@
+"""replicas/piecewise.py: the forward as pieces between the attentions. On the CPU the pieces run
+as plain calls over the same static buffers and buckets (the plumbing); on CUDA as graphs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from replicas.engine import LLMEngine, SamplingParams
+from replicas.piecewise import BUCKETS, PiecewiseGraphs
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
+    """Requests joining while others decode and prefill (chunked: pieces of up to the budget),
+    some leaving early: steps of many token counts, decode-only and mixed."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(256) for _ in range(150)]
+    arrivals = {0: 3, 2: 2, 5: 4, 9: 1, 14: 3, 20: 2}
+    out: dict[str, list[int]] = {}
+    step = n = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for _ in range(arrivals.get(step, 0)):
+            own = [rng.randrange(256) for _ in range(rng.randrange(1, 90))]
+            engine.add_request(f"r{n}", (prefix if n % 2 else []) + own,
+                               SamplingParams(max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True))
+            n += 1
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, async_scheduling):
+    # a budget past the largest bucket under it (96): full prefill pieces of 97-100 tokens run eagerly
+    opts = dict(device=device, dtype="float32", kv_cache_tokens=16384, max_num_batched_tokens=100,
+                async_scheduling=async_scheduling)
+    plain = LLMEngine.from_model("tiny", piecewise_graphs=False, **opts)
+    pieces = LLMEngine.from_model("tiny", piecewise_graphs=True, **opts)
+    assert plain.runner.pieces is None and pieces.runner.pieces is not None
+    want, got = _live_traffic(plain), _live_traffic(pieces)
+    assert got == want and len(got) == 15
+    steps = pieces.stats()["steps"]
+    runs = pieces.runner.pieces.replays
+    full = pieces.runner.graphs.replays if pieces.runner.graphs is not None else 0
+    assert steps / 2 < runs + full < steps  # most steps from the pieces, some eagerly
+    pieces.check()
+
+
+def test_buckets_cover_every_count_up_to_the_largest_once():
+    g = PiecewiseGraphs(LLMEngine.from_model("tiny", piecewise_graphs=False).model, max_tokens=300, graphs=False)
+    assert g.sizes == tuple(n for n in BUCKETS if n <= 300) and g.sizes[-1] == 256
+    assert [g.bucket(t) for t in (1, 8, 9, 16, 17, 129, 256)] == [8, 8, 16, 16, 32, 160, 256]
+    assert g.bucket(257) is None  # past the largest: the step runs eagerly
+    assert all(len(runs) == len(g.model.layers) + 1 for runs in g.runs.values())
