@@ -284,3 +284,36 @@ def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
     assert len(printed) == 3 and "records" not in printed[0]  # stdout: the reports without their lists
     for name in ("latency_cdf.png", "sweep.png", "replica_share.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_stack_overrides_an_apps_args():
+    from cluster.loadtest.stack import apply_overrides
+
+    config = {"applications": [{"args": {"model": "tiny", "engine": {"chunk_size": 64}}}]}
+    got = apply_overrides(config, ["engine.enable_prefix_sharing=false", "router.policy=pow2", "num_replicas=2"])
+    assert got["applications"][0]["args"] == {"model": "tiny", "num_replicas": 2, "router": {"policy": "pow2"},
+                                              "engine": {"chunk_size": 64, "enable_prefix_sharing": False}}
+    with pytest.raises(ValueError, match="PATH=VALUE"):
+        apply_overrides(config, ["num_replicas"])
+
+
+def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run([sys.executable, "-m", "cluster.loadtest.stack", str(root / "configs/local.yaml"),
+                        "--set", "num_replicas=1", "--set", "engine.enable_prefix_sharing=false",
+                        "--log", str(tmp_path / "serve.log"), "--", "--num-prompts", "12", "--gsp-num-groups", "2",
+                        "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "128", "--gsp-question-len", "8",
+                        "--gsp-output-len", "4", "--request-rate", "20", "--no-progress", "--save-result", str(out)],
+                       cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (report,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert report["completed"] == 12 and report["failed"] == 0
+    assert report["cached_fraction"] == 0.0  # the override reached the engine: nothing shared
+    assert "ready after" in p.stderr
+    import httpx
+
+    with pytest.raises(httpx.ConnectError):  # and it is down again
+        httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
