@@ -272,7 +272,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
     ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; default: on CUDA)")
+                    help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; "
+                    "default: on CUDA)")
     ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                     help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
     ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")

@@ -116,7 +116,10 @@ class LLMReplica:
         finally:
             del self._streams[rid]
             if not engine_done and self._dead is None:  # cancelled, failed, or stopped by a stop string
-                self.core.abort(rid)
+                try:
+                    self.core.abort(rid)
+                except EngineDied:  # (it died meanwhile: nothing left to abort)
+                    pass
 
     # -- the engine's messages (on the event loop) ------------------------------------------
     def _on_step(self, outputs: list[RequestOutput], accepted: list[str], rejected: list[tuple[str, str]],

@@ -62,7 +62,8 @@ def _slo(text: str) -> Slo:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m cluster.loadtest",
-                                 description="Load test an OpenAI-compatible server with multi-tenant shared-prefix traffic.")
+                                 description="Load test an OpenAI-compatible server with multi-tenant "
+                                 "shared-prefix traffic.")
     pint, pfloat = _positive(int, "the value"), _positive(float, "the value")
     g = ap.add_argument_group("server")
     g.add_argument("--url", action="append", help=f"base URL (repeat, or comma-separate, to spread over several; "
@@ -80,7 +81,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-prompts", type=pint, help="requests per run (default: the workload's own)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--prompt-format", choices=FORMATS, default="auto",
-                   help="text (the server's tokenizer makes exact lengths) or token ids; auto: text where the server tokenizes")
+                   help="text (the server's tokenizer makes exact lengths) or token ids; auto: text where "
+                   "the server tokenizes")
     g.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
                    help="auto: chat for multi-turn text (tenants), completions otherwise")
     g.add_argument("--token-range", type=_token_range, default=(32, 127), help="ids of token prompts, LO:HI")
@@ -106,7 +108,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--random-prefix-len", type=int, default=wl.Random_.prefix_len)
     g.add_argument("--output-len", type=pint, default=128, help="a trace line's max_tokens when it has none")
     g = ap.add_argument_group("arrivals")
-    g.add_argument("--request-rate", type=pfloat, default=math.inf, help="requests per second (default inf: all at once)")
+    g.add_argument("--request-rate", type=pfloat, default=math.inf,
+                   help="requests per second (default inf: all at once)")
     g.add_argument("--burstiness", type=pfloat, default=1.0, help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
     g.add_argument("--max-concurrency", type=pint, help="requests in flight at most (over all clients)")
     g.add_argument("--sweep", type=_rates, help="run each of these rates in turn, e.g. 2,4,8,16")

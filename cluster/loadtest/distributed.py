@@ -84,6 +84,17 @@ def run_on_cluster(address: str, requests: list[Request], offsets: list[float], 
     n = clients or len(nodes)
     actors = [ClientActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
         nodes[i % len(nodes)]["NodeID"], soft=False)).remote(i) for i in range(n)]
+    try:
+        return _run(actors, requests, offsets, options, urls, port, max_concurrency, max_duration, progress)
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+
+def _run(actors: list, requests: list[Request], offsets: list[float], options: ClientOptions,
+         urls: list[str] | None, port: int, max_concurrency: int | None, max_duration: float,
+         progress: Callable[[int], None] | None) -> list[ClientResult]:
+    n = len(actors)
     placed = ray.get([a.node.remote() for a in actors])
     parts = shares(requests, n)
     per_client = None if max_concurrency is None else max(1, math.ceil(max_concurrency / n))
@@ -102,6 +113,4 @@ def run_on_cluster(address: str, requests: list[Request], offsets: list[float], 
         got = ray.get(ref)
         out.append(ClientResult([Record.from_dict(d) for d in got["records"]], got["duration"], got["cpu_s"], i,
                                 node_id, target[0]))
-    for a in actors:
-        ray.kill(a)
     return out

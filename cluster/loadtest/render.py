@@ -94,8 +94,8 @@ class Renderer:
         ids: list[int] = []
         chars = 16 * need
         while len(ids) < need and chars < 64 * need:  # (a tokenizer of many characters a token)
-            ids = await _post(client, url, "/tokenize", {"prompt": corpus(self.seed, chars), "add_special_tokens": False,
-                                                         **({"model": model} if model else {})}, headers, "tokens")
+            body = {"prompt": corpus(self.seed, chars), "add_special_tokens": False, **({"model": model} if model else {})}
+            ids = await _post(client, url, "/tokenize", body, headers, "tokens")
             chars *= 4
         rng = random.Random(f"offsets/{self.seed}")
         # distinct pieces start at distinct places (pieces of equal start would share a prefix)
@@ -116,7 +116,8 @@ class Renderer:
         labels = dict(index=spec.index, max_tokens=spec.max_tokens, tenant=spec.tenant, session=spec.session,
                       after=spec.after)
         items = [x for _, content in spec.turns for x in content]
-        if any(isinstance(x, tuple) for x in items) or (self.fmt == "tokens" and all(isinstance(x, Piece) for x in items)):
+        as_ids = self.fmt == "tokens" and all(isinstance(x, Piece) for x in items)
+        if as_ids or any(isinstance(x, tuple) for x in items):
             ids: list[int] = []  # (a trace's token-id prompt, or pieces as ids: a chat's turns concatenated)
             for x in items:
                 ids += self.ids(x) if isinstance(x, Piece) else list(x)

@@ -150,7 +150,8 @@ class Random_:
 
         specs = []
         for i in range(num):
-            pieces = ((Piece("prefix", self.prefix_len),) if self.prefix_len else ()) + (Piece(f"r{i}", around(self.input_len)),)
+            own = Piece(f"r{i}", around(self.input_len))
+            pieces = (Piece("prefix", self.prefix_len), own) if self.prefix_len else (own,)
             specs.append(Spec(i, (("user", pieces),), around(self.output_len)))
         return specs
 
