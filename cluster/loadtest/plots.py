@@ -50,17 +50,22 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
     plt.close(fig)
 
     rated = [r for r in runs if isinstance(r.get("request_rate"), (int, float))]
-    if len(rated) > 1:
-        rated.sort(key=lambda r: r["request_rate"])
-        rates = [r["request_rate"] for r in rated]
+    series: dict[str, list[dict]] = {}  # a line per label (a sweep each)
+    for r in sorted(rated, key=lambda r: r["request_rate"]):
+        series.setdefault(r.get("label") or "", []).append(r)
+    if any(len(s) > 1 for s in series.values()):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-        axes[0].plot(rates, [r["request_throughput"] for r in rated], "o-", label="completed")
-        axes[0].plot(rates, rates, ":", color="gray", label="offered")
+        top = max(r["request_rate"] for r in rated)
+        axes[0].plot([0, top], [0, top], ":", color="gray", label="offered")
+        for label, s in series.items():
+            rates = [r["request_rate"] for r in s]
+            axes[0].plot(rates, [r["request_throughput"] for r in s], "o-", label=f"{label} completed".strip())
+            line, = axes[1].plot(rates, [r["median_ttft_ms"] for r in s], "o-", label=f"{label} TTFT p50".strip())
+            p99 = next((k for k in s[0] if k.startswith("p99_ttft")), None)
+            if p99:
+                axes[1].plot(rates, [r[p99] for r in s], "s--", color=line.get_color(),
+                             label=f"{label} TTFT p99".strip())
         axes[0].set_ylabel("requests / s")
-        axes[1].plot(rates, [r["median_ttft_ms"] for r in rated], "o-", label="TTFT p50")
-        p99 = next((k for k in rated[0] if k.startswith("p99_ttft")), None)
-        if p99:
-            axes[1].plot(rates, [r[p99] for r in rated], "s--", label="TTFT p99")
         axes[1].set_ylabel("ms")
         axes[1].set_yscale("log")
         for ax in axes:
