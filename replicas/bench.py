@@ -27,7 +27,7 @@ Under live traffic (--request-rate: requests arrive as a Poisson stream, the eng
 as a replica does, adding each request at the first step boundary after it arrives):
 
     python -m replicas.bench --model llama3-8b --backend triton --prefix 2048 --suffix 64 \
-        --max-tokens 128 --request-rate 8,24,64 --requests 512 --warmup
+        --max-tokens 128 --request-rate 8,24,64 --requests 256 --warmup
 
 prints per rate the request throughput, TTFT and TPOT (mean, p50, p99; TTFT from the arrival),
 normalized latency (E2EL / output tokens), decode-only steps and how many ran from a CUDA graph,
@@ -47,6 +47,7 @@ import os
 import random
 import time
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
             "steps": s["steps"],
             "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
-            "piecewise_replays": engine.runner.pieces.replays if engine.runner.pieces else 0,
+            "piecewise_steps": engine.runner.pieces.replays if engine.runner.pieces else 0,
             "sparse_budget": args.sparse_budget, "sparse_alpha": args.sparse_alpha,
             **{k: v for k, v in s.items() if k.startswith("sparse_")}, **warmed}
 
@@ -151,18 +152,10 @@ def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
     return out
 
 
-def _pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return 0.0
-    k = (len(xs) - 1) * p / 100
-    lo = int(k)
-    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
-
-
 def _ms(name: str, xs: list[float]) -> dict:
-    return {f"mean_{name}_ms": round(1e3 * sum(xs) / max(1, len(xs)), 2),
-            f"median_{name}_ms": round(1e3 * _pct(xs, 50), 2), f"p99_{name}_ms": round(1e3 * _pct(xs, 99), 2)}
+    ms = np.asarray(xs, dtype=float) * 1e3 if xs else np.zeros(1)
+    return {f"mean_{name}_ms": round(float(ms.mean()), 2), f"median_{name}_ms": round(float(np.median(ms)), 2),
+            f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 2)}
 
 
 def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -> dict:

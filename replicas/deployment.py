@@ -37,7 +37,7 @@ from cluster.protocol import GenerateOutput, GenerateRequest
 from replicas.engine import EngineConfig, RequestOutput
 from replicas.engine_process import EngineDied, EngineProcess
 from replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from replicas.parallel import TPWorker, free_port, init_group, worker_config
+from replicas.parallel import TPWorker, free_port, init_group, rank_device, worker_config
 
 
 @dataclass
@@ -73,7 +73,6 @@ class LLMReplica:
         self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
         self._digest, self._digest_at = info["digest"]
         self._metrics = _Metrics(self._stats)
-        self._dead: str | None = None  # why the engine process is gone, once it is
         self.core.start_receiving(asyncio.get_running_loop(), self._on_step, self._on_death)
 
     # -- requests ---------------------------------------------------------------------------
@@ -115,7 +114,7 @@ class LLMReplica:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
             del self._streams[rid]
-            if not engine_done and self._dead is None:  # cancelled, failed, or stopped by a stop string
+            if not engine_done and self.core.error is None:  # cancelled, failed, or stopped by a stop string
                 try:
                     self.core.abort(rid)
                 except EngineDied:  # (it died meanwhile: nothing left to abort)
@@ -142,7 +141,6 @@ class LLMReplica:
             self._digest, self._digest_at = digest
 
     def _on_death(self, reason: str) -> None:
-        self._dead = reason
         died = EngineDied(f"the engine failed: {reason}")
         for stream in self._streams.values():
             if not stream.accepted.done():
@@ -150,8 +148,8 @@ class LLMReplica:
             stream.outputs.put_nowait(died)
 
     def _raise_if_dead(self) -> None:
-        if self._dead is not None:
-            raise EngineDied(f"the engine is not running: {self._dead}")
+        if self.core.error is not None:  # (set by the receiver thread: why the engine process is gone)
+            raise EngineDied(f"the engine is not running: {self.core.error}")
 
     # -- Serve hooks and introspection ------------------------------------------------------
     async def check_health(self) -> None:
@@ -195,7 +193,7 @@ class _TPRank:
     def start(self, addr: str, port: int) -> None:
         """Join the group, then build the engine (with every other rank: the pool size is agreed)."""
         try:
-            init_group(self.config.tp_rank, self.config.tp_size, addr, port, _rank_device(self.config))
+            init_group(self.config.tp_rank, self.config.tp_size, addr, port, rank_device(self.config))
             self.worker = TPWorker(self.config)
         except BaseException as e:
             self.stopped = f"{type(e).__name__}: {e}"
@@ -218,11 +216,6 @@ class _TPRank:
         """The replica's health check: this rank's process is alive and still stepping."""
         if self.stopped is not None:
             raise RuntimeError(f"tensor-parallel rank {self.config.tp_rank} stopped: {self.stopped}")
-
-
-def _rank_device(config: EngineConfig) -> str:
-    # each rank's actor sees its own GPU only (Ray sets CUDA_VISIBLE_DEVICES): cuda means cuda:0
-    return "cuda:0" if config.device == "cuda" else config.device
 
 
 def _start_tp_ranks(config: EngineConfig, cpus_per_rank: float) -> tuple[EngineConfig, list, tuple[str, int],

@@ -283,10 +283,10 @@ def _build(config: EngineConfig, tp: tuple[str, int] | None):
 
     if config.tp_size == 1:
         return LLMEngine(config)
-    from replicas.parallel import TPEngine, init_group
+    from replicas.parallel import TPEngine, init_group, rank_device
 
     addr, port = tp
-    init_group(0, config.tp_size, addr, port, "cuda:0" if config.device == "cuda" else config.device)
+    init_group(0, config.tp_size, addr, port, rank_device(config))
     return TPEngine(LLMEngine(config))
 
 

@@ -45,7 +45,8 @@ import torch.distributed as dist
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.sequence import SamplingParams
 
-__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "free_port", "init_group", "worker_config"]
+__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "free_port", "init_group", "rank_device",
+           "worker_config"]
 
 # (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
 Fingerprint = list[tuple[str, tuple[int, ...], bool]]
@@ -197,6 +198,12 @@ class TPEngine:
         _send_ops(None)
 
     generate = LLMEngine.generate  # through this class's add_request / step / abort
+
+
+def rank_device(config: EngineConfig) -> str:
+    """The device a replica's rank runs on: each rank's process sees its own GPU only (Ray sets
+    CUDA_VISIBLE_DEVICES, the engine process inherits it), so cuda means cuda:0."""
+    return "cuda:0" if config.device == "cuda" else config.device
 
 
 def worker_config(config: EngineConfig, rank: int) -> EngineConfig:

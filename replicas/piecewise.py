@@ -57,7 +57,6 @@ class PiecewiseGraphs:
         self.residual, self.hidden = torch.zeros(n, h, **new), torch.zeros(n, h, **new)
         self.runs: dict[int, list[Callable[[], None]]] = {}  # per bucket: its pieces' replays (or calls)
         self.replays = 0  # steps run from the pieces (tests and benchmarks)
-        self.capture_s = 0.0
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory

@@ -32,6 +32,13 @@ def app():
         yield f"{url}/lt", serve.get_deployment_handle("LLMReplica", app_name="lt")
 
 
+def test_the_client_reads_the_ingress_replica_header():
+    from cluster.ingress import REPLICA_HEADER
+    from cluster.loadtest import client
+
+    assert client.REPLICA_HEADER == REPLICA_HEADER  # (written again there: the tool runs without Serve)
+
+
 def _settled_stats(handle, finished: int) -> dict:
     deadline = time.monotonic() + 60
     while True:

@@ -21,9 +21,6 @@ import numpy as np
 
 from cluster.loadtest.client import ClientResult, Record
 
-METRICS = ("ttft", "tpot", "itl", "e2el")
-
-
 @dataclass(frozen=True)
 class Slo:
     """Service-level objectives a request must meet, each None when not set."""
@@ -108,6 +105,7 @@ def summarize(results: list[ClientResult], *, percentiles: tuple[float, ...] = (
     total_out = sum(r.output_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     norm = [r.e2el / r.output_tokens for r in ok if r.output_tokens]
+    good = None if slo is None else sum(map(slo.met, records))  # requests meeting every SLO
     report = dict(info or {})
     report |= {
         "duration": duration,
@@ -116,7 +114,7 @@ def summarize(results: list[ClientResult], *, percentiles: tuple[float, ...] = (
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
         "request_throughput": len(ok) / duration,
-        "request_goodput": None if slo is None else sum(map(slo.met, records)) / duration,
+        "request_goodput": None if good is None else good / duration,
         "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
         "max_concurrent_requests": _max_concurrency(records),
@@ -129,7 +127,7 @@ def summarize(results: list[ClientResult], *, percentiles: tuple[float, ...] = (
     report |= {
         "total_cached_tokens": cached,
         "cached_fraction": cached / total_in if total_in else 0.0,
-        "goodput_fraction": None if slo is None else sum(map(slo.met, records)) / max(1, len(records)),
+        "goodput_fraction": None if good is None else good / max(1, len(records)),
         "slo": None if slo is None else slo.as_dict(),
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
         "tenants": _tenants(records),

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
+from cluster.loadtest import metrics
+from cluster.loadtest.client import Record
+
 
 def _plt():
     try:
@@ -32,10 +35,9 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for run in runs:
-        recs = [r for r in run.get("records", []) if r["error_kind"] is None and r["e2el"] is not None]
-        ttft = np.sort([r["ttft"] * 1e3 for r in recs])
-        tpot = np.sort([(r["e2el"] - r["ttft"]) / (r["output_tokens"] - 1) * 1e3 for r in recs
-                        if (r["output_tokens"] or 0) > 1])
+        recs = [rec for rec in map(Record.from_dict, run.get("records", [])) if rec.ok]
+        ttft = np.sort([r.ttft * 1e3 for r in recs])
+        tpot = np.sort([metrics.tpot(r) * 1e3 for r in recs if (r.output_tokens or 0) > 1])
         for ax, xs in zip(axes, (ttft, tpot)):
             if xs.size:
                 ax.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=_label(run))
