@@ -31,6 +31,7 @@ All softmax arithmetic is in base 2: scores are pre-multiplied by ``sm_scale * l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -45,9 +46,10 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.launch import aligned, launch
 from kernels.reference import TreePlan, build_tree_plan
 
-__all__ = ["TppPlan", "build_plan", "tpp_decode"]
+__all__ = ["TppDecoder", "TppPlan", "build_plan", "tpp_decode"]
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -189,6 +191,8 @@ class TppPlan:
     rows_per_program: int
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
+    # TppDecoder's launches for the plan, per kind of call (shapes, strides, dtypes, devices)
+    launch_cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -574,7 +578,7 @@ def _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, offs_m, 
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first"])  # (its values vary by plan: see kernels.launch)
 def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
                    stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                    G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -641,7 +645,7 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
         tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first", "n_items"])
 def _attend_rows_kernel(Q, K, V, Out, PartO, PartLse, first, n_items, Items, Chunks, SeqLens, qk_scale,
                         stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
                         G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
@@ -819,20 +823,80 @@ def _sm90_plus(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None) -> Tensor:
+class TppDecoder:
+    """``tpp_decode`` for one engine, its host work per layer cut down to the launches.
+
+    A plan serves every layer of every step it lives for, with the same arguments but the layer's
+    caches: so its launches (kernel, grid, constexprs, options, arguments) are worked out once,
+    at its first call, and kept on the plan; the caches' TMA descriptors are made once per cache
+    (kept here, so they go with the engine); each launch runs from its compiled kernel
+    (``kernels.launch``), not through Triton's dispatcher.
+    """
+
+    def __init__(self) -> None:
+        self._descriptors: dict[tuple, TensorDescriptor] = {}
+
+    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None,
+                 out: Tensor | None = None) -> Tensor:
+        """See ``tpp_decode``."""
+        out = torch.empty_like(q) if out is None else out
+        # what _check and the launches depend on (the launch knobs too: tests set them): a call
+        # like one seen before needs neither again
+        sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
+               k_cache.get_device(), v_cache.stride(), v_cache.dtype, v_cache.get_device(), out.shape, out.stride(),
+               out.dtype, out.get_device(), sm_scale, _PDL, _TMA, _FOLD_MAX, _FOLD_VEC_MIN, _FOLD_VEC_MIN_GQA,
+               _FOLD_PAIRS, _ROWS_BLOCK_BYTES)
+        launches = plan.launch_cache.get(sig)
+        if launches is None:
+            _check(q, k_cache, v_cache, plan, out)
+            launches = plan.launch_cache[sig] = _plan_launches(q, k_cache, out, plan, sm_scale)
+        if not launches:
+            return out
+        spec = aligned(q, k_cache, v_cache, out)
+        for fn, grid, (kind, block_n), tail, options, key in launches:
+            if kind == 0 and block_n:  # _attend_kernel, K/V blocks by TMA
+                args = (q, k_cache, v_cache, self._descriptor(k_cache, block_n), self._descriptor(v_cache, block_n),
+                        out, *tail)
+            elif kind == 0:
+                args = (q, k_cache, v_cache, None, None, out, *tail)
+            elif kind == 1:  # _attend_rows_kernel
+                args = (q, k_cache, v_cache, out, *tail)
+            else:  # _merge_kernel
+                args = (out, *tail)
+            launch(fn, grid, args, options, (key, spec))
+        return out
+
+    def _descriptor(self, cache: Tensor, block_n: int) -> TensorDescriptor:
+        # (a cache's view made by the pool per call: keyed by where it lies, not by the object)
+        key = (cache.data_ptr(), cache.shape, cache.stride(), cache.dtype, block_n)
+        found = self._descriptors.get(key)
+        if found is None:
+            d = cache.shape[-1]
+            found = self._descriptors[key] = TensorDescriptor.from_tensor(cache.view(-1, d), [block_n, d])
+        return found
+
+
+def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None,
+               out: Tensor | None = None) -> Tensor:
     """Decode attention of one query token per row over the plan's tree. Returns [B, Hq, D] in q.dtype.
 
     q: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [num_chunks, Hkv, c, D] with the same
     strides, each chunk's [c, D] block of one head contiguous; fp16, bf16 or fp32 (all three
     tensors the same dtype). plan: ``build_plan`` for the same rows, heads, head dim and c.
+    out: [B, Hq, D] of q's dtype (last dim contiguous) to write, else a new tensor. An engine
+    calls a ``TppDecoder`` of its own instead (the same, with its host work cached).
     """
-    _check(q, k_cache, v_cache, plan)
+    return TppDecoder()(q, k_cache, v_cache, plan, sm_scale, out)
+
+
+def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_scale: float | None) -> tuple:
+    """The plan's launches for calls like this one: (kernel, grid, (kind, TMA block or 0), the
+    arguments after the tensors a call brings, options, key) each; see TppDecoder."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    out = torch.empty_like(q)
     if b == 0:
-        return out
+        return ()
     scale = (1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)) * _LOG2E
     # fp32 caches: exact products, no TF32. The Triton interpreter (3.9) multiplies bf16 tensors
     # as raw bits, so there bf16 operands are multiplied as their exact fp32 upcasts.
@@ -840,6 +904,7 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     if q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"):
         prec, dot_t = "ieee", tl.float32
     sk = k_cache.stride()
+    strides = (q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1))
     # Programmatic dependent launch (sm90+): phase 2's launch may start once every phase-1
     # program has, so the two phases stream side by side. A phase-2 program waits for phase 1
     # to complete (gdc_wait) after its own streaming, before it folds phase-1 partials; all of
@@ -850,42 +915,42 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_sc
     vec_min = _FOLD_VEC_MIN if g == 1 else _FOLD_VEC_MIN_GQA
     if plan.most_folds < vec_min:  # no row takes the vector fold: compile the loop alone
         vec_min = 0
+    launches = []
     for i, (first, programs, block_m, live, phase) in enumerate(plan.launches):
+        early = dict(launch_pdl=True) if pdl and i > 0 else {}
         if phase == 2 and plan.rows_per_program > 1 and c * d * q.element_size() <= _ROWS_BLOCK_BYTES:  # see _ROWS
             rows = plan.rows_per_program
-            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](
-                q, k_cache, v_cache, out, plan.part_o, plan.part_lse, first, programs, plan.items, plan.chunks,
-                plan.seq_lens, scale, q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
-                G=g, C=c, D=d, ROWS=rows, BLOCK_M=max(16, triton.next_power_of_2(rows * g)), DOT_T=dot_t,
-                DOT_PREC=prec, EARLY=pdl and i > 0, **_ROWS_CONFIG,
-                **(dict(launch_pdl=True) if pdl and i > 0 else {}))
+            tail = (plan.part_o, plan.part_lse, first, programs, plan.items, plan.chunks, plan.seq_lens, scale,
+                    *strides, g, c, d, rows, max(16, triton.next_power_of_2(rows * g)), dot_t, prec, pdl and i > 0)
+            options = {**_ROWS_CONFIG, **early}
+            launches.append((_attend_rows_kernel, (triton.cdiv(programs, rows), hkv, 1), (1, 0), tail, options,
+                             (q.dtype, tail[8:], tuple(options.items()))))
             continue
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
         cfg = _launch_config(d, block_m, q.element_size(), live, lean)
         # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase
         # 2: MHA's one-buffer phase-2 tile measured 2-3 % slower (each copy's wait exposed), GQA's
         # on par.
-        kd = vd = None
-        if phase != 2 and _use_tma(q, k_cache, c, cfg["BLOCK_N"]):
-            kd, vd = (TensorDescriptor.from_tensor(x.view(-1, d), [cfg["BLOCK_N"], d]) for x in (k_cache, v_cache))
-        _attend_kernel[(programs, hkv)](
-            q, k_cache, v_cache, kd, vd, out, plan.part_o, plan.part_lse, first, plan.items, plan.chunks,
-            plan.seq_lens, plan.slot_list, scale,
-            q.stride(0), q.stride(1), sk[0], sk[1], out.stride(0), out.stride(1),
-            G=g, C=c, D=d, BLOCK_M=block_m, DOT_T=dot_t, DOT_PREC=prec,
-            LAUNCH_NEXT=pdl and i + 1 < n, EARLY=pdl and i > 0, TMA=kd is not None,
-            TAIL=phase != 1,  # phase-1 pieces read whole chunks
-            FOLD_P=triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # see _FOLD_VEC_MIN
-            FOLD_VEC_MIN=vec_min, FOLD_PAIRS=_FOLD_PAIRS and phase == 2 and plan.most_folds > 1,
-            **cfg, **(dict(launch_pdl=True) if pdl and i > 0 else {}))
+        tma = phase != 2 and _use_tma(q, k_cache, c, cfg["BLOCK_N"])
+        block_n = cfg.pop("BLOCK_N")
+        tail = (plan.part_o, plan.part_lse, first, plan.items, plan.chunks, plan.seq_lens, plan.slot_list, scale,
+                *strides, g, c, d, block_m, block_n, dot_t, prec,
+                pdl and i + 1 < n, pdl and i > 0, tma,
+                phase != 1,  # TAIL: phase-1 pieces read whole chunks
+                triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # FOLD_P, see _FOLD_VEC_MIN
+                vec_min, _FOLD_PAIRS and phase == 2 and plan.most_folds > 1)
+        options = {**cfg, **early}
+        launches.append((_attend_kernel, (programs, hkv, 1), (0, block_n if tma else 0), tail, options,
+                         (q.dtype, tail[8:], tuple(options.items()))))
     if plan.merge_items.shape[0]:
-        _merge_kernel[(plan.merge_items.shape[0], hq)](
-            out, plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1),
-            D=d, BLOCK_P=plan.block_p, num_warps=1)  # one warp: no cross-warp reduction (2x faster)
-    return out
+        tail = (plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
+        options = dict(num_warps=1)  # one warp: no cross-warp reduction (2x faster)
+        launches.append((_merge_kernel, (plan.merge_items.shape[0], hq, 1), (2, 0), tail, options,
+                         (q.dtype, tail[3:], tuple(options.items()))))
+    return tuple(launches)
 
 
-def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan) -> None:
+def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, out: Tensor) -> None:
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
@@ -908,6 +973,9 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan) -> None:
     if not (q.device == k_cache.device == v_cache.device == plan.seq_lens.device):
         raise ValueError(f"q, caches and plan must be on one device, got {q.device}, {k_cache.device}, "
                          f"{v_cache.device}, {plan.seq_lens.device}")
+    if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.device != q.device:
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with its last dim contiguous, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
     got = (b, hq, hkv, d, c)
     want = (plan.batch_size, plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.chunk_size)
     if got != want:

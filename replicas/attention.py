@@ -77,6 +77,7 @@ class Attention:
         if backend == "triton":
             from kernels import tpp  # imports triton; the reference path must not need it
             self._tpp = tpp
+            self._decoder = tpp.TppDecoder()
         self.backend = backend
         self.pool, self.device = pool, device
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
@@ -277,14 +278,16 @@ class Attention:
                 o.copy_(reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
                                                      self.sm_scale))
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, out: torch.Tensor) -> None:
+        """The decode rows' attention q [B, Hq, D] into out [B, Hq, D]."""
         if isinstance(plan, fi_decode.FiPlan):
-            return self._fi.run(q, k_cache, v_cache)
-        if self.backend == "triton":
-            return self._tpp.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
-        if self.backend == "torch":
-            return tpp_torch.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale)
-        return reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale)
+            out.copy_(self._fi.run(q, k_cache, v_cache))
+        elif self.backend == "triton":
+            self._decoder(q, k_cache, v_cache, plan, self.sm_scale, out)
+        elif self.backend == "torch":
+            out.copy_(tpp_torch.tpp_decode(q, k_cache, v_cache, plan, self.sm_scale))
+        else:
+            out.copy_(reference.tpp_decode_ref(q, k_cache, v_cache, plan, self.sm_scale))
 
 
 @dataclass(frozen=True)
@@ -314,7 +317,7 @@ class StepAttention:
         out = torch.empty_like(q) if out is None else out
         b = self.num_decodes
         if b:
-            out[:b] = a.decode(q[:b], k_cache, v_cache, self.decode_plan)
+            a.decode(q[:b], k_cache, v_cache, self.decode_plan, out[:b])
         if self.fused_prefill and self.dense_rows is None:  # the spans' rows follow the decode rows
             out[b:] = a._prefill.run(q[b:], k_cache, v_cache)
         elif self.fused_prefill:

@@ -580,3 +580,46 @@ def test_gpu_overlapped_phases_give_the_same_bits(monkeypatch):
     want = check(q, k, v, tables, lens, plan)
     for out in runs[0] + runs[1]:
         assert torch.equal(out, want)
+
+
+def _decoder_churn(device, dtype, head_dim, groups, c, rows, seeds, layers=2):
+    """A TppDecoder (one per engine) over plans of several trees, each plan called for several
+    layers' caches into a given out: every call equal to the reference for its own caches."""
+    decoder = tpp.TppDecoder()
+    for seed in seeds:
+        q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, rows, depth=3, hkv=2, device=device)
+        plan = plan_for(q, k, tables, lens)
+        caches = [(k, v)] + [(torch.randn_like(k), torch.randn_like(v)) for _ in range(layers - 1)]
+        for _ in range(2):  # the plan's second pass runs its kept launches
+            for kl, vl in caches:
+                out = torch.full_like(q, float("nan"))
+                got = decoder(q, kl, vl, plan, None, out)
+                assert got is out
+                want = decode_attention_ref(q, kl, vl, tables, lens)
+                torch.testing.assert_close(out.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        assert len(plan.launch_cache) == 1  # one kind of call: its launches worked out once
+
+
+def test_decoder_reuses_a_plans_launches_over_layers_and_plans():
+    _decoder_churn(DEVICE, torch.float16, 64, 4, 16, 6, seeds=(41, 42))
+
+
+def test_decoder_rejects_an_out_of_another_shape_or_dtype():
+    q, k, v, tables, lens = make_case(43, torch.float16, 64, 2, 16, 3, device=DEVICE)
+    plan = plan_for(q, k, tables, lens)
+    for out in (torch.empty_like(q)[:-1], torch.empty_like(q, dtype=torch.float32)):
+        with pytest.raises(ValueError, match="out must be"):
+            tpp.tpp_decode(q, k, v, plan, out=out)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
+    # kernels.launch keys compiled kernels by what the caller says specializes them; verifying()
+    # asks Triton's dispatcher for every direct launch and fails on a kernel compiled for other
+    # arguments. Many trees (both phases, folds, merges, row programs) and layers.
+    from kernels import launch
+    with launch.verifying():
+        _decoder_churn("cuda", dtype, 128, 4, 64, 48, seeds=range(50, 58), layers=3)
+        _decoder_churn("cuda", dtype, 128, 1, 64, 200, seeds=(60, 61), layers=2)
