@@ -309,11 +309,13 @@ class StepAttention:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; out: [T, Hq, D] to write (every row), else a new one
+        self.attention.pool.write(layer, self.chunk_idx, self.offset, k, v)
+        return self.attend(layer, q, out)
+
+    def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """forward, the new tokens' K/V already in the pool (replicas/piecewise.py writes them)."""
         a = self.attention
         k_cache, v_cache = a.pool.k(layer), a.pool.v(layer)
-        # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
-        k_cache[self.chunk_idx, :, self.offset] = k.to(k_cache.dtype)
-        v_cache[self.chunk_idx, :, self.offset] = v.to(v_cache.dtype)
         out = torch.empty_like(q) if out is None else out
         b = self.num_decodes
         if b:

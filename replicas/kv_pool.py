@@ -1,9 +1,9 @@
 """Chunk allocator over the preallocated K/V tensors of every layer (DESIGN §3).
 
 One chunk id addresses `chunk_size` token slots in every layer. Per layer, K and V are
-`[num_chunks, kv_heads, c, head_dim]` ("HND" inside a chunk), views of one allocation so that K
-and V share strides: `k.view(num_chunks * kv_heads, 1, c, head_dim)` is a page table of
-(chunk, head) pages for kernels that want a different page list per KV head.
+`[num_chunks + 1, kv_heads, c, head_dim]` ("HND" inside a chunk; the last chunk the scratch one),
+views of one allocation so that K and V share strides: `k.view(-1, 1, c, head_dim)` is a page
+table of (chunk, head) pages for kernels that want a different page list per KV head.
 """
 
 from __future__ import annotations
@@ -29,9 +29,12 @@ class KVPool:
         self.num_layers = num_layers
         self.num_chunks = num_chunks
         self.chunk_size = chunk_size
-        # kv: [L, 2, N, Hkv, c, D]; zeroed so never-written slots are finite
+        # kv: [L, 2, N + 1, Hkv, c, D]; zeroed so never-written slots are finite. Chunk N is the
+        # scratch chunk, never allocated: the padding rows of a graphed step write their K/V there
+        # (replicas/piecewise.py)
+        self.scratch = num_chunks
         self.kv = torch.zeros(
-            num_layers, 2, num_chunks, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
+            num_layers, 2, num_chunks + 1, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
         )
         # key_means: [L, N, Hkv, D] float32, the mean key of each full chunk (block-union's
         # selection, kernels.block_union), or None without sparse prefill
@@ -41,11 +44,20 @@ class KVPool:
         self._free = list(range(num_chunks - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_chunks
 
-    def k(self, layer: int) -> torch.Tensor:  # [N, Hkv, c, D]
+    def k(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
         return self.kv[layer, 0]
 
-    def v(self, layer: int) -> torch.Tensor:  # [N, Hkv, c, D]
+    def v(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
         return self.kv[layer, 1]
+
+    def write(self, layer: int, chunk_idx: torch.Tensor, offset: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """New tokens' K/V into their slots: k, v [T, Hkv, D]; token t into chunk chunk_idx[t] at
+        slot offset[t]."""
+        k_cache, v_cache = self.k(layer), self.v(layer)
+        # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
+        k_cache[chunk_idx, :, offset] = k.to(k_cache.dtype)
+        v_cache[chunk_idx, :, offset] = v.to(v_cache.dtype)
 
     @property
     def num_free(self) -> int:

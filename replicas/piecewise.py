@@ -7,17 +7,18 @@ llama3-8b, Poisson arrivals: 25-54 ms a step, nearly all of it host time). Every
 attention depends on the token count alone, so, as vLLM's piecewise graphs, each layer's halves
 are graphed per token-count bucket and the attention runs eagerly between them, whatever its plan:
 
-    piece 0:     embed, rotary, layer 0 before its attention         -> q, k, v, residual
-    attention 0  (eager: K/V into the pool, TPP decode, FlashInfer prefill; the step's own plans)
-    piece l:     layer l-1 after its attention, layer l before its   -> q, k, v, residual
+    piece 0:     embed, rotary, layer 0 before its attention, its K/V into the pool -> q, residual
+    attention 0  (eager: TPP decode, FlashInfer prefill; the step's own plans)
+    piece l:     layer l-1 after its attention, layer l before its, its K/V -> q, residual
     ...
-    piece L:     layer L-1 after its attention, the final norm       -> hidden
+    piece L:     layer L-1 after its attention, the final norm              -> hidden
 
-A step of T tokens runs the pieces of the smallest bucket n >= T: its ids and positions go into
-static buffers (rows past T keep what they held: valid ids and positions, their results are
-never read), each piece reads and writes static buffers (q, k, v, residual, the attention's
-output), so one set of buffers serves every bucket and the pieces' temporaries share one memory
-pool. Steps of more tokens than the largest bucket run eagerly (their matrix products dwarf the
+A step of T tokens runs the pieces of the smallest bucket n >= T: its ids, positions and the
+chunks of its new tokens' slots go into static buffers; rows past T keep their ids and
+positions (valid ones, their results are never read) and write their K/V into the pool's
+scratch chunk, which no sequence holds. Each piece reads and writes static buffers (q,
+residual, the attention's output), so one set of buffers serves every bucket and the pieces'
+temporaries share one memory pool. Steps of more tokens than the largest bucket run eagerly (their matrix products dwarf the
 launches). Captured once, when the engine is built (a warm run of each piece first compiles its
 kernels); never on a user's request.
 
@@ -32,17 +33,20 @@ from collections.abc import Callable
 
 import torch
 
+from replicas.kv_pool import KVPool
+
 # token counts graphed: every decode batch up to 8 rows in one, then steps of 16 to 128, of 32
 # to 256, of 64 to 512, of 128 to 1024
 BUCKETS = (8, *range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128))
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: torch.nn.Module, max_tokens: int, *, graphs: bool = True,
+    def __init__(self, model: torch.nn.Module, pool: KVPool, max_tokens: int, *, graphs: bool = True,
                  sizes: tuple[int, ...] = BUCKETS):
-        """model: a LlamaForCausalLM; max_tokens: a step's tokens at most (larger buckets are
-        not made); graphs: capture CUDA graphs (else the pieces run as calls: the CPU)."""
-        self.model = model.model
+        """model: a LlamaForCausalLM; pool: its K/V pool; max_tokens: a step's tokens at most
+        (larger buckets are not made); graphs: capture CUDA graphs (else the pieces run as
+        calls: the CPU)."""
+        self.model, self.pool = model.model, pool
         self.sizes = tuple(sorted(n for n in sizes if n <= max(max_tokens, sizes[0])))
         w = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
@@ -52,8 +56,10 @@ class PiecewiseGraphs:
         self.ids = torch.zeros(n, dtype=torch.long, device=w.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=w.device)
         self.cos, self.sin = torch.zeros(n, d, **new), torch.zeros(n, d, **new)
+        # [n] the new tokens' slots: chunk ids (the scratch chunk past a step's rows), offsets in them
+        self.chunk_idx = torch.full((n,), pool.scratch, dtype=torch.long, device=w.device)
+        self.offset = torch.zeros(n, dtype=torch.long, device=w.device)
         self.q, self.o = torch.zeros(n, hq, d, **new), torch.zeros(n, hq, d, **new)
-        self.k, self.v = torch.zeros(n, hkv, d, **new), torch.zeros(n, hkv, d, **new)
         self.residual, self.hidden = torch.zeros(n, h, **new), torch.zeros(n, h, **new)
         self.runs: dict[int, list[Callable[[], None]]] = {}  # per bucket: its pieces' replays (or calls)
         self.replays = 0  # steps run from the pieces (tests and benchmarks)
@@ -74,25 +80,26 @@ class PiecewiseGraphs:
             piece()
         return graph.replay
 
-    def _keep(self, n: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
-        self.q[:n].copy_(q)
-        self.k[:n].copy_(k)
-        self.v[:n].copy_(v)
-        self.residual[:n].copy_(residual)
-
     def _piece(self, i: int, n: int) -> Callable[[], None]:
         m, last = self.model, len(self.model.layers)
         cos, sin = self.cos[:n], self.sin[:n]
+        chunk_idx, offset = self.chunk_idx[:n], self.offset[:n]
+
+        def keep(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
+            self.pool.write(layer, chunk_idx, offset, k, v)
+            self.q[:n].copy_(q)
+            self.residual[:n].copy_(residual)
 
         def first() -> None:
             x, c, s = m.embed(self.ids[:n], self.positions[:n])
             cos.copy_(c)
             sin.copy_(s)
-            self._keep(n, *m.layers[0].before_attention(x, None, cos, sin))
+            torch.remainder(self.positions[:n], self.pool.chunk_size, out=offset)
+            keep(0, *m.layers[0].before_attention(x, None, cos, sin))
 
         def middle() -> None:
             x, residual = m.layers[i - 1].after_attention(self.o[:n], self.residual[:n])
-            self._keep(n, *m.layers[i].before_attention(x, residual, cos, sin))
+            keep(i, *m.layers[i].before_attention(x, residual, cos, sin))
 
         def final() -> None:
             x, residual = m.layers[last - 1].after_attention(self.o[:n], self.residual[:n])
@@ -113,10 +120,13 @@ class PiecewiseGraphs:
             return None
         self.ids[:t].copy_(input_ids)
         self.positions[:t].copy_(step.positions)
+        self.chunk_idx[:t].copy_(step.chunk_idx)
+        if t < n:  # (the last step's rows there wrote into slots that sequences hold)
+            self.chunk_idx[t:n].fill_(self.pool.scratch)
         runs = self.runs[n]
         runs[0]()
         for layer, run in enumerate(runs[1:]):
-            step.forward(layer, self.q[:t], self.k[:t], self.v[:t], out=self.o[:t])
+            step.attend(layer, self.q[:t], out=self.o[:t])
             run()
         self.replays += 1
         return self.hidden[:t]

@@ -77,7 +77,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs else None
         if piecewise is None:
             piecewise = cuda_graphs and attention.backend == "triton"
-        self.pieces = (PiecewiseGraphs(model, max_num_batched_tokens, graphs=cuda_graphs)
+        self.pieces = (PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs)
                        if piecewise else None)
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
         # is the host's own time in it (replicas.bench's host_ms_per_step)

@@ -54,8 +54,36 @@ def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, 
 
 
 def test_buckets_cover_every_count_up_to_the_largest_once():
-    g = PiecewiseGraphs(LLMEngine.from_model("tiny", piecewise_graphs=False).model, max_tokens=300, graphs=False)
+    engine = LLMEngine.from_model("tiny", piecewise_graphs=False)
+    g = PiecewiseGraphs(engine.model, engine.pool, max_tokens=300, graphs=False)
     assert g.sizes == tuple(n for n in BUCKETS if n <= 300) and g.sizes[-1] == 256
     assert [g.bucket(t) for t in (1, 8, 9, 16, 17, 129, 256)] == [8, 8, 16, 16, 32, 160, 256]
     assert g.bucket(257) is None  # past the largest: the step runs eagerly
     assert all(len(runs) == len(g.model.layers) + 1 for runs in g.runs.values())
+
+
+def test_padding_rows_write_only_the_scratch_chunk():
+    # Steps of T tokens run a bucket's n >= T rows; rows past T keep the ids and positions of an
+    # earlier step. Their K/V must land in the scratch chunk, not in the slots the earlier step
+    # wrote (which sequences hold): after every step the two engines' pools agree, scratch aside.
+    opts = dict(device="cpu", dtype="float32", kv_cache_tokens=4096, max_num_batched_tokens=64)
+    plain = LLMEngine.from_model("tiny", piecewise_graphs=False, **opts)
+    pieces = LLMEngine.from_model("tiny", piecewise_graphs=True, **opts)
+    rng = random.Random(3)
+    for engine in (plain, pieces):
+        for i, n in enumerate((40, 3, 17, 9)):
+            engine.add_request(f"r{i}", [rng.randrange(1, 256) for _ in range(n)],
+                               SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True))
+        rng.seed(3)
+    scratch = pieces.pool.scratch
+    assert plain.pool.scratch == scratch == pieces.pool.num_chunks
+    padded = 0
+    while plain.has_unfinished():
+        plain.step()
+        pieces.step()
+        torch.testing.assert_close(pieces.pool.kv[:, :, :scratch], plain.pool.kv[:, :, :scratch],
+                                   rtol=1e-5, atol=1e-5)
+        padded += bool(pieces.pool.kv[:, :, scratch].abs().sum())
+    assert not pieces.has_unfinished() and pieces.runner.pieces.replays > 5
+    assert padded  # some step had padding rows, and they wrote the scratch chunk
+    assert not plain.pool.kv[:, :, scratch].any()  # the eager forward never writes it
