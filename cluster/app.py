@@ -28,7 +28,7 @@ def build_app(args: dict[str, Any]) -> Application:
     # the replica seeds its cache digest as the ingress seeds prompt hashes: by the served model name
     llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(
         engine_config, config.model_name, config.router.route_chunks, config.num_cpus_per_replica,
-        use_gpu if config.warmup is None else config.warmup)
+        use_gpu if config.warmup is None else config.warmup, config.stream_interval_ms)
     ingress = OpenAIIngress.options(
         name="OpenAIIngress", num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,

@@ -53,7 +53,12 @@ class LLMReplica:
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
     def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
-                 cpus_per_rank: float = 1, warm_up: bool = False):
+                 cpus_per_rank: float = 1, warm_up: bool = False, stream_interval_ms: float = 0):
+        """stream_interval_ms: a stream's outputs after its first are sent at most this often, the
+        steps between gathered into one (each send is a Ray message, and one more at the ingress
+        to the proxy: per token, the ingress and proxy bound the stack's tokens per second); 0:
+        one a step."""
+        self._stream_interval_s = stream_interval_ms / 1000
         self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
         rendezvous, check = None, None
         if engine_config.tp_size > 1:
@@ -90,12 +95,17 @@ class LLMReplica:
         arrival = time.perf_counter()
         first_token_at = None
         engine_done = False
+        sent_at = None  # when the last output went (the first goes at once)
         try:
             self.core.add(rid, list(request.prompt_token_ids), request.params)
             await stream.accepted  # the engine's ValueError for a bad request surfaces here
             while not engine_done:
                 batch = [await stream.outputs.get()]
-                while not stream.outputs.empty():  # the caller fell behind: send several steps as one
+                if sent_at is not None and not isinstance(batch[-1], EngineDied) and not batch[-1].finished:
+                    wait = sent_at + self._stream_interval_s - time.perf_counter()
+                    if wait > 0:  # gather the steps until the interval is up (the end goes at once)
+                        await asyncio.sleep(wait)
+                while not stream.outputs.empty():  # steps that came meanwhile: sent as one
                     batch.append(stream.outputs.get_nowait())
                 if isinstance(batch[-1], EngineDied):
                     raise batch[-1]
@@ -110,6 +120,7 @@ class LLMReplica:
                 last = batch[-1]
                 yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
                                      last.cached_tokens, out.output_tokens, out.logprobs, out.prompt_logprobs)
+                sent_at = time.perf_counter()
                 if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:

@@ -334,6 +334,41 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
     serve.delete("spread")
 
 
+def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
+    # stream_interval_ms: after the first chunk, a stream sends at most one chunk per interval, the
+    # steps between gathered into it; the text and token count are those of one chunk per step
+    interval = 0.25
+    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "stream_interval_ms": interval * 1000,
+                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
+              name="gathered", route_prefix="/gathered")
+    url = f"{cluster}/gathered/v1/completions"
+    body = {"prompt": "gather these", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
+
+    async def main():
+        times, texts = [], []
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async with client.stream("POST", url, json={**body, "stream": True,
+                                                        "stream_options": {"include_usage": True}}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        event = json.loads(line[len("data: "):])
+                        if event["choices"]:
+                            times.append(time.perf_counter())
+                            texts.append(event["choices"][0]["text"])
+                        else:
+                            usage = event["usage"]
+        return times, texts, usage
+
+    times, texts, usage = asyncio.run(main())
+    assert "".join(texts) == whole and usage["completion_tokens"] == 64
+    assert 2 <= len(texts) < 64 / 2  # steps gathered: far fewer chunks than tokens
+    gaps = [b - a for a, b in zip(times, times[1:-1])]  # (the last may follow its previous at once: the end)
+    assert all(g > interval * 0.8 for g in gaps), gaps
+    serve.delete("gathered")
+
+
 TP = {"model": "tiny", "device": "cpu", "num_replicas": 1, "tensor_parallel_size": 2, "num_cpus_per_replica": 0.5,
       "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}
 
