@@ -370,11 +370,9 @@ def build_plan(
             slot_list.append(nxt[r0])
             nxt[r0] += 1
 
-    def i32(rows, width=None):
-        t = torch.from_numpy(np.array(rows, dtype=np.int32).reshape(-1, width) if width else
-                             np.array(rows, dtype=np.int32))
-        return t.to(device)
-
+    lens, items_t, chunks_t, slots_t, merge_t = _to_device(
+        device, list(tree.seq_lens), [x for it in items for x in it], chunks, slot_list,
+        [x for it in merge_items for x in it])
     f32 = dict(dtype=torch.float32, device=device)
     return TppPlan(
         tree=tree,
@@ -382,12 +380,12 @@ def build_plan(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         chunk_size=c,
-        seq_lens=i32(list(tree.seq_lens)),
-        items=i32(items, _FIELDS),
-        chunks=i32(chunks),
-        slot_list=i32(slot_list),
+        seq_lens=lens,
+        items=items_t.view(-1, _FIELDS),
+        chunks=chunks_t,
+        slot_list=slots_t,
         launches=tuple(launches),
-        merge_items=i32(merge_items, _MERGE_FIELDS),
+        merge_items=merge_t.view(-1, _MERGE_FIELDS),
         block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
         lean_phase1=reads[2] >= _LEAN_RATIO * reads[1] > 0,
         lean_phase2=bool(reads[1]) and g > 1 and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces) > (
@@ -397,6 +395,21 @@ def build_plan(
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
         part_lse=torch.empty(slots, num_q_heads, **f32),
     )
+
+
+def _to_device(device: torch.device, *lists: list[int]) -> list[Tensor]:
+    """int32 lists as device tensors, by one copy that does not wait for the device: a plain copy
+    from pageable memory waits for every step queued before it, where the engine plans the next
+    step while the device runs this one. Each tensor starts 16 bytes into the buffer past the one
+    before: the pointer alignment the launches' keys take as given (kernels.launch)."""
+    sizes = [len(x) for x in lists]
+    starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes]).tolist()
+    host = np.zeros(starts[-1], dtype=np.int32)
+    for values, start, n in zip(lists, starts, sizes):
+        host[start:start + n] = values
+    buf = torch.from_numpy(host)
+    buf = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
+    return [buf[start:start + n] for start, n in zip(starts, sizes)]
 
 
 # ---------------------------------------------------------------------------------------------
