@@ -67,7 +67,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
                         enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
                         async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill,
                         sparse_prefill=_sparse(args), enable_prefix_sharing=args.prefix_sharing,
-                        piecewise_graphs=args.piecewise_graphs)
+                        piecewise_graphs=args.piecewise_graphs, decode_graphs=args.decode_graphs)
 
 
 def _sparse(args: argparse.Namespace) -> BlockUnion | None:
@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; "
                     "default: on CUDA)")
+    ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=True,
+                    help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs)")
     ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                     help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
     ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")

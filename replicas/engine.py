@@ -72,6 +72,11 @@ class EngineConfig:
     # None: on CUDA with the triton backend unless enforce_eager; True on the CPU runs the same
     # pieces as plain calls (tests); False: those steps run eagerly.
     piecewise_graphs: bool | None = None
+    # CUDA, unless enforce_eager: a decode-only step whose TPP plan has lived a step replays a
+    # whole-step graph captured for that plan (replicas/cuda_graph.py). Under live traffic plans
+    # live a few steps, so these graphs are captured on users' requests; False leaves such steps
+    # to the piecewise graphs (A/B: replicas.bench --no-decode-graphs).
+    decode_graphs: bool = True
     # Prepare and queue each step while the device runs the one before, collecting that one's
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
@@ -164,7 +169,7 @@ class LLMEngine:
                                   tp_size=config.tp_size, vocab_size=mc.vocab_size,
                                   eos_token_ids=tuple(mc.eos_token_ids),
                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                  piecewise=config.piecewise_graphs)
+                                  piecewise=config.piecewise_graphs, decode_graphs=config.decode_graphs)
         self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
                                  else config.async_scheduling)
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)

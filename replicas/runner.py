@@ -66,15 +66,16 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
                  enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
                  eos_token_ids: tuple[int, ...] = (), max_num_batched_tokens: int = 2048,
-                 piecewise: bool | None = None):
+                 piecewise: bool | None = None, decode_graphs: bool = True):
         """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
-        pieces as plain calls (the CPU tests)."""
+        pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per TPP plan
+        (replicas.cuda_graph) on CUDA unless enforce_eager."""
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         cuda_graphs = device.type == "cuda" and not enforce_eager
-        self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs else None
+        self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs and decode_graphs else None
         if piecewise is None:
             piecewise = cuda_graphs and attention.backend == "triton"
         self.pieces = (PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs)

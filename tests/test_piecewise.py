@@ -87,3 +87,17 @@ def test_padding_rows_write_only_the_scratch_chunk():
     assert not pieces.has_unfinished() and pieces.runner.pieces.replays > 5
     assert padded  # some step had padding rows, and they wrote the scratch chunk
     assert not plain.pool.kv[:, :, scratch].any()  # the eager forward never writes it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_without_decode_graphs_every_step_runs_from_the_pieces():
+    # decode_graphs=False: no whole-step graph is captured on a request; every step up to the
+    # largest bucket replays the pieces, with the plain forward's tokens
+    opts = dict(device="cuda", dtype="float32", kv_cache_tokens=16384, max_num_batched_tokens=96)
+    plain = LLMEngine.from_model("tiny", piecewise_graphs=False, enforce_eager=True, **opts)
+    pieces = LLMEngine.from_model("tiny", decode_graphs=False, **opts)
+    assert pieces.runner.graphs is None and pieces.runner.pieces is not None
+    assert _live_traffic(pieces) == _live_traffic(plain)
+    assert pieces.runner.pieces.replays == pieces.stats()["steps"]
+    pieces.check()
