@@ -20,7 +20,8 @@ costs about one eager step (a Python pass over the model, then instantiation; H2
 dropped after fewer than `min_replays` replays doubles the steps a plan must live before the
 next capture (up to 64); one that paid off resets it.
 
-Only decode-only steps of the Triton backend with a TPP plan use it. Steps with prefill tokens,
+Only decode-only steps of the Triton backend with a TPP plan use it (and only with
+EngineConfig.decode_graphs; the piecewise graphs, replicas/piecewise.py, run every other step). Steps with prefill tokens,
 FlashInfer plans and the torch and reference backends run eagerly. The logits are computed eagerly from
 the graph's hidden states, so a graph holds the model's forward only.
 """

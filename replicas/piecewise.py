@@ -50,7 +50,7 @@ class PiecewiseGraphs:
         self.sizes = tuple(sorted(n for n in sizes if n <= max(max_tokens, sizes[0])))
         w = self.model.embed_tokens.weight
         attn = self.model.layers[0].self_attn
-        n, hq, hkv, d = self.sizes[-1], attn.num_heads, attn.num_kv_heads, attn.head_dim
+        n, hq, d = self.sizes[-1], attn.num_heads, attn.head_dim
         h = w.shape[1]
         new = dict(dtype=w.dtype, device=w.device)
         self.ids = torch.zeros(n, dtype=torch.long, device=w.device)
