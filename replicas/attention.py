@@ -318,6 +318,9 @@ class StepAttention:
         k_cache, v_cache = a.pool.k(layer), a.pool.v(layer)
         out = torch.empty_like(q) if out is None else out
         b = self.num_decodes
+        if b and b == q.shape[0]:  # a decode-only step (no views to make: this runs per layer)
+            a.decode(q, k_cache, v_cache, self.decode_plan, out)
+            return out
         if b:
             a.decode(q[:b], k_cache, v_cache, self.decode_plan, out[:b])
         if self.fused_prefill and self.dense_rows is None:  # the spans' rows follow the decode rows

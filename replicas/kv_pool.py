@@ -36,6 +36,8 @@ class KVPool:
         self.kv = torch.zeros(
             num_layers, 2, num_chunks + 1, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
         )
+        # each layer's views, made once: every layer of every step asks for them
+        self._k, self._v = [self.kv[i, 0] for i in range(num_layers)], [self.kv[i, 1] for i in range(num_layers)]
         # key_means: [L, N, Hkv, D] float32, the mean key of each full chunk (block-union's
         # selection, kernels.block_union), or None without sparse prefill
         self.key_means = (torch.zeros(num_layers, num_chunks, num_kv_heads, head_dim, device=device)
@@ -45,10 +47,10 @@ class KVPool:
         self._is_free = bytearray(b"\x01") * num_chunks
 
     def k(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
-        return self.kv[layer, 0]
+        return self._k[layer]
 
     def v(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
-        return self.kv[layer, 1]
+        return self._v[layer]
 
     def write(self, layer: int, chunk_idx: torch.Tensor, offset: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
