@@ -14,6 +14,7 @@ import hmac
 import json
 import logging
 import math
+import re
 import secrets
 import time
 import uuid
@@ -75,10 +76,16 @@ class APIError(Exception):
                  code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.headers = status, headers
-        self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
+        self.detail = ErrorDetail(message=_text(message), type=type, param=None if param is None else _text(param),
+                                  code=code)
 
     def response(self) -> JSONResponse:
         return JSONResponse(ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers)
+
+
+def _text(s: str) -> str:
+    """s with any lone surrogate (a key or value echoed from a body) escaped: JSON-encodable."""
+    return s.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 @app.exception_handler(APIError)
@@ -111,12 +118,41 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 _OFF_LOOP_SIZE = 16 << 10
 
 
+def _check_content_type(request: Request) -> None:
+    """415 unless the body is declared JSON (FastAPI's rule: application/json, application/*+json,
+    or no Content-Type at all, which is read as JSON)."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.partition(";")[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise APIError(415, f"Content-Type {media or declared!r} is not supported: send the body as JSON with "
+                   "`Content-Type: application/json`", code="unsupported_media_type")
+
+
+# `\uD800`-`\uDFFF` escapes: the only way a strictly decoded UTF-8 body yields a surrogate
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
 def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
     """The request body as `model`, or an APIError 400 saying what is wrong with it."""
     try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested too deep
+        text = body.decode("utf-8")  # strict: JSON text is UTF-8 (RFC 8259), encoded surrogates refused
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})",
+                       code="invalid_utf8") from None
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
         raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if _SURROGATE_ESCAPE.search(text):  # a pair is one character once parsed; a lone half is not text
+        where = _lone_surrogate(data)
+        if where is not None:
+            raise APIError(400, f"`{'.'.join(map(str, where)) or 'body'}` holds a lone UTF-16 surrogate (an "
+                           "unpaired \\uD800-\\uDFFF escape): strings must be Unicode text",
+                           param=str(where[0]) if where else None, code="invalid_unicode")
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -125,6 +161,24 @@ def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
         message = "; ".join(f"{where(err)}: {err['msg']}" for err in errors)
         param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
         raise APIError(400, message, param=param) from None
+
+
+def _lone_surrogate(data: Any) -> list | None:
+    """The path (keys and indices) to a string (or key) of parsed JSON holding a surrogate, or None."""
+    stack: list[tuple[list, Any]] = [([], data)]  # (not recursive: the body may nest deep)
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                if _SURROGATE.search(k):
+                    return path + [k]
+                stack.append((path + [k], v))
+        elif isinstance(value, list):
+            stack += [(path + [i], v) for i, v in enumerate(value)]
+    return None
 
 
 async def _off_loop_if(big: bool, fn, *args):
@@ -482,6 +536,7 @@ class OpenAIIngress:
             raise APIError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
+        _check_content_type(request)
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
