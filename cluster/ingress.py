@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 from ray import serve
+from ray.exceptions import RayActorError, RayError, RayTaskError
 from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -59,6 +60,7 @@ from cluster.protocol import (
 )
 from cluster.reasoning import ReasoningSplit, think_tags
 from cluster.tools import ToolOutput
+from replicas.engine_process import EngineDied
 from replicas.model import load_tokenizer
 from router.hashing import chunk_hashes
 
@@ -102,8 +104,32 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
-    # Starlette re-raises after answering, so Serve still logs the traceback.
-    return APIError(500, f"internal error: {e!r}", type="server_error").response()
+    # (Starlette re-raises after answering, so Serve logs the traceback as well)
+    return _server_error(e).response()
+
+
+def _request_id() -> str:
+    """Serve's id of the HTTP request being answered: its `x-request-id` header, and Serve's log lines'."""
+    return serve_context._get_serve_request_context().request_id or uuid.uuid4().hex
+
+
+def _server_error(e: BaseException, request_id: str | None = None) -> APIError:
+    """e logged here with the request's id; the client's error names that id and nothing else of
+    e (a replica's death carries actor ids, pids, node addresses and Ray's advice)."""
+    rid = request_id or _request_id()
+    replica = isinstance(e, (RayActorError, RayTaskError, EngineDied))
+    logger.error("request %s failed (%s)", rid, "a model replica failed" if replica else "internal error",
+                 exc_info=e)
+    if replica:
+        return APIError(500, f"the model replica serving this request failed; retry it (request id {rid})",
+                        type="server_error", code="replica_failed")
+    return APIError(500, f"internal server error (request id {rid})", type="server_error", code="internal_error")
+
+
+def _request_refused(e: Exception) -> ValueError | None:
+    """The ValueError with which a replica refused a request (RayTaskError wraps what a replica raised), if so."""
+    cause = e.cause if isinstance(e, RayTaskError) else e
+    return cause if isinstance(cause, ValueError) and not isinstance(cause, RayError) else None
 
 
 # Module-level helpers come before the deployment class: @serve.ingress freezes a pickled copy of
@@ -349,8 +375,11 @@ async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[s
 
     try:
         choices = await asyncio.gather(*(outputs(first, rest) for first, rest in started))
+    except Exception as e:
+        _cancel(started)  # a replica failed: the others abort their requests
+        raise _server_error(e) from None
     except BaseException:
-        _cancel(started)  # the client went away (or a replica failed): the replicas abort the requests
+        _cancel(started)  # the client went away: the replicas abort the requests
         raise
     body = fmt.whole(list(choices)).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
     return JSONResponse(body, headers=headers)
@@ -363,6 +392,7 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
     a character) are not sent unless they end their choice or carry token ids or logprobs that
     were asked for."""
     exclude = _exclude(fmt.token_ids, include_usage)
+    request_id = _request_id()
 
     async def events() -> AsyncIterator[str]:
         lasts = [first for first, _ in started]
@@ -397,8 +427,7 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
             done = True
         except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
-            logger.exception("stream failed")
-            error = ErrorDetail(message=f"generation failed: {e}", type="server_error")
+            error = _server_error(e, request_id).detail
             yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"  # the stream still ends as every stream does (vLLM's too)
             return
@@ -678,8 +707,12 @@ class OpenAIIngress:
             return await gen.__anext__(), gen
         except (BackPressureError, DeploymentUnavailableError) as e:
             raise _unavailable(e) from None
-        except ValueError as e:  # the engine refused the request (the checks above should have)
-            raise APIError(400, str(e)) from None
+        except Exception as e:
+            gen.cancel()
+            refused = _request_refused(e)
+            if refused is not None:  # the engine refused the request (the checks above should have)
+                raise APIError(400, str(refused)) from None
+            raise _server_error(e) from None
         except BaseException:
             gen.cancel()  # the client went away while waiting
             raise

@@ -7,11 +7,17 @@ anything about the cluster.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import re
+import signal
+import time
 
 import httpx
 import pytest
 from ray import serve
+from ray.util.state import list_actors
 
 from cluster.app import build_app
 from tests.serve_cluster import serve_on_local_cluster
@@ -81,3 +87,81 @@ def test_bodies_not_declared_json_are_refused(url, path):
         r = _post(url, path, body, content_type)
         assert r.status_code == 200, (content_type, r.text)
 
+
+# what no error body may hold: a pid, a node address, an actor id (32 hex digits), Ray's words
+# for its actors, a Python repr or traceback
+LEAKS = re.compile(r"pid\W*\d|\b\d{1,3}(?:\.\d{1,3}){3}\b|\b[0-9a-f]{32}\b|actor|namespace|ray::|SERVE_REPLICA"
+                   r"|\b\w+(?:Error|Exception)\(|object at 0x|Traceback", re.IGNORECASE)
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BAD = [  # (id, path, body bytes or JSON, content type, status)
+    ("malformed-json", "/v1/completions", b'{"prompt": ', "application/json", 400),
+    ("wrong-type", "/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "application/json", 400),
+    ("lone-surrogate", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+     "application/json", 400),
+    ("invalid-utf8", "/v1/completions", b'{"prompt": "\xc3("}', "application/json", 400),
+    ("text-plain", "/v1/chat/completions", CHAT, "text/plain", 415),
+    ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404),
+    ("out-of-vocab", "/v1/completions", {"prompt": [1, 10**6]}, "application/json", 400),
+    ("too-long", "/v1/completions", {"prompt": [1] * MAX_MODEL_LEN}, "application/json", 400),
+    ("unknown-role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+     "application/json", 400),
+    ("bad-schema", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "minProperties": "two"}}}}, "application/json", 400),
+    ("bad-regex", "/v1/completions", {"prompt": "x", "guided_regex": "a(b"}, "application/json", 400),
+    ("bad-logit-bias", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "application/json", 400),
+    ("best-of", "/v1/completions", {"prompt": "x", "best_of": 3}, "application/json", 400),
+    ("tokenize-both", "/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, "application/json", 400),
+    ("detokenize-range", "/detokenize", {"tokens": [-1]}, "application/json", 400),
+    ("unknown-route", "/v1/embeddings", {"input": "x"}, "application/json", 404),
+    ("too-large", "/v1/completions", {"prompt": "x" * (11 << 20)}, "application/json", 413),
+]
+
+
+def test_no_error_body_tells_of_the_cluster(url):
+    for name, path, body, content_type, status in BAD:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        r = _post(url, path, content, content_type)
+        _openai_error(r, status)
+        assert not LEAKS.search(r.text), (name, r.text)
+
+
+def _alive_replicas() -> list:
+    return list_actors(filters=[("class_name", "=", "ServeReplica:hostile:LLMReplica"), ("state", "=", "ALIVE")])
+
+
+def test_a_replica_fault_is_a_stable_server_error(url):
+    """SIGKILL the replica while a whole and a streamed request run: the whole one gets a 500 and
+    the stream an error event, both OpenAI's server_error naming the request's id (its
+    x-request-id) and nothing of the cluster; the replica's replacement then serves."""
+    [replica] = _alive_replicas()
+    long = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            whole = asyncio.create_task(client.post(f"{url}/v1/completions", json=long))
+            events = []
+            async with client.stream("POST", f"{url}/v1/chat/completions", json={
+                    **CHAT, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[len("data: "):])
+                        if len(events) == 4:
+                            os.kill(replica.pid, signal.SIGKILL)
+            return await whole, events, r.headers["x-request-id"]
+
+    whole, events, stream_id = asyncio.run(main())
+    error = _openai_error(whole, 500)
+    assert (error["type"], error["code"]) == ("server_error", "replica_failed"), error
+    assert whole.headers["x-request-id"] in error["message"] and not LEAKS.search(whole.text), whole.text
+    assert events[-1] == "[DONE]" and len(events) > 5
+    streamed = json.loads(events[-2])["error"]
+    assert (streamed["type"], streamed["code"]) == ("server_error", "replica_failed"), streamed
+    assert stream_id in streamed["message"] and not LEAKS.search(events[-2]), events[-2]
+    deadline = time.monotonic() + 180
+    while (r := httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+           ).status_code != 200:  # requests meanwhile: the same error, or 503 while no replica is up
+        assert r.status_code in (500, 503) and not LEAKS.search(r.text), r.text
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1)
+    assert [a.pid for a in _alive_replicas()] != [replica.pid]
