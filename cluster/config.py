@@ -105,6 +105,11 @@ class AppConfig(_Strict):
     # reasoning models' thinking as chat messages' `reasoning_content` apart from their content
     # (cluster/reasoning.py; vLLM's --reasoning-parser): `deepseek_r1`, `qwen3`. None: all content
     reasoning_parser: Literal["deepseek_r1", "qwen3"] | None = None
+    # special tokens' text in completions' text prompts and in user and tool messages (and in
+    # /tokenize's) tokenized as their special ids, as vLLM does: users could forge role markers
+    # such as `<|system|>`. False (the default): it is tokenized as text; the chat template's own
+    # markers are special either way
+    allow_special_tokens_in_prompt: bool = False
 
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
     api_key_env: str | None = None  # or: the name of an environment variable holding the key

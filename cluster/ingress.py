@@ -62,6 +62,7 @@ from cluster.reasoning import ReasoningSplit, think_tags
 from cluster.tools import ToolOutput
 from replicas.engine_process import EngineDied
 from replicas.model import load_tokenizer
+from replicas.model.tokenizer import PLAIN_TEXT_ROLES
 from router.hashing import chunk_hashes
 
 logger = logging.getLogger("ray.serve")
@@ -452,6 +453,9 @@ class OpenAIIngress:
         self.tokenizer = load_tokenizer(config.model)  # None: the model takes token ids only
         self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token texts
         self.api_key = config.resolve_api_key()
+        # special tokens' text typed in a text prompt or a user's or tool's message is text (not
+        # their ids: a user could forge the template's role markers), unless the operator allows it
+        self._split_special_tokens = not config.allow_special_tokens_in_prompt
         self._llm = llm
         self._stream = llm.options(stream=True)
         self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
@@ -518,7 +522,7 @@ class OpenAIIngress:
             ids = await self._chat_prompt_off_loop(body)
         else:
             ids = await _off_loop_if(len(body.prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode,
-                                     body.prompt, body.add_special_tokens)
+                                     body.prompt, body.add_special_tokens, self._split_special_tokens)
         info = await self._model_info()
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"],
                                              tokens=ids).model_dump())
@@ -587,8 +591,9 @@ class OpenAIIngress:
         """The body's prompts as token ids (texts tokenized, ids checked against the vocabulary)."""
         sent = body.prompts
         if isinstance(sent[0], str):
-            encode = self._tokenizer_for("text prompts").encode
-            return await _off_loop_if(sum(map(len, sent)) > _OFF_LOOP_SIZE, lambda: [encode(p) for p in sent])
+            encode, split = self._tokenizer_for("text prompts").encode, self._split_special_tokens
+            return await _off_loop_if(sum(map(len, sent)) > _OFF_LOOP_SIZE,
+                                      lambda: [encode(p, split_special_tokens=split) for p in sent])
         vocab = (await self._model_info())["vocab_size"]
         for prompt in sent:
             bad = None if 0 <= min(prompt) and max(prompt) < vocab else next(t for t in prompt if not 0 <= t < vocab)
@@ -611,10 +616,10 @@ class OpenAIIngress:
         tokenizer = self._tokenizer_for("chat")
         try:
             messages = [m.for_template() for m in body.messages]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=template_tools(body.tools))
+            return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=template_tools(body.tools),
+                                         plain_roles=PLAIN_TEXT_ROLES if self._split_special_tokens else ())
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)  # the template already holds BOS
 
     def _tokenizer_for(self, what: str):
         if self.tokenizer is None:

@@ -8,6 +8,8 @@ so render with `apply_chat_template` and encode with `add_special_tokens=False`.
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,8 @@ from tokenizers import Tokenizer as _Backend
 
 from replicas.model.config import read_json
 
+# the roles whose content is the user's (or a tool's) text: special tokens' text in it is text
+PLAIN_TEXT_ROLES = ("user", "tool")
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 256..261
 # Tools in a system turn and calls as Hermes' <tool_call> blocks (cluster/tools.py's `hermes`
 # parser reads them back); a tool's answer is a user turn in <tool_response>.
@@ -60,6 +64,10 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(self._token_id(t) for t in eos_tokens)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template = None if chat_template is None else _compile_template(chat_template)
+        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)  # (longest first: the one matched where two start alike)
+        self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._plain: _Backend | None = None  # the backend reading special tokens' text as text (_plain_backend)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -99,8 +107,40 @@ class Tokenizer:
         """The `tokenizers` tokenizer underneath (its vocabulary, for guided decoding)."""
         return self._backend
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """text's ids; add_special_tokens: those the post-processor adds (BOS); split_special_tokens:
+        special tokens' text in `text` is tokenized as text (transformers' option of the name),
+        else it is their ids."""
+        backend = self._plain_backend() if split_special_tokens else self._backend
+        return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+                    plain_roles: tuple[str, ...] = PLAIN_TEXT_ROLES) -> list[int]:
+        """The chat's ids as its template renders it (BOS included: encoded with
+        add_special_tokens=False). Special tokens' text inside the content of messages of
+        plain_roles is tokenized as text, so a user who types `<|system|>` sends those characters,
+        not the role marker; the template's own markers stay special.
+
+        Each such text in such content is wrapped in markers before rendering; the rendered chat,
+        markers removed, is encoded piece by piece: what lies between marked texts with special
+        tokens (the tokenizer splits the text at special tokens anyway), the marked texts as text."""
+        plain = lambda m: m.get("role") in plain_roles and isinstance(m.get("content"), str)  # noqa: E731
+        found = self._special_text is not None and sum(len(self._special_text.findall(m["content"]))
+                                                       for m in messages if plain(m))
+        if not found:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+        mark = f"\ue000{secrets.token_hex(8)}\ue001"  # (private-use characters: text no template changes)
+        marked = [{**m, "content": self._special_text.sub(lambda t: f"{mark}{t.group()}{mark}", m["content"])}
+                  if plain(m) else m for m in messages]
+        pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(mark)
+        if len(pieces) != 2 * found + 1:  # the template rewrote the content (a filter, an escape)
+            raise ValueError("message content holds special tokens' text and this chat template transforms "
+                             "content, so it cannot be kept as text: remove it")
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):  # even: the template's and the content's text; odd: a marked text
+            if piece:
+                ids += self.encode(piece, add_special_tokens=False, split_special_tokens=i % 2 == 1)
+        return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Incomplete UTF-8 decodes to U+FFFD; ids outside the vocabulary (padded model rows) decode to "".
@@ -117,6 +157,13 @@ class Tokenizer:
                                          bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
+
+    def _plain_backend(self) -> _Backend:
+        if self._plain is None:  # (a race builds it twice, harmlessly)
+            plain = _Backend.from_str(self._backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def _token_id(self, token: str) -> int:
         i = self._backend.token_to_id(token)
