@@ -19,6 +19,7 @@ import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -138,11 +139,17 @@ def _request_refused(e: Exception) -> ValueError | None:
 # module globals defined by then.
 
 
-# Bodies (bytes) and text prompts (characters) past this size are parsed, validated and tokenized
-# in a worker thread: the event loop also drives every open stream, and on it (dev CPU) a 12 MB
-# token-id body took 1.2 s to parse and validate and a MB of text 0.9 s to tokenize (tiny's byte
-# tokenizer), stalling them all.
+# The event loop also drives every open stream, so no request may hold it. Bodies (bytes) and text
+# (characters) past _OFF_LOOP_SIZE are parsed, validated, tokenized and detokenized in worker
+# threads, and grammars always are; a thread helps only while the call in it releases the
+# interpreter lock. Measured on a 2-core CPU as the longest pause of a 5 ms ticker thread meanwhile:
+# tokenizers' encode_batch, which Tokenizer.encode uses for long text, 2 M characters of tiny's in
+# 1.3 s with pauses <= 45 ms (encode: one 1.3 s pause); xgrammar's schema parsing, a 270-object
+# chain in 2.1 s with pauses <= 8 ms. JSON parsing and pydantic validation hold it: a 9.9 MB text
+# body 0.1 s. So what could take longer is refused before any of it runs: text too long for any
+# prompt the context takes (_check_chars), schemas nested too deep (protocol.MAX_SCHEMA_DEPTH).
 _OFF_LOOP_SIZE = 16 << 10
+GUIDE_DEADLINE_S = 10.0  # a structured output whose grammar takes longer than this to parse is refused
 
 
 def _check_content_type(request: Request) -> None:
@@ -211,6 +218,7 @@ def _lone_surrogate(data: Any) -> list | None:
 async def _off_loop_if(big: bool, fn, *args):
     """fn(*args), in a worker thread when `big` (see _OFF_LOOP_SIZE)."""
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
+
 
 
 def _unavailable(e: Exception) -> APIError:
@@ -456,6 +464,9 @@ class OpenAIIngress:
         # special tokens' text typed in a text prompt or a user's or tool's message is text (not
         # their ids: a user could forge the template's role markers), unless the operator allows it
         self._split_special_tokens = not config.allow_special_tokens_in_prompt
+        # grammars parse on threads of their own, two at a time: a burst of schemas queues there,
+        # not in front of the tokenizing in asyncio's default pool
+        self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkserve-grammar")
         self._llm = llm
         self._stream = llm.options(stream=True)
         self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
@@ -521,6 +532,7 @@ class OpenAIIngress:
         if body.messages is not None:
             ids = await self._chat_prompt_off_loop(body)
         else:
+            await self._check_chars(len(body.prompt), "prompt")
             ids = await _off_loop_if(len(body.prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode,
                                      body.prompt, body.add_special_tokens, self._split_special_tokens)
         info = await self._model_info()
@@ -591,6 +603,7 @@ class OpenAIIngress:
         """The body's prompts as token ids (texts tokenized, ids checked against the vocabulary)."""
         sent = body.prompts
         if isinstance(sent[0], str):
+            await self._check_chars(max(map(len, sent)), "prompt")
             encode, split = self._tokenizer_for("text prompts").encode, self._split_special_tokens
             return await _off_loop_if(sum(map(len, sent)) > _OFF_LOOP_SIZE,
                                       lambda: [encode(p, split_special_tokens=split) for p in sent])
@@ -609,8 +622,22 @@ class OpenAIIngress:
 
     async def _chat_prompt_off_loop(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """_chat_prompt, in a worker thread when the messages are long."""
-        long = sum(len(m.text()) for m in body.messages) > _OFF_LOOP_SIZE
-        return await _off_loop_if(long, self._chat_prompt, body)
+        chars = sum(len(m.text()) for m in body.messages)
+        if self.tokenizer is not None:
+            await self._check_chars(chars, "messages")
+        return await _off_loop_if(chars > _OFF_LOOP_SIZE, self._chat_prompt, body)
+
+    async def _check_chars(self, chars: int, param: str) -> None:
+        """400 before tokenizing text of `chars` characters that no prompt the context takes is as
+        long as: a token is at most the tokenizer's max_token_chars characters, so text has at
+        least chars / max_token_chars tokens (allowed twice that: a normalizer may fold characters
+        together, as NFC does an accent into its letter)."""
+        max_len = (await self._model_info())["max_model_len"]
+        limit = 2 * max_len * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise APIError(400, f"this model's maximum context length is {max_len} tokens, and {param} of {chars} "
+                           f"characters is longer than any text that fits (at most {limit}); shorten it",
+                           param=param, code="context_length_exceeded")
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")
@@ -641,11 +668,14 @@ class OpenAIIngress:
         if guide is None:
             return
         self._tokenizer_for("structured outputs")
-        size = sum(map(len, guide.spec)) if isinstance(guide.spec, tuple) else len(guide.spec)
+        parsed = asyncio.get_running_loop().run_in_executor(self._grammars, guide.grammar)
         try:
-            await _off_loop_if(size > _OFF_LOOP_SIZE, guide.grammar)
+            await asyncio.wait_for(parsed, GUIDE_DEADLINE_S)  # (on time out, a parse not begun is dropped)
         except ValueError as e:
             raise APIError(400, str(e), param=body.guide_field) from None
+        except TimeoutError:
+            raise APIError(400, f"{body.guide_field}: its grammar took more than {GUIDE_DEADLINE_S:g} s to "
+                           "compile; simplify it", param=body.guide_field) from None
 
     async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
         """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it."""

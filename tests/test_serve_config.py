@@ -11,7 +11,7 @@ from pydantic import ValidationError
 from cluster.app import build_app
 from cluster.config import AppConfig
 from cluster.logprobs import TokenTexts
-from cluster.protocol import ChatCompletionRequest, CompletionRequest, GenerateOutput, Usage
+from cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, GenerateOutput, Usage
 from replicas.deployment import _take, _TextStream
 from replicas.engine import RequestOutput
 from replicas.guided import Guide
@@ -100,6 +100,14 @@ def test_build_app_gpu_share():
     assert llm.ray_actor_options["num_gpus"] == 0 and llm.init_args[0].device == "cpu"
 
 
+def _deep(depth: int) -> dict:
+    """A JSON object nesting `depth` objects and arrays (itself one)."""
+    out: list = []
+    for _ in range(depth - 2):
+        out = [out]
+    return {"type": "object", "x": out}
+
+
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "x", "temperature": 2.5}, "temperature"),
@@ -141,11 +149,26 @@ def test_build_app_gpu_share():
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: a count, not a flag
+    # schemas nested deeper than MAX_SCHEMA_DEPTH, as a dict, as text, in response_format: refused unparsed
+    ({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH + 1)}, "guided_json"),
+    ({"prompt": "x", "guided_json": json.dumps(_deep(MAX_SCHEMA_DEPTH + 1))}, "guided_json"),
+    ({"prompt": "x", "structured_outputs": {"json": _deep(MAX_SCHEMA_DEPTH + 1)}}, "structured_outputs"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": _deep(MAX_SCHEMA_DEPTH + 1)}}},
+     "response_format"),
 ])
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert CompletionRequest.model_validate({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH)}).guide
+    tool = {"type": "function", "function": {"name": "f", "parameters": _deep(MAX_SCHEMA_DEPTH + 1)}}
+    with pytest.raises(ValidationError, match="nests more than") as e:
+        ChatCompletionRequest.model_validate({**chat, "tools": [tool]})
+    assert e.value.errors()[0]["loc"][0] == "tools"
 
 
 def test_prompt_forms_and_batches():

@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as _Backend
 
 from replicas.model.config import read_json
 
+LONG_TEXT = 4096  # characters past which encode() lets other threads run (see Tokenizer.encode)
 # the roles whose content is the user's (or a tool's) text: special tokens' text in it is text
 PLAIN_TEXT_ROLES = ("user", "tool")
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 256..261
@@ -68,6 +69,8 @@ class Tokenizer:
                           key=len, reverse=True)  # (longest first: the one matched where two start alike)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain: _Backend | None = None  # the backend reading special tokens' text as text (_plain_backend)
+        # the most characters one token stands for (a byte-level token's, in bytes: at least its characters)
+        self.max_token_chars = max(map(len, backend.get_vocab(with_added_tokens=True)), default=1)
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Tokenizer:
@@ -112,6 +115,8 @@ class Tokenizer:
         special tokens' text in `text` is tokenized as text (transformers' option of the name),
         else it is their ids."""
         backend = self._plain_backend() if split_special_tokens else self._backend
+        if len(text) > LONG_TEXT:  # encode_batch releases the interpreter lock (encode holds it): threads run meanwhile
+            return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
@@ -144,6 +149,8 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         # Incomplete UTF-8 decodes to U+FFFD; ids outside the vocabulary (padded model rows) decode to "".
+        if len(ids) > LONG_TEXT:  # (as encode: decode_batch lets other threads run)
+            return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
