@@ -1,6 +1,7 @@
 """OpenAIIngress: the HTTP front of the application (FastAPI inside a Serve deployment).
 
-    POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health
+    POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health,
+    GET /ready, POST /tokenize, POST /detokenize
 
 It checks the key, parses and validates the body, tokenizes (chat through the model's chat
 template), and checks the context length, so bad input is answered here and never reaches a
@@ -149,6 +150,7 @@ def _request_refused(e: Exception) -> ValueError | None:
 # body 0.1 s. So what could take longer is refused before any of it runs: text too long for any
 # prompt the context takes (_check_chars), schemas nested too deep (protocol.MAX_SCHEMA_DEPTH).
 _OFF_LOOP_SIZE = 16 << 10
+READY_CACHE_S = 1.0  # /ready asks Serve's controller about the model replicas at most this often
 GUIDE_DEADLINE_S = 10.0  # a structured output whose grammar takes longer than this to parse is refused
 
 
@@ -471,11 +473,26 @@ class OpenAIIngress:
         self._stream = llm.options(stream=True)
         self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
         self._created = int(time.time())
+        self._states: tuple[float, dict[str, int]] = (-math.inf, {})  # (when, _replica_states)
+        self._states_lock = asyncio.Lock()
 
     # -- endpoints --------------------------------------------------------------------------
     @app.get("/health")
     async def health(self) -> Response:
+        """Liveness: the ingress answers (whether or not a model replica does)."""
         return Response(status_code=200)
+
+    @app.get("/ready")
+    async def ready(self) -> JSONResponse:
+        """Readiness: 200 while at least one model replica is running (Serve marks a replica
+        RUNNING once its constructor, warmup included, has returned); else 503 saying what the
+        replicas are doing. Like /health it needs no API key (probes carry none)."""
+        states = await self._replica_states()
+        if states.get("RUNNING", 0) > 0:
+            return JSONResponse({"ready": True, "model_replicas": states})
+        doing = ", ".join(f"{n} {state.lower()}" for state, n in states.items()) or "none deployed"
+        raise APIError(503, f"not ready: no model replica is running and warmed up (model replicas: {doing})",
+                       type="server_error", code="not_ready")
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -724,6 +741,20 @@ class OpenAIIngress:
         return rid, reqs
 
     # -- talking to the replicas ------------------------------------------------------------
+    async def _replica_states(self) -> dict[str, int]:
+        """The model replicas' count by Serve state (STARTING, RUNNING, ...), from Serve's
+        controller at most once per READY_CACHE_S (serve.status() waits on it: in a thread)."""
+        async with self._states_lock:
+            at, states = self._states
+            if time.monotonic() - at > READY_CACHE_S:
+                status = await asyncio.to_thread(serve.status)
+                app_status = status.applications.get(self._llm.app_name)
+                deployment = None if app_status is None else app_status.deployments.get(self._llm.deployment_name)
+                states = {} if deployment is None else {getattr(state, "value", str(state)): n for state, n in
+                                                        deployment.replica_states.items() if n}
+                self._states = (time.monotonic(), states)
+            return states
+
     async def _model_info(self) -> dict:
         if self._info is None:
             try:

@@ -179,6 +179,14 @@ def test_requests_that_once_broke_the_replica_or_the_api(one):
     assert _completion(url).status_code == 200
 
 
+def test_ready_and_health_need_no_key(one):
+    # probes carry no API key; the replica warmed up before Serve ran it, so /ready says ready
+    url, _ = one
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+    r = httpx.get(f"{url}/ready", timeout=TIMEOUT)
+    assert r.status_code == 200 and r.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}, r.text
+
+
 def test_unknown_routes_and_methods_get_openai_errors(one):
     url, _ = one
     for method, path, status in (("GET", "/v1/nonexistent", 404), ("POST", "/v1/models", 405),

@@ -143,7 +143,10 @@ def _replica_pids(app: str = "hostile") -> list[int]:
 def test_a_replica_fault_is_a_stable_server_error(url):
     """SIGKILL the replica while a whole and a streamed request run: the whole one gets a 500 and
     the stream an error event, both OpenAI's server_error naming the request's id (its
-    x-request-id) and nothing of the cluster; the replica's replacement then serves."""
+    x-request-id) and nothing of the cluster; /ready is 503 while no replica runs (/health 200
+    throughout: the ingress lives), then the replica's replacement serves."""
+    ready = httpx.get(f"{url}/ready", timeout=TIMEOUT)
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}
     [replica] = _replica_pids()
     long = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
 
@@ -169,7 +172,18 @@ def test_a_replica_fault_is_a_stable_server_error(url):
     streamed = json.loads(events[-2])["error"]
     assert (streamed["type"], streamed["code"]) == ("server_error", "replica_failed"), streamed
     assert stream_id in streamed["message"] and not LEAKS.search(events[-2]), events[-2]
-    deadline = time.monotonic() + 180
+    seen, deadline = [], time.monotonic() + 180
+    while not seen or seen[-1] != 200 or 503 not in seen:  # (200 until Serve sees the replica gone)
+        assert time.monotonic() < deadline, f"/ready went {seen}"
+        assert httpx.get(f"{url}/health", timeout=TIMEOUT).status_code == 200
+        r = httpx.get(f"{url}/ready", timeout=TIMEOUT)
+        if r.status_code == 503:
+            error = _openai_error(r, 503)
+            assert error["code"] == "not_ready" and re.search(r"model replicas: .*(starting|stopping|recovering|"
+                                                              r"none deployed)", error["message"]), error
+        seen.append(r.status_code)
+        time.sleep(0.2)
+    assert set(seen) == {200, 503} and r.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}
     while (r := httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
            ).status_code != 200:  # requests meanwhile: the same error, or 503 while no replica is up
         assert r.status_code in (500, 503) and not LEAKS.search(r.text), r.text
