@@ -22,12 +22,14 @@ from ray.cluster_utils import Cluster
 class LocalCluster:
     def __init__(self, num_nodes: int = 3, num_cpus_per_node: float = 2, num_gpus_per_node: int = 0,
                  object_store_bytes: int = 200 * 2**20, resources_per_node: dict[str, float] | None = None,
-                 include_dashboard: bool = False):
-        """include_dashboard: the heaviest head process; needed by `ray.util.state` and `serve deploy`."""
+                 include_dashboard: bool = False, dashboard_port: int | None = None):
+        """include_dashboard: the heaviest head process; needed by `ray.util.state` and `serve deploy`
+        (whose default address is the dashboard's default port, 8265: dashboard_port None)."""
         if num_nodes < 1:
             raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
         self.num_nodes = num_nodes
         self.include_dashboard = include_dashboard
+        self.dashboard_port = dashboard_port
         self._node_args = {"num_cpus": num_cpus_per_node, "num_gpus": num_gpus_per_node,
                            "object_store_memory": object_store_bytes, "resources": resources_per_node or {}}
         self._cluster: Cluster | None = None
@@ -36,7 +38,9 @@ class LocalCluster:
         if self._cluster is not None:
             raise RuntimeError("the cluster is already running")
         self._cluster = Cluster(initialize_head=True,
-                                head_node_args={**self._node_args, "include_dashboard": self.include_dashboard})
+                                head_node_args={**self._node_args, "include_dashboard": self.include_dashboard,
+                                                **({} if self.dashboard_port is None else
+                                                   {"dashboard_port": self.dashboard_port})})
         try:
             for _ in range(self.num_nodes - 1):
                 self._cluster.add_node(**self._node_args)
