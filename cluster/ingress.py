@@ -35,7 +35,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config import AppConfig
-from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs
+from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
 from cluster.protocol import (
     MAX_PROMPTS,
     ChatChoice,
@@ -45,6 +45,7 @@ from cluster.protocol import (
     ChatCompletionResponse,
     ChatStreamChoice,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
@@ -235,10 +236,15 @@ class _CompletionFormat:
     response. Choice c is the c-th generate request's output: prompt c // n's choice c % n."""
 
     def __init__(self, request_id: str, model: str, prompts: list[list[int]], n: int, token_ids: bool,
-                 texts: TokenTexts, echo: list[str] | None = None):
+                 texts: TokenTexts, echo: list[str] | None = None, echo_hidden: list[frozenset[int]] | None = None,
+                 hidden_ids: frozenset[int] = frozenset()):
         self.id, self.model, self.prompts, self.n = request_id, model, prompts, n
         self.token_ids, self.texts = token_ids, texts
         self.echo = echo  # per prompt, its text, sent before each of its choices' (completions' echo), or None
+        # text_offset counts no characters for these: per echoed prompt, the positions of tokens its
+        # echo does not show (a BOS the tokenizer added); generated ids whose text is skipped
+        self.echo_hidden = echo_hidden or [frozenset()] * len(prompts)
+        self.hidden_ids = hidden_ids
         self.created = int(time.time())
         self.offsets: dict[int, int] = {}  # per choice: characters of its tokens' texts sent (logprobs' text_offset)
 
@@ -250,17 +256,31 @@ class _CompletionFormat:
             return self.prompts[index // self.n] + ids, list(outs[0].prompt_logprobs) + entries
         return ids, entries
 
+    def _hidden(self, ids: list[int], index: int, echoed: bool) -> set[int]:
+        """Positions of ids (choice index's, after its prompt's if echoed) whose text is not in the choice's text."""
+        prompt = len(self.prompts[index // self.n]) if echoed else 0
+        return set(self.echo_hidden[index // self.n] if echoed else ()) | {
+            i for i in range(prompt, len(ids)) if ids[i] in self.hidden_ids}
+
     def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
         first = self.echo is not None and index not in self.offsets  # (the echo goes first)
-        logprobs = None
+        logprobs, length = None, 0
         if out.logprobs is not None:
+            echoed = first and out.prompt_logprobs is not None
             ids, entries = self._with_prompt([out], index) if first else _tokens_and_logprobs([out])
-            logprobs = completion_logprobs(ids, entries, self.texts, self.offsets.get(index, 0))
-        self.offsets[index] = self.offsets.get(index, 0) + (sum(map(len, logprobs.tokens)) if logprobs else 0)
+            hidden = self._hidden(ids, index, echoed)
+            logprobs = completion_logprobs(ids, entries, self.texts, self.offsets.get(index, 0), hidden)
+            length = text_length(logprobs, hidden)
+        self.offsets[index] = self.offsets.get(index, 0) + length
         choice = CompletionChoice(index=index, text=self.echo[index // self.n] + out.text if first else out.text,
                                   finish_reason=out.finish_reason, logprobs=logprobs,
                                   token_ids=list(out.token_ids) if self.token_ids else None)
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+
+    def _whole_logprobs(self, outs: list[GenerateOutput], index: int) -> CompletionLogprobs:
+        ids, entries = self._with_prompt(outs, index)
+        echoed = self.echo is not None and outs[0].prompt_logprobs is not None
+        return completion_logprobs(ids, entries, self.texts, hidden=self._hidden(ids, index, echoed))
 
     def usage(self, lasts: list[GenerateOutput]) -> CompletionResponse:
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
@@ -272,8 +292,7 @@ class _CompletionFormat:
                                  finish_reason=outs[-1].finish_reason,
                                  token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
                                  prompt_token_ids=self.prompts[i // self.n] if self.token_ids else None,
-                                 logprobs=None if outs[0].logprobs is None else completion_logprobs(
-                                     *self._with_prompt(outs, i), self.texts))
+                                 logprobs=None if outs[0].logprobs is None else self._whole_logprobs(outs, i))
                 for i, outs in enumerate(choices)]
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
                                   usage=Usage.of([outs[-1] for outs in choices], self.n))
@@ -516,7 +535,10 @@ class OpenAIIngress:
         limits = [await self._check_length(p, body.max_tokens, param="max_tokens") for p in prompts]
         rid, reqs = self._generate_request("cmpl", prompts, limits, body)
         echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
-        fmt = _CompletionFormat(rid, self.model_name, prompts, body.n, body.return_token_ids, self.token_texts, echo)
+        tok = self.tokenizer
+        fmt = _CompletionFormat(rid, self.model_name, prompts, body.n, body.return_token_ids, self.token_texts, echo,
+                                [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
+                                tok.special_ids if tok is not None and body.skip_special_tokens else frozenset())
         return await self._respond(reqs, fmt, body.stream, body.include_usage)
 
     @app.post("/v1/chat/completions")
@@ -630,6 +652,18 @@ class OpenAIIngress:
             if bad is not None:
                 raise APIError(400, f"token id {bad} is out of range [0, {vocab})", param="prompt")
         return [list(p) for p in sent]
+
+    def _echo_hidden(self, sent: str | list[int], prompt: list[int]) -> frozenset[int]:
+        """Positions of the prompt's tokens whose text its echo does not show: special tokens the
+        tokenizer added to a text prompt (BOS: typed ones are text, unless allowed, and shown),
+        every special token of an id prompt (decoded without them)."""
+        tok = self.tokenizer
+        if tok is None:
+            return frozenset()
+        if isinstance(sent, str) and not self._split_special_tokens:
+            added_bos = prompt[:1] == [tok.bos_token_id] and not sent.startswith(tok.bos_token or "")
+            return frozenset({0}) if added_bos else frozenset()
+        return frozenset(i for i, t in enumerate(prompt) if t in tok.special_ids)
 
     def _echo_text(self, sent: str | list[int], prompt: list[int]) -> str:
         """A prompt as echoed: as sent, or its token ids decoded ("" without a tokenizer)."""

@@ -7,7 +7,7 @@ in vLLM); a model without a tokenizer names tokens "token_id:<id>", vLLM's form 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Container, Sequence
 
 from cluster.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from replicas.model.tokenizer import Tokenizer
@@ -33,15 +33,17 @@ class TokenTexts:
 
 
 def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry | None], texts: TokenTexts,
-                        offset: int = 0) -> CompletionLogprobs:
+                        offset: int = 0, hidden: Container[int] = ()) -> CompletionLogprobs:
     """/v1/completions' form; offset: characters of the choice's text before these tokens (the
-    tokens' texts' lengths count on from it). An entry None (an echoed prompt's first token) is
-    a null logprob and null alternatives."""
+    tokens' texts' lengths count on from it); hidden: positions of tokens whose text the
+    choice's text does not hold (a BOS the tokenizer added, special tokens skipped), which count
+    no characters. An entry None (an echoed prompt's first token) is a null logprob and null
+    alternatives."""
     tokens = [texts(t) for t in token_ids]
     offsets = []
-    for text in tokens:
+    for i, text in enumerate(tokens):
         offsets.append(offset)
-        offset += len(text)
+        offset += 0 if i in hidden else len(text)
     top: list[dict[str, float] | None] = []
     for entry in entries:  # most likely first; of tokens that decode alike, the likeliest's
         alts: dict[str, float] | None = None if entry is None else {}
@@ -50,6 +52,11 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry | None
         top.append(alts)
     return CompletionLogprobs(tokens=tokens, token_logprobs=[None if e is None else e[0] for e in entries],
                               top_logprobs=top, text_offset=offsets)
+
+
+def text_length(logprobs: CompletionLogprobs, hidden: Container[int] = ()) -> int:
+    """Characters of the choice's text that logprobs' tokens stand for (completion_logprobs' hidden)."""
+    return sum(len(text) for i, text in enumerate(logprobs.tokens) if i not in hidden)
 
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts) -> ChatLogprobs:

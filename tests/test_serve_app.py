@@ -261,7 +261,9 @@ def test_openai_client_logprobs(server, client, engine):
     assert lp.token_logprobs == pytest.approx([e[0] for e in entries], abs=1e-4)
     texts = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
     assert lp.tokens == texts
-    assert lp.text_offset == [sum(map(len, texts[:i])) for i in range(len(texts))]
+    # each token's first character in the text, which holds no special token's (skip_special_tokens)
+    shown = [0 if t in engine.tokenizer.special_ids else len(text) for t, text in zip(tokens, texts)]
+    assert lp.text_offset == [sum(shown[:i]) for i in range(len(texts))]
     for top, (drawn, best) in zip(lp.top_logprobs, entries, strict=True):
         assert len(best) == 2 and drawn == pytest.approx(best[0][1])  # greedy: the drawn token is the likeliest
         want = {}
@@ -275,6 +277,17 @@ def test_openai_client_logprobs(server, client, engine):
     assert [v for s in streamed if s for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
     # without logprobs: none
     assert client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=2).choices[0].logprobs is None
+    # a token that is a byte of a multi-byte character (0xE2, drawn by a bias) is "\ufffd" in both
+    # forms, and a special token drawn (skipped in the text) counts no characters of text_offset
+    forced = dict(max_tokens=3, temperature=0, logit_bias={"226": 100}, extra_body={"ignore_eos": True})
+    byte = client.completions.create(model=args["model"], prompt=PROMPT, logprobs=0, **forced).choices[0].logprobs
+    chat = client.chat.completions.create(model=args["model"], messages=[{"role": "user", "content": "Hi"}],
+                                          logprobs=True, **forced).choices[0].logprobs.content
+    assert byte.tokens == [c.token for c in chat] == ["\ufffd"] * 3 and byte.text_offset == [0, 1, 2]
+    eos = engine.model_config.eos_token_ids[0]
+    ended = client.completions.create(model=args["model"], prompt=PROMPT, logprobs=0, max_tokens=3, temperature=0,
+                                      logit_bias={str(eos): 100}, extra_body={"ignore_eos": True}).choices[0]
+    assert ended.text == "" and ended.logprobs.tokens == ["<|eos|>"] * 3 and ended.logprobs.text_offset == [0, 0, 0]
 
     messages = [{"role": "user", "content": "Hi"}]
     chat = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=6, temperature=0,
@@ -327,12 +340,21 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
     assert lp.tokens[:n] == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in prompt_ids]
     want = [e[0] for e in first.prompt_logprobs[1:]] + [first.logprobs[0][0]]
     assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
-    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(n + 1)]
-    assert r.choices[0].text.startswith(PROMPT)
+    # text_offset: each token's first character in the returned text, which does not hold the BOS
+    # the tokenizer added (its offset is where the text starts, and it adds no characters)
+    text = r.choices[0].text
+    assert text.startswith(PROMPT) and prompt_ids[0] == engine.tokenizer.bos_token_id and lp.tokens[0] == "<|bos|>"
+    assert lp.text_offset == [0] + [sum(map(len, lp.tokens[1:i])) for i in range(1, n + 1)]
+    assert all(text[o:].startswith(t) for o, t in zip(lp.text_offset[1:], lp.tokens[1:]))
+    # the same of an echoed token id prompt (its echo decoded without special tokens) and streamed
+    by_ids = client.completions.create(model=args["model"], prompt=prompt_ids, max_tokens=1, temperature=0,
+                                       echo=True, logprobs=1).choices[0]
+    assert by_ids.text == text and by_ids.logprobs.text_offset == lp.text_offset
     chunks = [c.choices[0] for c in client.completions.create(
         model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True)
         if c.choices]
     assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
 
 
 def test_tokenize_and_detokenize(server, client, engine):

@@ -231,6 +231,9 @@ def test_logprob_forms():
     assert TokenTexts(None)(42) == "token_id:42"  # a model without a tokenizer: vLLM's names
     echoed = completion_logprobs([72, 33], [None, entries[1]], texts)  # an echoed prompt's first token
     assert echoed.token_logprobs == [None, -2.0] and echoed.top_logprobs == [None, {"i": -0.25, "!": -2.0}]
+    # a token whose text the choice's text does not hold (an added BOS) stands where the text does
+    bos = completion_logprobs([256, 72, 33], [None, *entries], texts, hidden={0})
+    assert bos.tokens == ["<|bos|>", "H", "!"] and bos.text_offset == [0, 0, 1]
 
 
 def test_null_means_the_default():

@@ -65,7 +65,9 @@ class Tokenizer:
         self.eos_token_ids: tuple[int, ...] = tuple(self._token_id(t) for t in eos_tokens)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self._template = None if chat_template is None else _compile_template(chat_template)
-        specials = sorted((t.content for t in backend.get_added_tokens_decoder().values() if t.special),
+        added = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(i for i, t in added.items() if t.special)  # (decode skips their text)
+        specials = sorted((t.content for t in added.values() if t.special),
                           key=len, reverse=True)  # (longest first: the one matched where two start alike)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain: _Backend | None = None  # the backend reading special tokens' text as text (_plain_backend)
