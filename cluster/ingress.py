@@ -799,20 +799,29 @@ class OpenAIIngress:
 
     async def _start(self, req: GenerateRequest, own_id: bool = False) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
         """Send the request to a replica and wait for its first output (so errors get a status code).
-        own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id)."""
-        if own_id:
-            _own_serve_request_id()
-        gen: DeploymentResponseGenerator = self._stream.generate.remote(req)
-        try:
-            return await gen.__anext__(), gen
-        except (BackPressureError, DeploymentUnavailableError) as e:
-            raise _unavailable(e) from None
-        except Exception as e:
-            gen.cancel()
-            refused = _request_refused(e)
-            if refused is not None:  # the engine refused the request (the checks above should have)
-                raise APIError(400, str(refused)) from None
-            raise _server_error(e) from None
-        except BaseException:
-            gen.cancel()  # the client went away while waiting
-            raise
+        own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id).
+        A replica that fails before the first output (nothing was sent) is retried once: Serve's
+        router has dropped a replica whose actor died, so the retry goes to another."""
+        retried = False
+        while True:
+            if own_id or retried:  # (a retry is a new call to Serve: an id of its own too)
+                _own_serve_request_id()
+            gen: DeploymentResponseGenerator = self._stream.generate.remote(req)
+            try:
+                return await gen.__anext__(), gen
+            except (BackPressureError, DeploymentUnavailableError) as e:
+                raise _unavailable(e) from None
+            except Exception as e:
+                gen.cancel()
+                refused = _request_refused(e)
+                if refused is not None:  # the engine refused the request (the checks above should have)
+                    raise APIError(400, str(refused)) from None
+                if not retried and isinstance(e, (RayActorError, EngineDied)):
+                    logger.warning("request %s: its replica failed before its first output (%s); retrying once",
+                                   _request_id(), type(e).__name__)
+                    retried = True
+                    continue
+                raise _server_error(e) from None
+            except BaseException:
+                gen.cancel()  # the client went away while waiting
+                raise

@@ -15,6 +15,7 @@ import re
 import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +23,7 @@ import ray
 from ray import serve
 
 from cluster.app import build_app
+from cluster.ingress import REPLICA_HEADER
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 
@@ -318,3 +320,67 @@ def test_no_request_stalls_the_event_loop(url):
     # grammars parsed on the event loop (2 s each) and the 9.9 MB texts were tokenized on it.
     assert max(gaps) < 1.5 and max(waits) < 1.5
     assert outlived, "the stream ended before the hostile requests did: the gaps after it were not measured"
+
+
+def _replicas(app: str) -> dict[str, int]:
+    """app's live LLMReplica actors: replica id (the x-chunkserve-replica header's) -> pid."""
+    out = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(f"SERVE_REPLICA::{app}#LLMReplica#"):
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            try:
+                out[actor["name"].rsplit("#", 1)[1]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()),
+                                                               timeout=30)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # (dead or dying)
+    return out
+
+
+def _cpu_seconds(pid: int) -> float:
+    """CPU time of pid and its descendants (a replica and its engine process)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return total
+
+
+def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
+    """Two replicas; a streamed request whose long guided_choice a replica is still compiling (no
+    token yet: the replica compiles a guide before the request joins its engine) when that
+    replica is SIGKILLed: the ingress sends it again, once, and the other replica serves it whole."""
+    serve.run(build_app({**HOSTILE, "num_replicas": 2, "num_cpus_per_replica": 0.5}), name="pair",
+              route_prefix="/pair")
+    pair = url.replace("/hostile", "/pair")
+    try:
+        replicas = _replicas("pair")
+        assert len(replicas) == 2
+        choices = [f"{i:05d}" + "abcdefghij" * 5 for i in range(6000)]  # compiled in ~3 s
+
+        async def main():
+            async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+                body = {"prompt": "Pick one", "max_tokens": 80, "stream": True, "guided_choice": choices}
+                request = asyncio.create_task(client.post(f"{pair}/v1/completions", json=body))
+                await asyncio.sleep(0.5)  # the ingress checked it; a replica compiles it
+                before = {r: _cpu_seconds(pid) for r, pid in replicas.items()}
+                await asyncio.sleep(0.5)
+                busy = max(replicas, key=lambda r: _cpu_seconds(replicas[r]) - before[r])  # the compiling one
+                assert not request.done()
+                os.kill(replicas[busy], signal.SIGKILL)
+                return busy, await request
+
+        busy, r = asyncio.run(main())
+        [other] = set(replicas) - {busy}
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] == other, r.text[:500]
+        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" not in r.text
+        chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in chunks) in choices and chunks[-1]["finish_reason"] == "stop"
+    finally:
+        serve.delete("pair")
