@@ -114,7 +114,7 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 
 def _request_id() -> str:
     """Serve's id of the HTTP request being answered: its `x-request-id` header, and Serve's log lines'."""
-    return serve_context._get_serve_request_context().request_id or uuid.uuid4().hex
+    return serve_context._get_serve_request_context().request_id or str(uuid.uuid4())
 
 
 def _server_error(e: BaseException, request_id: str | None = None) -> APIError:
@@ -221,7 +221,6 @@ def _lone_surrogate(data: Any) -> list | None:
 async def _off_loop_if(big: bool, fn, *args):
     """fn(*args), in a worker thread when `big` (see _OFF_LOOP_SIZE)."""
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
-
 
 
 def _unavailable(e: Exception) -> APIError:
@@ -654,9 +653,10 @@ class OpenAIIngress:
         return [list(p) for p in sent]
 
     def _echo_hidden(self, sent: str | list[int], prompt: list[int]) -> frozenset[int]:
-        """Positions of the prompt's tokens whose text its echo does not show: special tokens the
-        tokenizer added to a text prompt (BOS: typed ones are text, unless allowed, and shown),
-        every special token of an id prompt (decoded without them)."""
+        """Positions of the prompt's tokens whose text its echo does not show: of a text prompt
+        the special tokens the tokenizer added (every special one: typed ones are text; with
+        allow_special_tokens_in_prompt, an added BOS only), of an id prompt every special token
+        (its echo is decoded without them)."""
         tok = self.tokenizer
         if tok is None:
             return frozenset()
@@ -674,8 +674,7 @@ class OpenAIIngress:
     async def _chat_prompt_off_loop(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         """_chat_prompt, in a worker thread when the messages are long."""
         chars = sum(len(m.text()) for m in body.messages)
-        if self.tokenizer is not None:
-            await self._check_chars(chars, "messages")
+        await self._check_chars(chars, "messages")
         return await _off_loop_if(chars > _OFF_LOOP_SIZE, self._chat_prompt, body)
 
     async def _check_chars(self, chars: int, param: str) -> None:
@@ -683,6 +682,8 @@ class OpenAIIngress:
         long as: a token is at most the tokenizer's max_token_chars characters, so text has at
         least chars / max_token_chars tokens (allowed twice that: a normalizer may fold characters
         together, as NFC does an accent into its letter)."""
+        if self.tokenizer is None:
+            return  # (text is refused: _tokenizer_for)
         max_len = (await self._model_info())["max_model_len"]
         limit = 2 * max_len * self.tokenizer.max_token_chars
         if chars > limit:
