@@ -354,7 +354,8 @@ def _cpu_seconds(pid: int) -> float:
 def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
     """Two replicas; a streamed request whose long guided_choice a replica is still compiling (no
     token yet: the replica compiles a guide before the request joins its engine) when that
-    replica is SIGKILLed: the ingress sends it again, once, and the other replica serves it whole."""
+    replica is SIGKILLed: the ingress sends it again, once, and the other replica serves it whole;
+    /ready stays 200 meanwhile (a replica runs)."""
     serve.run(build_app({**HOSTILE, "num_replicas": 2, "num_cpus_per_replica": 0.5}), name="pair",
               route_prefix="/pair")
     pair = url.replace("/hostile", "/pair")
@@ -382,5 +383,10 @@ def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
         assert events[-1] == "[DONE]" and "error" not in r.text
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert "".join(c["text"] for c in chunks) in choices and chunks[-1]["finish_reason"] == "stop"
+        # one of two replicas down (or starting again): the application is still ready
+        for _ in range(10):
+            ready = httpx.get(f"{pair}/ready", timeout=TIMEOUT)
+            assert ready.status_code == 200 and ready.json()["model_replicas"]["RUNNING"] >= 1, ready.text
+            time.sleep(0.3)
     finally:
         serve.delete("pair")
