@@ -315,10 +315,12 @@ def test_no_request_stalls_the_event_loop(url):
     assert answers[:len(hostile)] == [(400, param) for _, _, param in hostile]
     assert answers[len(hostile):] == [(400, "temperature")] * burst
     assert len(gaps) > 20 and len(waits) > 5
-    # Generous: on a 2-core CPU the worst gap was 0.1 s without the burst and 0.45-0.7 s with it
-    # (its requests' CPU, Serve's proxy and ingress, and this client's); before, the schemas'
-    # grammars parsed on the event loop (2 s each) and the 9.9 MB texts were tokenized on it.
-    assert max(gaps) < 1.5 and max(waits) < 1.5
+    # Generous: on a 2-core CPU shared with other test suites the worst gap was 0.1 s without the
+    # burst and 0.45-0.8 s with it (its requests' CPU: Serve's proxy, the ingress, this client),
+    # once 1.8 s while /health's slowest was 0.47 s (the engine's process starved, not the event
+    # loop); /health 0.26-0.51 s. Before, the schemas' grammars parsed on the event loop (2 s each)
+    # and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
+    assert max(gaps) < 3.0 and max(waits) < 1.5
     assert outlived, "the stream ended before the hostile requests did: the gaps after it were not measured"
 
 
