@@ -85,10 +85,9 @@ def _merge_kernel(""", """             o.to(Out.dtype.element_ty), mask=live[:, 
 
 @triton.jit
 def _merge_kernel("""),
-    ("            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](\n                q,",
-     "            _attend_rows_kernel[(triton.cdiv(programs, rows), hkv)](\n                STAMPS[0], q,"),
-    ("        _attend_kernel[(programs, hkv)](\n            q,",
-     "        _attend_kernel[(programs, hkv)](\n            STAMPS[0], q,"),
+    # TppDecoder's launches: the attend kernels (kinds 0 and 1) take the stamps first
+    ("            launch(fn, grid, args, options, (key, spec))\n",
+     "            launch(fn, grid, (STAMPS[0], *args) if kind < 2 else args, options, (key, spec))\n"),
 ]
 
 
