@@ -1,7 +1,9 @@
-"""load_model: a local Hugging Face directory or a preset name -> (model, config, tokenizer).
+"""load_model: a local Hugging Face directory, a GGUF file (or a directory holding one) or a preset
+name -> (model, config, tokenizer).
 
-Checkpoint tensors and a preset's random tensors both arrive as (HF name, full tensor) pairs, one
-at a time, and go through the same mapping onto (possibly fused, possibly sharded) parameters.
+Checkpoint tensors, a GGUF's dequantized tensors and a preset's random tensors all arrive as (HF
+name, full tensor) pairs, one at a time, and go through the same mapping onto (possibly fused,
+possibly sharded) parameters.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from replicas.model.config import ModelConfig, read_json
+from replicas.model.gguf import GGUFCheckpoint, find_gguf
 from replicas.model.llama import LlamaForCausalLM, checkpoint_shapes
 from replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
 
@@ -35,6 +38,9 @@ def load_model(
     """`seed` only matters for presets, whose weights are random."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
+    gguf_file = _gguf_file(model)
+    if gguf_file is not None:
+        return _load_gguf(gguf_file, dtype, device, tp_rank, tp_size)
     cfg, path, std = _resolve(model)
     net = _build(cfg, dtype, device, tp_rank, tp_size)
     if path is not None:
@@ -46,6 +52,9 @@ def load_model(
 
 def load_tokenizer(model: str) -> Tokenizer | None:
     """The tokenizer alone (no weights), e.g. for an ingress; None for a directory without one."""
+    gguf_file = _gguf_file(model)
+    if gguf_file is not None:
+        return GGUFCheckpoint(gguf_file).tokenizer()
     path = Path(model)
     if path.is_dir():
         return Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
@@ -53,8 +62,23 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     return Tokenizer.byte()
 
 
+def _load_gguf(gguf_file: Path, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
+               ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+    ckpt = GGUFCheckpoint(gguf_file)
+    cfg = ModelConfig.from_hf(ckpt.hf_config)
+    tokenizer = ckpt.tokenizer()
+    net = _build(cfg, dtype, device, tp_rank, tp_size)
+    _load_weights(net, ckpt.tensors())
+    return net, cfg, tokenizer
+
+
+def _gguf_file(model: str) -> Path | None:
+    """The GGUF file `model` names (a .gguf file or a directory holding one), or None."""
+    return find_gguf(Path(model))
+
+
 def _resolve(model: str) -> tuple[ModelConfig, Path | None, float]:
-    """(config, checkpoint directory or None for a preset, a preset's init std)."""
+    """(config, checkpoint directory or None for a random preset, a preset's init std)."""
     path = Path(model)
     if path.is_dir():
         hf = read_json(path / "config.json")
@@ -62,7 +86,8 @@ def _resolve(model: str) -> tuple[ModelConfig, Path | None, float]:
     preset = PRESETS_DIR / f"{model}.json"
     if not preset.is_file():
         names = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-        raise ValueError(f"{model!r} is neither a model directory nor a preset (presets: {', '.join(names)})")
+        raise ValueError(f"{model!r} is neither a model directory nor a preset (nor a .gguf file; "
+                         f"presets: {', '.join(names)})")
     hf = read_json(preset)
     cfg = ModelConfig.from_hf(hf)
     if hf.get("tokenizer") != "byte":

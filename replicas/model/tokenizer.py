@@ -64,6 +64,7 @@ class Tokenizer:
         self.bos_token_id = None if bos_token is None else self._token_id(bos_token)
         self.eos_token_ids: tuple[int, ...] = tuple(self._token_id(t) for t in eos_tokens)
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        self.chat_template = chat_template  # the Jinja source
         self._template = None if chat_template is None else _compile_template(chat_template)
         added = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)  # (decode skips their text)
