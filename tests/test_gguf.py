@@ -1,6 +1,6 @@
 """GGUF loading on small files written like llama.cpp's converter writes them (tests/gguf_files.py):
 weights against the HF checkpoint they came from and against transformers' own GGUF loader,
-every quantization gguf dequantizes, tied embeddings, the tokenizer, bad files."""
+every quantization gguf dequantizes, tied embeddings, the tokenizer, the disk cache, bad files."""
 
 from __future__ import annotations
 
@@ -11,11 +11,18 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replicas.model import load_model, load_tokenizer
+from replicas.model import gguf_cache
+from replicas.model.gguf import GGUFCheckpoint
 from tests.gguf_files import Q, make_gguf
 from tests.test_model import PROMPT, greedy, our_logits
 
 TEXTS = [PROMPT, "  two  spaces\nand a new line\t tab", "numbers 12345 and 7, x=3.14;", "the <|eot_id|> inside",
          "café naïve — ünïcödé 日本語", ""]
+
+
+@pytest.fixture(autouse=True)
+def no_cache(monkeypatch):
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", "none")  # each test opts in to a cache of its own
 
 
 def _load(path, dtype=torch.float32):
@@ -120,6 +127,50 @@ def test_a_directory_holding_one_gguf(tmp_path):
     (path.parent / "other.gguf").write_bytes(path.read_bytes())
     with pytest.raises(ValueError, match="several GGUF files.*m.gguf.*other.gguf"):
         _load(path.parent)
+
+
+def test_cache_holds_the_same_weights_and_tokenizer(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = make_gguf(tmp_path / "m.gguf", qtype=Q.Q4_1)
+    assert gguf_cache.lookup(path, torch.float32) is None and load_tokenizer(str(path)) is not None
+    first, cfg, tok = _load(path)  # dequantizes and writes the entry
+    entry = gguf_cache.lookup(path, torch.float32)
+    assert entry is not None and (entry / "model.safetensors").is_file()
+    assert gguf_cache.lookup(path, torch.bfloat16) is None
+    calls = []
+    monkeypatch.setattr(GGUFCheckpoint, "tensors", lambda self: calls.append(1) or iter(()))
+    second, cfg2, tok2 = _load(path)  # from the entry: the GGUF's tensors are not read
+    assert not calls and cfg2 == cfg
+    a, b = first.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    cached_tok = load_tokenizer(str(path))
+    for t in (tok2, cached_tok):
+        assert [t.encode(x) for x in TEXTS] == [tok.encode(x) for x in TEXTS]
+        assert t.eos_token_ids == tok.eos_token_ids and t.bos_token_id == tok.bos_token_id
+        assert t.chat_template == tok.chat_template
+    # another file (or the same one changed) is another entry
+    path.touch()
+    assert gguf_cache.lookup(path, torch.float32) is None
+
+
+def test_cache_shards_and_failed_loads(tmp_path, monkeypatch):
+    monkeypatch.setenv("CHUNKSERVE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(gguf_cache, "SHARD_BYTES", 200_000)
+    path, _ = make_gguf(tmp_path / "m.gguf", qtype=Q.Q8_0)
+    first = _load(path, torch.bfloat16)[0]
+    entry = gguf_cache.lookup(path, torch.bfloat16)
+    assert len(list(entry.glob("model-*.safetensors"))) > 2 and (entry / "model.safetensors.index.json").is_file()
+    second = _load(path, torch.bfloat16)[0]
+    a, b = first.state_dict(), second.state_dict()
+    assert all(b[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    # a load that fails half way leaves no entry and no temporary files
+    other, _ = make_gguf(tmp_path / "o.gguf", qtype=Q.Q8_0, seed=1)
+    real = GGUFCheckpoint.tensors
+    monkeypatch.setattr(GGUFCheckpoint, "tensors", lambda self: (t for i, t in enumerate(real(self)) if i < 5))
+    with pytest.raises(ValueError, match="missing"):
+        _load(other)
+    assert gguf_cache.lookup(other, torch.float32) is None
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [entry.name]
 
 
 # --- bad files ----------------------------------------------------------------------------------

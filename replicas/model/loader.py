@@ -3,7 +3,8 @@ name -> (model, config, tokenizer).
 
 Checkpoint tensors, a GGUF's dequantized tensors and a preset's random tensors all arrive as (HF
 name, full tensor) pairs, one at a time, and go through the same mapping onto (possibly fused,
-possibly sharded) parameters.
+possibly sharded) parameters. A GGUF's weights are cached on disk after its first load
+(replicas/model/gguf_cache.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from replicas.model import gguf_cache
 from replicas.model.config import ModelConfig, read_json
 from replicas.model.gguf import GGUFCheckpoint, find_gguf
 from replicas.model.llama import LlamaForCausalLM, checkpoint_shapes
@@ -40,7 +42,10 @@ def load_model(
         raise ValueError(f"tp_rank={tp_rank} must be in [0, tp_size={tp_size})")
     gguf_file = _gguf_file(model)
     if gguf_file is not None:
-        return _load_gguf(gguf_file, dtype, device, tp_rank, tp_size)
+        cached = gguf_cache.lookup(gguf_file, dtype)
+        if cached is None:
+            return _load_gguf(gguf_file, dtype, device, tp_rank, tp_size)
+        model = str(cached)  # an HF directory
     cfg, path, std = _resolve(model)
     net = _build(cfg, dtype, device, tp_rank, tp_size)
     if path is not None:
@@ -54,7 +59,8 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     """The tokenizer alone (no weights), e.g. for an ingress; None for a directory without one."""
     gguf_file = _gguf_file(model)
     if gguf_file is not None:
-        return GGUFCheckpoint(gguf_file).tokenizer()
+        cached = gguf_cache.lookup(gguf_file)
+        return Tokenizer.from_pretrained(cached) if cached is not None else GGUFCheckpoint(gguf_file).tokenizer()
     path = Path(model)
     if path.is_dir():
         return Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
@@ -68,7 +74,13 @@ def _load_gguf(gguf_file: Path, dtype: torch.dtype, device: str | torch.device, 
     cfg = ModelConfig.from_hf(ckpt.hf_config)
     tokenizer = ckpt.tokenizer()
     net = _build(cfg, dtype, device, tp_rank, tp_size)
-    _load_weights(net, ckpt.tensors())
+    cache = gguf_cache.Writer(gguf_file, dtype, ckpt.hf_config, tokenizer)
+    try:
+        _load_weights(net, cache.tee(ckpt.tensors()))
+    except BaseException:
+        cache.discard()
+        raise
+    cache.commit()
     return net, cfg, tokenizer
 
 
