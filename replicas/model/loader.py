@@ -3,12 +3,14 @@ name -> (model, config, tokenizer).
 
 Checkpoint tensors, a GGUF's dequantized tensors and a preset's random tensors all arrive as (HF
 name, full tensor) pairs, one at a time, and go through the same mapping onto (possibly fused,
-possibly sharded) parameters. A GGUF's weights are cached on disk after its first load
-(replicas/model/gguf_cache.py).
+possibly sharded) parameters. A preset either draws random weights (`init_std`, byte tokenizer) or
+names a GGUF file inside an installed Python package (`gguf`); a GGUF's weights are cached on disk
+after the first load (replicas/model/gguf_cache.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 import zlib
@@ -85,8 +87,30 @@ def _load_gguf(gguf_file: Path, dtype: torch.dtype, device: str | torch.device, 
 
 
 def _gguf_file(model: str) -> Path | None:
-    """The GGUF file `model` names (a .gguf file or a directory holding one), or None."""
-    return find_gguf(Path(model))
+    """The GGUF file `model` names (a .gguf file, a directory holding one, a preset naming one in an
+    installed package), or None."""
+    found = find_gguf(Path(model))
+    if found is not None or Path(model).exists():
+        return found
+    preset = PRESETS_DIR / f"{model}.json"
+    if not preset.is_file():
+        return None
+    spec = read_json(preset).get("gguf")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not all(isinstance(spec.get(k), str) for k in ("package", "file", "install")):
+        raise ValueError(f"preset {model!r}: 'gguf' must be an object with string fields package, file, install")
+    try:  # the package's directory, without importing it (it may import what it needs for itself)
+        found = importlib.util.find_spec(spec["package"])
+    except (ImportError, ValueError):
+        found = None
+    if found is None or not found.submodule_search_locations:
+        raise ValueError(f"preset {model!r} needs the Python package {spec['package']!r}: {spec['install']}")
+    path = Path(next(iter(found.submodule_search_locations))) / spec["file"]
+    if not path.is_file():
+        raise ValueError(f"preset {model!r}: {path} is missing from the installed {spec['package']!r} "
+                         f"package (reinstall it: {spec['install']})")
+    return path
 
 
 def _resolve(model: str) -> tuple[ModelConfig, Path | None, float]:
