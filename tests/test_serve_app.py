@@ -1,4 +1,5 @@
-"""`serve run configs/local.yaml` (the real CLI, in a subprocess) answers OpenAI requests.
+"""`serve run` of configs/local.yaml with the `tiny` preset (the real CLI, in a subprocess) answers
+OpenAI requests: the plumbing, fast (tests/test_readme.py serves the file as it is, SmolLM2).
 
 Through httpx and the official `openai` client, streaming and not; greedy output over HTTP equals
 LLMEngine.generate on the same prompt. The Ray cluster under it is a 1-node LocalCluster so the
@@ -35,8 +36,12 @@ STARTUP_S = 300
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """-> (base URL, the config's AppConfig args) of a running `serve run configs/local.yaml`."""
+    """-> (base URL, the config's AppConfig args) of a running `serve run` of configs/local.yaml
+    serving `tiny`, with the hermes tool-call parser (tiny's template writes <tool_call> blocks)."""
     config = yaml.safe_load(CONFIG.read_text())
+    config["applications"][0]["args"].update(model="tiny", tool_call_parser="hermes")
+    path = tmp_path_factory.mktemp("config") / "local-tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
     host, port = config["http_options"]["host"], config["http_options"]["port"]
     with socket.socket() as s:
         if s.connect_ex((host, port)) == 0:
@@ -45,7 +50,7 @@ def server(tmp_path_factory):
     log_path = tmp_path_factory.mktemp("serve") / "serve-run.log"
     with LocalCluster(num_nodes=1, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as cluster, \
             open(log_path, "w") as log:
-        proc = subprocess.Popen([str(SERVE), "run", "--address", cluster.address, str(CONFIG)], cwd=REPO,
+        proc = subprocess.Popen([str(SERVE), "run", "--address", cluster.address, str(path)], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
             _wait_until_serving(base, proc, log_path)
@@ -461,7 +466,7 @@ def test_openai_client_structured_outputs(server, client, engine):
 def test_openai_client_tool_calls(server, client, engine):
     # tools through the openai client: `required` and a named function give calls that follow the
     # tool's schema (the replica's tokens the engine's under the same guide), their streamed
-    # deltas add up to the whole; `auto` (local.yaml's hermes parser) over a conversation holding
+    # deltas add up to the whole; `auto` (the hermes parser) over a conversation holding
     # a call and its result gives the random model's greedy text as content; bad tool requests
     # are 400s and the replica serves on
     _, args = server
