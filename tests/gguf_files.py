@@ -9,7 +9,6 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import torch
 from safetensors.torch import load_file
 
 from tests.hf_checkpoints import make_hf_checkpoint
@@ -104,7 +103,3 @@ def make_gguf(path: str | Path, *, qtype: Q = Q.F32, embed_qtype: Q | None = Non
     w.write_tensors_to_file()
     w.close()
     return path, hf_dir
-
-
-def hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(hf_dir / "model.safetensors")

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from replicas.model import load_model, load_tokenizer
 from replicas.model import gguf_cache
 from replicas.model.gguf import GGUFCheckpoint
-from tests.gguf_files import Q, make_gguf
+from tests.gguf_files import Q, llama_cpp_permute, make_gguf
 from tests.test_model import PROMPT, greedy, our_logits
 
 TEXTS = [PROMPT, "  two  spaces\nand a new line\t tab", "numbers 12345 and 7, x=3.14;", "the <|eot_id|> inside",
@@ -55,7 +55,6 @@ def test_q_k_rows_are_unpermuted(tmp_path):
     good = our_logits(ours, ids)
     q = ours.model.layers[0].self_attn.qkv_proj.weight
     rows = ours.config.num_heads * ours.config.head_dim
-    from tests.gguf_files import llama_cpp_permute
     with torch.no_grad():
         q[:rows] = torch.from_numpy(llama_cpp_permute(q[:rows].numpy(), ours.config.num_heads))
     assert (our_logits(ours, ids) - good).abs().max() > 1e-2

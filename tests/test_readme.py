@@ -85,7 +85,8 @@ def test_the_quick_start_examples_print_what_the_readme_shows(serve_run, tmp_pat
     curl = subprocess.run(_bash("Then, from another shell"), shell=True, capture_output=True, text=True, timeout=120)
     assert curl.returncode == 0, curl.stderr
     content = json.loads(curl.stdout)["choices"][0]["message"]["content"]
-    assert content == "The capital of France is Paris." and f'"content": "{content}"' in (ROOT / "README.md").read_text()
+    assert content == "The capital of France is Paris."
+    assert f'"content": "{content}"' in (ROOT / "README.md").read_text()
     script = tmp_path / "quick_start.py"
     script.write_text(_block("Then, from another shell", "python"))
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)

@@ -134,8 +134,8 @@ class GGUFCheckpoint:
         if self._int(f"{a}.rope.dimension_count", head_dim) != head_dim:
             raise ValueError(f"GGUF file {self.path}: partial rotary embeddings ({a}.rope.dimension_count "
                              f"{self.metadata(f'{a}.rope.dimension_count')} of head size {head_dim}) are not supported")
-        tokens = self.metadata("tokenizer.ggml.tokens")
-        vocab = self._int(f"{a}.vocab_size", len(tokens) if tokens else None)
+        tokens = self._reader.fields.get("tokenizer.ggml.tokens")
+        vocab = self._int(f"{a}.vocab_size", len(tokens.data) if tokens is not None else None)
         eos = [self.metadata(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
         return {
             "architectures": [ARCHITECTURES[a]],
@@ -212,8 +212,8 @@ class GGUFCheckpoint:
         alphabet = _byte_to_unicode()
         spelled = set(alphabet.values())
         vocab = {}
-        for i, (tok, kind_) in enumerate(zip(tokens, types)):
-            if kind_ not in (_CONTROL, _USER_DEFINED) and not set(tok) <= spelled:
+        for i, (tok, token_type) in enumerate(zip(tokens, types)):
+            if token_type not in (_CONTROL, _USER_DEFINED) and not set(tok) <= spelled:
                 tok = "".join(alphabet[b] for b in tok.encode())
             vocab.setdefault(tok, i)
         backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
@@ -224,22 +224,22 @@ class GGUFCheckpoint:
         backend.add_tokens([AddedToken(t, special=False, normalized=False)
                             for t, k in zip(tokens, types) if k == _USER_DEFINED])
 
-        def token(key: str) -> str | None:
+        def token(key: str) -> tuple[str | None, int | None]:
             i = self.metadata(key)
             if i is None:
-                return None
+                return None, None
             if not 0 <= i < len(tokens):
                 raise ValueError(f"GGUF file {self.path}: {key} {i} is outside the vocabulary")
-            return tokens[i]
+            return tokens[i], i
 
-        bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+        (bos, bos_id), (eos, eos_id) = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
         template, specials = ["$A:0"], []
         if self.metadata("tokenizer.ggml.add_bos_token", False) and bos is not None:
             template.insert(0, f"{bos}:0")
-            specials.append((bos, tokens.index(bos)))
+            specials.append((bos, bos_id))
         if self.metadata("tokenizer.ggml.add_eos_token", False) and eos is not None:
             template.append(f"{eos}:0")
-            specials.append((eos, tokens.index(eos)))
+            specials.append((eos, eos_id))
         if specials:
             backend.post_processor = processors.TemplateProcessing(single=" ".join(template),
                                                                    special_tokens=specials)
