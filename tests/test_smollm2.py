@@ -2,8 +2,9 @@
 real trained model, against transformers loading the same GGUF (gguf_file=): the engine's greedy
 tokens on real text with prefix sharing on and off, the tokenizer, the chat template.
 
-One transformers model and one engine per module (loading the GGUF into transformers takes about
-12 s on 2 cores, the preset about 4 s the first time and 0.2 s from the cache after)."""
+One transformers model for the module, an engine per sharing mode (loading the GGUF into
+transformers takes about 12 s on 2 cores, the preset about 4 s the first time and 0.2 s from the
+cache after)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from replicas.model import load_model, load_tokenizer
 from replicas.model import loader
 
 MODEL = "smollm2-135m"
-GREEDY = SamplingParams(max_tokens=24, temperature=0)
+GREEDY = SamplingParams(max_tokens=16, temperature=0)
 
 SYSTEM = (
     "You are the help desk of the city library. The library opens at nine in the morning and closes at "
@@ -35,9 +36,8 @@ SYSTEM = (
     "and politely, in plain English, without making up rules that are not written here."
 )
 QUESTIONS = ["When does the library close on Saturday?", "How many books can I borrow?",
-             "Can I eat in the reading room?", "What is the capital of France?", "How much does printing cost?"]
-TEXTS = ["The history of the Roman Empire begins", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.",
-         "Once upon a time, in a small village by the sea,"]
+             "Can I eat in the reading room?", "What is the capital of France?"]
+TEXTS = ["The history of the Roman Empire begins", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number."]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def prompts(tok):
-    """5 chats sharing the ~300-token system prompt, then 3 unrelated completions."""
+    """4 chats sharing the ~280-token system prompt, then 2 unrelated completions."""
     chats = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM},
                                                  {"role": "user", "content": q}]), add_special_tokens=False)
              for q in QUESTIONS]
@@ -91,7 +91,7 @@ def test_config_is_smollm2(tok):
 def test_greedy_equals_transformers(sharing, prompts, expected, tok):
     shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}]),
                             add_special_tokens=False))
-    assert shared > 250 and all(p[:shared - 2] == prompts[0][:shared - 2] for p in prompts[:5])
+    assert shared > 250 and all(p[:shared - 2] == prompts[0][:shared - 2] for p in prompts[:len(QUESTIONS)])
     # a 256-token budget prefills the long prompts in pieces, beside other rows' decodes
     engine = LLMEngine.from_model(MODEL, device="cpu", dtype="float32", kv_cache_tokens=16384,
                                   max_num_batched_tokens=256, enable_prefix_sharing=sharing)
@@ -104,7 +104,8 @@ def test_greedy_equals_transformers(sharing, prompts, expected, tok):
 
 def test_tokenizer_equals_transformers(tok, hf):
     _, hf_tok = hf
-    texts = [SYSTEM, *TEXTS, "In 2024, 3.14159 × 12 = 37.699; call +1-800-555-0199.", "  indented\n\n\tand tabbed  ",
+    texts = [SYSTEM, *TEXTS, "Once upon a time, in a small village by the sea,",
+             "In 2024, 3.14159 × 12 = 37.699; call +1-800-555-0199.", "  indented\n\n\tand tabbed  ",
              "naïve café, Müller, 東京, 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
     for text in texts:
         assert tok.encode(text) == hf_tok(text).input_ids, text
