@@ -26,6 +26,21 @@ def _label(run: dict) -> str:
     return f"{run.get('label') or ''} {'inf' if rate in (None, 'inf') else f'{rate:g}'} req/s".strip()
 
 
+def _finish(axes, xlabel: str | None, legend_size: int) -> None:
+    for ax in axes:
+        if xlabel is not None:
+            ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+
+
+def _save(plt, fig, path: Path, written: list[Path]) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+
 def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
     """Plots of runs (reports with detail) into directory out; returns the files written."""
     plt = _plt()
@@ -44,12 +59,8 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
     for ax, name in zip(axes, ("TTFT (ms)", "TPOT (ms)")):
         ax.set_xlabel(name)
         ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out / "latency_cdf.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    _finish(axes, None, 7)
+    _save(plt, fig, out / "latency_cdf.png", written)
 
     rated = [r for r in runs if isinstance(r.get("request_rate"), (int, float))]
     series: dict[str, list[dict]] = {}  # a line per label (a sweep each)
@@ -70,14 +81,8 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
         axes[0].set_ylabel("requests / s")
         axes[1].set_ylabel("ms")
         axes[1].set_yscale("log")
-        for ax in axes:
-            ax.set_xlabel("offered request rate (req/s)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        written.append(out / "sweep.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        _finish(axes, "offered request rate (req/s)", 8)
+        _save(plt, fig, out / "sweep.png", written)
 
     replicas = sorted({rep for run in runs for rep in run.get("replicas", {})})
     if replicas:
@@ -91,8 +96,5 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
         ax.set_xticklabels([rep[-8:] for rep in replicas], rotation=30, fontsize=7)
         ax.set_ylabel("share of requests")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "replica_share.png")
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
+        _save(plt, fig, out / "replica_share.png", written)
     return written
