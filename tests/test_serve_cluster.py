@@ -345,12 +345,12 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
 def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     # stream_interval_ms: after the first chunk, a stream sends at most one chunk per interval, the
     # steps between gathered into it; the text and token count are those of one chunk per step
-    interval = 0.25
+    interval = 0.1
     serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "stream_interval_ms": interval * 1000,
                          "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
               name="gathered", route_prefix="/gathered")
     url = f"{cluster}/gathered/v1/completions"
-    body = {"prompt": "gather these", "max_tokens": 64, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": "gather these", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
 
     async def main():
@@ -370,10 +370,14 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
         return times, texts, usage
 
     times, texts, usage = asyncio.run(main())
-    assert "".join(texts) == whole and usage["completion_tokens"] == 64
-    assert 2 <= len(texts) < 64 / 2  # steps gathered: far fewer chunks than tokens
-    gaps = [b - a for a, b in zip(times, times[1:-1])]  # (the last may follow its previous at once: the end)
-    assert all(g > interval * 0.8 for g in gaps), gaps
+    assert "".join(texts) == whole and usage["completion_tokens"] == 300
+    assert 4 <= len(texts) < 300 / 3  # steps gathered over several intervals: far fewer chunks than tokens
+    # the replica sends at most one chunk per interval (the last may follow its previous at once:
+    # the end); a chunk the proxy held up arrives close to the next, so the client's gaps are
+    # judged by their median and by the chunks' count over the stream's span
+    gaps = sorted(b - a for a, b in zip(times, times[1:-1]))
+    assert gaps and gaps[len(gaps) // 2] > interval * 0.8, gaps
+    assert len(texts) <= (times[-2] - times[0]) / interval + 2, (len(texts), times[-2] - times[0])
     serve.delete("gathered")
 
 
