@@ -417,9 +417,10 @@ async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[s
 def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
          headers: dict[str, str]) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
-    the usage chunk if asked, then `data: [DONE]`. Outputs that add no text (a special token, half
-    a character) are not sent unless they end their choice or carry token ids or logprobs that
-    were asked for."""
+    the usage chunk if asked, then `data: [DONE]`. As in vLLM, an output that carries tokens is
+    sent even when it adds no text (a special token, half a character: its text is ""), so a
+    client sees each token arrive; only an output with neither tokens nor text (nothing
+    happened) is dropped, unless it ends its choice."""
     exclude = _exclude(fmt.token_ids, include_usage)
     request_id = _request_id()
 
@@ -450,7 +451,7 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
                 if isinstance(out, Exception):
                     raise out
                 lasts[i] = out
-                if out.text or out.finish_reason is not None or fmt.token_ids or out.logprobs is not None:
+                if out.text or out.token_ids or out.finish_reason is not None:
                     chunk = fmt.chunk(out, i)
                     if chunk is not None:
                         yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"

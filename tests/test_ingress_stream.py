@@ -1,0 +1,56 @@
+"""The ingress's SSE formatting (cluster/ingress.py `_sse`), fed GenerateOutputs directly:
+which outputs become chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from cluster.ingress import _CompletionFormat, _sse
+from cluster.logprobs import TokenTexts
+from cluster.protocol import GenerateOutput
+
+
+class _Outputs:
+    """A replica's stream after its first output, as the ingress iterates it."""
+
+    def __init__(self, outs: list[GenerateOutput]):
+        self.outs, self.cancelled = outs, False
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        for out in self.outs:
+            yield out
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def _out(text: str, ids: tuple[int, ...], finish: str | None = None, tokens: int = 0) -> GenerateOutput:
+    return GenerateOutput("r1", text, ids, finish, prompt_tokens=3, cached_tokens=0, completion_tokens=tokens)
+
+
+def _events(outs: list[GenerateOutput]) -> list[dict]:
+    fmt = _CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    rest = _Outputs(outs[1:])
+    response = _sse([(outs[0], rest)], fmt, include_usage=True, headers={})
+
+    async def body() -> list[str]:
+        return [piece async for piece in response.body_iterator]
+
+    lines = [line for piece in asyncio.run(body()) for line in piece.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and not rest.cancelled
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_outputs_with_tokens_but_no_text_are_sent_as_vllm_does():
+    # a special token or half a character adds no text: the chunk still goes (its text ""), so a
+    # client sees each token arrive; an output with neither tokens nor text is dropped
+    outs = [_out("A", (10,), tokens=1), _out("", (11,), tokens=2), _out("", (), tokens=2), _out("", (12,), tokens=3),
+            _out("B", (13,), tokens=4), _out("", (), "length", tokens=4)]
+    *chunks, usage = _events(outs)
+    assert [c["choices"][0]["text"] for c in chunks] == ["A", "", "", "B", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
