@@ -71,6 +71,7 @@ from router.hashing import chunk_hashes
 logger = logging.getLogger("ray.serve")
 
 REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
+TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
 
 app = FastAPI(title="chunkserve", summary="OpenAI-compatible LLM serving for prompts sharing long prefixes")
 
@@ -414,6 +415,16 @@ async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[s
     return JSONResponse(body, headers=headers)
 
 
+def _server_timing(prepare_s: float, first_output_s: float, replica_s: float) -> str:
+    """The W3C Server-Timing header of a response, in ms: where its time to first output went.
+    prepare: the endpoint's own work before the request left for a replica (body, tokenizing,
+    checks); first-output: from then to the first output back here (Serve's routing and the two
+    hops included), of which replica: the replica's, from receiving the request to its first
+    output (its engine's queue, prefill and the pipe). For n > 1 choices, the slowest's."""
+    return (f"prepare;dur={prepare_s * 1e3:.2f}, first-output;dur={first_output_s * 1e3:.2f}, "
+            f"replica;dur={replica_s * 1e3:.2f}")
+
+
 def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
          headers: dict[str, str]) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
@@ -523,6 +534,7 @@ class OpenAIIngress:
 
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
+        entered = time.perf_counter()
         self._authorize(request)
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
@@ -539,10 +551,11 @@ class OpenAIIngress:
         fmt = _CompletionFormat(rid, self.model_name, prompts, body.n, body.return_token_ids, self.token_texts, echo,
                                 [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
                                 tok.special_ids if tok is not None and body.skip_special_tokens else frozenset())
-        return await self._respond(reqs, fmt, body.stream, body.include_usage)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
+        entered = time.perf_counter()
         self._authorize(request)
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
@@ -560,7 +573,7 @@ class OpenAIIngress:
         fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts,
                           body.effective_tool_choice, self.config.tool_call_parser,
                           None if body.guide is not None and think is None else self.config.reasoning_parser)
-        return await self._respond(reqs, fmt, body.stream, body.include_usage)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -593,17 +606,21 @@ class OpenAIIngress:
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def _respond(self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool,
-                       include_usage: bool) -> Response:
+                       include_usage: bool, entered: float) -> Response:
         """Start every choice's request (each waits for its first output, so errors get a status
-        code), then answer with all of them."""
+        code), then answer with all of them. entered: when the endpoint was called (perf_counter)."""
+        sent = time.perf_counter()
         results = await asyncio.gather(*(self._start(req, own_id=len(reqs) > 1) for req in reqs),
                                        return_exceptions=True)
+        first = time.perf_counter()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             _cancel([r for r in results if not isinstance(r, BaseException)])
             raise failed[0]
         # the replica(s) that served it, in choice order
-        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(first.replica_id for first, _ in results))}
+        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(out.replica_id for out, _ in results)),
+                   TIMING_HEADER: _server_timing(sent - entered, first - sent,
+                                                 max(out.first_output_s or 0.0 for out, _ in results))}
         if stream:
             return _sse(results, fmt, include_usage, headers)
         return await _whole(results, fmt, headers)

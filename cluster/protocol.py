@@ -721,3 +721,6 @@ class GenerateOutput:
     # with SamplingParams.prompt_logprobs, in the first output: the same per prompt token (None
     # for the first)
     prompt_logprobs: tuple | None = None
+    # in the first output: seconds from the replica receiving the request to this output (the
+    # ingress's Server-Timing `replica`)
+    first_output_s: float | None = None

@@ -83,6 +83,7 @@ class LLMReplica:
     # -- requests ---------------------------------------------------------------------------
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
         """Stream one request: each output holds what is new since the previous one."""
+        entered = time.perf_counter()
         self._raise_if_dead()
         rid = request.request_id
         text = _TextStream(self.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
@@ -119,7 +120,8 @@ class LLMReplica:
                         (time.perf_counter() - first_token_at) / (out.output_tokens - 1))
                 last = batch[-1]
                 yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
-                                     last.cached_tokens, out.output_tokens, out.logprobs, out.prompt_logprobs)
+                                     last.cached_tokens, out.output_tokens, out.logprobs, out.prompt_logprobs,
+                                     first_output_s=None if sent_at is not None else first_token_at - entered)
                 sent_at = time.perf_counter()
                 if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below

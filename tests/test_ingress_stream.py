@@ -1,13 +1,16 @@
-"""The ingress's SSE formatting (cluster/ingress.py `_sse`), fed GenerateOutputs directly:
-which outputs become chunks."""
+"""The ingress's SSE formatting (cluster/ingress.py `_sse`) and its Server-Timing header, fed
+GenerateOutputs directly: which outputs become chunks, and the header the load test reads."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from cluster.ingress import _CompletionFormat, _sse
+import pytest
+
+from cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
 from cluster.logprobs import TokenTexts
+from cluster.loadtest import client
 from cluster.protocol import GenerateOutput
 
 
@@ -54,3 +57,19 @@ def test_outputs_with_tokens_but_no_text_are_sent_as_vllm_does():
     assert [c["choices"][0]["text"] for c in chunks] == ["A", "", "", "B", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+
+
+def test_server_timing_header_reads_back_in_the_load_test():
+    header = _server_timing(0.0012, 0.0456, 0.0301)
+    assert header == "prepare;dur=1.20, first-output;dur=45.60, replica;dur=30.10"
+    assert client.TIMING_HEADER == TIMING_HEADER  # (written again there: the tool runs without Serve)
+    got = client.server_timing(header)
+    assert got.keys() == {"prepare", "first-output", "replica"}
+    assert got == pytest.approx({"prepare": 0.0012, "first-output": 0.0456, "replica": 0.0301})
+
+
+def test_server_timing_parser_takes_other_servers_headers():
+    # W3C syntax: metrics without a duration, descriptions, quoted values, odd spacing
+    got = client.server_timing('cache;desc="hit", db;dur=53, app ; dur = "47.2" ;desc=x, bad;dur=fast')
+    assert got == pytest.approx({"db": 0.053, "app": 0.0472})
+    assert client.server_timing(None) is None and client.server_timing("") is None

@@ -67,11 +67,19 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
         gap = r["e2el"] - r["ttft"]
         assert abs(sum(r["itl"]) - gap) <= 0.05 + 0.05 * gap  # the chunks' gaps add up to the stream after the first
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
+        # the server's split of the time to first output lies inside the client's TTFT
+        timing = r["server_timing"]
+        assert timing.keys() == {"prepare", "first-output", "replica"}, timing
+        assert 0 < timing["replica"] <= timing["first-output"] and timing["prepare"] > 0
+        assert timing["prepare"] + timing["first-output"] <= r["ttft"]
     assert report["total_input_tokens"] == sum(r["prompt_tokens"] for r in records)
     assert report["total_cached_tokens"] == sum(r["cached_tokens"] for r in records)
     assert report["cached_fraction"] == pytest.approx(report["total_cached_tokens"] / report["total_input_tokens"])
     assert report["median_ttft_ms"] <= report["median_e2el_ms"]
     assert sum(t["requests"] for t in report["tenants"].values()) == num
+    assert {m: t["requests"] for m, t in report["server_timing"].items()} == dict.fromkeys(
+        ("prepare", "first-output", "replica", "outside"), num)
+    assert report["server_timing"]["replica"]["median_ms"] <= report["server_timing"]["first-output"]["median_ms"]
 
 
 def test_gsp_from_client_actors_on_every_node(app, tmp_path):

@@ -3,7 +3,8 @@
 Pure asyncio + httpx. Every latency is measured on this client's own monotonic clock, from the
 moment its request is sent: TTFT to the first chunk with choices, each inter-chunk gap after
 it (ITL), E2EL to the end of the stream. Token counts come from the stream's `usage` chunk
-(`stream_options.include_usage`), the serving replica from the `x-chunkserve-replica` header.
+(`stream_options.include_usage`), the serving replica from the `x-chunkserve-replica` header,
+and the server's account of the time to first output from its `Server-Timing` header.
 
 Bounded: each request has a timeout, and the whole run `max_duration`: what is still in
 flight then is cancelled and recorded as such, what was never sent as `not_sent`, so every
@@ -25,6 +26,25 @@ import httpx
 from cluster.loadtest.render import Request
 
 REPLICA_HEADER = "x-chunkserve-replica"  # (cluster.ingress.REPLICA_HEADER; not imported: the tool runs without Serve)
+TIMING_HEADER = "server-timing"  # (cluster.ingress.TIMING_HEADER)
+
+
+def server_timing(header: str | None) -> dict[str, float] | None:
+    """A W3C Server-Timing header -> {metric: seconds} for the metrics that carry a `dur` (ms);
+    None without the header. Unparsable entries are left out."""
+    if not header:
+        return None
+    out = {}
+    for entry in header.split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    out[name] = float(value.strip().strip('"')) / 1e3
+                except ValueError:
+                    pass
+    return out
 
 
 @dataclass
@@ -46,6 +66,7 @@ class Record:
     error_kind: str | None = None  # None: success; else the status code or connect / timeout / stream / ...
     error: str | None = None  # what went wrong (the error body's message, trimmed)
     replica: str | None = None
+    server_timing: dict[str, float] | None = None  # the response's Server-Timing, seconds by metric
     dispatch_lag: float | None = None  # how late the client got to it past its scheduled time
 
     @property
@@ -113,6 +134,7 @@ async def send(client: httpx.AsyncClient, url: str, req: Request, rec: Record, o
                                  headers=options.headers()) as resp:
             rec.status = resp.status_code
             rec.replica = resp.headers.get(REPLICA_HEADER)
+            rec.server_timing = server_timing(resp.headers.get(TIMING_HEADER))
             if resp.status_code != 200:
                 rec.error_kind, rec.error = str(resp.status_code), _message(await resp.aread())
                 return

@@ -6,8 +6,9 @@ vLLM computes it: over the successful requests, TTFT from the send to the first 
 between chunks, E2EL to the stream's end; throughputs over the run's duration. Percentile keys
 are `p{P}_{metric}_ms`. Ours besides: normalized latency (E2EL / output tokens, the
 ChunkAttention paper's figure), the cached fraction and per-tenant hit rates from the replicas'
-usage, requests and tokens per replica, errors by kind, goodput against SLOs, and the
-client's own overhead (how late it dispatched, its CPU use).
+usage, requests and tokens per replica, errors by kind, goodput against SLOs, the server's
+split of the time to first output (its Server-Timing header), and the client's own overhead
+(how late it dispatched, its CPU use).
 """
 
 from __future__ import annotations
@@ -132,6 +133,7 @@ def summarize(results: list[ClientResult], *, percentiles: tuple[float, ...] = (
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
         "tenants": _tenants(records),
         **_replicas(ok),
+        "server_timing": _server_timing(ok),
         **_client_overhead(results),
     }
     if detail:
@@ -177,6 +179,21 @@ def _replicas(ok: list[Record]) -> dict:
     mean = sum(counts) / len(counts) if counts else 0.0
     return {"replicas": dict(sorted(per.items())), "replica_requests_max": max(counts, default=0),
             "replica_requests_mean": mean, "replica_requests_max_over_mean": max(counts) / mean if mean else 0.0}
+
+
+def _server_timing(ok: list[Record]) -> dict:
+    """Median and p99 ms of each Server-Timing metric over the requests that carried it, and
+    `outside`: the client's TTFT less the server's prepare + first-output (the HTTP proxy, the
+    network and this client), where both are known. {} when no response carried the header."""
+    per: dict[str, list[float]] = defaultdict(list)
+    for r in ok:
+        timing = r.server_timing or {}
+        for name, seconds in timing.items():
+            per[name].append(seconds)
+        if "prepare" in timing and "first-output" in timing:
+            per["outside"].append(r.ttft - timing["prepare"] - timing["first-output"])
+    return {name: {"median_ms": float(np.median(v)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3,
+                   "requests": len(v)} for name, v in per.items()}
 
 
 def _client_overhead(results: list[ClientResult]) -> dict:
