@@ -18,6 +18,7 @@ through the interpreter as before.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 
 from triton import knobs
@@ -25,10 +26,11 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-__all__ = ["aligned", "launch", "verifying"]
+__all__ = ["aligned", "first_launches", "launch", "verifying"]
 
 _compiled: dict[tuple, CompiledKernel] = {}
 _verify = False
+_first_s = 0.0  # host seconds of the keys' first launches (the dispatcher's, with any compile)
 
 
 def aligned(*pointers) -> tuple[bool, ...]:
@@ -47,13 +49,16 @@ def launch(fn, grid: tuple[int, int, int], args: tuple, options: dict, key: tupl
     would launch a kernel compiled for other arguments: ``verifying`` checks keys against the
     dispatcher.
     """
+    global _first_s
     if not isinstance(fn, JITFunction):  # the interpreter's: nothing compiled
         fn[grid](*args, **options)
         return
     full = (fn, driver.active.get_current_device(), key)
     kernel = _compiled.get(full)
     if kernel is None:
+        t0 = time.perf_counter()
         kernel = fn[grid](*args, **options)
+        _first_s += time.perf_counter() - t0
         _compiled[full] = kernel
         return
     if _verify:
@@ -65,6 +70,13 @@ def launch(fn, grid: tuple[int, int, int], args: tuple, options: dict, key: tupl
     metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                *args)
+
+
+def first_launches() -> tuple[int, float]:
+    """(keys launched so far, host seconds their first launches took): each first launch went
+    through the dispatcher and may have compiled, so a count that grows after warmup means
+    compiles on a user's request (replicas.bench reports it per run)."""
+    return len(_compiled), _first_s
 
 
 @contextlib.contextmanager

@@ -158,6 +158,15 @@ def _ms(name: str, xs: list[float]) -> dict:
             f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 2)}
 
 
+def _first_launches() -> tuple[int, float]:
+    """kernels.launch.first_launches, or nothing launched where Triton is not installed."""
+    try:
+        from kernels.launch import first_launches
+    except ImportError:
+        return 0, 0.0
+    return first_launches()
+
+
 def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -> dict:
     """Requests arriving as a Poisson stream at `rate` a second, the engine stepped as a replica
     steps it: each request added at the first step boundary after its arrival."""
@@ -177,6 +186,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     sync()
     t0 = time.perf_counter()
     wait0 = engine.runner.wait_s
+    keys0, first_s0 = _first_launches()
     nxt = 0
     while nxt < args.requests or engine.has_unfinished():
         now = time.perf_counter() - t0
@@ -217,10 +227,15 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
             # decode-only steps that ran from a CUDA graph (a replay is one decode-only step)
             "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
             "graph_captures": graphs.captures if graphs else 0, "plan_builds": engine.attention.plan_builds,
+            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
+            # kernels launched for the first time in this run (each may have compiled, on a request's path)
+            "kernel_first_launches": _first_launches()[0] - keys0,
+            "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
             # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
             "piecewise_steps": pieces.replays if pieces else 0,
             "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
             "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
+            "p99_step_ms": _ms("step", steps_s)["p99_step_ms"], "max_step_ms": round(1e3 * max(steps_s, default=0), 2),
             "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
             "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
             "max_decode_batch": s["max_decode_batch"], "cached_prompt_tokens": s["cached_prompt_tokens"],

@@ -623,3 +623,18 @@ def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
     with launch.verifying():
         _decoder_churn("cuda", dtype, 128, 4, 64, 48, seeds=range(50, 58), layers=3)
         _decoder_churn("cuda", dtype, 128, 1, 64, 200, seeds=(60, 61), layers=2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_first_launches_count_each_key_once():
+    # first_launches() counts the keys that went through the dispatcher (a compile each, at
+    # worst): new trees add keys, the same trees again launch directly and add none
+    # (replicas.bench reports the count per run, so compiles on a request's path show)
+    from kernels import launch
+    before = launch.first_launches()
+    _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
+    keys, seconds = launch.first_launches()
+    assert keys > before[0] and seconds > before[1]
+    _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
+    assert launch.first_launches() == (keys, seconds)
