@@ -1,12 +1,15 @@
 """GET /metrics on a local Ray cluster (cluster/local.py), real HTTP: the Prometheus text covers
 both model replicas, its counters equal what the requests' usage said, the ingress counts its own
-responses (a 400 among them)."""
+responses (a 400 among them), and the Grafana dashboard (configs/grafana/chunkserve.json) asks
+only for metrics the endpoint exposes."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,6 +26,7 @@ APP = {
     "model": "tiny", "device": "cpu", "num_replicas": 2, "num_cpus_per_replica": 0.5, "api_key": KEY,
     "engine": {"kv_cache_tokens": 4096, "max_model_len": 512},
 }
+DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "chunkserve.json"
 TIMEOUT = httpx.Timeout(300.0)
 # the suffixes a family of each type writes its samples with (what a PromQL query names)
 _SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
@@ -148,3 +152,20 @@ def test_metrics_aggregate_every_replica(app):
     assert delta("chunkserve_http_errors_total", status="400", code="invalid_json") == 1
     assert _values(after, "chunkserve_metrics_replicas", deployment="LLMReplica", answered="true") == {None: 2}
 
+
+def test_dashboard_asks_only_for_exposed_metrics(app):
+    url, _ = app
+    _, families, _ = _scrape(url)
+    exposed = _declared(families)
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
+    for title in ("Time to first token", "Time per output token", "Cached prompt fraction", "KV cache use",
+                  "Requests running / waiting", "Tokens per second", "Errors by status and code"):
+        assert title in exprs
+    for title, queries in exprs.items():
+        for expr in queries:
+            names = set(re.findall(r"\bchunkserve_\w+", expr))
+            assert names, f"panel {title!r}: {expr!r} names no chunkserve metric"
+            assert names <= exposed, f"panel {title!r} asks for {names - exposed}, which /metrics does not expose"
+    for panel in dashboard["panels"]:
+        assert panel["datasource"]["type"] == "prometheus"
