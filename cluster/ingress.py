@@ -1,7 +1,7 @@
 """OpenAIIngress: the HTTP front of the application (FastAPI inside a Serve deployment).
 
     POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health,
-    GET /ready, POST /tokenize, POST /detokenize
+    GET /ready, GET /metrics, POST /tokenize, POST /detokenize
 
 It checks the key, parses and validates the body, tokenizes (chat through the model's chat
 template), and checks the context length, so bad input is answered here and never reaches a
@@ -34,8 +34,11 @@ from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from cluster import metrics as cluster_metrics
 from cluster.config import AppConfig
 from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
+from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from cluster.metrics import CountResponses, MetricsText
 from cluster.protocol import (
     MAX_PROMPTS,
     ChatChoice,
@@ -74,6 +77,7 @@ REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
 TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
 
 app = FastAPI(title="chunkserve", summary="OpenAI-compatible LLM serving for prompts sharing long prefixes")
+app.add_middleware(CountResponses)  # chunkserve_http_responses_total: every response, by endpoint and status
 
 
 class APIError(Exception):
@@ -87,6 +91,7 @@ class APIError(Exception):
                                   code=code)
 
     def response(self) -> JSONResponse:
+        cluster_metrics.HTTP.error(self.status, self.detail.code or self.detail.type)  # (every error body: here)
         return JSONResponse(ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers)
 
 
@@ -469,6 +474,7 @@ def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
             done = True
         except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
             error = _server_error(e, request_id).detail
+            cluster_metrics.HTTP.stream_error(error.code or error.type)
             yield f"data: {ErrorResponse(error=error).model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"  # the stream still ends as every stream does (vLLM's too)
             return
@@ -505,6 +511,9 @@ class OpenAIIngress:
         self._created = int(time.time())
         self._states: tuple[float, dict[str, int]] = (-math.inf, {})  # (when, _replica_states)
         self._states_lock = asyncio.Lock()
+        ctx = serve.get_replica_context()
+        self._metrics = MetricsText(self.model_name, llm.app_name, (llm.deployment_name, ctx.deployment),
+                                    ctx.replica_id.unique_id, lambda: (ctx.deployment, self.record_http()))
 
     # -- endpoints --------------------------------------------------------------------------
     @app.get("/health")
@@ -523,6 +532,12 @@ class OpenAIIngress:
         doing = ", ".join(f"{n} {state.lower()}" for state, n in states.items()) or "none deployed"
         raise APIError(503, f"not ready: no model replica is running and warmed up (model replicas: {doing})",
                        type="server_error", code="not_ready")
+
+    @app.get("/metrics")
+    async def metrics(self) -> Response:
+        """Prometheus text: every replica's chunkserve_* metrics (cluster/metrics.py). As vLLM's
+        /metrics, it needs no API key (scrapers carry none; it tells no request's content)."""
+        return Response(await self._metrics.text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -792,6 +807,17 @@ class OpenAIIngress:
                                      include_stop_str_in_output=body.include_stop_str_in_output)
                      for i in range(body.n)]
         return rid, reqs
+
+    async def record_routing_stats(self) -> dict:
+        """Serve's hook (its controller polls it each routing-stats period): this ingress replica's
+        response counts, which another ingress replica's /metrics asks for (cluster/metrics.py)."""
+        return self.record_http()
+
+    @staticmethod
+    def record_http() -> dict:
+        # The counts are cluster.metrics.HTTP of this process, named through the module: Serve ships
+        # this class by value (cloudpickle), which would give a global named here a copy of its own.
+        return {"http": cluster_metrics.HTTP.snapshot()}
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _replica_states(self) -> dict[str, int]:

@@ -23,6 +23,7 @@ through every step.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -173,10 +174,13 @@ class LLMReplica:
                                    timeout=self.TP_PING_TIMEOUT_S)
 
     async def record_routing_stats(self) -> dict:
+        """What Serve's controller collects from this replica for the routers (router/serve_router.py),
+        and the ingress's /metrics from every replica (cluster/metrics.py reads `metrics`): the
+        controller polls this each routing-stats period, the ingress when it is scraped."""
         s = self._stats
         return {"running": s["running"], "waiting": s["waiting"],
                 "kv_chunks_used": s["kv_chunks_used"], "kv_chunks_total": s["kv_chunks_total"],
-                "digest": self._digest, "as_of": self._digest_at}
+                "digest": self._digest, "as_of": self._digest_at, "metrics": self._metrics.snapshot(s)}
 
     async def stats(self) -> dict[str, int]:
         """engine.stats() as of the engine's last step."""
@@ -350,27 +354,29 @@ class _TextStream:
 
 
 class _Metrics:
-    """chunkserve_* metrics of one replica (Serve adds deployment/replica/application tags)."""
+    """chunkserve_* metrics of one replica, kept twice: through ray.serve.metrics (Ray's export,
+    which adds deployment/replica/application tags) and as plain numbers (`snapshot`) that the
+    ingress's /metrics aggregates over every replica (cluster/metrics.py), since Ray's metrics
+    cannot be read back in-process. Both see every update, so they agree."""
 
     _COUNTERS = {"prompt_tokens": "prompt tokens of finished requests",
                  "cached_prompt_tokens": "prompt tokens served from the prefix tree",
-                 "generated_tokens": "tokens generated"}
+                 "generated_tokens": "tokens generated",
+                 "finished_requests": "requests the engine finished (aborted ones included)"}
     _GAUGES = {"running": ("running_requests", "sequences in the running batch"),
                "waiting": ("waiting_requests", "sequences waiting for admission"),
                "kv_chunks_used": ("kv_chunks_used", "KV chunks held by live sequences"),
                "kv_chunks_total": ("kv_chunks_total", "KV chunks in the pool")}
-    _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60]
+    LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
     def __init__(self, stats: dict[str, int]):
         self._last = {k: stats[k] for k in self._COUNTERS}
         self._counters = {k: metrics.Counter(f"chunkserve_{k}", description=d) for k, d in self._COUNTERS.items()}
         self._gauges = {k: metrics.Gauge(f"chunkserve_{name}", description=d) for k, (name, d) in self._GAUGES.items()}
-        self.time_to_first_token = metrics.Histogram(
-            "chunkserve_time_to_first_token_seconds", description="arrival at the replica to first token",
-            boundaries=self._LATENCY_BUCKETS)
-        self.time_per_output_token = metrics.Histogram(
-            "chunkserve_time_per_output_token_seconds", description="decode time per token after the first",
-            boundaries=self._LATENCY_BUCKETS)
+        self.time_to_first_token = _Histogram(
+            "chunkserve_time_to_first_token_seconds", "arrival at the replica to first token", self.LATENCY_BUCKETS)
+        self.time_per_output_token = _Histogram(
+            "chunkserve_time_per_output_token_seconds", "decode time per token after the first", self.LATENCY_BUCKETS)
         self.update(stats)
 
     def update(self, stats: dict[str, int]) -> None:
@@ -380,3 +386,29 @@ class _Metrics:
                 self._last[k] = stats[k]
         for k, gauge in self._gauges.items():
             gauge.set(stats[k])
+
+    def snapshot(self, stats: dict[str, int]) -> dict:
+        """Plain numbers (picklable, no Ray types): the engine's counters since it started (warmup
+        excluded), the gauges as of its last step, and both histograms' buckets."""
+        return {"counters": {k: stats[k] for k in self._COUNTERS},
+                "gauges": {name: stats[k] for k, (name, _) in self._GAUGES.items()},
+                "histograms": {h.name: h.snapshot() for h in (self.time_to_first_token, self.time_per_output_token)}}
+
+
+class _Histogram:
+    """A ray.serve.metrics Histogram and the same observations counted here (per bucket, with the
+    sum and count), so their exact buckets can be summed over replicas."""
+
+    def __init__(self, name: str, description: str, bounds: tuple[float, ...]):
+        self.name, self.bounds = name, bounds
+        self._ray = metrics.Histogram(name, description=description, boundaries=list(bounds))
+        self._counts = [0] * (len(bounds) + 1)  # per bucket, not cumulative; the last is (bounds[-1], +inf)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._ray.observe(value)
+        self._counts[bisect.bisect_left(self.bounds, value)] += 1  # le semantics: a value on a bound is in its bucket
+        self._sum += value
+
+    def snapshot(self) -> dict:
+        return {"bounds": list(self.bounds), "counts": list(self._counts), "sum": self._sum}
