@@ -96,7 +96,7 @@ def test_the_quick_start_examples_print_what_the_readme_shows(serve_run, tmp_pat
 
 
 def test_the_readme_load_test_runs_as_printed(serve_run, tmp_path):
-    command = _bash("Against `serve run")
+    command = _bash("## Load testing")
     assert command.startswith("python -m cluster.loadtest ")
     run = subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=tmp_path,
                          capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -106,3 +106,14 @@ def test_the_readme_load_test_runs_as_printed(serve_run, tmp_path):
     assert report["model_id"] == "smollm2-135m" and report["prompt_format"] == "text"
     assert report["cached_fraction"] > 0.5  # 4 groups of 16 prompts sharing 512 tokens
     assert {p.name for p in (tmp_path / "plots").iterdir()} >= {"latency_cdf.png", "replica_share.png"}
+
+
+def test_the_readme_metrics_command_prints_every_replicas_metrics(serve_run):
+    # after the tests above served requests: the README's curl | grep shows the replicas' series
+    command = _bash("## Metrics")
+    assert command == "curl -s 127.0.0.1:8000/metrics | grep chunkserve_", command
+    run = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    generated = [line for line in run.stdout.splitlines() if line.startswith("chunkserve_generated_tokens_total{")]
+    assert len(generated) == 2  # configs/local.yaml's two replicas, a series each
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in generated) > 0
