@@ -20,7 +20,11 @@ callbacks:
                       Serve's queue lengths; a GenerateRequest shorter than one chunk gets the
                       policy's load-only power of two.
   on_request_routed   -> PrefixPolicy.on_routed (a ticket per request), and
-  on_request_completed -> PrefixPolicy.on_finished (the request's work leaves the loads).
+  on_request_completed -> PrefixPolicy.on_finished (the request's work leaves the loads). Serve
+                      (ray 2.60) calls on_request_routed only once the replica has accepted, and a
+                      short request's completion callback can run before that (it is queued from
+                      another thread): the ticket is then released by the result's own done
+                      callback, so no completed request's work stays in a replica's load.
   update_replicas     membership: replicas joining or leaving are applied to the policy; a large
                       join (a router starting against a big deployment) builds the rendezvous table
                       in a worker thread and swaps it in, so the event loop never blocks for long.
@@ -221,9 +225,22 @@ class PrefixAffinityRouter(RequestRouter):
         ticket = self._policy.on_routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens,
                                         time.monotonic())
         self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
-        self._tickets[pending_request.metadata.internal_request_id] = ticket
+        request_id = pending_request.metadata.internal_request_id
+        self._tickets[request_id] = ticket
+        if result is not None:
+            # on_request_completed may have run already (then the ticket would stay, and the
+            # replica's load with it: a short request finishes before Serve reports it routed);
+            # a done callback fires at once on a finished result, from Ray's or gRPC's thread
+            loop = self._event_loop
+            result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, request_id, ticket))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         ticket = self._tickets.pop(internal_request_id, None)
         if ticket is not None:
+            self._policy.on_finished(ticket)
+
+    def _release(self, request_id: str, ticket: Ticket) -> None:
+        """The result's done callback: release its ticket unless on_request_completed has."""
+        if self._tickets.get(request_id) is ticket:
+            del self._tickets[request_id]
             self._policy.on_finished(ticket)

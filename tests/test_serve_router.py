@@ -90,6 +90,51 @@ def test_router_keeps_a_prefix_on_one_replica_and_spreads_prefixes():
     asyncio.run(main())
 
 
+def test_a_request_completed_before_serve_reports_it_routed_leaves_no_load():
+    """Serve (ray 2.60) reports a request routed once its replica has accepted it, and queues the
+    completion callback from another thread: a short request can complete first. Its ticket is then
+    released by the result's done callback (which fires at once on a finished result), not kept
+    in the replica's load for good, where it would steer every short prompt to the other replica."""
+    FakeReplica, pending, make = _router_env()
+
+    class Result:  # a ReplicaResult: its done callbacks run when it finishes (at once, if it has)
+        def __init__(self, done: bool):
+            self.done, self.callbacks = done, []
+
+        def add_done_callback(self, callback):
+            if self.done:
+                callback(self)
+            else:
+                self.callbacks.append(callback)
+
+        def finish(self):
+            self.done = True
+            for callback in self.callbacks:
+                callback(self)
+
+    async def main():
+        router = make([FakeReplica("rep0"), FakeReplica("rep1")])
+        loads = lambda: [router._policy.load(u) for u in ("rep0", "rep1")]  # noqa: E731
+        first = pending([1, 2, 3], 1)  # shorter than a chunk: power of two on load
+        uid = (await router.choose_replicas(router._replicas_list, first))[0][0].replica_id
+        router.on_request_completed(uid, first.metadata.internal_request_id)  # the callback ran first
+        router.on_request_routed(first, uid, Result(done=True))
+        await asyncio.sleep(0)  # (the release is scheduled on the router's loop, as from Ray's thread)
+        assert not router._tickets and loads() == [0, 0]
+
+        second = pending([4, 5, 6], 2)  # the usual order: released once, by whichever comes first
+        uid = (await router.choose_replicas(router._replicas_list, second))[0][0].replica_id
+        result = Result(done=False)
+        router.on_request_routed(second, uid, result)
+        assert max(loads()) > 0
+        router.on_request_completed(uid, second.metadata.internal_request_id)
+        result.finish()
+        await asyncio.sleep(0)
+        assert not router._tickets and loads() == [0, 0]
+
+    asyncio.run(main())
+
+
 def test_router_follows_membership_and_digests():
     FakeReplica, pending, make = _router_env()
 
