@@ -1,0 +1,364 @@
+"""Block-union sparse prefill's accuracy on a real trained model, on the CPU (issue #28).
+
+    python -m kernels.bench_sparse_accuracy [--lengths 2048 3072] [--depths 3] [--piece 1024]
+        [--configs alpha=0.1 budget=0.1 budget=0.25,block=64,window=2] [--threads 2] [--model smollm2-135m]
+
+Each prompt is real text (the filler, below) with "The magic number is NNNN." planted at a depth,
+then a question about it, in the model's chat template. It is prefilled in pieces of `--piece`
+tokens (max_num_batched_tokens) by a dense engine and by one engine per configuration (a
+BlockUnion spec: `alpha=` or `budget=`, and block / sink / window / subgroup; min_context is
+the piece, so every piece after the first goes sparse). One JSON line per (configuration, prompt
+length), over the `--depths` prompts of that length (depths (i + 0.5) / n of the text):
+
+- attention mass, from the dense run: per layer and sparse piece, the dense softmax of the
+  piece's queries over its keys, summed per chunk; the selector applied to those same queries
+  and the dense keys' block means keeps some blocks per page list. ``mass``: the share of the
+  dense mass on the kept blocks and the piece's own chunks (mean over layers, ``_worst`` the
+  worst layer); ``ctx_mass``: the share of the mass on the context blocks that falls on kept
+  ones. ``oracle_*``: the same for the oracle, which keeps as many blocks per list as the
+  selector but the ones dense attention weighs most (summed over the list's heads and rows):
+  the ceiling of any selection of that size. ``needle_lists`` / ``oracle_needle_lists``: the
+  share of (layer, list) pairs, over pieces after the needle, whose kept blocks hold it.
+- ``dense_found`` / ``found``: prompts whose greedy answer (16 tokens) holds the number, dense
+  and sparse; ``found_where_dense``: of the prompts dense answers, those sparse answers too.
+- ``agree_32``: equal leading tokens of the first 32 greedy tokens (EOS ignored), sparse against
+  dense, on the middle-depth prompt of the length.
+- ``pages_ratio``: (chunk, KV head) pages the sparse pieces' layers read over those they would
+  read dense (replicas.attention's sparse_pages / dense_pages): the attention's work kept.
+
+The filler: Newton's Opticks (public domain), which apache-tvm-ffi ships as a test text
+(tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt), from its first chapter on; without it
+(``--filler generated``, or that package absent) sentences drawn from fixed word lists with a
+fixed seed. The line says which. Progress goes to stderr. Each prefill of a few thousand tokens
+takes tens of seconds on 2 cores (the plain-torch attention, float32, grows with the square of
+the length): the default grid (2 lengths x 3 depths x dense and 3 configurations) takes 10-15
+minutes; `--depths 5 --lengths 2048 4096 6144 --piece 2048` is the issue's setting, hours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from kernels import block_union, reference
+from kernels.block_union import BlockUnion
+
+NEEDLE = " The magic number is {}. "
+QUESTION = "What is the magic number mentioned in the text above? Answer with the number."
+DEFAULT_CONFIGS = ("alpha=0.1", "budget=0.1", "budget=0.25")
+ANSWER_TOKENS, AGREE_TOKENS = 16, 32
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention mass: what a selection keeps of dense attention
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_mass(q: Tensor, k: Tensor, v: Tensor, context_len: int, c: int,
+               sm_scale: float) -> tuple[Tensor, Tensor]:
+    """Dense causal attention of a piece, and where its weight falls. q: [T, Hq, D] at positions
+    context_len.. ; k, v: [Hkv, total, D] (total = context_len + T) -> (out [T, Hq, D] as
+    kernels.reference.prefill_attention_ref, M [Hq, ceil(total / c)] float32: each head's
+    softmax weights summed over the piece's rows and each chunk's keys; a head's row sums to T)."""
+    t_new, hq, d = q.shape
+    hkv, total, _ = k.shape
+    g, used = hq // hkv, -(-total // c)
+    k, v = k.float(), v.float()
+    qf = q.float().permute(1, 0, 2).reshape(hkv, g, t_new, d)
+    out = torch.empty(hkv, g, t_new, d)
+    mass = torch.zeros(hkv, g, used * c)
+    tile = max(1, (1 << 24) // max(1, hq * total))  # bounds the [Hkv, G, tile, total] scores
+    for t0 in range(0, t_new, tile):
+        t1 = min(t_new, t0 + tile)
+        w = torch.matmul(qf[:, :, t0:t1], k[:, None].transpose(-1, -2)) * sm_scale  # [Hkv, G, t, total]
+        qpos = torch.arange(context_len + t0, context_len + t1)
+        w = w.masked_fill(torch.arange(total) > qpos[:, None], float("-inf"))
+        p = torch.softmax(w, dim=-1)
+        out[:, :, t0:t1] = torch.matmul(p, v[:, None])
+        mass[..., :total] += p.sum(2)
+    return out.reshape(hq, t_new, d).permute(1, 0, 2), mass.view(hq, used, c).sum(-1)
+
+
+def list_mass(mass: Tensor, sub: int, context_chunks: int, block_chunks: int) -> tuple[Tensor, Tensor]:
+    """mass [Hq, used] per head and chunk -> (per page list (entry e: heads [e * sub, (e + 1) * sub))
+    and context block [E, NB], the mass on the piece's own chunks [E])."""
+    hq, _ = mass.shape
+    per_list = mass.view(hq // sub, sub, -1).sum(1)
+    nb = -(-context_chunks // block_chunks)
+    ctx = torch.nn.functional.pad(per_list[:, :context_chunks], (0, nb * block_chunks - context_chunks))
+    return ctx.view(-1, nb, block_chunks).sum(-1), per_list[:, context_chunks:].sum(1)
+
+
+def oracle_keep(block_mass: Tensor, counts: Tensor) -> Tensor:
+    """block_mass [E, NB], counts [E] -> keep [E, NB]: each list's counts[e] heaviest blocks."""
+    order = block_mass.argsort(dim=1, descending=True)
+    ranks = torch.empty_like(order)
+    ranks.scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+    return ranks < counts[:, None]
+
+
+def kept_mass(block_mass: Tensor, own: Tensor, keep: Tensor) -> dict[str, float]:
+    """Sums for one (piece, layer): the mass on kept context blocks, on all context blocks, in all
+    (kept + own) and overall (every weight: the rows times the heads)."""
+    ctx_kept = float((block_mass * keep).sum())
+    return {"ctx_kept": ctx_kept, "ctx": float(block_mass.sum()), "kept": ctx_kept + float(own.sum()),
+            "all": float(block_mass.sum() + own.sum())}
+
+
+def select(q: Tensor, k_ctx: Tensor, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
+    """The selector's blocks for a piece's queries q [T, Hq, D] given its context's keys
+    k_ctx [Hkv, k0 * c, D] (the chunks before the piece's first): the engine's CPU path
+    (replicas.attention.Attention.sparse_prefill) from chunk means -> keep [E, NB] bool."""
+    hkv, n, d = k_ctx.shape
+    k0, bc = n // c, cfg.block // c
+    means = k_ctx.float().view(hkv, k0, c, d).mean(2).transpose(0, 1)  # [k0, Hkv, D], the pool's key_means
+    keys = block_union.block_keys(means, torch.arange(k0), bc)
+    agg = block_union.normalised(reference.block_scores_ref(q, keys, cfg.block, sm_scale), sub)
+    return block_union.select_blocks(agg, cfg)
+
+
+def summarise(per_layer: dict[int, dict[str, float]], prefix: str = "") -> dict[str, float]:
+    """Per layer sums -> mean and worst layer of the kept share, overall and on the context."""
+    whole = [s["kept"] / s["all"] for s in per_layer.values()]
+    ctx = [s["ctx_kept"] / s["ctx"] for s in per_layer.values() if s["ctx"] > 0]
+    r = lambda x: round(x, 4)
+    return {f"{prefix}mass": r(sum(whole) / len(whole)), f"{prefix}mass_worst": r(min(whole)),
+            f"{prefix}ctx_mass": r(sum(ctx) / len(ctx)), f"{prefix}ctx_mass_worst": r(min(ctx))}
+
+
+class MassProbe:
+    """Stands in for a dense engine's StepAttention (Attention.plan's result): a step with one
+    prefill piece whose context is at least `start` tokens attends through `chunk_mass`, and
+    each configuration's selection and the oracle's are scored against its weights per layer
+    into `sums[config][kind][layer]` (kind: "sel" or "oracle"); anything else attends as is."""
+
+    def __init__(self, engine, cfgs: dict[str, BlockUnion], start: int):
+        self.engine, self.cfgs, self.start = engine, cfgs, start
+        a = engine.attention
+        self.c, self.scale, self.hkv = a.pool.chunk_size, a.sm_scale, a.pool.kv.shape[3]
+        self.subs = {name: block_union.subgroup_size(a.num_q_heads, self.hkv, cfg.subgroup)
+                     for name, cfg in cfgs.items()}
+        self.needle: tuple[int, int] | None = None  # the planted sentence's token span, for needle_lists
+        self.sums: dict = {name: {"sel": {}, "oracle": {}} for name in cfgs}
+        self.needle_hits: dict = {name: {"sel": [0, 0], "oracle": [0, 0]} for name in cfgs}
+        plan = a.plan
+        a.plan = lambda batch: _ProbedStep(plan(batch), self)
+
+    def piece(self, layer: int, q: Tensor, k: Tensor, v: Tensor, context_len: int) -> Tensor:
+        out, mass = chunk_mass(q, k, v, context_len, self.c, self.scale)
+        k0 = context_len // self.c
+        for name, cfg in self.cfgs.items():
+            if not cfg.applies(context_len, self.c):
+                continue
+            sub, bc = self.subs[name], cfg.block // self.c
+            keep = select(q, k[:, :k0 * self.c], cfg, self.c, sub, self.scale)
+            bm, own = list_mass(mass, sub, k0, bc)
+            picks = {"sel": keep, "oracle": oracle_keep(bm, keep.sum(1))}
+            for kind, kp in picks.items():
+                acc = self.sums[name][kind].setdefault(layer, dict.fromkeys(("ctx_kept", "ctx", "kept", "all"), 0.0))
+                for key, val in kept_mass(bm, own, kp).items():
+                    acc[key] += val
+                if self.needle is not None and self.needle[1] <= k0 * self.c:  # the needle is in the context
+                    blocks = range(self.needle[0] // cfg.block, (self.needle[1] - 1) // cfg.block + 1)
+                    hit = self.needle_hits[name][kind]
+                    hit[0] += int(kp[:, list(blocks)].any(1).sum())
+                    hit[1] += kp.shape[0]
+        return out
+
+
+class _ProbedStep:
+    def __init__(self, step, probe: MassProbe):
+        self._step, self._probe = step, probe
+
+    def __getattr__(self, name):
+        return getattr(self._step, name)
+
+    def forward(self, layer: int, q: Tensor, k: Tensor, v: Tensor, out: Tensor | None = None) -> Tensor:
+        s, spans = self._step, self._step.prefills
+        if s.num_decodes or len(spans) != 1 or spans[0].context_len < self._probe.start:
+            return s.forward(layer, q, k, v, out)
+        pool = s.attention.pool
+        pool.write(layer, s.chunk_idx, s.offset, k, v)
+        span = spans[0]
+        total = span.context_len + span.num_new
+        kk = reference.gather_kv(pool.k(layer), span.chunk_ids, total)
+        vv = reference.gather_kv(pool.v(layer), span.chunk_ids, total)
+        o = self._probe.piece(layer, q, kk, vv, span.context_len).to(q.dtype).contiguous()
+        if out is None:
+            return o
+        out.copy_(o)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+# ---------------------------------------------------------------------------------------------
+
+_WORDS = {
+    "subject": ["The old farmer", "A young teacher", "The river", "My neighbour", "The small boat", "The city council",
+                "A tired traveller", "The gardener", "The orchestra", "Our family", "The baker", "A grey cat"],
+    "verb": ["walked past", "looked at", "painted", "remembered", "carried", "followed", "repaired", "described",
+             "admired", "visited", "ignored", "cleaned"],
+    "object": ["the quiet harbour", "a wooden bridge", "the empty market", "an old church", "the morning train",
+               "the green hills", "a narrow street", "the village school", "the broken fence", "a field of wheat"],
+    "tail": ["before the rain came", "on a cold afternoon", "while the bells rang", "after a long winter",
+             "without saying a word", "as the sun went down", "in the early spring", "for the last time"],
+}
+
+
+def filler_text(kind: str = "auto", chars: int = 80_000) -> tuple[str, str]:
+    """(text, its name): Newton's Opticks from apache-tvm-ffi's data, or generated sentences."""
+    if kind in ("auto", "opticks"):
+        spec = importlib.util.find_spec("tvm_ffi")
+        path = (Path(spec.origin).parent / "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt" if spec and spec.origin
+                else None)
+        if path is not None and path.is_file():
+            text = path.read_text(encoding="utf-8", errors="replace")
+            start = text.find("BOOK I.")  # past the title pages and contents
+            body = " ".join(text[max(0, start):].split())  # one paragraph: line breaks cost tokens
+            return body[:chars], "opticks"
+        if kind == "opticks":
+            raise ValueError("the Opticks text needs apache-tvm-ffi installed (or --filler generated)")
+    rng, out, n = random.Random(0), [], 0
+    while n < chars:
+        s = f"{rng.choice(_WORDS['subject'])} {rng.choice(_WORDS['verb'])} {rng.choice(_WORDS['object'])} " \
+            f"{rng.choice(_WORDS['tail'])}."
+        out.append(s)
+        n += len(s) + 1
+    return " ".join(out), "generated"
+
+
+def needle_prompt(tok, filler_ids: list[int], length: int, depth: float, number: int) -> tuple[list[int], tuple]:
+    """A chat prompt of `length` tokens: the filler's first tokens with the needle sentence planted
+    after the sentence end nearest `depth` of the text, then the question -> (ids, the needle's
+    token span)."""
+    doc = "\x00"  # split the template around the document
+    chat = tok.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{QUESTION}"}], add_generation_prompt=True)
+    head, tail = (tok.encode(part, add_special_tokens=False) for part in chat.split(doc))
+    needle = tok.encode(NEEDLE.format(number), add_special_tokens=False)
+    n = length - len(head) - len(tail) - len(needle)
+    if n <= 0 or n > len(filler_ids):
+        raise ValueError(f"a {length}-token prompt needs {n} filler tokens, the filler has {len(filler_ids)}")
+    text = filler_ids[:n]
+    ends = [i + 1 for i in range(n) if tok.decode([text[i]]).rstrip().endswith(".")] or [0]
+    at = min(ends, key=lambda i: abs(i - depth * n))
+    start = len(head) + at
+    return head + text[:at] + needle + text[at:] + tail, (start, start + len(needle))
+
+
+def parse_config(spec: str, min_context: int) -> BlockUnion:
+    """'budget=0.1,block=64,window=2' -> BlockUnion(min_context=min_context, ...)."""
+    fields = {f.name: f.type for f in dataclasses.fields(BlockUnion)}
+    kw = {}
+    for item in spec.split(","):
+        key, _, val = item.partition("=")
+        if key not in fields or key == "min_context":
+            raise ValueError(f"unknown sparse field {key!r} in {spec!r}")
+        kw[key] = float(val) if key in ("alpha", "budget") else int(val)
+    return BlockUnion(min_context=min_context, **kw)
+
+
+def leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+# ---------------------------------------------------------------------------------------------
+
+
+def run(args) -> list[dict]:
+    from replicas.engine import LLMEngine, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    cfgs = {spec: parse_config(spec, args.piece) for spec in args.configs}
+    opts = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": max(args.lengths) + 2 * AGREE_TOKENS + 64,
+            "max_num_batched_tokens": args.piece, "enable_prefix_sharing": False}
+    t0 = time.time()
+    dense = LLMEngine.from_model(args.model, **opts)
+    probe = MassProbe(dense, cfgs, args.piece)
+    engines = {spec: LLMEngine.from_model(args.model, sparse_prefill=cfg, **opts) for spec, cfg in cfgs.items()}
+    tok = dense.tokenizer
+    text, filler = filler_text(args.filler)
+    filler_ids = tok.encode(text, add_special_tokens=False)
+    log = lambda *a: print(f"[{time.time() - t0:6.0f}s]", *a, file=sys.stderr, flush=True)
+    log(f"engines loaded, filler {filler} ({len(filler_ids)} tokens)")
+    depths = [(i + 0.5) / args.depths for i in range(args.depths)]
+    mid = min(range(len(depths)), key=lambda i: abs(depths[i] - 0.5))
+    lines = []
+    for length in args.lengths:
+        t_len = time.time()
+        for name in cfgs:
+            probe.sums[name] = {"sel": {}, "oracle": {}}
+            probe.needle_hits[name] = {"sel": [0, 0], "oracle": [0, 0]}
+        found = {name: [] for name in cfgs}
+        dense_found, agree, pages = [], {}, {name: [0, 0] for name in cfgs}
+        for i, depth in enumerate(depths):
+            number = random.Random(length * 100 + i).randrange(1000, 10000)
+            ids, span = needle_prompt(tok, filler_ids, length, depth, number)
+            params = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True) if i == mid else \
+                SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
+            probe.needle = span
+            ref = dense.generate([ids], params)[0]
+            dense_found.append(str(number) in tok.decode(ref[:ANSWER_TOKENS]))
+            log(f"len {length} depth {depth:.2f} dense: {tok.decode(ref[:ANSWER_TOKENS])!r}")
+            for name, eng in engines.items():
+                a = eng.attention
+                before = a.sparse_pages, a.dense_pages
+                got = eng.generate([ids], params)[0]
+                pages[name][0] += a.sparse_pages - before[0]
+                pages[name][1] += a.dense_pages - before[1]
+                found[name].append(str(number) in tok.decode(got[:ANSWER_TOKENS]))
+                if i == mid:
+                    agree[name] = leading_equal(got, ref)
+                log(f"len {length} depth {depth:.2f} {name}: {tok.decode(got[:ANSWER_TOKENS])!r}")
+        for name, cfg in cfgs.items():
+            line = {"config": name, "block": cfg.block, "sink": cfg.sink, "window": cfg.window,
+                    "subgroup": cfg.subgroup, "alpha": None if cfg.budget is not None else cfg.alpha,
+                    "budget": cfg.budget, "length": length, "piece": args.piece, "min_context": cfg.min_context,
+                    "filler": filler, "depths": [round(d, 3) for d in depths]}
+            if probe.sums[name]["sel"]:
+                line.update(summarise(probe.sums[name]["sel"]))
+                line.update(summarise(probe.sums[name]["oracle"], "oracle_"))
+            for kind, key in (("sel", "needle_lists"), ("oracle", "oracle_needle_lists")):
+                hit, of = probe.needle_hits[name][kind]
+                line[key] = round(hit / of, 4) if of else None
+            both = sum(d and s for d, s in zip(dense_found, found[name]))
+            line.update({"dense_found": sum(dense_found), "found": sum(found[name]),
+                         "found_where_dense": f"{both}/{sum(dense_found)}", "agree_32": agree.get(name),
+                         "pages_ratio": round(pages[name][0] / pages[name][1], 4) if pages[name][1] else None,
+                         "seconds_length": round(time.time() - t_len)})
+            print(json.dumps(line), flush=True)
+            lines.append(line)
+    log("done")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 3072])
+    ap.add_argument("--depths", type=int, default=3, help="needle depths per length: (i + 0.5) / n")
+    ap.add_argument("--piece", type=int, default=1024, help="prefill piece (max_num_batched_tokens) and min_context")
+    ap.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), help="BlockUnion specs: alpha=0.1,block=64")
+    ap.add_argument("--filler", choices=("auto", "opticks", "generated"), default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    run(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
