@@ -28,7 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 from ray import serve
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
 from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
@@ -115,6 +115,14 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
     # (Starlette re-raises after answering, so Serve logs the traceback as well)
+    if isinstance(e, TaskCancelledError):
+        # Serve cancels the request's receive when its client disconnects (a stream the client
+        # closed: Starlette's disconnect listener raises this): no server error, and no one to
+        # answer; once logged and counted as an internal error (a 500) for every closed stream
+        logger.info("request %s: the client disconnected", _request_id())
+        return JSONResponse(ErrorResponse(error=ErrorDetail(
+            message="the client disconnected", type="invalid_request_error", code="client_disconnected")).model_dump(),
+            status_code=499)
     return _server_error(e).response()
 
 
