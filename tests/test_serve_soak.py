@@ -83,35 +83,27 @@ class Soak:
         self.texts.setdefault(key, set()).add(text)
 
     # -- the kinds ---------------------------------------------------------------------------
-    async def completion(self, stream: bool) -> None:
-        kind = "completion-stream" if stream else "completion"
-        p, m = self.rng.randrange(len(PROMPTS)), self.rng.choice(LENGTHS)
-        body = {"prompt": PROMPTS[p], **_greedy(m)}
+    async def generate(self, api: str, stream: bool) -> None:
+        """A valid greedy request, api "completion" or "chat", whole or streamed: its output is
+        kept (seen) for the exactness check."""
+        kind = f"{api}-stream" if stream else api
+        items = PROMPTS if api == "completion" else CHATS
+        i, m = self.rng.randrange(len(items)), self.rng.choice(LENGTHS)
+        if api == "completion":
+            path, body, key = "/v1/completions", {"prompt": items[i], **_greedy(m)}, ("prompt", i, m)
+        else:
+            path, body, key = "/v1/chat/completions", {"messages": items[i], **_greedy(m)}, ("chat", i, m)
         if stream:
-            ids, text = await self._stream(kind, "/v1/completions", body)
-            if ids is not None:
-                self.seen(("prompt", p, m), ids, text)
-            return
-        r = await self.client.post(f"{self.url}/v1/completions", json=body)
-        if r.status_code != 200:
-            return self.fail(kind, r.text)
-        choice = r.json()["choices"][0]
-        self.seen(("prompt", p, m), choice["token_ids"], choice["text"])
-
-    async def chat(self, stream: bool) -> None:
-        kind = "chat-stream" if stream else "chat"
-        c, m = self.rng.randrange(len(CHATS)), self.rng.choice(LENGTHS)
-        body = {"messages": CHATS[c], **_greedy(m)}
-        if stream:
-            ids, text = await self._stream(kind, "/v1/chat/completions", body)
-            if ids is not None:
-                self.seen(("chat", c, m), ids, text)
-            return
-        r = await self.client.post(f"{self.url}/v1/chat/completions", json=body)
-        if r.status_code != 200:
-            return self.fail(kind, r.text)
-        choice = r.json()["choices"][0]
-        self.seen(("chat", c, m), choice["token_ids"], choice["message"]["content"] or "")
+            ids, text = await self._stream(kind, path, body)
+        else:
+            r = await self.client.post(f"{self.url}{path}", json=body)
+            if r.status_code != 200:
+                return self.fail(kind, r.text)
+            choice = r.json()["choices"][0]
+            ids = choice["token_ids"]
+            text = choice["text"] if api == "completion" else choice["message"]["content"] or ""
+        if ids is not None:
+            self.seen(key, ids, text)
 
     async def _stream(self, kind: str, path: str, body: dict) -> tuple[list[int] | None, str]:
         ids, text, done = [], "", False
@@ -201,8 +193,9 @@ class Soak:
         kind = self.rng.choices(("valid", "invalid", "aborted", "disconnected"), (10, 3, 2, 2))[0]
         if kind == "valid":
             kind = self.rng.choice(VALID)
-        coro = {"completion": lambda: self.completion(False), "completion-stream": lambda: self.completion(True),
-                "chat": lambda: self.chat(False), "chat-stream": lambda: self.chat(True),
+        coro = {"completion": lambda: self.generate("completion", False),
+                "completion-stream": lambda: self.generate("completion", True),
+                "chat": lambda: self.generate("chat", False), "chat-stream": lambda: self.generate("chat", True),
                 "invalid": self.invalid, "aborted": self.aborted, "disconnected": self.disconnected}[kind]()
         if kind != "invalid":
             self.sent[kind] += 1
@@ -253,7 +246,6 @@ def test_soak(soak_url):
     url = soak_url
     [pid] = _replicas("soak").values()
     llm = serve.get_deployment_handle("LLMReplica", app_name="soak")
-    t0 = time.monotonic()
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=MAX_IN_FLIGHT + 8)) as client:
