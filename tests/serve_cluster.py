@@ -1,5 +1,6 @@
 """Serve on a local multi-node Ray cluster, for the end-to-end tests."""
 
+import time
 from contextlib import contextmanager
 
 from replicas.parallel import free_port
@@ -23,3 +24,25 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
             yield f"http://127.0.0.1:{port}"
         finally:
             serve.shutdown()
+
+
+def wait_until_serving(base: str, timeout_s: float, proc=None, log_path=None) -> None:
+    """Until `base`/v1/models answers 200; fails the test after timeout_s, or at once if `proc`
+    (a `serve run` subprocess) exits first, with the end of its log at `log_path`."""
+    import httpx
+    import pytest
+
+    def log() -> str:
+        return "" if log_path is None else ":\n" + log_path.read_text()[-4000:]
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"serve run exited with {proc.returncode}{log()}")
+        try:
+            if httpx.get(f"{base}/v1/models", timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{base}/v1/models did not answer within {timeout_s:.0f} s{log()}")

@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +25,7 @@ from cluster.local import LocalCluster
 from cluster.protocol import ChatCompletionRequest
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide
+from tests.serve_cluster import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local.yaml"
@@ -53,7 +53,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen([str(SERVE), "run", "--address", cluster.address, str(path)], cwd=REPO,
                                 stdout=log, stderr=subprocess.STDOUT)
         try:
-            _wait_until_serving(base, proc, log_path)
+            wait_until_serving(base, STARTUP_S, proc, log_path)
             yield base, config["applications"][0]["args"]
         finally:
             proc.send_signal(signal.SIGINT)  # serve run shuts Serve down on Ctrl-C
@@ -62,20 +62,6 @@ def server(tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-
-
-def _wait_until_serving(base: str, proc: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"serve run exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"serve run did not serve within {STARTUP_S}s:\n{log_path.read_text()[-4000:]}")
 
 
 @pytest.fixture(scope="module")

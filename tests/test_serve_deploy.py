@@ -39,6 +39,7 @@ from cluster.config import AppConfig
 from cluster.ingress import REPLICA_HEADER
 from cluster.local import LocalCluster
 from replicas.parallel import free_port
+from tests.serve_cluster import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_FILES = ("configs/local.yaml", "configs/serve.yaml", "configs/llama3-8b.yaml")
@@ -252,18 +253,6 @@ def _wait_running(dashboard: str, llm_replicas: int) -> float:
         time.sleep(1)
 
 
-def _wait_serving(base: str) -> None:
-    deadline = time.monotonic() + STARTUP_S
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    pytest.fail(f"{base}/v1/models did not answer within {STARTUP_S} s")
-
-
 def _engine_stats(calls: int = 8) -> list[dict]:
     """LLMReplica.stats() through a DeploymentHandle, `calls` times (Serve spreads them over the replicas)."""
     from ray import serve
@@ -294,7 +283,7 @@ def test_serve_deploy_updates_in_place_while_requests_stream_then_shutdown(tmp_p
                       dashboard_port=dashboard_port) as cluster:
         ray.init(address=cluster.address)
         _deploy(config, tmp_path / "v1.yaml", dashboard)
-        _wait_serving(base)
+        wait_until_serving(base, STARTUP_S)
         _wait_running(dashboard, 1)
         assert {s["kv_chunks_total"] for s in _engine_stats(2)} == {4096 // chunk}
         up = time.monotonic() - begun
