@@ -87,8 +87,8 @@ class AppConfig(_Strict):
     max_ongoing_requests: PositiveInt = 64  # per replica: the engine's concurrent sequences from Serve
     max_queued_requests: int = Field(-1, ge=-1)  # per caller; beyond it: 503 (-1: unbounded)
     # a stream's tokens after its first are sent at most this often, as one chunk per interval
-    # (Ray Serve LLM's stream batching); 0: a chunk per engine step
-    stream_interval_ms: float = Field(20, ge=0)
+    # (Ray Serve LLM's stream batching, 50 ms by default there too); 0: a chunk per engine step
+    stream_interval_ms: float = Field(50, ge=0)
     retry_after_s: float = Field(1, ge=0)  # Retry-After of a 503
 
     # run replicas.warmup in each LLM replica before it serves (kernels compiled at startup, not

@@ -72,7 +72,7 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.ray_actor_options["num_gpus"] == 0
     engine_config, served_name, route_chunks, cpus_per_rank, warm_up, stream_interval_ms = llm.init_args
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
-    assert stream_interval_ms == 20  # the default: a stream's steps gathered per 20 ms
+    assert stream_interval_ms == 50  # the default: a stream's steps gathered per 50 ms
     assert warm_up is False  # warmup: None, on GPUs only
     assert (served_name, route_chunks) == ("tiny", 32)  # the digest is seeded as the ingress hashes
     assert cpus_per_rank == 1  # the tensor-parallel ranks' actors (none here) would take the bundle's CPUs
