@@ -26,7 +26,7 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-__all__ = ["aligned", "first_launches", "launch", "verifying"]
+__all__ = ["aligned", "first_launched", "first_launches", "launch", "verifying"]
 
 _compiled: dict[tuple, CompiledKernel] = {}
 _verify = False
@@ -70,6 +70,12 @@ def launch(fn, grid: tuple[int, int, int], args: tuple, options: dict, key: tupl
     metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
     kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
                *args)
+
+
+def first_launched(since: int = 0) -> list[str]:
+    """The kernels of the keys launched so far, in order, from the `since`-th (a first_launches
+    count): which variants a run compiled, by kernel name."""
+    return [fn.__name__ for fn, _, _ in list(_compiled)[since:]]
 
 
 def first_launches() -> tuple[int, float]:

@@ -167,6 +167,15 @@ def _first_launches() -> tuple[int, float]:
     return first_launches()
 
 
+def _first_launched(since: int) -> list[str]:
+    """kernels.launch.first_launched, or none where Triton is not installed."""
+    try:
+        from kernels.launch import first_launched
+    except ImportError:
+        return []
+    return first_launched(since)
+
+
 def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -> dict:
     """Requests arriving as a Poisson stream at `rate` a second, the engine stepped as a replica
     steps it: each request added at the first step boundary after its arrival."""
@@ -231,6 +240,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
             # kernels launched for the first time in this run (each may have compiled, on a request's path)
             "kernel_first_launches": _first_launches()[0] - keys0,
             "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
+            "kernel_first_launched": _first_launched(keys0),  # their kernels' names
             # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
             "piecewise_steps": pieces.replays if pieces else 0,
             "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,

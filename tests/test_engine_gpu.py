@@ -103,6 +103,32 @@ def test_cuda_graphs_under_churn_stop_capturing_and_keep_tokens():
     assert graphs.captures == 1 and graphs.after == 4, (graphs.captures, graphs.after)
 
 
+def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
+    # live traffic at a low rate: one or a few rows at a time after one long shared prefix,
+    # joining as others decode and leave. After replicas.warmup, their decode plans launch no
+    # kernel variant it did not (each would compile on a request's path)
+    from kernels import launch
+    from replicas.warmup import warmup
+    engine = LLMEngine.from_model("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=65536, chunk_size=64,
+                                  max_num_seqs=64)
+    warmup(engine)
+    before = launch.first_launches()[0]
+    rng = random.Random(5)
+    prefix = [rng.randrange(256) for _ in range(2048)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    added = 0
+    for step in range(400):
+        if added < 24 and rng.random() < 0.3:  # about one arrival in three steps
+            engine.add_request(str(added), prefix + [rng.randrange(256) for _ in range(64)], params)
+            added += 1
+        if engine.has_unfinished():
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["max_decode_batch"] > 4  # (rows overlapped)
+    assert launch.first_launched(before) == []
+
+
 def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     """bf16 tolerance, measured: at every step the Triton path's logits are about as far from an
     fp32 run of the same weights as the bf16 reference path's are (a random-weight 8B model

@@ -636,5 +636,7 @@ def test_gpu_first_launches_count_each_key_once():
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
     keys, seconds = launch.first_launches()
     assert keys > before[0] and seconds > before[1]
+    assert len(launch.first_launched(before[0])) == keys - before[0]
+    assert set(launch.first_launched(before[0])) <= {"_attend_kernel", "_attend_rows_kernel", "_merge_kernel"}
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
     assert launch.first_launches() == (keys, seconds)
