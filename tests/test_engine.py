@@ -397,7 +397,8 @@ def test_bench_cli_warms_up_first_and_counts_only_the_run():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     (run,) = [json.loads(line) for line in r.stdout.splitlines()]
-    assert run["warmup_requests"] == 4 + 4 and run["warmup_s"] > 0  # max_num_seqs rows, then as many alone
+    # max_num_seqs rows, then as many alone, then 1, 2 and 4 rows after each of two long prefixes
+    assert run["warmup_requests"] == 4 + 4 + 2 * (1 + 2 + 4) and run["warmup_s"] > 0
     # the run's own figures: the warmup's requests are neither cached hits nor counted steps
     assert run["cached_prompt_tokens"] == 3 * 64 and run["preemptions"] == 0
     assert 6 <= run["steps"] <= 12
