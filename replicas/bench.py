@@ -19,6 +19,9 @@ on, KV chunks in use, decode plans built).
     python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
+    python -m replicas.bench ... --decode-graphs        # whole-step graphs per decode plan
+                                                        # (EngineConfig.decode_graphs; off by
+                                                        # default: piecewise graphs only)
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -233,8 +236,11 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
             "output_throughput": round(sum(count.values()) / wall, 1), "total_output_tokens": sum(count.values()),
             **_ms("ttft", ttft), **_ms("tpot", tpot), **_ms("norm_latency", norm),
             "steps": s["steps"], "decode_steps": s["decode_steps"], "graph_replays": replays,
-            # decode-only steps that ran from a CUDA graph (a replay is one decode-only step)
+            # decode-only steps that ran from a whole-step CUDA graph (a replay is one decode-only step)
             "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
+            # decode-only steps that ran from CUDA graphs, whole-step or pieces (on the CPU the pieces are calls)
+            "decode_graph_fraction": round((replays + (pieces.decode_replays if pieces else 0))
+                                           / max(1, s["decode_steps"]), 3),
             "graph_captures": graphs.captures if graphs else 0, "plan_builds": engine.attention.plan_builds,
             "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
             # kernels launched for the first time in this run (each may have compiled, on a request's path)
@@ -292,8 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
                     help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; "
                     "default: on CUDA)")
-    ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=True,
-                    help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs)")
+    ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=False,
+                    help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs, off by default)")
     ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
                     help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
     ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")

@@ -72,11 +72,12 @@ class EngineConfig:
     # None: on CUDA with the triton backend unless enforce_eager; True on the CPU runs the same
     # pieces as plain calls (tests); False: those steps run eagerly.
     piecewise_graphs: bool | None = None
-    # CUDA, unless enforce_eager: a decode-only step whose TPP plan has lived a step replays a
-    # whole-step graph captured for that plan (replicas/cuda_graph.py). Under live traffic plans
-    # live a few steps, so these graphs are captured on users' requests; False leaves such steps
-    # to the piecewise graphs (A/B: replicas.bench --no-decode-graphs).
-    decode_graphs: bool = True
+    # True (CUDA, unless enforce_eager): a decode-only step whose TPP plan has lived a step
+    # replays a whole-step graph captured for that plan (replicas/cuda_graph.py): for batches
+    # that stay the same for many steps. Under live traffic plans live a few steps, so these
+    # graphs would be captured on users' requests, more than they save; False (the default)
+    # leaves every step to the piecewise graphs, captured when the engine is built.
+    decode_graphs: bool = False
     # Prepare and queue each step while the device runs the one before, collecting that one's
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its

@@ -63,6 +63,7 @@ class PiecewiseGraphs:
         self.residual, self.hidden = torch.zeros(n, h, **new), torch.zeros(n, h, **new)
         self.runs: dict[int, list[Callable[[], None]]] = {}  # per bucket: its pieces' replays (or calls)
         self.replays = 0  # steps run from the pieces (tests and benchmarks)
+        self.decode_replays = 0  # of them decode-only steps
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
@@ -129,4 +130,5 @@ class PiecewiseGraphs:
             step.attend(layer, self.q[:t], out=self.o[:t])
             run()
         self.replays += 1
+        self.decode_replays += not step.prefills
         return self.hidden[:t]

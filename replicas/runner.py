@@ -66,7 +66,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
                  enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
                  eos_token_ids: tuple[int, ...] = (), max_num_batched_tokens: int = 2048,
-                 piecewise: bool | None = None, decode_graphs: bool = True):
+                 piecewise: bool | None = None, decode_graphs: bool = False):
         """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
         pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per TPP plan

@@ -25,4 +25,4 @@ def test_poisson_mode_serves_every_request_and_reports_its_latencies(capsys):
         assert r["steps"] >= r["decode_steps"] > 0 and r["graph_replays"] == 0  # (CPU: no graphs)
         assert 0 < r["p99_step_ms"] <= r["max_step_ms"] and r["graph_capture_s"] == 0
         assert r["kernel_first_launches"] == 0 and r["kernel_first_launch_s"] == 0  # (CPU: no Triton launches)
-        assert r["kernel_first_launched"] == []
+        assert r["kernel_first_launched"] == [] and r["decode_graph_fraction"] == 0

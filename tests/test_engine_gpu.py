@@ -75,9 +75,9 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     opts = dict(dtype="float32", kv_cache_tokens=8192, max_num_batched_tokens=256)
     cpu = LLMEngine.from_model("tiny", device="cpu", **opts).generate(prompts, params)
     ref = LLMEngine.from_model("tiny", device="cuda", attention_backend="reference", **opts)
-    tri = LLMEngine.from_model("tiny", device="cuda", async_scheduling=False, **opts)
+    tri = LLMEngine.from_model("tiny", device="cuda", async_scheduling=False, decode_graphs=True, **opts)
     eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, async_scheduling=False, **opts)
-    ahead = LLMEngine.from_model("tiny", device="cuda", **opts)  # asynchronous scheduling: CUDA's default
+    ahead = LLMEngine.from_model("tiny", device="cuda", decode_graphs=True, **opts)  # asynchronous: CUDA's default
     assert tri.attention.backend == "triton" and eager.runner.graphs is None
     assert ahead.async_scheduling and not tri.async_scheduling
     assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
@@ -96,7 +96,7 @@ def test_cuda_graphs_under_churn_stop_capturing_and_keep_tokens():
     params = [SamplingParams(max_tokens=3 + 3 * i, temperature=0, ignore_eos=True) for i in range(12)]
     opts = dict(dtype="float32", kv_cache_tokens=8192, max_num_batched_tokens=4096)
     eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts).generate(prompts, params)
-    engine = LLMEngine.from_model("tiny", device="cuda", **opts)
+    engine = LLMEngine.from_model("tiny", device="cuda", decode_graphs=True, **opts)
     assert engine.generate(prompts, params) == eager
     graphs = engine.runner.graphs
     assert engine.attention.plan_builds >= 10
@@ -138,7 +138,7 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
 
     def run(backend, dtype, weights=None):
         engine = LLMEngine.from_model("llama3-8b", device="cuda", dtype=dtype, kv_cache_tokens=32768,
-                                      attention_backend=backend)
+                                      attention_backend=backend, decode_graphs=True)
         if weights is not None:
             copy_weights(engine, weights)
         logits = record_logits(engine)
@@ -181,7 +181,7 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
     assert fi_engine.attention.fallback_plans == fi_engine.attention.plan_builds > 0
     assert tri_engine.attention.fallback_plans == 0
-    graphed = LLMEngine.from_model("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=8192)
+    graphed = LLMEngine.from_model("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=8192, decode_graphs=True)
     assert graphed.generate(prompts, params) == tri_out  # the same kernels, from CUDA graphs
     assert graphed.attention.fallback_plans == 0 and graphed.runner.graphs.replays > 0
     err_fi, err_tri = logit_errors(exact_out, exact, [(fi_out, fi), (tri_out, tri)], 24)

@@ -296,13 +296,14 @@ def test_bit_31_is_the_sign_bit():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_guides_as_the_cpu_engine_does():
-    # tiny fp32 on CUDA (async scheduling and CUDA-graphed decode, its defaults there): guided rows
+    # tiny fp32 on CUDA (async scheduling, its default there, and whole-step decode graphs): guided rows
     # beside free rows give the CPU engine's tokens, the grammars hold, and a guided request that
     # arrives mid-run is taken
     torch.backends.cuda.matmul.allow_tf32 = False
 
     def run(device):
-        engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, kv_cache_tokens=8192)
+        engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, kv_cache_tokens=8192,
+                                      decode_graphs=True)
         prompts = [list(range(20, 60)), list(range(30, 45)), list(range(50, 90)), list(range(25, 70))]
         names = ["json_compact", "regex", "choice"]
         for i, name in enumerate(names):
