@@ -90,6 +90,11 @@ class AppConfig(_Strict):
     # (Ray Serve LLM's stream batching, 50 ms by default there too); 0: a chunk per engine step
     stream_interval_ms: float = Field(50, ge=0)
     retry_after_s: float = Field(1, ge=0)  # Retry-After of a 503
+    # a request whose first output has not come this many seconds after it reached the ingress
+    # (its parsing, tokenizing, Serve's queue, the engine's queue and prefill) is refused with a
+    # 503 `deadline_exceeded`, its sequence aborted, rather than served late; None: no deadline
+    # (Serve's http_options.request_timeout_s still bounds whole requests)
+    request_deadline_s: float | None = Field(None, gt=0)
 
     # run replicas.warmup in each LLM replica before it serves (kernels compiled at startup, not
     # on users' requests); None: on GPUs

@@ -237,6 +237,21 @@ async def _off_loop_if(big: bool, fn, *args):
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
+class _Late(Exception):
+    """No first output by the request's deadline."""
+
+
+async def _first_output(gen: DeploymentResponseGenerator, deadline: float | None) -> GenerateOutput:
+    if deadline is None:
+        return await gen.__anext__()
+    try:
+        return await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.perf_counter()))
+    except TimeoutError:
+        if time.perf_counter() < deadline:
+            raise  # (not the deadline's: the call's own)
+        raise _Late() from None
+
+
 def _unavailable(e: Exception) -> APIError:
     retry_after = getattr(e, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
@@ -633,7 +648,11 @@ class OpenAIIngress:
         """Start every choice's request (each waits for its first output, so errors get a status
         code), then answer with all of them. entered: when the endpoint was called (perf_counter)."""
         sent = time.perf_counter()
-        results = await asyncio.gather(*(self._start(req, own_id=len(reqs) > 1) for req in reqs),
+        limit = self.config.request_deadline_s
+        deadline = None if limit is None else entered + limit
+        if deadline is not None and sent >= deadline:  # (its own checks took the time: nothing sent)
+            raise self._deadline_exceeded()
+        results = await asyncio.gather(*(self._start(req, own_id=len(reqs) > 1, deadline=deadline) for req in reqs),
                                        return_exceptions=True)
         first = time.perf_counter()
         failed = [r for r in results if isinstance(r, BaseException)]
@@ -850,18 +869,30 @@ class OpenAIIngress:
                 raise _unavailable(e) from None
         return self._info
 
-    async def _start(self, req: GenerateRequest, own_id: bool = False) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
+    def _deadline_exceeded(self) -> APIError:
+        return APIError(503, f"the request got no output within its deadline of {self.config.request_deadline_s:g} s "
+                        "(request_deadline_s): the model is overloaded, retry later", type="server_error",
+                        code="deadline_exceeded",
+                        headers={"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))})
+
+    async def _start(self, req: GenerateRequest, own_id: bool = False, deadline: float | None = None
+                     ) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
         """Send the request to a replica and wait for its first output (so errors get a status code).
         own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id).
         A replica that fails before the first output (nothing was sent) is retried once: Serve's
-        router has dropped a replica whose actor died, so the retry goes to another."""
+        router has dropped a replica whose actor died, so the retry goes to another. deadline
+        (perf_counter time): past it without a first output, the call is cancelled (the replica
+        aborts the sequence, or Serve drops it from its queue) and the request refused."""
         retried = False
         while True:
             if own_id or retried:  # (a retry is a new call to Serve: an id of its own too)
                 _own_serve_request_id()
             gen: DeploymentResponseGenerator = self._stream.generate.remote(req)
             try:
-                return await gen.__anext__(), gen
+                return await _first_output(gen, deadline), gen
+            except _Late:
+                gen.cancel()
+                raise self._deadline_exceeded() from None
             except (BackPressureError, DeploymentUnavailableError) as e:
                 raise _unavailable(e) from None
             except Exception as e:

@@ -69,6 +69,11 @@ def _wait_for(handle, done, what: str, timeout: float = 120) -> dict:
         time.sleep(0.2)
 
 
+async def _until(done) -> None:
+    while not done():
+        await asyncio.sleep(0.01)
+
+
 def _completion(url: str, **body) -> httpx.Response:
     body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, **body}
     return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
@@ -442,3 +447,50 @@ def test_tensor_parallel_replica_with_a_dead_rank_is_replaced(tp):
     while _alive("_TPRank"):
         assert time.monotonic() < deadline, "a tensor-parallel rank outlived its replica"
         time.sleep(0.5)
+
+
+def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(cluster):
+    # request_deadline_s: a request that has no first output that long after it reached the
+    # ingress gets a 503 deadline_exceeded (with Retry-After), its call cancelled; a stream that
+    # started is not cut by it, and the replica serves on with nothing left over
+    deadline = 2.0
+    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": 1,
+                         "request_deadline_s": deadline, "retry_after_s": 3,
+                         "engine": {"kv_cache_tokens": 8192, "max_model_len": 4096}}),
+              name="deadline", route_prefix="/deadline")
+    url = f"{cluster}/deadline"
+    handle = serve.get_deployment_handle("LLMReplica", app_name="deadline")
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            started, chunks = asyncio.Event(), []  # (when each chunk of the held stream came)
+
+            async def hold():  # the replica's one slot, for as long as it streams
+                body = {"prompt": "hold", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # (seconds long)
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: "):
+                            chunks.append(time.perf_counter())
+                            started.set()
+
+            holding = asyncio.create_task(hold())
+            await started.wait()
+            t0 = time.perf_counter()
+            late = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            waited = time.perf_counter() - t0
+            seen = len(chunks)
+            await asyncio.wait_for(_until(lambda: len(chunks) > seen), 60)  # the stream goes on past the deadline
+            assert not holding.done()
+            holding.cancel()
+            await asyncio.gather(holding, return_exceptions=True)
+            return late, waited, chunks
+
+    late, waited, chunks = asyncio.run(main())
+    assert late.status_code == 503, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded" and late.headers["retry-after"] == "3"
+    assert deadline <= waited < deadline + 5
+    _wait_for(handle, lambda s: s["running"] == s["waiting"] == 0 and s["kv_chunks_used"] == 0, "the held stream's chunks")
+    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+    assert ok.status_code == 200, ok.text
+    serve.delete("deadline")
