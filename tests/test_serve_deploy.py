@@ -112,6 +112,14 @@ def test_shipped_serve_configs_pass_serves_schema_and_app_config(name):
     assert app.model_name  # (every file serves one application)
 
 
+def test_one_machine_configs_serve_this_machine_only():
+    # the embedded default and the one-GPU config bind the HTTP proxy to loopback (README: what
+    # listens where); the cluster configs serve a network
+    configs = _serve_configs()
+    assert {path: configs[path]["http_options"]["host"] for path in CONFIG_FILES} == {
+        "configs/local.yaml": "127.0.0.1", "configs/llama3-8b.yaml": "127.0.0.1", "configs/serve.yaml": "0.0.0.0"}
+
+
 def test_kuberay_serve_config_is_the_gpu_deployment():
     """The values the manifest's pods are sized for reach AppConfig as written."""
     (app,) = _validate(_kuberay_serve_config())
