@@ -35,7 +35,7 @@ from ray import serve
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
 from cluster.local import LocalCluster
-from replicas.parallel import free_port
+from replicas.distributed import free_port
 
 
 def workload(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int) -> list[list[int]]:

@@ -55,8 +55,6 @@ from cluster.protocol import (
     DetokenizeResponse,
     ErrorDetail,
     ErrorResponse,
-    GenerateOutput,
-    GenerateRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -69,6 +67,7 @@ from cluster.tools import ToolOutput
 from replicas.engine_process import EngineDied
 from replicas.model import load_tokenizer
 from replicas.model.tokenizer import PLAIN_TEXT_ROLES
+from replicas.wire import GenerateOutput, GenerateRequest
 from router.hashing import chunk_hashes
 
 logger = logging.getLogger("ray.serve")

@@ -1,4 +1,4 @@
-"""OpenAI-compatible HTTP schemas, and the request/output passed between ingress and replica.
+"""OpenAI-compatible HTTP schemas (the ingress's calls to a replica: replicas/wire.py).
 
 Requests validate strictly (a string where a number belongs is a 400, not a coercion) but ignore
 fields they do not know, as vLLM does, so clients that send newer OpenAI fields keep working.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
@@ -25,6 +24,7 @@ from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, 
 from cluster.tools import tool_guide
 from replicas.guided import Guide
 from replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from replicas.wire import GenerateOutput
 
 # -- requests --------------------------------------------------------------------------------
 
@@ -688,39 +688,3 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
-
-
-# -- ingress -> replica ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    stop: tuple[str, ...]  # stop strings: the text ends before the first one, finish_reason "stop"
-    model: str
-    prefix_hashes: tuple[int, ...] = ()  # chained chunk hashes of the prompt's head, for the router
-    skip_special_tokens: bool = True  # the text without special tokens' (vLLM's)
-    include_stop_str_in_output: bool = False  # the text through the stop string (vLLM's)
-
-
-@dataclass(frozen=True)
-class GenerateOutput:
-    """What a replica streams back: everything new since its previous output for the request."""
-    replica_id: str
-    text: str
-    token_ids: tuple[int, ...]
-    finish_reason: str | None  # None until the last output: "stop" | "length" | "abort"
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int  # so far
-    # with SamplingParams.logprobs, per token of token_ids: (its logprob, the most likely tokens'
-    # (id, logprob))
-    logprobs: tuple[tuple[float, tuple[tuple[int, float], ...]], ...] | None = None
-    # with SamplingParams.prompt_logprobs, in the first output: the same per prompt token (None
-    # for the first)
-    prompt_logprobs: tuple | None = None
-    # in the first output: seconds from the replica receiving the request to this output (the
-    # ingress's Server-Timing `replica`)
-    first_output_s: float | None = None

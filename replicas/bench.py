@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             _release()
         return
     if args.tp > 1:
-        from replicas.parallel import free_port
+        from replicas.distributed import free_port
 
         mp.start_processes(_rank, args=(args, free_port()), nprocs=args.tp, start_method="spawn")
         return
@@ -340,7 +340,8 @@ def _release() -> None:
 
 def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
     """--tp: rank 0 makes each run through a TPEngine; the other ranks step with it until it closes."""
-    from replicas.parallel import TPEngine, TPWorker, init_group
+    from replicas.distributed import init_group
+    from replicas.parallel import TPEngine, TPWorker
 
     backends = args.backend or ["auto"]
     device = _config(args, backends[0], rank).device

@@ -22,6 +22,7 @@ import torch
 
 from kernels.block_union import BlockUnion
 from replicas.attention import Attention
+from replicas.distributed import agree_min
 from replicas.guided import Guides
 from replicas.kv_pool import KVPool
 from replicas.model import load_model
@@ -199,7 +200,6 @@ class LLMEngine:
     def _num_chunks(self, bytes_per_chunk: int) -> int:
         n = self._own_num_chunks(bytes_per_chunk)
         if self.config.tp_size > 1:  # every rank's pool the same size, or their schedules part
-            from replicas.parallel import agree_min  # (parallel builds on this module)
             n = agree_min(n, self.device)
         return n
 
@@ -466,7 +466,7 @@ def _grammar_takes(seq: Sequence, token: int) -> bool:
 
 
 def _check_tp_group(config: EngineConfig) -> None:
-    """tp_size > 1 runs inside a torch.distributed group of that many ranks (replicas.parallel)."""
+    """tp_size > 1 runs inside a torch.distributed group of that many ranks (replicas.distributed)."""
     if not 0 <= config.tp_rank < config.tp_size:
         raise ValueError(f"tp_rank must be in [0, tp_size={config.tp_size}), got {config.tp_rank}")
     if config.tp_size == 1:
@@ -475,7 +475,7 @@ def _check_tp_group(config: EngineConfig) -> None:
 
     if not dist.is_initialized():
         raise ValueError(f"tp_size={config.tp_size} needs a torch.distributed group of its ranks: "
-                         "join it first (replicas.parallel.init_group), one process per rank")
+                         "join it first (replicas.distributed.init_group), one process per rank")
     if (dist.get_world_size(), dist.get_rank()) != (config.tp_size, config.tp_rank):
         raise ValueError(f"tp_size={config.tp_size}, tp_rank={config.tp_rank} but this process is rank "
                          f"{dist.get_rank()} of {dist.get_world_size()}")

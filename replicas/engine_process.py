@@ -283,7 +283,8 @@ def _build(config: EngineConfig, tp: tuple[str, int] | None):
 
     if config.tp_size == 1:
         return LLMEngine(config)
-    from replicas.parallel import TPEngine, init_group, rank_device
+    from replicas.distributed import init_group
+    from replicas.parallel import TPEngine, rank_device
 
     addr, port = tp
     init_group(0, config.tp_size, addr, port, rank_device(config))

@@ -32,70 +32,22 @@ and 5.77 ms, where one GPU alone took 0.74 and 5.77. No Ray here: the replica
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import hashlib
 import pickle
-import socket
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from replicas.distributed import control_group
 from replicas.engine import EngineConfig, LLMEngine, RequestOutput
 from replicas.sequence import SamplingParams
 
-__all__ = ["TPEngine", "TPWorker", "agree_min", "broadcast_from_first", "free_port", "init_group", "rank_device",
-           "worker_config"]
+__all__ = ["TPEngine", "TPWorker", "rank_device", "worker_config"]
 
 # (request_id, new tokens, finished): what a rank's step produced, to compare across ranks
 Fingerprint = list[tuple[str, tuple[int, ...], bool]]
-_IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group: workers wait there while the replica idles
-_control: dist.ProcessGroup | None = None
-
-
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A port on addr free now, for rank 0's rendezvous (init_group)."""
-    with socket.socket() as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.device,
-               timeout_s: float = 600.0) -> None:
-    """Join the replica's tensor-parallel groups (blocks until all `size` ranks have joined).
-    device: the rank's engine device; CUDA ranks use NCCL (each on its own GPU), CPU ranks gloo.
-    timeout_s bounds each model collective: a rank that stops answering fails the others."""
-    global _control
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
-                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
-    _control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
-
-
-def _control_group() -> dist.ProcessGroup:
-    if _control is None:
-        raise RuntimeError("no tensor-parallel group: call init_group first")
-    return _control
-
-
-def _group_device(device: torch.device) -> torch.device:
-    return device if device.type == "cuda" else torch.device("cpu")
-
-
-def agree_min(n: int, device: torch.device) -> int:
-    """The least of every rank's n (the pool size all ranks can hold)."""
-    t = torch.tensor([n], dtype=torch.long, device=_group_device(device))
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t.item())
-
-
-def broadcast_from_first(t: torch.Tensor) -> None:
-    """Rank 0's t on every rank, in place (each rank passes a tensor of the same shape and
-    dtype, on its engine device: a GPU tensor goes by NCCL without a trip through the host)."""
-    dist.broadcast(t, src=0)
 
 
 def _fingerprint(outputs: Sequence[RequestOutput]) -> Fingerprint:
@@ -108,19 +60,19 @@ _CLOSE = -1  # an ops length that ends the workers' serve loops
 def _send_ops(ops: list[tuple] | None) -> None:
     """Rank 0: the ops (None: close) to every rank over the control group."""
     payload = b"" if not ops else pickle.dumps(ops)
-    dist.broadcast(torch.tensor([_CLOSE if ops is None else len(payload)]), src=0, group=_control_group())
+    dist.broadcast(torch.tensor([_CLOSE if ops is None else len(payload)]), src=0, group=control_group())
     if payload:
-        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=_control_group())
+        dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=control_group())
 
 
 def _recv_ops() -> list[tuple] | None:
     """Ranks > 0: the ops rank 0 sent, None when it closed the group."""
     n = torch.zeros(1, dtype=torch.long)
-    dist.broadcast(n, src=0, group=_control_group())
+    dist.broadcast(n, src=0, group=control_group())
     if int(n) <= 0:
         return None if int(n) == _CLOSE else []
     buf = torch.empty(int(n), dtype=torch.uint8)
-    dist.broadcast(buf, src=0, group=_control_group())
+    dist.broadcast(buf, src=0, group=control_group())
     return pickle.loads(buf.numpy().tobytes())
 
 
@@ -128,8 +80,8 @@ def _check_same(outputs: Sequence[RequestOutput], engine: LLMEngine) -> None:
     """Every rank: all ranks' outputs of this step hash alike, or raise (on every rank)."""
     digest = hashlib.blake2b(pickle.dumps(_fingerprint(outputs)), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)])
-    every = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(_control_group()))]
-    dist.all_gather(every, mine, group=_control_group())
+    every = [torch.zeros(1, dtype=torch.long) for _ in range(dist.get_world_size(control_group()))]
+    dist.all_gather(every, mine, group=control_group())
     differ = [r for r, h in enumerate(every) if int(h) != int(every[0])]
     if differ:
         raise RuntimeError(f"tensor-parallel ranks {differ} diverged from rank 0 in step {engine.stats()['steps']} "

@@ -16,6 +16,7 @@ import torch
 
 from replicas.attention import Attention
 from replicas.cuda_graph import DecodeGraphs
+from replicas.distributed import broadcast_from_first
 from replicas.guided import allow, fill_bitmask, mask_logits
 from replicas.penalties import Penalties
 from replicas.piecewise import PiecewiseGraphs
@@ -229,7 +230,6 @@ class ModelRunner:
             logits = mask_logits(logits, guided, words)
         tokens = sample_ids(logits, [s.params for s in samplers], row_keys, counters, penalized, banned)
         if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
-            from replicas.parallel import broadcast_from_first  # (parallel builds on the engine)
             broadcast_from_first(tokens)
         if penalized is not None:
             self.penalties.record(penalized, tokens)

@@ -46,30 +46,24 @@ import random
 import time
 from typing import Any
 
-from ray.serve._private.common import ReplicaID
-from ray.serve._private.constants import SERVE_LOGGER_NAME
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import RequestRouter
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from cluster.protocol import GenerateRequest
 from router.policy import PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView, Ticket
 
-logger = logging.getLogger(SERVE_LOGGER_NAME)
+logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log files
 
 # Joins above this many replicas at once build the rendezvous table off the event loop (a join
 # costs O(SLOTS) vectorised per replica: ~1 ms each; building for 1024 replicas takes seconds).
 INLINE_JOIN_LIMIT = 16
 
 
-def _generate_request(pending_request: PendingRequest | None) -> GenerateRequest | None:
+def _generate_request(pending_request: PendingRequest | None) -> Any:
+    """The call's request to route by (replicas.wire.GenerateRequest, read by its attributes:
+    prefix_hashes, prompt_token_ids, params.max_tokens), or None for a call without one."""
     if pending_request is None:
         return None
-    for a in pending_request.args:
-        if isinstance(a, GenerateRequest):
-            return a
-    for a in pending_request.kwargs.values():
-        if isinstance(a, GenerateRequest):
+    for a in (*pending_request.args, *pending_request.kwargs.values()):
+        if hasattr(a, "prefix_hashes") and hasattr(a, "prompt_token_ids"):
             return a
     return None
 

@@ -3,7 +3,7 @@
 import time
 from contextlib import contextmanager
 
-from replicas.parallel import free_port
+from replicas.distributed import free_port
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import pytest
 from cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
 from cluster.logprobs import TokenTexts
 from cluster.loadtest import client
-from cluster.protocol import GenerateOutput
+from replicas.wire import GenerateOutput
 
 
 class _Outputs:

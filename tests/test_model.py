@@ -20,7 +20,7 @@ from replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_
 from replicas.model.config import read_json
 from replicas.model.layers import RotaryEmbedding
 from replicas.model.loader import PRESETS_DIR
-from replicas.parallel import free_port
+from replicas.distributed import free_port
 from tests.hf_checkpoints import ARCHS, make_hf_checkpoint
 
 PROMPT = "the weather in the north is fine, and then we went on to see the sea"

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from replicas.engine import EngineConfig, LLMEngine
 from replicas.guided import Guide
-from replicas.parallel import TPEngine, TPWorker, free_port, init_group
+from replicas.distributed import free_port, init_group
+from replicas.parallel import TPEngine, TPWorker
 from replicas.sequence import SamplingParams
 from replicas.warmup import warmup
 

@@ -7,7 +7,7 @@ from tokenizers import AddedToken
 
 from cluster.ingress import _ChatFormat
 from cluster.logprobs import TokenTexts
-from cluster.protocol import GenerateOutput
+from replicas.wire import GenerateOutput
 from cluster.reasoning import ReasoningSplit, think_tags
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide

@@ -11,11 +11,12 @@ from pydantic import ValidationError
 from cluster.app import build_app
 from cluster.config import AppConfig
 from cluster.logprobs import TokenTexts
-from cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, GenerateOutput, Usage
+from cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, Usage
 from replicas.deployment import _take, _TextStream
 from replicas.engine import RequestOutput
 from replicas.guided import Guide
 from replicas.model import load_tokenizer
+from replicas.wire import GenerateOutput
 
 
 @pytest.mark.parametrize("args, field", [

@@ -38,7 +38,7 @@ from cluster.app import build_app
 from cluster.config import AppConfig
 from cluster.ingress import REPLICA_HEADER
 from cluster.local import LocalCluster
-from replicas.parallel import free_port
+from replicas.distributed import free_port
 from tests.serve_cluster import wait_until_serving
 
 REPO = Path(__file__).resolve().parents[1]

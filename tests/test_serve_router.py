@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from cluster.protocol import GenerateRequest
+from replicas.wire import GenerateRequest
 from replicas.sequence import SamplingParams
 from router.hashing import chunk_hashes
 from tests.serve_cluster import serve_on_local_cluster
