@@ -103,7 +103,7 @@ class AppConfig(_Strict):
     router: RouterOptions = RouterOptions()
     ingress: IngressOptions = IngressOptions()
 
-    # how tool calls are found in a model's text under tool_choice `auto` (cluster/tools.py; vLLM's
+    # how tool calls are found in a model's text under tool_choice `auto` (cluster/tool_calls.py; vLLM's
     # --tool-call-parser): `hermes` (<tool_call> blocks: Hermes, Qwen, the tiny preset's template),
     # `llama3_json` (Llama 3.1+). None: `auto` is a 400 (`required` and named functions still work)
     tool_call_parser: Literal["hermes", "llama3_json"] | None = None

@@ -63,7 +63,7 @@ from cluster.protocol import (
     template_tools,
 )
 from cluster.reasoning import ReasoningSplit, think_tags
-from cluster.tools import ToolOutput
+from cluster.tool_calls import ToolOutput
 from replicas.engine_process import EngineDied
 from replicas.model import load_tokenizer
 from replicas.model.tokenizer import PLAIN_TEXT_ROLES
@@ -329,7 +329,7 @@ class _ChatFormat(_CompletionFormat):
     """GenerateOutputs -> /v1/chat/completions bodies; each choice's first chunk's delta carries the
     role. Under a reasoning parser (cluster/reasoning.py) each choice's thinking is split from its
     content (not for a guided request: its guide holds the whole output); under a tool choice
-    (cluster/tools.py) the content goes through a ToolOutput."""
+    (cluster/tool_calls.py) the content goes through a ToolOutput."""
 
     def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts,
                  tool_choice: Any = "none", tool_call_parser: str | None = None, reasoning_parser: str | None = None):

@@ -8,7 +8,7 @@ naming the field rather than a silently different answer.
 Structured outputs come in OpenAI's form (`response_format`: json_object, json_schema) and vLLM's
 (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with
 json / regex / choice / grammar / json_object): at most one of them per request, as a
-replicas.guided.Guide in the sampling params. Chat's `tools` / `tool_choice` (cluster/tools.py)
+replicas.guided.Guide in the sampling params. Chat's `tools` / `tool_choice` (cluster/tool_calls.py)
 make one too where the calls are forced (`required`, a named function).
 """
 
@@ -21,7 +21,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationInfo, field_validator,
                       model_validator)
 
-from cluster.tools import tool_guide
+from cluster.tool_calls import tool_guide
 from replicas.guided import Guide
 from replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from replicas.wire import GenerateOutput
@@ -451,7 +451,7 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: int | None = Field(None, ge=1)  # None: the rest of the context
     logprobs: bool = False  # each token's logprob
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # and the most likely tokens' (needs logprobs)
-    # tool calling (cluster/tools.py): the functions the model may call, and whether it must
+    # tool calling (cluster/tool_calls.py): the functions the model may call, and whether it must
     # (`required`: one or more of them, or the one named) or may (`auto`, the default with tools:
     # the server's tool_call_parser finds calls in its text)
     tools: list[ChatTool] | None = Field(None, max_length=MAX_TOOLS)
@@ -649,7 +649,7 @@ class ChatStreamChoice(BaseModel):
     # {"role": "assistant", "content": ""} first, then {"content": ...}, last {}; thinking comes as
     # {"reasoning_content": ...} (cluster/reasoning.py), tool calls as
     # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]}, a call's later
-    # deltas with its index and more of its arguments' text only (cluster/tools.py)
+    # deltas with its index and more of its arguments' text only (cluster/tool_calls.py)
     delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None

@@ -2,7 +2,7 @@
 
 With no shared chunk in the decode batch, TPP has no phase 1 and is a plain paged decode; on
 the H200 FlashInfer's tensor-core paged decode is then a few percent faster for grouped-query
-heads (``python -m kernels.bench decode``, n_s = 0 rows of the GQA grid), so the engine uses it
+heads (``python -m kernels.tools.bench decode``, n_s = 0 rows of the GQA grid), so the engine uses it
 there when flashinfer is installed (``EngineConfig.flashinfer_fallback``). Our per-layer cache
 ``[num_chunks, Hkv, c, D]`` is FlashInfer's "HND" paged layout with page size c as it is: the
 chunk tables are the page tables, nothing is copied.

@@ -81,7 +81,7 @@ def first_launched(since: int = 0) -> list[str]:
 def first_launches() -> tuple[int, float]:
     """(keys launched so far, host seconds their first launches took): each first launch went
     through the dispatcher and may have compiled, so a count that grows after warmup means
-    compiles on a user's request (replicas.bench reports it per run)."""
+    compiles on a user's request (replicas.tools.bench reports it per run)."""
     return len(_compiled), _first_s
 
 

@@ -10,7 +10,7 @@ nothing is gathered or copied. The plan is made once per step (host work) and se
 
 The engine's prefill ran ``prefill_attention_ref`` span by span before: per layer about ten torch
 ops per span, so a burst of short prompts after a shared prefix cost seconds. H200, llama3-8b,
-``python -m replicas.bench --model llama3-8b --backend triton [--no-flashinfer-prefill]``, warm
+``python -m replicas.tools.bench --model llama3-8b --backend triton [--no-flashinfer-prefill]``, warm
 runs, prefill seconds: 256 prompts of a 2048-token shared prefix + 64 own tokens 5.82-5.84 ->
 0.74; 32 prompts of 1024 shared + 1024 own 2.78 -> 1.00.
 

@@ -55,7 +55,7 @@ __all__ = ["TppDecoder", "TppPlan", "build_plan", "tpp_decode"]
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-# How the work is cut (an H200 sweep, `python -m kernels.bench sweep`, picks these): pieces per
+# How the work is cut (an H200 sweep, `python -m kernels.tools.bench sweep`, picks these): pieces per
 # multiprocessor to aim at over all KV heads, and the least work worth a piece of its own.
 _PROGRAMS_PER_SM = 2
 _MIN_PIECE_TOKENS = 256
@@ -80,7 +80,7 @@ _P1_MAX_M = 64
 # rows): a 32-vector tile launches as _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA
 # (64 rows a warpgroup), and a segment that one row tile reads is cut for
 # _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (fewer partials to merge). H200, fully
-# shared, b = 32, MHA fp16 (kernels.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048 17.1 -> 15.6,
+# shared, b = 32, MHA fp16 (kernels.tools.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048 17.1 -> 15.6,
 # 1024 12.2 -> 11.5; GQA b = 8 (32 vectors), 4096 tokens: 12.5 -> 11.8. Not for fewer live vectors
 # (MHA b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us faster,
 # kept), nor where an MHA segment has several tiles (b = 128, 2048 tokens: 20.2 -> 21.3 with one
@@ -781,7 +781,7 @@ def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.conste
 
 def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int, lean: bool = False) -> dict:
     """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel for a query tile of
-    block_m vectors, at most `live` of them real (``python -m kernels.bench sweep`` compares others).
+    block_m vectors, at most `live` of them real (``python -m kernels.tools.bench sweep`` compares others).
     lean: one K/V buffer less where that helps more programs fit (``TppPlan.lean_phase1/2``)."""
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)

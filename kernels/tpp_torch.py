@@ -9,7 +9,7 @@ partial state. Phase 1, per shared segment, and the merge are the reference's
 (``segment_partial``, ``attn_reduce``, ``normalise``).
 
 Engine decode steps against the reference backend, CPU (2 threads), tiny preset (`python -m
-replicas.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
+replicas.tools.bench --model tiny --backend reference --backend torch ...`; one run each, this CPU's
 runs vary by up to 25 %), ms per step: b = 64 after a 256-token shared prefix 67.4 -> 23.8;
 b = 256, 512-token prefix, staggered tails 101.5 -> 38.7; b = 64 sharing nothing, 300-token
 staggered prompts 91.9 -> 54.4; b = 8 14.3 -> 8.6.

@@ -63,7 +63,7 @@ class EngineConfig:
     # triton backend: a step's prefill spans through FlashInfer's paged prefill, one launch per
     # layer over the pool as it is (16-bit caches, head size 64/128/256, flashinfer installed;
     # kernels/paged_prefill.py), not the plain-torch reference span by span. H200, llama3-8b,
-    # 256 prompts of 2048 shared + 64 own tokens: prefill 5.8 s -> 0.74 (replicas.bench)
+    # 256 prompts of 2048 shared + 64 own tokens: prefill 5.8 s -> 0.74 (replicas.tools.bench)
     flashinfer_prefill: bool = True
     # CUDA: False runs a decode-only step's forward from a CUDA graph of its decode plan
     # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
@@ -84,7 +84,7 @@ class EngineConfig:
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
     # last token is known: one that ends on a stop token has run one token more, which is
     # dropped (never emitted or counted); one that ends by length does not. H200, llama3-8b, 256
-    # rows after a 2048-token shared prefix (replicas.bench, ms a step, sync -> async, one
+    # rows after a 2048-token shared prefix (replicas.tools.bench, ms a step, sync -> async, one
     # machine): greedy 13.0 -> 12.9, top-p 0.9 18.4 -> 15.7, top-k 50 and top-p 0.9 15.1 -> 13.9;
     # temperature 0.8 13.4 -> 12.3 on another; 32 rows after 1024 shared, greedy 6.7-6.9 -> 6.5-6.7.
     async_scheduling: bool | None = None
@@ -93,7 +93,7 @@ class EngineConfig:
     # score high on (approximate attention: outputs change). None (default): every prefill is
     # dense, exact. A dict is taken as BlockUnion's fields; BlockUnion(budget=...) is planned once
     # a step (H200, llama3-8b, one 32768-token prompt in 2048-token pieces: prefill 1.35 s dense,
-    # 0.98 s with a budget of 0.1; replicas.bench). The pool then keeps a float32 mean key per
+    # 0.98 s with a budget of 0.1; replicas.tools.bench). The pool then keeps a float32 mean key per
     # chunk and layer (1/c of K's size again, in float32).
     sparse_prefill: BlockUnion | dict | None = None
 

@@ -179,7 +179,7 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
     t % 32 of word t // 32 set where token t may come next in that matcher's grammar; after its
     end (a request that ignores EOS goes on) the stop tokens only. The matchers are filled on
     xgrammar's threads (BatchGrammarMatcher; the step times it gives are in the README,
-    replicas.bench --guided)."""
+    replicas.tools.bench --guided)."""
     mask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
     live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
     if live:

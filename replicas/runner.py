@@ -82,7 +82,7 @@ class ModelRunner:
         self.pieces = (PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs)
                        if piecewise else None)
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
-        # is the host's own time in it (replicas.bench's host_ms_per_step)
+        # is the host's own time in it (replicas.tools.bench's host_ms_per_step)
         self.wait_s = 0.0
 
     def run(self, batch: Batch, keys: dict[str, int]) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:

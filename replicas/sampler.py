@@ -10,7 +10,7 @@ one token by) with u the row's counter-based uniforms (``kernels.philox``). A ro
 depends only on its probabilities, key and counter, not on the rest of the batch: what
 ``sample_row_ref`` gives for that row alone. (Per-row torch generators cost a few launches per
 row per step: 256 rows at temperature 0.8 took 37-41 ms a step on the H200 against 10.6-12.5
-greedy, llama3-8b, replicas.bench.)
+greedy, llama3-8b, replicas.tools.bench.)
 
 Every row's logits first get its logit_bias, then its penalties (repetition, frequency, presence:
 vLLM's order, greedy rows too), from the token counts the engine keeps on the device
@@ -22,7 +22,7 @@ for without a sort (``kernels.nucleus``): among the k + 1 largest logits where e
 has top-k, over the whole vocabulary otherwise. Elsewhere a row with top-k finds its cut among
 its k + 1 largest logits unless ties of its k-th value reach past them (a host sync, free on the
 CPU), and other top-p rows are sorted whole. H200, V = 128256, ``python -m
-replicas.bench_sampler`` (ms a call, 256 rows): top-p 0.9 5.2 sorted -> 3.9 (the first search)
+replicas.tools.bench_sampler`` (ms a call, 256 rows): top-p 0.9 5.2 sorted -> 3.9 (the first search)
 -> 1.8 peaked / 2.4 flat (the search over the tokens that can matter, no row copies); top-k 50
 and top-p 0.9 2.5 (candidates and a sync) -> 1.9-2.3 (none); temperature alone 0.74-0.77; 64
 rows: 1.0-1.3, 1.5-1.7 and 0.3-0.4.

@@ -18,7 +18,7 @@ request's (evicted first, being oldest): evicting them on rank 0 alone would par
 the other ranks'.
 
 H200, llama3-8b, 256 rows after a 2048-token shared prefix, each run with an empty Triton cache
-(``TRITON_CACHE_DIR``, as on a fresh node), ``python -m replicas.bench --model llama3-8b --batch
+(``TRITON_CACHE_DIR``, as on a fresh node), ``python -m replicas.tools.bench --model llama3-8b --batch
 256 --prefix 2048 --suffix 64 --max-tokens 64 --backend triton [--warmup]``: without it the first
 run's decode steps took 21.2 ms (13.5 of them the host's, compiling) and its prefill 11.5 s; after
 a 14.5 s warmup (264 requests) 12.2 ms and 7.0 s, where warm runs take 11.9-13.0 ms and 3.9-6.2 s.

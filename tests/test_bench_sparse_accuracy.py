@@ -1,4 +1,4 @@
-"""kernels.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
+"""kernels.tools.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
 attention it substitutes is the reference's, the oracle keeps at least the selector's mass for
 as many blocks, a selection keeping every block keeps all of it, every share lies in [0, 1]."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import bench_sparse_accuracy as bsa
+from kernels.tools import bench_sparse_accuracy as bsa
 from kernels import reference
 from kernels.block_union import BlockUnion
 

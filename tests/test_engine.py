@@ -376,9 +376,9 @@ def test_cpu_engine_runs_eagerly():
 
 
 def test_bench_cli_prints_a_run_per_repeat():
-    """`python -m replicas.bench` on the CPU: one JSON line per run, the shared prefix cached for
+    """`python -m replicas.tools.bench` on the CPU: one JSON line per run, the shared prefix cached for
     every row but the first, the decode timed step by step (host share within the step)."""
-    r = subprocess.run([sys.executable, "-m", "replicas.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
+    r = subprocess.run([sys.executable, "-m", "replicas.tools.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
                         "--max-tokens", "6", "--repeat", "2", "--max-num-batched-tokens", "69"],  # row 1 prefills alone
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -392,7 +392,7 @@ def test_bench_cli_prints_a_run_per_repeat():
 
 
 def test_bench_cli_warms_up_first_and_counts_only_the_run():
-    r = subprocess.run([sys.executable, "-m", "replicas.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
+    r = subprocess.run([sys.executable, "-m", "replicas.tools.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
                         "--max-tokens", "6", "--warmup", "--max-num-batched-tokens", "69"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr

@@ -1,8 +1,8 @@
-"""replicas.bench's Poisson mode: the engine under arrivals, every request served and counted."""
+"""replicas.tools.bench's Poisson mode: the engine under arrivals, every request served and counted."""
 
 import json
 
-from replicas.bench import main, poisson_offsets
+from replicas.tools.bench import main, poisson_offsets
 
 
 def test_poisson_offsets_are_the_load_tests():

@@ -12,7 +12,7 @@ from cluster.reasoning import ReasoningSplit, think_tags
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide
 from replicas.model.tokenizer import Tokenizer
-from tests.test_tools import _splits
+from tests.test_tool_calls import _splits
 
 CASES = {  # text -> (reasoning, content) under each parser
     "deepseek_r1": [

@@ -1,12 +1,12 @@
-"""router/simulate.py on small configurations: every policy and workload runs and reports, the
+"""router/tools/simulate.py on small configurations: every policy and workload runs and reports, the
 prefix policy beats Serve's power of two on a shared-prefix workload, Ray's text tree behaves as
-published. No timing targets here: those are printed by `python -m router.simulate --all`."""
+published. No timing targets here: those are printed by `python -m router.tools.simulate --all`."""
 
 import json
 
 import pytest
 
-from router import simulate as sim
+from router.tools import simulate as sim
 
 FIELDS = {"policy", "workload", "replicas", "hit_rate", "oracle_hit_rate", "max_mean_load", "p99_queue",
           "decision_us", "groups", "groups_scaled", "requests", "utilisation"}

@@ -188,7 +188,7 @@ def test_rows_on_the_gpu_draw_what_each_row_alone_draws():
 
 
 def test_sampler_bench_prints_a_line_per_case(capsys):
-    from replicas import bench_sampler
+    from replicas.tools import bench_sampler
 
     bench_sampler.main(["--rows", "3", "--vocab", "300", "--scales", "2", "--reps", "1", "--reference"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -1,10 +1,11 @@
-"""kernels/timeline.py: its stamped copy of kernels/tpp.py still applies, and its summary of the
-stamps (the GPU run itself: `python -m kernels.timeline`)."""
+"""kernels/tools/timeline.py: its stamped copy of kernels/tpp.py still applies, and its summary of the
+stamps (the GPU run itself: `python -m kernels.tools.timeline`)."""
 
 import numpy as np
 import pytest
 
-from kernels import timeline, tpp
+from kernels import tpp
+from kernels.tools import timeline
 
 
 def test_the_stamps_go_into_the_current_kernels():

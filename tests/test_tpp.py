@@ -630,7 +630,7 @@ def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
 def test_gpu_first_launches_count_each_key_once():
     # first_launches() counts the keys that went through the dispatcher (a compile each, at
     # worst): new trees add keys, the same trees again launch directly and add none
-    # (replicas.bench reports the count per run, so compiles on a request's path show)
+    # (replicas.tools.bench reports the count per run, so compiles on a request's path show)
     from kernels import launch
     before = launch.first_launches()
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)

@@ -26,7 +26,7 @@ LONG_TEXT = 4096  # characters past which encode() lets other threads run (see T
 # the roles whose content is the user's (or a tool's) text: special tokens' text in it is text
 PLAIN_TEXT_ROLES = ("user", "tool")
 BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>")  # ids 256..261
-# Tools in a system turn and calls as Hermes' <tool_call> blocks (cluster/tools.py's `hermes`
+# Tools in a system turn and calls as Hermes' <tool_call> blocks (cluster/tool_calls.py's `hermes`
 # parser reads them back); a tool's answer is a user turn in <tool_response>.
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"

@@ -1,4 +1,4 @@
-"""Tool calling (cluster/tools.py): forced calls guided by their schemas on the real engine, the
+"""Tool calling (cluster/tool_calls.py): forced calls guided by their schemas on the real engine, the
 `auto` parsers, streamed deltas against the whole message, chat templates with tools, and the
 request's checks."""
 
@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from cluster.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, template_tools
-from cluster.tools import HermesParser, Llama3JsonParser, ToolOutput, tool_guide
+from cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput, tool_guide
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.model.tokenizer import Tokenizer
 from tests.hf_checkpoints import make_hf_checkpoint

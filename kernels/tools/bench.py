@@ -1,11 +1,11 @@
 """Side-by-side kernel benchmarks, one JSON object per line (DESIGN §7, issue 5).
 
-    python -m kernels.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
+    python -m kernels.tools.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
                                    [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]
-    python -m kernels.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
-    python -m kernels.bench sweep [--phase1]       # launch configs and work dealing of ours
-    python -m kernels.bench kernels                # ours: device time of each kernel, and in total
-    python -m kernels.bench prefill                # dense vs block-union sparse prefill (kernels/bench_prefill.py)
+    python -m kernels.tools.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
+    python -m kernels.tools.bench sweep [--phase1]       # launch configs and work dealing of ours
+    python -m kernels.tools.bench kernels                # ours: device time of each kernel, and in total
+    python -m kernels.tools.bench prefill                # dense vs block-union sparse prefill (kernels/tools/bench_prefill.py)
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
@@ -44,7 +44,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import bench_prefill, tpp
+from kernels import tpp
+from kernels.tools import bench_prefill
 from kernels.reference import decode_attention_ref
 
 _L2_FLOOR = 256 << 20  # rotate inputs until one graph replay touches this many bytes
@@ -631,7 +632,7 @@ def warmup(cases: list[Case], c: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kernels.tools.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     dec = sub.add_parser("decode", help="TPP decode vs FlashInfer paged / cascade, SDPA and the bound")
     dec.add_argument("--grid", nargs="*", default=["paper", "gqa", "divergence", "batch", "tree"],
@@ -648,7 +649,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_prefill.add_parser(sub)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("kernels.bench needs a CUDA device")
+        raise SystemExit("kernels.tools.bench needs a CUDA device")
     if args.cmd == "prefill":
         bench_prefill.main(args)
         return

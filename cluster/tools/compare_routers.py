@@ -1,6 +1,6 @@
 """Prefix router vs Serve's power of two, over real Serve on a local multi-node cluster (issue 4).
 
-    python -m cluster.compare_routers [--replicas 4] [--groups 32] [--per-group 8] [--prefix 512]
+    python -m cluster.tools.compare_routers [--replicas 4] [--groups 32] [--per-group 8] [--prefix 512]
 
 Defaults, measured on a 2-core machine (2 nodes, 4 replicas, 256 requests, ~1 min in all):
     {"policy": "prefix", ..., "cached_fraction": 0.8235, ...}   (= the oracle: 7/8 × 512/544)

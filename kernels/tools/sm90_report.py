@@ -1,6 +1,6 @@
 """What the attend kernel of kernels/tpp.py compiles to on sm90, without a GPU.
 
-    python -m kernels.sm90_report        # one JSON line per query tile the plans launch
+    python -m kernels.tools.sm90_report        # one JSON line per query tile the plans launch
 
 For each tile (the launch config ``tpp._launch_config`` picks for it) Triton compiles the kernel
 for sm90 on this machine's CPU; we report its shared memory, the registers ptxas gives it, how

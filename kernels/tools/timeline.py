@@ -1,6 +1,6 @@
 """Per-program timelines of the TPP decode kernels on the GPU: where a step's time goes.
 
-    python -m kernels.timeline p1024_512 g1024_512 [--set _ROWS=1 --set _FOLD_PAIRS=False]
+    python -m kernels.tools.timeline p1024_512 g1024_512 [--set _ROWS=1 --set _FOLD_PAIRS=False]
 
 A case is `<p|g><n_p>_<n_s>[@b][o]`: the decode benchmark's paper grid (p: MHA, 32 heads, fp16) or
 GQA grid (g: 32 query / 8 KV heads, bf16), b = 32 rows unless `@b`, and `o` for the rows' private
@@ -9,7 +9,7 @@ tokens only (the shared level dropped). `--set` changes a kernels/tpp.py knob fo
 This builds a copy of kernels/tpp.py (``stamped_source``) whose two attend kernels record, per
 program, %globaltimer at its start, at the end of its streaming loop (before it waits for phase 1
 and folds) and at its end, and the multiprocessor it ran on (%smid). It runs the case's step in a
-CUDA graph after calls over rotated copies of the pools (KV from HBM, as kernels.bench times it)
+CUDA graph after calls over rotated copies of the pools (KV from HBM, as kernels.tools.bench times it)
 and prints, for two replays, per phase: how many programs, their end times and streaming times
 (quantiles, us from the step's first program), how many ran and had started at each twelfth of
 the step, and phase-2 end times grouped by what shared the program's multiprocessor.
@@ -32,9 +32,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kernels import bench
+from kernels.tools import bench
 
-_TPP = pathlib.Path(__file__).with_name("tpp.py")
+_TPP = pathlib.Path(__file__).parents[1] / "tpp.py"  # kernels/tpp.py
 _STAMP = """    _sp = Stamps + ({index} * tl.num_programs(1) + kv) * 4
     tl.store(_sp, _t0)
     tl.store(_sp + 1, _t1)
@@ -195,14 +195,14 @@ def run_case(case: bench.Case, c: int, replays: int = 2) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m kernels.timeline", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m kernels.tools.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("cases", nargs="+", help="e.g. p1024_512 g1024_512 g2304_2048@128 p1024_512o")
     ap.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
                     help="a kernels/tpp.py knob for the run, e.g. _ROWS=1 (VALUE a Python literal)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise SystemExit("kernels.timeline needs a CUDA device")
+        raise SystemExit("kernels.tools.timeline needs a CUDA device")
     tpp = stamped_module()
     for knob in args.set:
         key, _, value = knob.partition("=")

@@ -1,4 +1,4 @@
-"""Sampling cost per step: `python -m replicas.bench_sampler [--rows 64 256] [--vocab 128256]` prints
+"""Sampling cost per step: `python -m replicas.tools.bench_sampler [--rows 64 256] [--vocab 128256]` prints
 one JSON line per (rows, logits, sampling params): milliseconds per `sample` call (batched), per
 call of the one-row reference over every row (with --reference), and the largest set of tokens a
 row's filters keep.
@@ -38,7 +38,7 @@ def _ms(fn, device: torch.device, reps: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m replicas.bench_sampler", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m replicas.tools.bench_sampler", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="*", default=[64, 256])
     ap.add_argument("--vocab", type=int, default=128256)
     ap.add_argument("--scales", type=float, nargs="*", default=[8.0, 1.0])

@@ -1,8 +1,8 @@
 """Discrete-event simulation of N replicas behind one router, per routing policy (DESIGN §6).
 
-    python -m router.simulate --policy prefix|pow2|ray-prefix --workload gsp|zipf|unique --replicas N
+    python -m router.tools.simulate --policy prefix|pow2|ray-prefix --workload gsp|zipf|unique --replicas N
                               [--requests K] [--seed S]
-    python -m router.simulate --all        # the whole grid, every policy; one JSON object per line
+    python -m router.tools.simulate --all        # the whole grid, every policy; one JSON object per line
 
 Model:
   - workload `gsp`: SGLang bench_serving's generated-shared-prefix defaults — 64 groups × 16
@@ -480,7 +480,7 @@ def _targets(rows: list[dict]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m router.simulate", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m router.tools.simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--policy", choices=POLICIES, default="prefix")
     ap.add_argument("--workload", choices=WORKLOADS, default="gsp")
     ap.add_argument("--replicas", type=int, default=16)

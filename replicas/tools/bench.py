@@ -1,25 +1,25 @@
-"""Engine throughput on a shared-prefix batch: `python -m replicas.bench [options]` prints one JSON
+"""Engine throughput on a shared-prefix batch: `python -m replicas.tools.bench [options]` prints one JSON
 line per attention backend and run (prefill seconds, decode tokens/s from the second decode step
 on, KV chunks in use, decode plans built).
 
-    python -m replicas.bench --model llama3-8b --batch 64 --prefix 2048 --suffix 64 --max-tokens 64
-    python -m replicas.bench ... --stagger --repeat 2   # rows' tails at staggered offsets; the
+    python -m replicas.tools.bench --model llama3-8b --batch 64 --prefix 2048 --suffix 64 --max-tokens 64
+    python -m replicas.tools.bench ... --stagger --repeat 2   # rows' tails at staggered offsets; the
                                                         # second run finds every kernel compiled
-    python -m replicas.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
+    python -m replicas.tools.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
-    python -m replicas.bench ... --warmup               # replicas.warmup first, as a GPU replica
+    python -m replicas.tools.bench ... --warmup               # replicas.warmup first, as a GPU replica
                                                         # does: run 0 on a fresh machine then
                                                         # shows what users' first requests see
-    python -m replicas.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
+    python -m replicas.tools.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
                                                           # reference, one by one
-    python -m replicas.bench --batch 1 --prefix 0 --suffix 32768 --max-tokens 2 --sparse-budget 0.1
+    python -m replicas.tools.bench --batch 1 --prefix 0 --suffix 32768 --max-tokens 2 --sparse-budget 0.1
                                                         # one long prompt prefilled with block-
                                                         # union sparse attention (a budget; or
                                                         # --sparse-alpha for the threshold)
-    python -m replicas.bench ... --no-async-scheduling  # each step prepared after the one before
+    python -m replicas.tools.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
-    python -m replicas.bench ... --decode-graphs        # whole-step graphs per decode plan
+    python -m replicas.tools.bench ... --decode-graphs        # whole-step graphs per decode plan
                                                         # (EngineConfig.decode_graphs; off by
                                                         # default: piecewise graphs only)
 
@@ -29,7 +29,7 @@ fill at different steps (as in a live batch) rather than all at once.
 Under live traffic (--request-rate: requests arrive as a Poisson stream, the engine stepping
 as a replica does, adding each request at the first step boundary after it arrives):
 
-    python -m replicas.bench --model llama3-8b --backend triton --prefix 2048 --suffix 64 \
+    python -m replicas.tools.bench --model llama3-8b --backend triton --prefix 2048 --suffix 64 \
         --max-tokens 128 --request-rate 8,24,64 --requests 256 --warmup
 
 prints per rate the request throughput, TTFT and TPOT (mean, p50, p99; TTFT from the arrival),
@@ -260,7 +260,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m replicas.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m replicas.tools.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
