@@ -25,7 +25,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
@@ -33,6 +32,7 @@ from ray.serve import context as serve_context
 from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import metrics as cluster_metrics
 from cluster.config import AppConfig

@@ -7,7 +7,7 @@ in vLLM); a model without a tokenizer names tokens "token_id:<id>", vLLM's form 
 
 from __future__ import annotations
 
-from typing import Container, Sequence
+from collections.abc import Container, Sequence
 
 from cluster.protocol import ChatLogprobs, CompletionLogprobs, TokenLogprob, TopLogprob
 from replicas.model.tokenizer import Tokenizer

@@ -26,10 +26,12 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from cluster.reasoning import held
 from replicas.guided import Guide
+
 
 def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"

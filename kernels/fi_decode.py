@@ -10,8 +10,8 @@ chunk tables are the page tables, nothing is copied.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

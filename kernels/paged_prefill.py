@@ -21,7 +21,8 @@ fresh H200 (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 

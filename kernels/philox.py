@@ -19,7 +19,7 @@ per column with word 0 alone against four words in in-place uint64 arrays: 8 row
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -36,8 +36,8 @@ import dataclasses
 import functools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -831,7 +831,7 @@ def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) ->
     return max(1, (227 << 10) // (smem + 1024))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm90_plus(device_index: int) -> bool:
     """Programmatic dependent launch and TMA need sm90+ (asked once per device: tpp_decode runs per layer)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9

@@ -34,10 +34,10 @@ from ray import serve
 from ray.serve import metrics
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from replicas.distributed import free_port, init_group
 from replicas.engine import EngineConfig, RequestOutput
 from replicas.engine_process import EngineDied, EngineProcess
 from replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
-from replicas.distributed import free_port, init_group
 from replicas.parallel import TPWorker, rank_device, worker_config
 from replicas.wire import GenerateOutput, GenerateRequest
 

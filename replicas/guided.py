@@ -191,7 +191,7 @@ def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_
     return mask
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _batch_matcher():
     # a few threads: several engines (tensor-parallel ranks, replicas) may share a node's cores
     return _xgrammar().BatchGrammarMatcher(max_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))

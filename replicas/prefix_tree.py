@@ -9,11 +9,12 @@ refcount drops to 0 stay as an LRU cache and are evicted leaf-first under pressu
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence as Seq
+from collections.abc import Iterable
+from collections.abc import Sequence as Seq
 
 from replicas.kv_pool import KVPool
-from router.hashing import chunk_hashes
 from replicas.sequence import Sequence
+from router.hashing import chunk_hashes
 
 
 class Node:

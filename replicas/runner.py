@@ -10,7 +10,8 @@ step's sampled tokens; `launch` queues the step and returns, and `collect` waits
 from __future__ import annotations
 
 import time
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.tools import bench_sparse_accuracy as bsa
 from kernels import reference
 from kernels.block_union import BlockUnion
+from kernels.tools import bench_sparse_accuracy as bsa
 
 C = 16  # chunk size
 

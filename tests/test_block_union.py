@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from kernels import block_union
-from kernels.block_union import (BlockUnion, block_keys, budget_blocks, budget_list_len, budget_lists, budget_pages,
-                                 chunk_mask, normalised, select_blocks, subgroup_size)
+from kernels.block_union import (
+    BlockUnion,
+    block_keys,
+    budget_blocks,
+    budget_list_len,
+    budget_lists,
+    budget_pages,
+    chunk_mask,
+    normalised,
+    select_blocks,
+    subgroup_size,
+)
 from kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
 from replicas.engine import LLMEngine
 from replicas.sequence import SamplingParams

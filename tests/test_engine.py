@@ -8,7 +8,8 @@ import sys
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.hf_checkpoints import make_hf_checkpoint

@@ -117,7 +117,7 @@ def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
     prefix = [rng.randrange(256) for _ in range(2048)]
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     added = 0
-    for step in range(400):
+    for _ in range(400):
         if added < 24 and rng.random() < 0.3:  # about one arrival in three steps
             engine.add_request(str(added), prefix + [rng.randrange(256) for _ in range(64)], params)
             added += 1

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
-from cluster.logprobs import TokenTexts
 from cluster.loadtest import client
+from cluster.logprobs import TokenTexts
 from replicas.wire import GenerateOutput
 
 

@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from replicas.distributed import free_port
 from replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_model
 from replicas.model.config import read_json
 from replicas.model.layers import RotaryEmbedding
 from replicas.model.loader import PRESETS_DIR
-from replicas.distributed import free_port
 from tests.hf_checkpoints import ARCHS, make_hf_checkpoint
 
 PROMPT = "the weather in the north is fine, and then we went on to see the sea"

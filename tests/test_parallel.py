@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from replicas.distributed import free_port, init_group
 from replicas.engine import EngineConfig, LLMEngine
 from replicas.guided import Guide
-from replicas.distributed import free_port, init_group
 from replicas.parallel import TPEngine, TPWorker
 from replicas.sequence import SamplingParams
 from replicas.warmup import warmup

@@ -7,11 +7,11 @@ from tokenizers import AddedToken
 
 from cluster.ingress import _ChatFormat
 from cluster.logprobs import TokenTexts
-from replicas.wire import GenerateOutput
 from cluster.reasoning import ReasoningSplit, think_tags
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide
 from replicas.model.tokenizer import Tokenizer
+from replicas.wire import GenerateOutput
 from tests.test_tool_calls import _splits
 
 CASES = {  # text -> (reasoning, content) under each parser

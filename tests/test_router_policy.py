@@ -142,11 +142,11 @@ def test_a_hot_prefix_spreads_down_its_rendezvous_order_once_it_exceeds_a_replic
     policy = PrefixPolicy(replicas=replicas)
     rng = random.Random(6)
     background = [_chain(rng) for _ in range(64)]
-    for i, ch in enumerate(background):  # every replica carries some load
+    for ch in background:  # every replica carries some load
         policy.on_routed(policy.choose(ch, 2176, 256, 0.0)[0], ch, 2176, 256, 0.0)
     hot = _chain(rng)
     chosen = []
-    for t in range(64):  # the hot prefix's requests pile up (none finishes)
+    for _ in range(64):  # the hot prefix's requests pile up (none finishes)
         r = policy.choose(hot, 2176, 256, 0.0)[0]
         policy.on_routed(r, hot, 2176, 256, 0.0)
         chosen.append(r)

@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from replicas.wire import GenerateRequest
 from replicas.sequence import SamplingParams
+from replicas.wire import GenerateRequest
 from router.hashing import chunk_hashes
 from tests.serve_cluster import serve_on_local_cluster
 

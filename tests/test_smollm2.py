@@ -15,8 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from replicas.engine import LLMEngine, SamplingParams
-from replicas.model import load_model, load_tokenizer
-from replicas.model import loader
+from replicas.model import load_model, load_tokenizer, loader
 
 MODEL = "smollm2-135m"
 GREEDY = SamplingParams(max_tokens=16, temperature=0)

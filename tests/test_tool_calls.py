@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from cluster.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, template_tools
-from cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput, tool_guide
+from cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.model.tokenizer import Tokenizer
 from tests.hf_checkpoints import make_hf_checkpoint

@@ -436,7 +436,7 @@ def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma, rows):
     assert (plan.rows_per_program > 1) == rows
     for step in (0, 3, 7, 12, 19):
         grown = [min(n + step, len(t) * 16) for t, n in zip(tables, lens)]
-        for r, (t, n, n0) in enumerate(zip(tables, grown, lens)):  # the new tokens' K/V written
+        for t, n, n0 in zip(tables, grown, lens):  # the new tokens' K/V written
             for pos in range(n0, n):
                 for cache in (k, v):
                     cache[t[pos // 16], :, pos % 16] = torch.randn(cache.shape[1], cache.shape[3]).to(cache)

@@ -22,6 +22,7 @@ import numpy as np
 
 from cluster.loadtest.client import ClientResult, Record
 
+
 @dataclass(frozen=True)
 class Slo:
     """Service-level objectives a request must meet, each None when not set."""

@@ -41,7 +41,7 @@ from replicas.distributed import free_port
 def workload(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     prompts = []
-    for g in range(groups):
+    for _ in range(groups):
         prefix = [rng.randrange(256) for _ in range(prefix_len)]
         prompts += [prefix + [rng.randrange(256) for _ in range(question_len)] for _ in range(per_group)]
     rng.shuffle(prompts)  # groups interleaved

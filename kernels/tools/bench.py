@@ -35,8 +35,8 @@ import itertools
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +45,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import tpp
-from kernels.tools import bench_prefill
 from kernels.reference import decode_attention_ref
+from kernels.tools import bench_prefill
 
 _L2_FLOOR = 256 << 20  # rotate inputs until one graph replay touches this many bytes
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}

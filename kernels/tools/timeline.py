@@ -27,7 +27,7 @@ import json
 import pathlib
 import sys
 import tempfile
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
