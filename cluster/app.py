@@ -1,7 +1,7 @@
 """build_app: AppConfig -> the Serve application (OpenAIIngress -> LLMReplica).
 
-    import_path: cluster.app:build_app      # in a Serve config file; `args:` is the AppConfig
-    serve.run(build_app({"model": "tiny", "num_replicas": 2}))
+import_path: cluster.app:build_app      # in a Serve config file; `args:` is the AppConfig
+serve.run(build_app({"model": "tiny", "num_replicas": 2}))
 """
 
 from __future__ import annotations
@@ -23,16 +23,28 @@ PREFIX_ROUTER = "router.serve_router:PrefixAffinityRouter"  # router.policy: pre
 def build_app(args: dict[str, Any]) -> Application:
     config = AppConfig.model_validate(args)
     use_gpu = _use_gpu(config.device)
-    engine_config = EngineConfig(model=config.model, device="cuda" if use_gpu else "cpu", dtype=config.dtype,
-                                 tp_size=config.tensor_parallel_size, **config.engine.model_dump())
+    engine_config = EngineConfig(
+        model=config.model,
+        device="cuda" if use_gpu else "cpu",
+        dtype=config.dtype,
+        tp_size=config.tensor_parallel_size,
+        **config.engine.model_dump(),
+    )
     # the replica seeds its cache digest as the ingress seeds prompt hashes: by the served model name
     llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(
-        engine_config, config.model_name, config.router.route_chunks, config.num_cpus_per_replica,
-        use_gpu if config.warmup is None else config.warmup, config.stream_interval_ms)
+        engine_config,
+        config.model_name,
+        config.router.route_chunks,
+        config.num_cpus_per_replica,
+        use_gpu if config.warmup is None else config.warmup,
+        config.stream_interval_ms,
+    )
     ingress = OpenAIIngress.options(
-        name="OpenAIIngress", num_replicas=config.ingress.num_replicas,
+        name="OpenAIIngress",
+        num_replicas=config.ingress.num_replicas,
         max_ongoing_requests=config.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": config.ingress.num_cpus})
+        ray_actor_options={"num_cpus": config.ingress.num_cpus},
+    )
     return ingress.bind(llm, config)
 
 

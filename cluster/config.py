@@ -20,6 +20,7 @@ class SparsePrefillOptions(_Strict):
     """Block-union sparse prefill of long contexts (kernels.block_union.BlockUnion; DESIGN §5).
     Approximate attention: outputs change. Validated again by BlockUnion (block against the
     chunk size)."""
+
     min_context: int = Field(8192, ge=0)  # a piece after fewer cached tokens runs dense
     block: Literal[16, 32, 64, 128, 256, 512] = 128  # tokens a block: a multiple of the chunk size
     alpha: float = Field(0.1, ge=0, le=1)  # keep the blocks scoring >= alpha x the best
@@ -31,6 +32,7 @@ class SparsePrefillOptions(_Strict):
 
 class EngineOptions(_Strict):
     """replicas.engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
+
     chunk_size: Literal[16, 32, 64, 128] = 64
     kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -57,6 +59,7 @@ class EngineOptions(_Strict):
 
 class RouterOptions(_Strict):
     """Prefix-aware routing (DESIGN §6)."""
+
     route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
     # prefix: router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
     policy: Literal["prefix", "pow2"] = "prefix"
@@ -65,6 +68,7 @@ class RouterOptions(_Strict):
 
 class IngressOptions(_Strict):
     """The FastAPI ingress deployment: light (tokenize, format), so many requests per replica."""
+
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(0, ge=0)
@@ -128,8 +132,10 @@ class AppConfig(_Strict):
             raise ValueError("set api_key or api_key_env, not both")
         tp = self.tensor_parallel_size
         if tp > 1 and self.num_gpus_per_replica not in (None, tp):
-            raise ValueError(f"tensor_parallel_size={tp} takes one GPU per rank: num_gpus_per_replica must be "
-                             f"{tp} or unset, got {self.num_gpus_per_replica}")
+            raise ValueError(
+                f"tensor_parallel_size={tp} takes one GPU per rank: num_gpus_per_replica must be "
+                f"{tp} or unset, got {self.num_gpus_per_replica}"
+            )
         return self
 
     @property

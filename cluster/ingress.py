@@ -82,16 +82,27 @@ app.add_middleware(CountResponses)  # chunkserve_http_responses_total: every res
 class APIError(Exception):
     """An HTTP error answered with OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.headers = status, headers
-        self.detail = ErrorDetail(message=_text(message), type=type, param=None if param is None else _text(param),
-                                  code=code)
+        self.detail = ErrorDetail(
+            message=_text(message), type=type, param=None if param is None else _text(param), code=code
+        )
 
     def response(self) -> JSONResponse:
         cluster_metrics.HTTP.error(self.status, self.detail.code or self.detail.type)  # (every error body: here)
-        return JSONResponse(ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers)
+        return JSONResponse(
+            ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers
+        )
 
 
 def _text(s: str) -> str:
@@ -107,8 +118,12 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 @app.exception_handler(StarletteHTTPException)
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     # an unknown route (404) or method (405): OpenAI's error body rather than FastAPI's {"detail"}
-    return APIError(e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404 else
-                    "invalid_request_error", headers=getattr(e, "headers", None)).response()
+    return APIError(
+        e.status_code,
+        str(e.detail),
+        type="not_found_error" if e.status_code == 404 else "invalid_request_error",
+        headers=getattr(e, "headers", None),
+    ).response()
 
 
 @app.exception_handler(Exception)
@@ -119,9 +134,14 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
         # closed: Starlette's disconnect listener raises this): no server error, and no one to
         # answer; once logged and counted as an internal error (a 500) for every closed stream
         logger.info("request %s: the client disconnected", _request_id())
-        return JSONResponse(ErrorResponse(error=ErrorDetail(
-            message="the client disconnected", type="invalid_request_error", code="client_disconnected")).model_dump(),
-            status_code=499)
+        return JSONResponse(
+            ErrorResponse(
+                error=ErrorDetail(
+                    message="the client disconnected", type="invalid_request_error", code="client_disconnected"
+                )
+            ).model_dump(),
+            status_code=499,
+        )
     return _server_error(e).response()
 
 
@@ -135,11 +155,14 @@ def _server_error(e: BaseException, request_id: str | None = None) -> APIError:
     e (a replica's death carries actor ids, pids, node addresses and Ray's advice)."""
     rid = request_id or _request_id()
     replica = isinstance(e, (RayActorError, RayTaskError, EngineDied))
-    logger.error("request %s failed (%s)", rid, "a model replica failed" if replica else "internal error",
-                 exc_info=e)
+    logger.error("request %s failed (%s)", rid, "a model replica failed" if replica else "internal error", exc_info=e)
     if replica:
-        return APIError(500, f"the model replica serving this request failed; retry it (request id {rid})",
-                        type="server_error", code="replica_failed")
+        return APIError(
+            500,
+            f"the model replica serving this request failed; retry it (request id {rid})",
+            type="server_error",
+            code="replica_failed",
+        )
     return APIError(500, f"internal server error (request id {rid})", type="server_error", code="internal_error")
 
 
@@ -177,8 +200,12 @@ def _check_content_type(request: Request) -> None:
     media = declared.partition(";")[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
         return
-    raise APIError(415, f"Content-Type {media or declared!r} is not supported: send the body as JSON with "
-                   "`Content-Type: application/json`", code="unsupported_media_type")
+    raise APIError(
+        415,
+        f"Content-Type {media or declared!r} is not supported: send the body as JSON with "
+        "`Content-Type: application/json`",
+        code="unsupported_media_type",
+    )
 
 
 # `\uD800`-`\uDFFF` escapes: the only way a strictly decoded UTF-8 body yields a surrogate
@@ -191,8 +218,9 @@ def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
     try:
         text = body.decode("utf-8")  # strict: JSON text is UTF-8 (RFC 8259), encoded surrogates refused
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})",
-                       code="invalid_utf8") from None
+        raise APIError(
+            400, f"the request body is not valid UTF-8 (byte {e.start}: {e.reason})", code="invalid_utf8"
+        ) from None
     try:
         data = json.loads(text)
     except (json.JSONDecodeError, RecursionError) as e:  # RecursionError: nested too deep
@@ -200,9 +228,13 @@ def _validate(body: bytes, model: type[BaseModel]) -> BaseModel:
     if _SURROGATE_ESCAPE.search(text):  # a pair is one character once parsed; a lone half is not text
         where = _lone_surrogate(data)
         if where is not None:
-            raise APIError(400, f"`{'.'.join(map(str, where)) or 'body'}` holds a lone UTF-16 surrogate (an "
-                           "unpaired \\uD800-\\uDFFF escape): strings must be Unicode text",
-                           param=str(where[0]) if where else None, code="invalid_unicode")
+            raise APIError(
+                400,
+                f"`{'.'.join(map(str, where)) or 'body'}` holds a lone UTF-16 surrogate (an "
+                "unpaired \\uD800-\\uDFFF escape): strings must be Unicode text",
+                param=str(where[0]) if where else None,
+                code="invalid_unicode",
+            )
     try:
         return model.model_validate(data)
     except ValidationError as e:
@@ -254,17 +286,27 @@ async def _first_output(gen: DeploymentResponseGenerator, deadline: float | None
 def _unavailable(e: Exception) -> APIError:
     retry_after = getattr(e, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-    return APIError(503, f"the model is overloaded, retry later ({e})", type="server_error", code="overloaded",
-                    headers=headers)
+    return APIError(
+        503, f"the model is overloaded, retry later ({e})", type="server_error", code="overloaded", headers=headers
+    )
 
 
 class _CompletionFormat:
     """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
     response. Choice c is the c-th generate request's output: prompt c // n's choice c % n."""
 
-    def __init__(self, request_id: str, model: str, prompts: list[list[int]], n: int, token_ids: bool,
-                 texts: TokenTexts, echo: list[str] | None = None, echo_hidden: list[frozenset[int]] | None = None,
-                 hidden_ids: frozenset[int] = frozenset()):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        prompts: list[list[int]],
+        n: int,
+        token_ids: bool,
+        texts: TokenTexts,
+        echo: list[str] | None = None,
+        echo_hidden: list[frozenset[int]] | None = None,
+        hidden_ids: frozenset[int] = frozenset(),
+    ):
         self.id, self.model, self.prompts, self.n = request_id, model, prompts, n
         self.token_ids, self.texts = token_ids, texts
         self.echo = echo  # per prompt, its text, sent before each of its choices' (completions' echo), or None
@@ -287,7 +329,8 @@ class _CompletionFormat:
         """Positions of ids (choice index's, after its prompt's if echoed) whose text is not in the choice's text."""
         prompt = len(self.prompts[index // self.n]) if echoed else 0
         return set(self.echo_hidden[index // self.n] if echoed else ()) | {
-            i for i in range(prompt, len(ids)) if ids[i] in self.hidden_ids}
+            i for i in range(prompt, len(ids)) if ids[i] in self.hidden_ids
+        }
 
     def chunk(self, out: GenerateOutput, index: int) -> CompletionResponse:
         first = self.echo is not None and index not in self.offsets  # (the echo goes first)
@@ -299,9 +342,13 @@ class _CompletionFormat:
             logprobs = completion_logprobs(ids, entries, self.texts, self.offsets.get(index, 0), hidden)
             length = text_length(logprobs, hidden)
         self.offsets[index] = self.offsets.get(index, 0) + length
-        choice = CompletionChoice(index=index, text=self.echo[index // self.n] + out.text if first else out.text,
-                                  finish_reason=out.finish_reason, logprobs=logprobs,
-                                  token_ids=list(out.token_ids) if self.token_ids else None)
+        choice = CompletionChoice(
+            index=index,
+            text=self.echo[index // self.n] + out.text if first else out.text,
+            finish_reason=out.finish_reason,
+            logprobs=logprobs,
+            token_ids=list(out.token_ids) if self.token_ids else None,
+        )
         return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def _whole_logprobs(self, outs: list[GenerateOutput], index: int) -> CompletionLogprobs:
@@ -310,19 +357,30 @@ class _CompletionFormat:
         return completion_logprobs(ids, entries, self.texts, hidden=self._hidden(ids, index, echoed))
 
     def usage(self, lasts: list[GenerateOutput]) -> CompletionResponse:
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[],
-                                  usage=Usage.of(lasts, self.n))
+        return CompletionResponse(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=Usage.of(lasts, self.n)
+        )
 
     def whole(self, choices: list[list[GenerateOutput]]) -> CompletionResponse:
         echo = self.echo or [""] * len(self.prompts)
-        body = [CompletionChoice(index=i, text=echo[i // self.n] + "".join(o.text for o in outs),
-                                 finish_reason=outs[-1].finish_reason,
-                                 token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                                 prompt_token_ids=self.prompts[i // self.n] if self.token_ids else None,
-                                 logprobs=None if outs[0].logprobs is None else self._whole_logprobs(outs, i))
-                for i, outs in enumerate(choices)]
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
-                                  usage=Usage.of([outs[-1] for outs in choices], self.n))
+        body = [
+            CompletionChoice(
+                index=i,
+                text=echo[i // self.n] + "".join(o.text for o in outs),
+                finish_reason=outs[-1].finish_reason,
+                token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                prompt_token_ids=self.prompts[i // self.n] if self.token_ids else None,
+                logprobs=None if outs[0].logprobs is None else self._whole_logprobs(outs, i),
+            )
+            for i, outs in enumerate(choices)
+        ]
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=body,
+            usage=Usage.of([outs[-1] for outs in choices], self.n),
+        )
 
 
 class _ChatFormat(_CompletionFormat):
@@ -331,8 +389,18 @@ class _ChatFormat(_CompletionFormat):
     content (not for a guided request: its guide holds the whole output); under a tool choice
     (cluster/tool_calls.py) the content goes through a ToolOutput."""
 
-    def __init__(self, request_id: str, model: str, prompt: list[int], n: int, token_ids: bool, texts: TokenTexts,
-                 tool_choice: Any = "none", tool_call_parser: str | None = None, reasoning_parser: str | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        prompt: list[int],
+        n: int,
+        token_ids: bool,
+        texts: TokenTexts,
+        tool_choice: Any = "none",
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ):
         super().__init__(request_id, model, [prompt], n, token_ids, texts)
         self.sent_role: set[int] = set()  # choices whose role went out
         self.tool_choice, self.tool_call_parser = tool_choice, tool_call_parser
@@ -341,8 +409,10 @@ class _ChatFormat(_CompletionFormat):
 
     def _new(self) -> tuple[ReasoningSplit | None, ToolOutput | None]:
         """A choice's reasoning split and tool output (None: not asked for)."""
-        return (None if self.reasoning_parser is None else ReasoningSplit(self.reasoning_parser),
-                ToolOutput.of(self.tool_choice, self.tool_call_parser))
+        return (
+            None if self.reasoning_parser is None else ReasoningSplit(self.reasoning_parser),
+            ToolOutput.of(self.tool_choice, self.tool_call_parser),
+        )
 
     def chunk(self, out: GenerateOutput, index: int) -> ChatCompletionChunk | None:
         if index not in self.streams:
@@ -363,15 +433,19 @@ class _ChatFormat(_CompletionFormat):
             self.sent_role.add(index)
         elif not delta and finish is None and not self.token_ids and out.logprobs is None:
             return None  # text held back (it may begin a tag or a tool call): nothing to send yet
-        choice = ChatStreamChoice(index=index, delta=delta, finish_reason=finish,
-                                  token_ids=list(out.token_ids) if self.token_ids else None,
-                                  logprobs=None if out.logprobs is None else chat_logprobs(
-                                      out.token_ids, out.logprobs, self.texts))
+        choice = ChatStreamChoice(
+            index=index,
+            delta=delta,
+            finish_reason=finish,
+            token_ids=list(out.token_ids) if self.token_ids else None,
+            logprobs=None if out.logprobs is None else chat_logprobs(out.token_ids, out.logprobs, self.texts),
+        )
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage(self, lasts: list[GenerateOutput]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=Usage.of(lasts, self.n))
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=[], usage=Usage.of(lasts, self.n)
+        )
 
     def whole(self, choices: list[list[GenerateOutput]]) -> ChatCompletionResponse:
         body = []
@@ -383,14 +457,25 @@ class _ChatFormat(_CompletionFormat):
             if reasoning is not None and content == "":
                 content = None  # (all thinking)
             message = ChatChoiceMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
-            body.append(ChatChoice(index=i, message=message,
-                                   finish_reason=finish,
-                                   token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
-                                   logprobs=None if outs[0].logprobs is None else chat_logprobs(
-                                       *_tokens_and_logprobs(outs), self.texts)))
-        return ChatCompletionResponse(id=self.id, created=self.created, model=self.model, choices=body,
-                                      usage=Usage.of([outs[-1] for outs in choices], self.n),
-                                      prompt_token_ids=self.prompts[0] if self.token_ids else None)
+            body.append(
+                ChatChoice(
+                    index=i,
+                    message=message,
+                    finish_reason=finish,
+                    token_ids=[t for o in outs for t in o.token_ids] if self.token_ids else None,
+                    logprobs=None
+                    if outs[0].logprobs is None
+                    else chat_logprobs(*_tokens_and_logprobs(outs), self.texts),
+                )
+            )
+        return ChatCompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=body,
+            usage=Usage.of([outs[-1] for outs in choices], self.n),
+            prompt_token_ids=self.prompts[0] if self.token_ids else None,
+        )
 
 
 def _tokens_and_logprobs(outs: list[GenerateOutput]) -> tuple[list[int], list]:
@@ -448,12 +533,15 @@ def _server_timing(prepare_s: float, first_output_s: float, replica_s: float) ->
     checks); first-output: from then to the first output back here (Serve's routing and the two
     hops included), of which replica: the replica's, from receiving the request to its first
     output (its engine's queue, prefill and the pipe). For n > 1 choices, the slowest's."""
-    return (f"prepare;dur={prepare_s * 1e3:.2f}, first-output;dur={first_output_s * 1e3:.2f}, "
-            f"replica;dur={replica_s * 1e3:.2f}")
+    return (
+        f"prepare;dur={prepare_s * 1e3:.2f}, first-output;dur={first_output_s * 1e3:.2f}, "
+        f"replica;dur={replica_s * 1e3:.2f}"
+    )
 
 
-def _sse(started: list[Started], fmt: _CompletionFormat, include_usage: bool,
-         headers: dict[str, str]) -> StreamingResponse:
+def _sse(
+    started: list[Started], fmt: _CompletionFormat, include_usage: bool, headers: dict[str, str]
+) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
     the usage chunk if asked, then `data: [DONE]`. As in vLLM, an output that carries tokens is
     sent even when it adds no text (a special token, half a character: its text is ""), so a
@@ -534,8 +622,13 @@ class OpenAIIngress:
         self._states: tuple[float, dict[str, int]] = (-math.inf, {})  # (when, _replica_states)
         self._states_lock = asyncio.Lock()
         ctx = serve.get_replica_context()
-        self._metrics = MetricsText(self.model_name, llm.app_name, (llm.deployment_name, ctx.deployment),
-                                    ctx.replica_id.unique_id, lambda: (ctx.deployment, self.record_http()))
+        self._metrics = MetricsText(
+            self.model_name,
+            llm.app_name,
+            (llm.deployment_name, ctx.deployment),
+            ctx.replica_id.unique_id,
+            lambda: (ctx.deployment, self.record_http()),
+        )
 
     # -- endpoints --------------------------------------------------------------------------
     @app.get("/health")
@@ -552,8 +645,12 @@ class OpenAIIngress:
         if states.get("RUNNING", 0) > 0:
             return JSONResponse({"ready": True, "model_replicas": states})
         doing = ", ".join(f"{n} {state.lower()}" for state, n in states.items()) or "none deployed"
-        raise APIError(503, f"not ready: no model replica is running and warmed up (model replicas: {doing})",
-                       type="server_error", code="not_ready")
+        raise APIError(
+            503,
+            f"not ready: no model replica is running and warmed up (model replicas: {doing})",
+            type="server_error",
+            code="not_ready",
+        )
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -565,8 +662,9 @@ class OpenAIIngress:
     async def models(self, request: Request) -> JSONResponse:
         self._authorize(request)
         info = await self._model_info()
-        card = ModelCard(id=self.model_name, created=self._created, root=self.config.model,
-                         max_model_len=info["max_model_len"])
+        card = ModelCard(
+            id=self.model_name, created=self._created, root=self.config.model, max_model_len=info["max_model_len"]
+        )
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     @app.post("/v1/completions")
@@ -576,8 +674,11 @@ class OpenAIIngress:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         if len(body.prompts) * body.n > MAX_PROMPTS:
-            raise APIError(400, f"{len(body.prompts)} prompts x n={body.n} choices exceed {MAX_PROMPTS} completions "
-                           "in one request", param="prompt")
+            raise APIError(
+                400,
+                f"{len(body.prompts)} prompts x n={body.n} choices exceed {MAX_PROMPTS} completions in one request",
+                param="prompt",
+            )
         prompts = await self._completion_prompts(body)
         await self._check_logit_bias(body)
         await self._check_guide(body)
@@ -585,9 +686,17 @@ class OpenAIIngress:
         rid, reqs = self._generate_request("cmpl", prompts, limits, body)
         echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
         tok = self.tokenizer
-        fmt = _CompletionFormat(rid, self.model_name, prompts, body.n, body.return_token_ids, self.token_texts, echo,
-                                [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
-                                tok.special_ids if tok is not None and body.skip_special_tokens else frozenset())
+        fmt = _CompletionFormat(
+            rid,
+            self.model_name,
+            prompts,
+            body.n,
+            body.return_token_ids,
+            self.token_texts,
+            echo,
+            [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
+            tok.special_ids if tok is not None and body.skip_special_tokens else frozenset(),
+        )
         return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
 
     @app.post("/v1/chat/completions")
@@ -597,19 +706,34 @@ class OpenAIIngress:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         if body.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
-            raise APIError(400, 'tool_choice "auto" (the default with tools) needs the server\'s tool_call_parser '
-                           'set; send tool_choice "required", a named function or "none"', param="tool_choice")
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default with tools) needs the server\'s tool_call_parser '
+                'set; send tool_choice "required", a named function or "none"',
+                param="tool_choice",
+            )
         prompt = await self._chat_prompt_off_loop(body)
         await self._check_logit_bias(body)
         await self._check_guide(body)
-        max_tokens = await self._check_length(prompt, body.requested_max_tokens,
-                                              param="max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+        max_tokens = await self._check_length(
+            prompt,
+            body.requested_max_tokens,
+            param="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+        )
         # a guided request under a reasoning parser thinks freely first, where the tags are tokens
         think = think_tags(self.tokenizer, self.config.reasoning_parser, body.guide is not None)
         rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, think)
-        fmt = _ChatFormat(rid, self.model_name, prompt, body.n, body.return_token_ids, self.token_texts,
-                          body.effective_tool_choice, self.config.tool_call_parser,
-                          None if body.guide is not None and think is None else self.config.reasoning_parser)
+        fmt = _ChatFormat(
+            rid,
+            self.model_name,
+            prompt,
+            body.n,
+            body.return_token_ids,
+            self.token_texts,
+            body.effective_tool_choice,
+            self.config.tool_call_parser,
+            None if body.guide is not None and think is None else self.config.reasoning_parser,
+        )
         return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
 
     @app.post("/tokenize")
@@ -622,11 +746,17 @@ class OpenAIIngress:
             ids = await self._chat_prompt_off_loop(body)
         else:
             await self._check_chars(len(body.prompt), "prompt")
-            ids = await _off_loop_if(len(body.prompt) > _OFF_LOOP_SIZE, self._tokenizer_for("text prompts").encode,
-                                     body.prompt, body.add_special_tokens, self._split_special_tokens)
+            ids = await _off_loop_if(
+                len(body.prompt) > _OFF_LOOP_SIZE,
+                self._tokenizer_for("text prompts").encode,
+                body.prompt,
+                body.add_special_tokens,
+                self._split_special_tokens,
+            )
         info = await self._model_info()
-        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"],
-                                             tokens=ids).model_dump())
+        return JSONResponse(
+            TokenizeResponse(count=len(ids), max_model_len=info["max_model_len"], tokens=ids).model_dump()
+        )
 
     @app.post("/detokenize")
     async def detokenize(self, request: Request) -> JSONResponse:
@@ -642,8 +772,9 @@ class OpenAIIngress:
         text = await _off_loop_if(len(body.tokens) > _OFF_LOOP_SIZE, tokenizer.decode, body.tokens)
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
-    async def _respond(self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool,
-                       include_usage: bool, entered: float) -> Response:
+    async def _respond(
+        self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool, include_usage: bool, entered: float
+    ) -> Response:
         """Start every choice's request (each waits for its first output, so errors get a status
         code), then answer with all of them. entered: when the endpoint was called (perf_counter)."""
         sent = time.perf_counter()
@@ -651,17 +782,21 @@ class OpenAIIngress:
         deadline = None if limit is None else entered + limit
         if deadline is not None and sent >= deadline:  # (its own checks took the time: nothing sent)
             raise self._deadline_exceeded()
-        results = await asyncio.gather(*(self._start(req, own_id=len(reqs) > 1, deadline=deadline) for req in reqs),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(self._start(req, own_id=len(reqs) > 1, deadline=deadline) for req in reqs), return_exceptions=True
+        )
         first = time.perf_counter()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
             _cancel([r for r in results if not isinstance(r, BaseException)])
             raise failed[0]
         # the replica(s) that served it, in choice order
-        headers = {REPLICA_HEADER: ",".join(dict.fromkeys(out.replica_id for out, _ in results)),
-                   TIMING_HEADER: _server_timing(sent - entered, first - sent,
-                                                 max(out.first_output_s or 0.0 for out, _ in results))}
+        headers = {
+            REPLICA_HEADER: ",".join(dict.fromkeys(out.replica_id for out, _ in results)),
+            TIMING_HEADER: _server_timing(
+                sent - entered, first - sent, max(out.first_output_s or 0.0 for out, _ in results)
+            ),
+        }
         if stream:
             return _sse(results, fmt, include_usage, headers)
         return await _whole(results, fmt, headers)
@@ -672,8 +807,12 @@ class OpenAIIngress:
             return
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token:
-            raise APIError(401, "missing API key: send `Authorization: Bearer <key>`", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})
+            raise APIError(
+                401,
+                "missing API key: send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
         if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
             raise APIError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
@@ -682,8 +821,9 @@ class OpenAIIngress:
         limit = self.config.max_request_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit}",
-                           code="request_too_large")
+            raise APIError(
+                413, f"request body of {declared} bytes exceeds the limit of {limit}", code="request_too_large"
+            )
         body = bytearray()
         async for piece in request.stream():  # a missing or false Content-Length still stops at the limit
             body += piece
@@ -693,8 +833,12 @@ class OpenAIIngress:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model `{model}` does not exist; this server serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
 
     async def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         """The body's prompts as token ids (texts tokenized, ids checked against the vocabulary)."""
@@ -702,8 +846,9 @@ class OpenAIIngress:
         if isinstance(sent[0], str):
             await self._check_chars(max(map(len, sent)), "prompt")
             encode, split = self._tokenizer_for("text prompts").encode, self._split_special_tokens
-            return await _off_loop_if(sum(map(len, sent)) > _OFF_LOOP_SIZE,
-                                      lambda: [encode(p, split_special_tokens=split) for p in sent])
+            return await _off_loop_if(
+                sum(map(len, sent)) > _OFF_LOOP_SIZE, lambda: [encode(p, split_special_tokens=split) for p in sent]
+            )
         vocab = (await self._model_info())["vocab_size"]
         for prompt in sent:
             bad = None if 0 <= min(prompt) and max(prompt) < vocab else next(t for t in prompt if not 0 <= t < vocab)
@@ -746,16 +891,24 @@ class OpenAIIngress:
         max_len = (await self._model_info())["max_model_len"]
         limit = 2 * max_len * self.tokenizer.max_token_chars
         if chars > limit:
-            raise APIError(400, f"this model's maximum context length is {max_len} tokens, and {param} of {chars} "
-                           f"characters is longer than any text that fits (at most {limit}); shorten it",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens, and {param} of {chars} "
+                f"characters is longer than any text that fits (at most {limit}); shorten it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def _chat_prompt(self, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
         tokenizer = self._tokenizer_for("chat")
         try:
             messages = [m.for_template() for m in body.messages]
-            return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=template_tools(body.tools),
-                                         plain_roles=PLAIN_TEXT_ROLES if self._split_special_tokens else ())
+            return tokenizer.encode_chat(
+                messages,
+                add_generation_prompt=True,
+                tools=template_tools(body.tools),
+                plain_roles=PLAIN_TEXT_ROLES if self._split_special_tokens else (),
+            )
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
 
@@ -785,30 +938,45 @@ class OpenAIIngress:
         except ValueError as e:
             raise APIError(400, str(e), param=body.guide_field) from None
         except TimeoutError:
-            raise APIError(400, f"{body.guide_field}: its grammar took more than {GUIDE_DEADLINE_S:g} s to "
-                           "compile; simplify it", param=body.guide_field) from None
+            raise APIError(
+                400,
+                f"{body.guide_field}: its grammar took more than {GUIDE_DEADLINE_S:g} s to compile; simplify it",
+                param=body.guide_field,
+            ) from None
 
     async def _check_length(self, prompt: list[int], max_tokens: int | None, param: str) -> int:
         """-> max_tokens (None: the rest of the context); 400 when prompt + max_tokens exceed it."""
         max_len = (await self._model_info())["max_model_len"]
         wanted = max(max_len - len(prompt), 1) if max_tokens is None else max_tokens
         if len(prompt) + wanted > max_len:
-            raise APIError(400, f"this model's maximum context length is {max_len} tokens, but "
-                           f"{len(prompt) + wanted} were requested ({len(prompt)} in the prompt, {wanted} for "
-                           "the completion); shorten the prompt or lower the completion's length",
-                           param=param if max_tokens is not None else None, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"this model's maximum context length is {max_len} tokens, but "
+                f"{len(prompt) + wanted} were requested ({len(prompt)} in the prompt, {wanted} for "
+                "the completion); shorten the prompt or lower the completion's length",
+                param=param if max_tokens is not None else None,
+                code="context_length_exceeded",
+            )
         return wanted
 
-    def _generate_request(self, kind: str, prompts: list[list[int]], limits: list[int],
-                          body: CompletionRequest | ChatCompletionRequest,
-                          think: tuple[int | None, int] | None = None) -> tuple[str, list[GenerateRequest]]:
+    def _generate_request(
+        self,
+        kind: str,
+        prompts: list[list[int]],
+        limits: list[int],
+        body: CompletionRequest | ChatCompletionRequest,
+        think: tuple[int | None, int] | None = None,
+    ) -> tuple[str, list[GenerateRequest]]:
         """-> (the response's id, one generate request per choice: prompt after prompt, each
         with its n choices); limits: each prompt's max_tokens; think: SamplingParams.think."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
-            raise APIError(400, f"min_tokens={body.min_tokens} is more than the {min(limits)} tokens this "
-                           "completion may have", param="min_tokens")
+            raise APIError(
+                400,
+                f"min_tokens={body.min_tokens} is more than the {min(limits)} tokens this completion may have",
+                param="min_tokens",
+            )
         # n choices: n requests with the same prompt and hashes (so the router sends them to the
         # replica that holds it, whose prefix tree stores it once), ids <id>-<k> (k = prompt * n +
         # choice), choice i seeded seed + i (unseeded choices get a random seed: the engine's own
@@ -821,17 +989,25 @@ class OpenAIIngress:
         for p, (prompt, max_tokens) in enumerate(zip(prompts, limits)):
             # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
             # length and params.max_tokens from this request
-            hashes = tuple(chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks,
-                                        self.model_name))
+            hashes = tuple(
+                chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks, self.model_name)
+            )
             params = [body.sampling_params(max_tokens, i, seed) for i in range(body.n)]
             if think is not None:
                 params = [dataclasses.replace(one_params, think=think) for one_params in params]
-            reqs += [GenerateRequest(request_id=rid if one else f"{rid}-{p * body.n + i}",
-                                     prompt_token_ids=tuple(prompt), params=params[i], stop=body.stop_strings,
-                                     model=self.model_name, prefix_hashes=hashes,
-                                     skip_special_tokens=body.skip_special_tokens,
-                                     include_stop_str_in_output=body.include_stop_str_in_output)
-                     for i in range(body.n)]
+            reqs += [
+                GenerateRequest(
+                    request_id=rid if one else f"{rid}-{p * body.n + i}",
+                    prompt_token_ids=tuple(prompt),
+                    params=params[i],
+                    stop=body.stop_strings,
+                    model=self.model_name,
+                    prefix_hashes=hashes,
+                    skip_special_tokens=body.skip_special_tokens,
+                    include_stop_str_in_output=body.include_stop_str_in_output,
+                )
+                for i in range(body.n)
+            ]
         return rid, reqs
 
     async def record_routing_stats(self) -> dict:
@@ -855,8 +1031,11 @@ class OpenAIIngress:
                 status = await asyncio.to_thread(serve.status)
                 app_status = status.applications.get(self._llm.app_name)
                 deployment = None if app_status is None else app_status.deployments.get(self._llm.deployment_name)
-                states = {} if deployment is None else {getattr(state, "value", str(state)): n for state, n in
-                                                        deployment.replica_states.items() if n}
+                states = (
+                    {}
+                    if deployment is None
+                    else {getattr(state, "value", str(state)): n for state, n in deployment.replica_states.items() if n}
+                )
                 self._states = (time.monotonic(), states)
             return states
 
@@ -869,13 +1048,18 @@ class OpenAIIngress:
         return self._info
 
     def _deadline_exceeded(self) -> APIError:
-        return APIError(503, f"the request got no output within its deadline of {self.config.request_deadline_s:g} s "
-                        "(request_deadline_s): the model is overloaded, retry later", type="server_error",
-                        code="deadline_exceeded",
-                        headers={"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))})
+        return APIError(
+            503,
+            f"the request got no output within its deadline of {self.config.request_deadline_s:g} s "
+            "(request_deadline_s): the model is overloaded, retry later",
+            type="server_error",
+            code="deadline_exceeded",
+            headers={"Retry-After": str(max(1, math.ceil(self.config.retry_after_s)))},
+        )
 
-    async def _start(self, req: GenerateRequest, own_id: bool = False, deadline: float | None = None
-                     ) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
+    async def _start(
+        self, req: GenerateRequest, own_id: bool = False, deadline: float | None = None
+    ) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
         """Send the request to a replica and wait for its first output (so errors get a status code).
         own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id).
         A replica that fails before the first output (nothing was sent) is retried once: Serve's
@@ -900,8 +1084,11 @@ class OpenAIIngress:
                 if refused is not None:  # the engine refused the request (the checks above should have)
                     raise APIError(400, str(refused)) from None
                 if not retried and isinstance(e, (RayActorError, EngineDied)):
-                    logger.warning("request %s: its replica failed before its first output (%s); retrying once",
-                                   _request_id(), type(e).__name__)
+                    logger.warning(
+                        "request %s: its replica failed before its first output (%s); retrying once",
+                        _request_id(),
+                        type(e).__name__,
+                    )
                     retried = True
                     continue
                 raise _server_error(e) from None

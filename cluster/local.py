@@ -20,9 +20,16 @@ from ray.cluster_utils import Cluster
 
 
 class LocalCluster:
-    def __init__(self, num_nodes: int = 3, num_cpus_per_node: float = 2, num_gpus_per_node: int = 0,
-                 object_store_bytes: int = 200 * 2**20, resources_per_node: dict[str, float] | None = None,
-                 include_dashboard: bool = False, dashboard_port: int | None = None):
+    def __init__(
+        self,
+        num_nodes: int = 3,
+        num_cpus_per_node: float = 2,
+        num_gpus_per_node: int = 0,
+        object_store_bytes: int = 200 * 2**20,
+        resources_per_node: dict[str, float] | None = None,
+        include_dashboard: bool = False,
+        dashboard_port: int | None = None,
+    ):
         """include_dashboard: the heaviest head process; needed by `ray.util.state` and `serve deploy`
         (whose default address is the dashboard's default port, 8265: dashboard_port None)."""
         if num_nodes < 1:
@@ -30,17 +37,25 @@ class LocalCluster:
         self.num_nodes = num_nodes
         self.include_dashboard = include_dashboard
         self.dashboard_port = dashboard_port
-        self._node_args = {"num_cpus": num_cpus_per_node, "num_gpus": num_gpus_per_node,
-                           "object_store_memory": object_store_bytes, "resources": resources_per_node or {}}
+        self._node_args = {
+            "num_cpus": num_cpus_per_node,
+            "num_gpus": num_gpus_per_node,
+            "object_store_memory": object_store_bytes,
+            "resources": resources_per_node or {},
+        }
         self._cluster: Cluster | None = None
 
     def start(self) -> LocalCluster:
         if self._cluster is not None:
             raise RuntimeError("the cluster is already running")
-        self._cluster = Cluster(initialize_head=True,
-                                head_node_args={**self._node_args, "include_dashboard": self.include_dashboard,
-                                                **({} if self.dashboard_port is None else
-                                                   {"dashboard_port": self.dashboard_port})})
+        self._cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                **self._node_args,
+                "include_dashboard": self.include_dashboard,
+                **({} if self.dashboard_port is None else {"dashboard_port": self.dashboard_port}),
+            },
+        )
         try:
             for _ in range(self.num_nodes - 1):
                 self._cluster.add_node(**self._node_args)
@@ -81,10 +96,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--object-store-mb", type=int, default=200)
     ap.add_argument("--dashboard", action="store_true", help="start the dashboard (for `serve deploy`, `ray list`)")
     args = ap.parse_args(argv)
-    with LocalCluster(args.nodes, args.cpus, args.gpus, args.object_store_mb * 2**20,
-                      include_dashboard=args.dashboard) as cluster:
-        print(f"{args.nodes}-node Ray cluster at {cluster.address}; "
-              f"e.g. serve run --address {cluster.address} configs/local.yaml; Ctrl-C stops it", flush=True)
+    with LocalCluster(
+        args.nodes, args.cpus, args.gpus, args.object_store_mb * 2**20, include_dashboard=args.dashboard
+    ) as cluster:
+        print(
+            f"{args.nodes}-node Ray cluster at {cluster.address}; "
+            f"e.g. serve run --address {cluster.address} configs/local.yaml; Ctrl-C stops it",
+            flush=True,
+        )
         stop = {signal.SIGINT, signal.SIGTERM}
         signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # taken by sigwait, so the `with` exits cleanly
         signal.sigwait(stop)

@@ -25,15 +25,23 @@ class TokenTexts:
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)
         if text is None:
-            text = f"token_id:{token}" if self.tokenizer is None else \
-                self.tokenizer.decode([token], skip_special_tokens=False)
+            text = (
+                f"token_id:{token}"
+                if self.tokenizer is None
+                else self.tokenizer.decode([token], skip_special_tokens=False)
+            )
             if len(self._texts) < 1 << 16:
                 self._texts[token] = text
         return text
 
 
-def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry | None], texts: TokenTexts,
-                        offset: int = 0, hidden: Container[int] = ()) -> CompletionLogprobs:
+def completion_logprobs(
+    token_ids: Sequence[int],
+    entries: Sequence[Entry | None],
+    texts: TokenTexts,
+    offset: int = 0,
+    hidden: Container[int] = (),
+) -> CompletionLogprobs:
     """/v1/completions' form; offset: characters of the choice's text before these tokens (the
     tokens' texts' lengths count on from it); hidden: positions of tokens whose text the
     choice's text does not hold (a BOS the tokenizer added, special tokens skipped), which count
@@ -50,8 +58,12 @@ def completion_logprobs(token_ids: Sequence[int], entries: Sequence[Entry | None
         for t, lp in () if entry is None else entry[1]:
             alts.setdefault(texts(t), lp)
         top.append(alts)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=[None if e is None else e[0] for e in entries],
-                              top_logprobs=top, text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=tokens,
+        token_logprobs=[None if e is None else e[0] for e in entries],
+        top_logprobs=top,
+        text_offset=offsets,
+    )
 
 
 def text_length(logprobs: CompletionLogprobs, hidden: Container[int] = ()) -> int:
@@ -61,10 +73,14 @@ def text_length(logprobs: CompletionLogprobs, hidden: Container[int] = ()) -> in
 
 def chat_logprobs(token_ids: Sequence[int], entries: Sequence[Entry], texts: TokenTexts) -> ChatLogprobs:
     """/v1/chat/completions' form."""
+
     def top(token: int, logprob: float) -> dict:
         text = texts(token)
         return dict(token=text, logprob=logprob, bytes=list(text.encode("utf-8", errors="replace")))
 
-    return ChatLogprobs(content=[
-        TokenLogprob(**top(t, lp), top_logprobs=[TopLogprob(**top(b, blp)) for b, blp in best])
-        for t, (lp, best) in zip(token_ids, entries, strict=True)])
+    return ChatLogprobs(
+        content=[
+            TokenLogprob(**top(t, lp), top_logprobs=[TopLogprob(**top(b, blp)) for b, blp in best])
+            for t, (lp, best) in zip(token_ids, entries, strict=True)
+        ]
+    )

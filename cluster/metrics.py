@@ -77,9 +77,11 @@ class HttpCounts:
 
     def snapshot(self) -> dict:
         with self._lock:  # (tuples become lists over Ray's pickling either way: lists of rows here)
-            return {"responses": [[*k, n] for k, n in self.responses.items()],
-                    "errors": [[*k, n] for k, n in self.errors.items()],
-                    "stream_errors": [[k, n] for k, n in self.stream_errors.items()]}
+            return {
+                "responses": [[*k, n] for k, n in self.responses.items()],
+                "errors": [[*k, n] for k, n in self.errors.items()],
+                "stream_errors": [[k, n] for k, n in self.stream_errors.items()],
+            }
 
 
 HTTP = HttpCounts()
@@ -150,10 +152,14 @@ class ReplicaStats:
 
     def _replica_names(self) -> list[str]:
         # ("<prefix><app>#<deployment>#": the full id of a replica whose unique id is "")
-        prefixes = tuple(ReplicaID("", DeploymentID(name=d, app_name=self.app_name)).to_full_id_str()
-                         for d in self.deployments)
-        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefixes))
+        prefixes = tuple(
+            ReplicaID("", DeploymentID(name=d, app_name=self.app_name)).to_full_id_str() for d in self.deployments
+        )
+        return sorted(
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == SERVE_NAMESPACE and a["name"].startswith(prefixes)
+        )
 
     @staticmethod
     async def _ask(actor) -> dict | None:
@@ -195,17 +201,22 @@ class MetricsText:
 
 
 # -- the text ---------------------------------------------------------------------------
-_REPLICA_COUNTERS = {"prompt_tokens": "Prompt tokens of finished requests.",
-                     "cached_prompt_tokens": "Prompt tokens of finished requests served from the prefix cache.",
-                     "generated_tokens": "Tokens generated.",
-                     "finished_requests": "Requests the engine finished (aborted ones included)."}
-_REPLICA_GAUGES = {"running_requests": "Requests in the running batch.",
-                   "waiting_requests": "Requests waiting for admission.",
-                   "kv_chunks_used": "KV cache chunks held by live requests.",
-                   "kv_chunks_total": "KV cache chunks in the pool."}
-_HISTOGRAMS = {"chunkserve_time_to_first_token_seconds": "Arrival at the replica to its first token.",
-               "chunkserve_time_per_output_token_seconds":
-                   "A finished request's decode time per token after the first."}
+_REPLICA_COUNTERS = {
+    "prompt_tokens": "Prompt tokens of finished requests.",
+    "cached_prompt_tokens": "Prompt tokens of finished requests served from the prefix cache.",
+    "generated_tokens": "Tokens generated.",
+    "finished_requests": "Requests the engine finished (aborted ones included).",
+}
+_REPLICA_GAUGES = {
+    "running_requests": "Requests in the running batch.",
+    "waiting_requests": "Requests waiting for admission.",
+    "kv_chunks_used": "KV cache chunks held by live requests.",
+    "kv_chunks_total": "KV cache chunks in the pool.",
+}
+_HISTOGRAMS = {
+    "chunkserve_time_to_first_token_seconds": "Arrival at the replica to its first token.",
+    "chunkserve_time_per_output_token_seconds": "A finished request's decode time per token after the first.",
+}
 
 
 def exposition(model_name: str, replicas: dict[tuple[str, str], dict], unreached: dict[str, int]) -> bytes:
@@ -233,8 +244,9 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         for rid, m in models.items():
             g.add_metric([model_name, rid], m["gauges"][name])
         yield g
-    g = GaugeMetricFamily("chunkserve_kv_cache_usage_perc", "KV cache chunks in use (0..1): used / total.",
-                          labels=labels)
+    g = GaugeMetricFamily(
+        "chunkserve_kv_cache_usage_perc", "KV cache chunks in use (0..1): used / total.", labels=labels
+    )
     for rid, m in models.items():
         g.add_metric([model_name, rid], m["gauges"]["kv_chunks_used"] / max(1, m["gauges"]["kv_chunks_total"]))
     yield g
@@ -253,12 +265,21 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
                 buckets.append((bound, cumulative))
             h.add_metric([model_name, rid], buckets, hist["sum"])
         yield h
-    responses = CounterMetricFamily("chunkserve_http_responses", "The ingress's HTTP responses by endpoint and status.",
-                                    labels=["replica", "endpoint", "status"])
-    errors = CounterMetricFamily("chunkserve_http_errors", "The ingress's error responses by status and OpenAI error "
-                                 "code (or type, for errors without a code).", labels=["replica", "status", "code"])
-    stream = CounterMetricFamily("chunkserve_stream_errors", "Errors sent inside a stream that had begun (status 200 "
-                                 "was sent), by OpenAI error code.", labels=["replica", "code"])
+    responses = CounterMetricFamily(
+        "chunkserve_http_responses",
+        "The ingress's HTTP responses by endpoint and status.",
+        labels=["replica", "endpoint", "status"],
+    )
+    errors = CounterMetricFamily(
+        "chunkserve_http_errors",
+        "The ingress's error responses by status and OpenAI error code (or type, for errors without a code).",
+        labels=["replica", "status", "code"],
+    )
+    stream = CounterMetricFamily(
+        "chunkserve_stream_errors",
+        "Errors sent inside a stream that had begun (status 200 was sent), by OpenAI error code.",
+        labels=["replica", "code"],
+    )
     for rid, http in https.items():
         for endpoint, status, n in http["responses"]:
             responses.add_metric([rid, endpoint, status], n)
@@ -267,9 +288,11 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         for code, n in http["stream_errors"]:
             stream.add_metric([rid, code], n)
     yield from (responses, errors, stream)
-    reached = GaugeMetricFamily("chunkserve_metrics_replicas", "Replicas this scrape reached (answered: true) or did "
-                                "not (starting, stopping, or timed out), by deployment.",
-                                labels=["deployment", "answered"])
+    reached = GaugeMetricFamily(
+        "chunkserve_metrics_replicas",
+        "Replicas this scrape reached (answered: true) or did not (starting, stopping, or timed out), by deployment.",
+        labels=["deployment", "answered"],
+    )
     answered = collections.Counter(d for d, _ in replicas)
     for deployment in sorted(set(answered) | set(unreached)):
         reached.add_metric([deployment, "true"], answered[deployment])

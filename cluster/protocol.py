@@ -59,9 +59,15 @@ class _NullMeansDefault(BaseModel):
     def _drop_nulls(cls, data: Any) -> Any:
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required() or fields[k].default is None
-                    or k == "max_tokens"}
+            return {
+                k: v
+                for k, v in data.items()
+                if v is not None
+                or k not in fields
+                or fields[k].is_required()
+                or fields[k].default is None
+                or k == "max_tokens"
+            }
         return data
 
 
@@ -72,6 +78,7 @@ class StreamOptions(_NullMeansDefault):
 
 class JsonSchemaFormat(BaseModel):
     """response_format's json_schema: the schema the output follows (none: any JSON object)."""
+
     model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     name: str | None = None
     description: str | None = None
@@ -81,6 +88,7 @@ class JsonSchemaFormat(BaseModel):
 
 class ResponseFormat(BaseModel):
     """OpenAI's response_format: text (free), json_object (any JSON object), json_schema."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -94,6 +102,7 @@ class ResponseFormat(BaseModel):
 
 class StructuredOutputs(_NullMeansDefault):
     """vLLM's structured_outputs: one of json, regex, choice, grammar, json_object."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     json_: str | dict[str, Any] | None = Field(None, alias="json")
     regex: str | None = None
@@ -114,6 +123,7 @@ class StructuredOutputs(_NullMeansDefault):
 
 class _SamplingRequest(_NullMeansDefault):
     """Fields common to /v1/completions and /v1/chat/completions."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     # field -> the values that mean "feature off"; anything else is refused
     NEUTRAL: ClassVar[dict[str, tuple]] = {
@@ -121,8 +131,14 @@ class _SamplingRequest(_NullMeansDefault):
         "guided_whitespace_pattern": (None,),
     }
     # the structured-output fields, of which a request may give one
-    GUIDES: ClassVar[tuple[str, ...]] = ("response_format", "guided_json", "guided_regex", "guided_choice",
-                                         "guided_grammar", "structured_outputs")
+    GUIDES: ClassVar[tuple[str, ...]] = (
+        "response_format",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "structured_outputs",
+    )
 
     model: str | None = None  # None: the served model
     max_tokens: int | None = Field(None, ge=1)
@@ -142,7 +158,9 @@ class _SamplingRequest(_NullMeansDefault):
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=100)  # extension (vLLM)
     min_p: float = Field(0.0, ge=0, le=1)  # extension (vLLM)
-    logit_bias: dict[str, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)  # token id (a string, as JSON keys are) -> bias
+    logit_bias: dict[str, float] | None = Field(
+        None, max_length=MAX_LOGIT_BIAS
+    )  # token id (a string, as JSON keys are) -> bias
     min_tokens: int = Field(0, ge=0)  # extension (vLLM): no stop before this many tokens
     include_stop_str_in_output: bool = False  # extension (vLLM): the text ends after the stop string
     skip_special_tokens: bool = True  # extension (vLLM): False renders special tokens in the text
@@ -238,12 +256,23 @@ class _SamplingRequest(_NullMeansDefault):
         request's, else `seed` (None: the engine keys it)."""
         base = self.seed if self.seed is not None else seed
         seed = None if base is None else base if choice == 0 else (base + choice) % 2**64
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
-                              ignore_eos=self.ignore_eos, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-                              min_p=self.min_p, logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
-                              min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted, guided=self.guide)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
+            min_tokens=self.min_tokens,
+            logprobs=self.top_logprobs_wanted,
+            guided=self.guide,
+        )
 
 
 def _choice_text(choice: Any) -> str:
@@ -293,8 +322,12 @@ def check_schema_depth(schema: Any) -> None:
         depth += 1
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the JSON schema nests more than {MAX_SCHEMA_DEPTH} objects and arrays deep")
-        level = [v for node in level for v in (node.values() if isinstance(node, dict) else node)
-                 if isinstance(v, (dict, list))]
+        level = [
+            v
+            for node in level
+            for v in (node.values() if isinstance(node, dict) else node)
+            if isinstance(v, (dict, list))
+        ]
 
 
 def _prompt_form(prompt: Any) -> str:
@@ -308,13 +341,20 @@ def _prompt_form(prompt: Any) -> str:
 
 class CompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "suffix": (None, ""), "best_of": (None, 1),
+        **_SamplingRequest.NEUTRAL,
+        "suffix": (None, ""),
+        "best_of": (None, 1),
     }
 
     # text, [texts], token ids, or [token id lists]: a list is a batch of prompts, each with its n
     # choices (choice index: prompt * n + choice)
-    prompt: Annotated[Annotated[str, Tag("text")] | Annotated[list[str], Tag("texts")] | Annotated[list[int], Tag("ids")]
-                      | Annotated[list[list[int]], Tag("batch")], Discriminator(_prompt_form)]
+    prompt: Annotated[
+        Annotated[str, Tag("text")]
+        | Annotated[list[str], Tag("texts")]
+        | Annotated[list[int], Tag("ids")]
+        | Annotated[list[list[int]], Tag("batch")],
+        Discriminator(_prompt_form),
+    ]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     # each token's logprob and the logprobs most likely tokens' (OpenAI allows 5, vLLM 20)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -366,6 +406,7 @@ class ContentPart(BaseModel):
 
 class FunctionCallIn(BaseModel):
     """A function call an earlier assistant turn made: `arguments` is JSON text, as OpenAI sends it."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str
     arguments: str
@@ -397,9 +438,14 @@ class ChatMessage(BaseModel):
         the templates of tool-calling models render with `tojson`)."""
         out: dict[str, Any] = {"role": self.role, "content": self.text()}
         if self.tool_calls:
-            out["tool_calls"] = [{"id": c.id, "type": c.type,
-                                  "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                                 for c in self.tool_calls]
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         out |= {k: getattr(self, k) for k in ("tool_call_id", "name") if getattr(self, k) is not None}
         return out
 
@@ -418,6 +464,7 @@ def _arguments(text: str) -> Any:
 
 class FunctionDefinition(BaseModel):
     """A tool the model may call: `parameters` is a JSON schema of its arguments (none: any object)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
     description: str | None = None
@@ -445,6 +492,7 @@ class NamedFunction(BaseModel):
 
 class NamedToolChoice(BaseModel):
     """tool_choice naming the one function the model must call."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     type: Literal["function"]
     function: NamedFunction
@@ -452,7 +500,9 @@ class NamedToolChoice(BaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     NEUTRAL: ClassVar[dict[str, tuple]] = {
-        **_SamplingRequest.NEUTRAL, "functions": (None, []), "function_call": (None, "none", "auto"),
+        **_SamplingRequest.NEUTRAL,
+        "functions": (None, []),
+        "function_call": (None, "none", "auto"),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -517,6 +567,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_NullMeansDefault):
     """vLLM's POST /tokenize: a prompt's token ids, or a chat's as its template renders them."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     prompt: str | None = None
@@ -533,6 +584,7 @@ class TokenizeRequest(_NullMeansDefault):
 
 class DetokenizeRequest(_NullMeansDefault):
     """vLLM's POST /detokenize: token ids' text."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
     model: str | None = None
     tokens: list[int]
@@ -568,8 +620,12 @@ class Usage(BaseModel):
         OpenAI counts n choices and batched prompts."""
         firsts, completion = lasts[::n], sum(o.completion_tokens for o in lasts)
         prompt = sum(o.prompt_tokens for o in firsts)
-        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)))
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)),
+        )
 
 
 FinishReason = Literal["stop", "length", "abort", "tool_calls"]
@@ -577,6 +633,7 @@ FinishReason = Literal["stop", "length", "abort", "tool_calls"]
 
 class CompletionLogprobs(BaseModel):
     """/v1/completions' per-token logprobs (OpenAI's legacy form)."""
+
     tokens: list[str] = []
     token_logprobs: list[float | None] = []  # (None: an echoed prompt's first token)
     top_logprobs: list[dict[str, float] | None] = []  # per token: the most likely tokens' text -> logprob

@@ -76,7 +76,7 @@ class ReasoningSplit:
             self.opened = self.parser == "deepseek_r1"  # a short output that began like `<think>`
             start = 0
         if not self.opened:  # content all through
-            out, self.sent_content = self.text[self.sent_content:], len(self.text)
+            out, self.sent_content = self.text[self.sent_content :], len(self.text)
             return "", out
         self.sent_reasoning = max(self.sent_reasoning, start)
         if self.end < 0:
@@ -85,9 +85,9 @@ class ReasoningSplit:
                 self.end, self.sent_content = found, found + len(END)
         if self.end < 0:  # still thinking: hold back what may begin `</think>`
             upto = len(self.text) - (0 if final else held(self.text, END))
-            out, self.sent_reasoning = self.text[self.sent_reasoning:upto], max(self.sent_reasoning, upto)
+            out, self.sent_reasoning = self.text[self.sent_reasoning : upto], max(self.sent_reasoning, upto)
             return out, ""
-        reasoning = self.text[self.sent_reasoning:self.end] if self.sent_reasoning < self.end else ""
+        reasoning = self.text[self.sent_reasoning : self.end] if self.sent_reasoning < self.end else ""
         self.sent_reasoning = max(self.sent_reasoning, self.end)
-        out, self.sent_content = self.text[self.sent_content:], len(self.text)
+        out, self.sent_content = self.text[self.sent_content :], len(self.text)
         return reasoning, out

@@ -57,9 +57,14 @@ def tool_guide(tools: list, choice: Any, parallel: bool) -> Guide:
             for name, schema in params.pop("$defs", {}).items():  # refs point at the root: hoist them there
                 if defs.setdefault(name, schema) != schema:
                     raise ValueError(f"tools define $defs/{name} differently")
-            branches.append({"type": "object", "properties": {"name": {"const": tool.function.name},
-                                                              "parameters": params},
-                             "required": ["name", "parameters"], "additionalProperties": False})
+            branches.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": tool.function.name}, "parameters": params},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+            )
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": branches}}
         if not parallel:
             schema["maxItems"] = 1
@@ -95,7 +100,7 @@ class _ArrayItems:
             elif c in "]}":
                 self.depth -= 1
                 if self.depth == 1 and self.start >= 0:
-                    items.append(text[self.start:i + 1])
+                    items.append(text[self.start : i + 1])
                     self.start = -1
                 self.closed |= self.depth == 0
         self.pos = len(text)
@@ -157,6 +162,7 @@ class HermesParser:
     """<tool_call> blocks after any content: the calls are the blocks that parse, up to the first
     that does not (the rest dropped); none parsing: the whole text is content. A block left open
     at the end (cut short) counts if its JSON is whole."""
+
     START, END = "<tool_call>", "</tool_call>"
     _BLOCK = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.S)
     _CLOSED = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -183,6 +189,7 @@ class HermesParser:
 class Llama3JsonParser:
     """The whole output JSON calls, `;` between them, after an optional <|python_tag|>; anything
     else in it: all content. Its calls are known only at the end."""
+
     TAG = "<|python_tag|>"
 
     def start(self, text: str) -> int | None:
@@ -211,7 +218,6 @@ class Llama3JsonParser:
                 i += 1
         except (json.JSONDecodeError, KeyError, TypeError):
             return text, []
-
 
     def closed(self, text: str) -> int:
         return 0
@@ -286,8 +292,16 @@ class ToolOutput:
     def _step_named(self, delta: str) -> dict[str, Any]:
         if not self.started:  # the first delta names the call
             self.started = True
-            return {"tool_calls": [{"index": 0, "id": _call_id(), "type": "function",
-                                    "function": {"name": self.named, "arguments": delta}}]}
+            return {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": _call_id(),
+                        "type": "function",
+                        "function": {"name": self.named, "arguments": delta},
+                    }
+                ]
+            }
         return {"tool_calls": [{"index": 0, "function": {"arguments": delta}}]} if delta else {}
 
     def _step_required(self, finish: str | None) -> tuple[dict[str, Any], str | None]:
@@ -308,22 +322,22 @@ class ToolOutput:
             self.started = start is not None
             end = start if self.started else len(self.text) - (0 if finish else self.parser.held(self.text))
             if self.text[:end].strip() and end > self.sent:  # (leading whitespace waits: none goes before calls)
-                out, self.sent = {"content": self.text[self.sent:end]}, end
+                out, self.sent = {"content": self.text[self.sent : end]}, end
         if finish is None:
             if self.started and self.parser.closed(self.text) > self.calls:  # calls whole already: out now
                 _, calls = self.parser.parse(self.text)
-                out["tool_calls"] = self._new_calls(calls[:self.parser.closed(self.text)])
+                out["tool_calls"] = self._new_calls(calls[: self.parser.closed(self.text)])
             return out, None
         content, calls, finish = self.whole(self.text, finish)
         if calls:
             new = self._new_calls(calls)
             return ({**out, "tool_calls": new} if new else out), finish
-        rest = content[self.sent:]  # no calls: all the text is content, the held part too
+        rest = content[self.sent :]  # no calls: all the text is content, the held part too
         return ({"content": out.get("content", "") + rest} if out or rest else {}), finish
 
     def _new_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The calls past those streamed, as deltas (see _indexed)."""
-        return self._indexed(calls[self.calls:])
+        return self._indexed(calls[self.calls :])
 
     def _indexed(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Calls about to stream, after those streamed, as deltas: each whole, with its index."""

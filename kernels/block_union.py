@@ -39,14 +39,29 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["BlockUnion", "block_agg", "block_keys", "block_keys_gpu", "budget_blocks", "budget_free", "budget_list_len",
-           "budget_lists", "budget_pages", "chunk_key_means", "chunk_mask", "normalised", "select_blocks",
-           "subgroup_size", "write_pages"]
+__all__ = [
+    "BlockUnion",
+    "block_agg",
+    "block_keys",
+    "block_keys_gpu",
+    "budget_blocks",
+    "budget_free",
+    "budget_list_len",
+    "budget_lists",
+    "budget_pages",
+    "chunk_key_means",
+    "chunk_mask",
+    "normalised",
+    "select_blocks",
+    "subgroup_size",
+    "write_pages",
+]
 
 
 @dataclass(frozen=True)
 class BlockUnion:
     """The selection's knobs (EngineConfig.sparse_prefill)."""
+
     min_context: int = 8192  # a piece whose context (tokens cached before it) is shorter runs dense
     block: int = 128  # tokens per KV block and per query block: a power of two, a multiple of the chunk size
     alpha: float = 0.1  # keep the blocks scoring >= alpha x the best one (per query head and query block)
@@ -68,8 +83,10 @@ class BlockUnion:
         if self.subgroup < 1:
             raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
         if self.budget is not None and not (0 < self.budget <= 1 and self.window >= 1):
-            raise ValueError(f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
-                             f"partial block), got budget {self.budget}, window {self.window}")
+            raise ValueError(
+                f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
+                f"partial block), got budget {self.budget}, window {self.window}"
+            )
 
     def check_chunk_size(self, chunk_size: int) -> None:
         if self.block % chunk_size:
@@ -121,8 +138,19 @@ def block_keys_gpu(chunk_means: Tensor, table: Tensor, block_chunks: int, dtype:
         raise ValueError(f"chunk means {tuple(chunk_means.shape)}: a power-of-two head dim, contiguous")
     block_n = min(64, triton.next_power_of_2(nb))
     _kernels()[2][(triton.cdiv(nb, block_n), hkv)](
-        chunk_means, table, out, k, nb, chunk_means.stride(0), chunk_means.stride(1), out.stride(0), out.stride(1),
-        BC=block_chunks, D=d, BLOCK_N=block_n)
+        chunk_means,
+        table,
+        out,
+        k,
+        nb,
+        chunk_means.stride(0),
+        chunk_means.stride(1),
+        out.stride(0),
+        out.stride(1),
+        BC=block_chunks,
+        D=d,
+        BLOCK_N=block_n,
+    )
     return out
 
 
@@ -136,8 +164,20 @@ def chunk_key_means(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
     f = chunks.numel()
     if f:
         _kernels()[3][(num_layers * f, hkv)](
-            k_pool, chunks, out, f, k_pool.stride(0), k_pool.stride(1), k_pool.stride(2), out.stride(0),
-            out.stride(1), out.stride(2), C=c, D=d, ROWS=min(c, max(1, 4096 // d)))
+            k_pool,
+            chunks,
+            out,
+            f,
+            k_pool.stride(0),
+            k_pool.stride(1),
+            k_pool.stride(2),
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            C=c,
+            D=d,
+            ROWS=min(c, max(1, 4096 // d)),
+        )
 
 
 def normalised(scores: Tensor, sub: int) -> Tensor:
@@ -159,8 +199,8 @@ def select_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
         keep.scatter_(1, blocks, True)
     else:
         keep = agg >= cfg.alpha
-    keep[:, :cfg.sink] = True
-    keep[:, max(0, nb - cfg.window):] = True
+    keep[:, : cfg.sink] = True
+    keep[:, max(0, nb - cfg.window) :] = True
     return keep
 
 
@@ -176,12 +216,13 @@ def budget_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
     full and precede the piece's own), attention sums over them."""
     nb = agg.shape[1]
     free = budget_free(cfg, nb)
-    mid = agg[:, cfg.sink:nb - cfg.window]
+    mid = agg[:, cfg.sink : nb - cfg.window]
     return mid.topk(free, dim=1, sorted=False).indices + cfg.sink
 
 
-def budget_lists(table: list[int], context_len: int, total: int, chunk_size: int, cfg: BlockUnion,
-                 num_kv_heads: int, entries: int) -> tuple[list[int], int, slice]:
+def budget_lists(
+    table: list[int], context_len: int, total: int, chunk_size: int, cfg: BlockUnion, num_kv_heads: int, entries: int
+) -> tuple[list[int], int, slice]:
     """A budget piece's page lists as laid out for a step (one plan, every layer): per entry
     (entry e reads KV head e // (entries / Hkv)) the sink's chunks, then `budget_free` blocks'
     chunks chosen per layer, then the window's and the piece's own chunks, as pages
@@ -191,8 +232,8 @@ def budget_lists(table: list[int], context_len: int, total: int, chunk_size: int
     k0, used = context_len // c, -(-total // c)
     nb = -(-k0 // bc)
     free = budget_free(cfg, nb)
-    head = table[:cfg.sink * bc]
-    tail = table[(nb - cfg.window) * bc:used]
+    head = table[: cfg.sink * bc]
+    tail = table[(nb - cfg.window) * bc : used]
     groups = entries // num_kv_heads
     pages = []
     for e in range(entries):
@@ -229,8 +270,19 @@ def write_pages(out: Tensor, blocks: Tensor, table: Tensor, block_chunks: int, n
         raise ValueError(f"pages out {tuple(out.shape)} {out.dtype} does not fit {e} lists of {free} blocks")
     if free:
         import triton
-        _kernels()[1][(e,)](out, blocks, table, out.stride(0), blocks.stride(0), free, GROUPS=e // num_kv_heads,
-                            HKV=num_kv_heads, BC=block_chunks, FREE_P=triton.next_power_of_2(free))
+
+        _kernels()[1][(e,)](
+            out,
+            blocks,
+            table,
+            out.stride(0),
+            blocks.stride(0),
+            free,
+            GROUPS=e // num_kv_heads,
+            HKV=num_kv_heads,
+            BC=block_chunks,
+            FREE_P=triton.next_power_of_2(free),
+        )
 
 
 def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) -> Tensor:
@@ -252,8 +304,9 @@ def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | N
     t, hq, d = q.shape
     nb, hkv, dk = keys.shape
     if dk != d or hq % hkv or (hq // hkv) % sub or q.stride(2) != 1:
-        raise ValueError(f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and sub-groups of {sub} do not fit "
-                         f"(q's last dim contiguous)")
+        raise ValueError(
+            f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and sub-groups of {sub} do not fit (q's last dim contiguous)"
+        )
     if d & (d - 1) or d < 16 or block & (block - 1) or block < 16:
         raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
     keys = keys.to(q.dtype).contiguous()
@@ -262,9 +315,25 @@ def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | N
     agg = torch.zeros(e, nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
-    _kernels()[0][(e, qb)](q, keys, scratch, agg.view(torch.int32), t, nb, q.stride(0), q.stride(1), keys.stride(0),
-                           keys.stride(1), scale, G=hq // hkv, SUB=sub, D=d, BLOCK_Q=block, BLOCK_N=block_n,
-                           num_warps=8 if block * d >= 128 * 128 else 4)
+    _kernels()[0][(e, qb)](
+        q,
+        keys,
+        scratch,
+        agg.view(torch.int32),
+        t,
+        nb,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        scale,
+        G=hq // hkv,
+        SUB=sub,
+        D=d,
+        BLOCK_Q=block,
+        BLOCK_N=block_n,
+        num_warps=8 if block * d >= 128 * 128 else 4,
+    )
     return agg
 
 
@@ -279,9 +348,24 @@ def _kernels():
         import triton.language as tl
 
         @triton.jit
-        def _agg_kernel(Q, Keys, Scratch, Agg, T, NB, stride_qt, stride_qh, stride_kb, stride_kh, qk_scale,
-                        G: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, BLOCK_Q: tl.constexpr,
-                        BLOCK_N: tl.constexpr):
+        def _agg_kernel(
+            Q,
+            Keys,
+            Scratch,
+            Agg,
+            T,
+            NB,
+            stride_qt,
+            stride_qh,
+            stride_kb,
+            stride_kh,
+            qk_scale,
+            G: tl.constexpr,
+            SUB: tl.constexpr,
+            D: tl.constexpr,
+            BLOCK_Q: tl.constexpr,
+            BLOCK_N: tl.constexpr,
+        ):
             # one program per (list, query block), for each of the list's SUB heads: two passes
             # over the block keys (each row's softmax max and sum, then the mean of the rows' p
             # into Scratch with the row's max), a third folding p / max into the list's row of
@@ -295,14 +379,18 @@ def _kernels():
             for j in range(SUB):
                 head = lst * SUB + j
                 kv = head // G
-                q = tl.load(Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None],
-                            other=0.0)
+                q = tl.load(
+                    Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+                )
                 m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
                 l_i = tl.zeros([BLOCK_Q], tl.float32)
                 for n0 in range(0, NB, BLOCK_N):
                     cols = n0 + tl.arange(0, BLOCK_N)
-                    k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                                mask=(cols < NB)[:, None], other=0.0)
+                    k = tl.load(
+                        Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                        mask=(cols < NB)[:, None],
+                        other=0.0,
+                    )
                     s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 domain
                     s = tl.where((cols < NB)[None, :], s, float("-inf"))
                     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -312,8 +400,11 @@ def _kernels():
                 best = 0.0
                 for n0 in range(0, NB, BLOCK_N):
                     cols = n0 + tl.arange(0, BLOCK_N)
-                    k = tl.load(Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                                mask=(cols < NB)[:, None], other=0.0)
+                    k = tl.load(
+                        Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
+                        mask=(cols < NB)[:, None],
+                        other=0.0,
+                    )
                     s = tl.dot(q, tl.trans(k)) * qk_scale
                     p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
                     p = tl.where(cols < NB, p, 0.0)
@@ -327,8 +418,18 @@ def _kernels():
                 tl.debug_barrier()  # before the next head overwrites the scratch row
 
         @triton.jit
-        def _pages_kernel(Out, Blocks, Table, stride_o, stride_b, FREE, GROUPS: tl.constexpr, HKV: tl.constexpr,
-                          BC: tl.constexpr, FREE_P: tl.constexpr):
+        def _pages_kernel(
+            Out,
+            Blocks,
+            Table,
+            stride_o,
+            stride_b,
+            FREE,
+            GROUPS: tl.constexpr,
+            HKV: tl.constexpr,
+            BC: tl.constexpr,
+            FREE_P: tl.constexpr,
+        ):
             # one program per list: its chosen blocks' chunks as pages chunk * Hkv + its KV head
             lst = tl.program_id(0)
             offs = tl.arange(0, FREE_P)
@@ -339,8 +440,20 @@ def _kernels():
                 tl.store(Out + lst * stride_o + offs * BC + j, (chunk * HKV + lst // GROUPS).to(tl.int32), mask=ok)
 
         @triton.jit
-        def _block_keys_kernel(Means, Table, Out, K, NB, stride_mn, stride_mh, stride_ob, stride_oh,
-                               BC: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+        def _block_keys_kernel(
+            Means,
+            Table,
+            Out,
+            K,
+            NB,
+            stride_mn,
+            stride_mh,
+            stride_ob,
+            stride_oh,
+            BC: tl.constexpr,
+            D: tl.constexpr,
+            BLOCK_N: tl.constexpr,
+        ):
             # one program per (BLOCK_N blocks, KV head): each block's chunks' means, averaged
             blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             kv = tl.program_id(1)
@@ -350,15 +463,32 @@ def _kernels():
                 chunk = blocks * BC + j
                 ok = chunk < K
                 cid = tl.load(Table + chunk, mask=ok, other=0).to(tl.int64)
-                acc += tl.load(Means + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :], mask=ok[:, None],
-                               other=0.0)
+                acc += tl.load(
+                    Means + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :], mask=ok[:, None], other=0.0
+                )
             count = tl.maximum(tl.minimum(K - blocks * BC, BC), 1).to(tl.float32)
-            tl.store(Out + blocks[:, None] * stride_ob + kv * stride_oh + offs_d[None, :],
-                     (acc / count[:, None]).to(Out.dtype.element_ty), mask=(blocks < NB)[:, None])
+            tl.store(
+                Out + blocks[:, None] * stride_ob + kv * stride_oh + offs_d[None, :],
+                (acc / count[:, None]).to(Out.dtype.element_ty),
+                mask=(blocks < NB)[:, None],
+            )
 
         @triton.jit
-        def _chunk_means_kernel(KPool, Chunks, Out, F, stride_kl, stride_kn, stride_kh, stride_ol, stride_on,
-                                stride_oh, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr):
+        def _chunk_means_kernel(
+            KPool,
+            Chunks,
+            Out,
+            F,
+            stride_kl,
+            stride_kn,
+            stride_kh,
+            stride_ol,
+            stride_on,
+            stride_oh,
+            C: tl.constexpr,
+            D: tl.constexpr,
+            ROWS: tl.constexpr,
+        ):
             # one program per (layer, chunk, KV head): the mean of the chunk's C keys
             # (offsets in int64: a layer's stride times the layers passes 2**31 in a large pool)
             layer, i = (tl.program_id(0) // F).to(tl.int64), tl.program_id(0) % F

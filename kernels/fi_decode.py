@@ -38,8 +38,17 @@ class FiPlan:
 class FlashInferDecode:
     """One `BatchDecodeWithPagedKVCacheWrapper` (tensor cores for GQA), re-planned per step."""
 
-    def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, chunk_size: int,
-                 dtype: torch.dtype, device: torch.device, sm_scale: float):
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sm_scale: float,
+    ):
         import flashinfer
 
         if dtype not in (torch.float16, torch.bfloat16):
@@ -48,12 +57,13 @@ class FlashInferDecode:
         self.chunk_size, self.dtype, self.device, self.sm_scale = chunk_size, dtype, device, sm_scale
         self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "HND", use_tensor_cores=num_q_heads != num_kv_heads)
+            self._workspace, "HND", use_tensor_cores=num_q_heads != num_kv_heads
+        )
 
     def plan(self, tables: Sequence[Sequence[int]], lens: Sequence[int]) -> FiPlan:
         """Plan for rows reading chunk_tables[r][:ceil(lens[r] / c)] (every row at least 1 token)."""
         c = self.chunk_size
-        used = [tuple(t[:-(-n // c)]) for t, n in zip(tables, lens)]
+        used = [tuple(t[: -(-n // c)]) for t, n in zip(tables, lens)]
         if any(n < 1 for n in lens):
             raise ValueError("FlashInfer decode rows need at least one token")
         indptr = [0]
@@ -61,10 +71,17 @@ class FlashInferDecode:
             indptr.append(indptr[-1] + len(t))
         i32 = dict(dtype=torch.int32, device=self.device)
         self._wrapper.plan(
-            torch.tensor(indptr, **i32), torch.tensor([x for t in used for x in t], **i32),
+            torch.tensor(indptr, **i32),
+            torch.tensor([x for t in used for x in t], **i32),
             torch.tensor([n - (len(t) - 1) * c for t, n in zip(used, lens)], **i32),
-            self.num_q_heads, self.num_kv_heads, self.head_dim, c,
-            q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.sm_scale)
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            c,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            sm_scale=self.sm_scale,
+        )
         return FiPlan(tuple(tuple(t) for t in tables), tuple(int(n) for n in lens))
 
     def bump(self, plan: FiPlan) -> FiPlan:

@@ -68,8 +68,9 @@ def launch(fn, grid: tuple[int, int, int], args: tuple, options: dict, key: tupl
     stream = driver.active.get_current_stream(full[1])
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
     metadata = kernel.launch_metadata(grid, stream, *args) if enter is not None else None
-    kernel.run(grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave,
-               *args)
+    kernel.run(
+        grid[0], grid[1], grid[2], stream, kernel.function, kernel.packed_metadata, metadata, enter, leave, *args
+    )
 
 
 def first_launched(since: int = 0) -> list[str]:

@@ -27,8 +27,9 @@ __all__ = ["rmsnorm", "rope"]
 
 
 @triton.jit
-def _rmsnorm_kernel(X, R, W, Y, H, stride_x, stride_r, stride_y, stride_h, n, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _rmsnorm_kernel(
+    X, R, W, Y, H, stride_x, stride_r, stride_y, stride_h, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
     # grid: (T,): row t of x [T, n] (and of residual), one block of n elements
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -53,15 +54,29 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
     if t:
         block = triton.next_power_of_2(n)
         r = residual if residual is not None else x
-        _rmsnorm_kernel[(t,)](x, r, weight, y, h if h is not None else y, x.stride(0), r.stride(0), y.stride(0),
-                              h.stride(0) if h is not None else 0, n, float(eps), HAS_RES=residual is not None,
-                              BLOCK=block, num_warps=max(1, min(16, block // 256)))
+        _rmsnorm_kernel[(t,)](
+            x,
+            r,
+            weight,
+            y,
+            h if h is not None else y,
+            x.stride(0),
+            r.stride(0),
+            y.stride(0),
+            h.stride(0) if h is not None else 0,
+            n,
+            float(eps),
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
     return y if residual is None else (y, h)
 
 
 @triton.jit
-def _rope_kernel(X, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rope_kernel(
+    X, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh, HALF: tl.constexpr, BLOCK: tl.constexpr
+):
     # grid: (T, heads): head vector x[t, h] of D = 2 * HALF; out = x * cos + rotate_half(x) * sin,
     # each product and the sum rounded to the dtype (torch's mul, mul, add)
     t = tl.program_id(0).to(tl.int64)
@@ -96,8 +111,20 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
         out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
         if t:
             # no FMA contraction: a fused multiply-add would round once where torch rounds twice
-            _rope_kernel[(t, heads)](x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0),
-                                     out.stride(0), out.stride(1), HALF=d // 2,
-                                     BLOCK=triton.next_power_of_2(d // 2), num_warps=1, enable_fp_fusion=False)
+            _rope_kernel[(t, heads)](
+                x,
+                cos,
+                sin,
+                out,
+                x.stride(0),
+                x.stride(1),
+                cos.stride(0),
+                out.stride(0),
+                out.stride(1),
+                HALF=d // 2,
+                BLOCK=triton.next_power_of_2(d // 2),
+                num_warps=1,
+                enable_fp_fusion=False,
+            )
         outs.append(out)
     return outs[0], outs[1]

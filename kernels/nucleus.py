@@ -92,8 +92,21 @@ def _state(LoHi, Partials, TopP, Hi0, row, rows, K: tl.constexpr, NCHUNKS: tl.co
 
 
 @triton.jit
-def _filter_kernel(Keys, Ps, Count, Hi0, Logits, Probs, Plo, n, stride_l, stride_p,
-                   NCHUNKS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _filter_kernel(
+    Keys,
+    Ps,
+    Count,
+    Hi0,
+    Logits,
+    Probs,
+    Plo,
+    n,
+    stride_l,
+    stride_p,
+    NCHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # grid: (rows, NCHUNKS). The tokens of this program's CHUNK of the row that can matter (p >
     # the row's plo, see nucleus_floor), in row order, to the front of its region of Keys (their
     # float order keys, int32) and Ps (their probabilities); how many to Count [rows, NCHUNKS],
@@ -104,7 +117,7 @@ def _filter_kernel(Keys, Ps, Count, Hi0, Logits, Probs, Plo, n, stride_l, stride
     out = (row * NCHUNKS + c).to(tl.int64) * CHUNK
     offs = tl.arange(0, BLOCK)
     w = 0
-    top = tl.full([BLOCK], -2**31, tl.int32)
+    top = tl.full([BLOCK], -(2**31), tl.int32)
     for start in range(c * CHUNK, tl.minimum(c * CHUNK + CHUNK, n), BLOCK):
         live = start + offs < n
         x = tl.load(Logits + row.to(tl.int64) * stride_l + start + offs, mask=live, other=float("-inf"))
@@ -121,9 +134,22 @@ def _filter_kernel(Keys, Ps, Count, Hi0, Logits, Probs, Plo, n, stride_l, stride
 
 
 @triton.jit
-def _pass_kernel(Partials, LoHi, Keys, Ps, Count, Carry, TopP, Hi0, rows,
-                 K: tl.constexpr, NCHUNKS: tl.constexpr, CHUNK: tl.constexpr, WAYS: tl.constexpr,
-                 BLOCK: tl.constexpr):
+def _pass_kernel(
+    Partials,
+    LoHi,
+    Keys,
+    Ps,
+    Count,
+    Carry,
+    TopP,
+    Hi0,
+    rows,
+    K: tl.constexpr,
+    NCHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    WAYS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # grid: (rows, NCHUNKS). Pass K: the mass above each of WAYS thresholds in (lo, hi], over
     # this program's tokens, to Partials [PASSES, rows, NCHUNKS, WAYS] float64. Its tokens are
     # those of its region of Keys / Ps still in (lo, hi] (Count of them); from pass 1 on it moves
@@ -172,8 +198,7 @@ def _pass_kernel(Partials, LoHi, Keys, Ps, Count, Carry, TopP, Hi0, rows,
 
 
 @triton.jit
-def _floor_kernel(Floor, LoHi, Partials, TopP, Hi0, rows, K: tl.constexpr, NCHUNKS: tl.constexpr,
-                  WAYS: tl.constexpr):
+def _floor_kernel(Floor, LoHi, Partials, TopP, Hi0, rows, K: tl.constexpr, NCHUNKS: tl.constexpr, WAYS: tl.constexpr):
     # grid: (rows,): the state after the last pass; its hi is the cut, back to float32
     row = tl.program_id(0)
     _, hi = _state(LoHi, Partials, TopP, Hi0, row, rows, K, NCHUNKS, WAYS)
@@ -189,8 +214,10 @@ def nucleus_floor(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
     are then the row's lowest. A row's probs may hold less than all of its mass (the sampler's
     top-k candidates)."""
     if logits.shape != probs.shape or logits.dim() != 2 or top_p.shape != (logits.shape[0], 1):
-        raise ValueError(f"logits and probs must be [P, V] and top_p [P, 1], got {tuple(logits.shape)}, "
-                         f"{tuple(probs.shape)}, {tuple(top_p.shape)}")
+        raise ValueError(
+            f"logits and probs must be [P, V] and top_p [P, 1], got {tuple(logits.shape)}, "
+            f"{tuple(probs.shape)}, {tuple(top_p.shape)}"
+        )
     logits, probs = logits.float().contiguous(), probs.float().contiguous()
     rows, n = logits.shape
     out = torch.empty(rows, dtype=torch.float32, device=logits.device)
@@ -216,12 +243,39 @@ def nucleus_floor(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
     count = torch.empty(rows, nchunks, dtype=torch.int32, device=dev)
     carry = torch.zeros(rows, nchunks, dtype=torch.float64, device=dev)
     hi0 = torch.empty(rows, nchunks, dtype=torch.int32, device=dev)
-    _filter_kernel[(rows, nchunks)](keys, ps, count, hi0, logits, probs, plo, n, logits.stride(0), probs.stride(0),
-                                    NCHUNKS=nchunks, CHUNK=chunk, BLOCK=_BLOCK)
+    _filter_kernel[(rows, nchunks)](
+        keys,
+        ps,
+        count,
+        hi0,
+        logits,
+        probs,
+        plo,
+        n,
+        logits.stride(0),
+        probs.stride(0),
+        NCHUNKS=nchunks,
+        CHUNK=chunk,
+        BLOCK=_BLOCK,
+    )
     partials = torch.empty(_PASSES, rows, nchunks, _WAYS, dtype=torch.float64, device=dev)
     lohi = torch.empty(_PASSES, rows, 2, dtype=torch.int64, device=dev)
     for k in range(_PASSES):
-        _pass_kernel[(rows, nchunks)](partials, lohi, keys, ps, count, carry, top_p, hi0, rows,
-                                      K=k, NCHUNKS=nchunks, CHUNK=chunk, WAYS=_WAYS, BLOCK=_BLOCK)
+        _pass_kernel[(rows, nchunks)](
+            partials,
+            lohi,
+            keys,
+            ps,
+            count,
+            carry,
+            top_p,
+            hi0,
+            rows,
+            K=k,
+            NCHUNKS=nchunks,
+            CHUNK=chunk,
+            WAYS=_WAYS,
+            BLOCK=_BLOCK,
+        )
     _floor_kernel[(rows,)](out, lohi, partials, top_p, hi0, rows, K=_PASSES, NCHUNKS=nchunks, WAYS=_WAYS)
     return out[:, None]

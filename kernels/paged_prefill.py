@@ -33,6 +33,7 @@ __all__ = ["FlashInferPrefill", "SparsePiece", "available", "usable"]
 
 class SparsePiece(NamedTuple):
     """One prefill piece's block-union page lists (kernels.block_union) for one layer."""
+
     q: torch.Tensor  # [n, Hq, D], the piece's queries
     mask: torch.Tensor  # [E, used] bool on the device: entry e = kv * S + s's chunks (block_union.chunk_mask)
     table: torch.Tensor  # [used] int64 on the device: the piece's chunks in use
@@ -46,20 +47,35 @@ def _pinned(x: list[int]) -> torch.Tensor:
 
 def usable(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether FlashInfer's prefill can serve a pool of this dtype and head size on `device`."""
-    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim in (64, 128, 256) \
+    return (
+        device.type == "cuda"
+        and dtype in (torch.float16, torch.bfloat16)
+        and head_dim in (64, 128, 256)
         and available()
+    )
 
 
 class FlashInferPrefill:
     """FlashInfer's ``BatchPrefillWithPagedKVCacheWrapper``, planned once per step, run once per layer."""
 
-    def __init__(self, *, num_q_heads: int, num_kv_heads: int, head_dim: int, chunk_size: int,
-                 dtype: torch.dtype, device: torch.device, sm_scale: float):
+    def __init__(
+        self,
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        sm_scale: float,
+    ):
         import flashinfer
 
         if not usable(dtype, head_dim, device):
-            raise ValueError(f"FlashInfer prefill needs CUDA, a 16-bit cache and head dim 64/128/256, "
-                             f"got {dtype}, {head_dim}, {device}")
+            raise ValueError(
+                f"FlashInfer prefill needs CUDA, a 16-bit cache and head dim 64/128/256, "
+                f"got {dtype}, {head_dim}, {device}"
+            )
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.chunk_size, self.dtype, self.device, self.sm_scale = chunk_size, dtype, device, sm_scale
         # Two wrappers, planned in turn: a plan stages its metadata in the wrapper's page-locked
@@ -100,9 +116,20 @@ class FlashInferPrefill:
         # wait for the steps already queued (FlashInfer copies them without blocking from there)
         self._turn ^= 1
         self._wrappers[self._turn].plan(
-            _pinned(qo), _pinned(kv), _pinned(pages).to(self.device, non_blocking=True), _pinned(last),
-            self.num_q_heads, self.num_kv_heads, self.head_dim, c, causal=True, sm_scale=self.sm_scale,
-            q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=_pinned(lens))
+            _pinned(qo),
+            _pinned(kv),
+            _pinned(pages).to(self.device, non_blocking=True),
+            _pinned(last),
+            self.num_q_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            c,
+            causal=True,
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            seq_lens=_pinned(lens),
+        )
         self._rows = qo[-1]
         return self._rows
 
@@ -134,13 +161,30 @@ class FlashInferPrefill:
 
         self._sparse_turn ^= 1
         self._sparse[self._sparse_turn].plan(
-            _pinned(qo), _pinned(kv), pages, _pinned(last), self.num_q_heads // e, 1, self.head_dim, c, causal=True,
-            sm_scale=self.sm_scale, q_data_type=self.dtype, kv_data_type=self.dtype, seq_lens=_pinned(lens))
+            _pinned(qo),
+            _pinned(kv),
+            pages,
+            _pinned(last),
+            self.num_q_heads // e,
+            1,
+            self.head_dim,
+            c,
+            causal=True,
+            sm_scale=self.sm_scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+            seq_lens=_pinned(lens),
+        )
         self._sparse_rows = [(n, e) for n, _, _ in pieces]
         self.sparse_pages_planned = kv[-1]
 
-    def run_planned_sparse(self, qs: Sequence[torch.Tensor], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def run_planned_sparse(
+        self,
+        qs: Sequence[torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        outs: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """The planned pieces' attention: qs [n, Hq, D] per piece -> [n, Hq, D] per piece, written
         into outs if given (views of the layer's output: one copy fewer).
 
@@ -149,8 +193,10 @@ class FlashInferPrefill:
         queries are regrouped list-major ([E * n, sub, D], a copy of q only)."""
         c, d, hq = self.chunk_size, self.head_dim, self.num_q_heads
         if [q.shape[0] for q in qs] != [n for n, _ in self._sparse_rows]:
-            raise ValueError(f"the sparse plan is for pieces of {[n for n, _ in self._sparse_rows]} rows, "
-                             f"got {[q.shape[0] for q in qs]}")
+            raise ValueError(
+                f"the sparse plan is for pieces of {[n for n, _ in self._sparse_rows]} rows, "
+                f"got {[q.shape[0] for q in qs]}"
+            )
         e = self._sparse_rows[0][1]
         sub = hq // e
         q = torch.cat([x.reshape(x.shape[0], e, sub, d).transpose(0, 1).reshape(-1, sub, d) for x in qs])
@@ -160,12 +206,17 @@ class FlashInferPrefill:
         row = 0
         for x, out in zip(qs, outs, strict=True):
             n = x.shape[0]
-            out.view(n, e, sub, d).copy_(o[row:row + e * n].view(e, n, sub, d).transpose(0, 1))
+            out.view(n, e, sub, d).copy_(o[row : row + e * n].view(e, n, sub, d).transpose(0, 1))
             row += e * n
         return list(outs)
 
-    def run_sparse(self, pieces: Sequence[SparsePiece], k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   outs: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def run_sparse(
+        self,
+        pieces: Sequence[SparsePiece],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        outs: Sequence[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
         """Plan and run pieces whose lists are chunk masks (alpha's threshold, layer by layer):
         [n, Hq, D] per piece. Reads the lists' lengths back to the host (FlashInfer's plan
         takes them there): waits for the device."""
@@ -179,6 +230,6 @@ class FlashInferPrefill:
                 raise ValueError(f"sparse pieces need the same page lists per KV head, got {p.mask.shape[0]} and {e}")
             page = p.table[None, :] * hkv + heads[:, None]  # [E, used]
             pages.append(page[p.mask])  # row-major: each list's pages in chunk order
-            planned.append((p.q.shape[0], counts[i * e:(i + 1) * e], p.total - (p.mask.shape[1] - 1) * c))
+            planned.append((p.q.shape[0], counts[i * e : (i + 1) * e], p.total - (p.mask.shape[1] - 1) * c))
         self.plan_sparse(torch.cat(pages).to(torch.int32), planned)
         return self.run_planned_sparse([p.q for p in pieces], k_cache, v_cache, outs)

@@ -74,8 +74,10 @@ def uniform_ref(keys: Tensor, counters: Tensor, n: int) -> Tensor:
     c_lo, c_hi = _words(counters)
     calls = np.arange(-(-n // 4), dtype=np.uint32)[None, :]  # [1, m]
     words = philox4x32_ref([calls, c_lo[:, None], c_hi[:, None], np.uint32(0)], [k_lo[:, None], k_hi[:, None]])
-    bits = np.concatenate(list(words), axis=-1)[:, :n] >> np.uint32(32 - _MANTISSA)  # [S, n]: word w, call i -> w * m + i
-    return torch.from_numpy((bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0 ** -_MANTISSA))
+    bits = np.concatenate(list(words), axis=-1)[:, :n] >> np.uint32(
+        32 - _MANTISSA
+    )  # [S, n]: word w, call i -> w * m + i
+    return torch.from_numpy((bits.astype(np.float32) + np.float32(0.5)) * np.float32(2.0**-_MANTISSA))
 
 
 @triton.jit
@@ -86,24 +88,33 @@ def _uniform_kernel(Out, Keys, Counters, n, m, stride_o, BLOCK: tl.constexpr, MA
     counter = tl.load(Counters + row).to(tl.uint64, bitcast=True)
     zero = tl.zeros([BLOCK], dtype=tl.uint32)
     # tl.philox: Random123's rounds, the key's low word first (key = the row's 64 bits)
-    w0, w1, w2, w3 = tl.philox(tl.load(Keys + row), call.to(tl.uint32), zero + (counter & 0xFFFFFFFF).to(tl.uint32),
-                               zero + (counter >> 32).to(tl.uint32), zero)
+    w0, w1, w2, w3 = tl.philox(
+        tl.load(Keys + row),
+        call.to(tl.uint32),
+        zero + (counter & 0xFFFFFFFF).to(tl.uint32),
+        zero + (counter >> 32).to(tl.uint32),
+        zero,
+    )
     out = Out + row.to(tl.int64) * stride_o
     scale = 1.0 / (1 << MANTISSA)
     tl.store(out + call, ((w0 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale, mask=call < m)
     tl.store(out + m + call, ((w1 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale, mask=(call < m) & (m + call < n))
-    tl.store(out + 2 * m + call, ((w2 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale,
-             mask=(call < m) & (2 * m + call < n))
-    tl.store(out + 3 * m + call, ((w3 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale,
-             mask=(call < m) & (3 * m + call < n))
+    tl.store(
+        out + 2 * m + call, ((w2 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale, mask=(call < m) & (2 * m + call < n)
+    )
+    tl.store(
+        out + 3 * m + call, ((w3 >> (32 - MANTISSA)).to(tl.float32) + 0.5) * scale, mask=(call < m) & (3 * m + call < n)
+    )
 
 
 def uniform(keys: Tensor, counters: Tensor, n: int) -> Tensor:
     """[S, n] float32 on keys' device: row i's numbers for columns 0 .. n - 1 (module doc).
     keys, counters: [S] int64 (read as 64 unsigned bits) on one device."""
     if keys.shape != counters.shape or keys.dim() != 1 or keys.dtype != torch.int64 or counters.dtype != torch.int64:
-        raise ValueError(f"keys and counters must both be [S] int64, got {keys.dtype}{tuple(keys.shape)} "
-                         f"and {counters.dtype}{tuple(counters.shape)}")
+        raise ValueError(
+            f"keys and counters must both be [S] int64, got {keys.dtype}{tuple(keys.shape)} "
+            f"and {counters.dtype}{tuple(counters.shape)}"
+        )
     if not 0 < n < 2**31:
         raise ValueError(f"n must be in [1, 2**31), got {n}")
     if not keys.is_cuda:
@@ -116,5 +127,6 @@ def _uniform_triton(keys: Tensor, counters: Tensor, n: int) -> Tensor:
     if keys.shape[0]:
         m = triton.cdiv(n, 4)
         _uniform_kernel[(keys.shape[0], triton.cdiv(m, _BLOCK))](
-            out, keys, counters.to(keys.device), n, m, out.stride(0), BLOCK=_BLOCK, MANTISSA=_MANTISSA)
+            out, keys, counters.to(keys.device), n, m, out.stride(0), BLOCK=_BLOCK, MANTISSA=_MANTISSA
+        )
     return out

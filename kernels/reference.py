@@ -226,8 +226,9 @@ def build_tree_plan(
     used = np.zeros((b, width), dtype=bool)
     used[:] = np.arange(width) < np.array(need, dtype=np.int64)[:, None]
     ids = np.zeros((b, width), dtype=np.int64)
-    ids[used] = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(chunk_tables, need)),
-                            dtype=np.int64, count=int(sum(need)))
+    ids[used] = np.fromiter(
+        itertools.chain.from_iterable(t[:n] for t, n in zip(chunk_tables, need)), dtype=np.int64, count=int(sum(need))
+    )
     _check_contiguous(ids, used)
     # link[r, p]: rows r and r + 1 hold the same chunk at p, full for both. Maximal chains of
     # links are the runs of >= 2 rows that share a chunk.
@@ -286,8 +287,10 @@ def _check_contiguous(ids: np.ndarray, used: np.ndarray) -> None:
     held = [(int(r[k]), int(cid[k])) for k in np.flatnonzero(p == at) if int(cid[k]) in bad]
     first = min(held)[1]
     rows = [x for x, y in held if y == first]
-    raise ValueError(f"chunk {first} at position {int(at)} is held by non-contiguous rows "
-                     f"(rows {min(rows)}..{max(rows)}, {len(rows)} of them): batch not in DFS order")
+    raise ValueError(
+        f"chunk {first} at position {int(at)} is held by non-contiguous rows "
+        f"(rows {min(rows)}..{max(rows)}, {len(rows)} of them): batch not in DFS order"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,8 +298,9 @@ def _check_contiguous(ids: np.ndarray, used: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def segment_partial(qf: Tensor, k_cache: Tensor, v_cache: Tensor, seg: Segment,
-                    sm_scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+def segment_partial(
+    qf: Tensor, k_cache: Tensor, v_cache: Tensor, seg: Segment, sm_scale: float | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Phase 1 of one shared segment: each KV head's G query heads of rows [i, j) stacked into
     one [(j - i) * G, D] matrix (rows major) attend the segment's K/V once (the GPU kernel's
     tensor-core tile), vectorised over KV heads. qf: [B, Hkv, G, D] float32. Returns the rows'
@@ -307,8 +311,11 @@ def segment_partial(qf: Tensor, k_cache: Tensor, v_cache: Tensor, seg: Segment,
     k = gather_kv(k_cache, seg.chunk_ids, length)  # [Hkv, L, D]
     v = gather_kv(v_cache, seg.chunk_ids, length)
     o, m, n = partial_attn(qf[i:j].transpose(0, 1).reshape(hkv, (j - i) * g, d), k, v, sm_scale)
-    return (o.view(hkv, j - i, g, d).transpose(0, 1), m.view(hkv, j - i, g).transpose(0, 1),
-            n.view(hkv, j - i, g).transpose(0, 1))
+    return (
+        o.view(hkv, j - i, g, d).transpose(0, 1),
+        m.view(hkv, j - i, g).transpose(0, 1),
+        n.view(hkv, j - i, g).transpose(0, 1),
+    )
 
 
 def tpp_decode_ref(
@@ -491,8 +498,9 @@ def sparse_prefill_ref(
     e, used = chunk_mask.shape
     total = context_len + t_new
     if used != -(-total // c) or e % hkv or hq % e:
-        raise ValueError(f"chunk_mask {tuple(chunk_mask.shape)} does not fit {total} tokens in chunks of {c}, "
-                         f"Hq={hq}, Hkv={hkv}")
+        raise ValueError(
+            f"chunk_mask {tuple(chunk_mask.shape)} does not fit {total} tokens in chunks of {c}, Hq={hq}, Hkv={hkv}"
+        )
     sub, groups = hq // e, e // hkv
     scale = _scale(sm_scale, d)
     k = gather_kv(k_cache, chunk_ids, total).float().repeat_interleave(groups, dim=0)  # [E, total, D]

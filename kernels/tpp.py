@@ -286,8 +286,10 @@ def build_plan(
     chunks: list[int] = []
     whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
     for seg in tree.segments:
-        whole += [(1, seg.row_start + t0, nt, len(chunks), len(seg.chunk_ids), None)
-                  for t0, nt in _pieces(seg.row_end - seg.row_start, max(1, block_m1 // g))]
+        whole += [
+            (1, seg.row_start + t0, nt, len(chunks), len(seg.chunk_ids), None)
+            for t0, nt in _pieces(seg.row_end - seg.row_start, max(1, block_m1 // g))
+        ]
         chunks.extend(seg.chunk_ids)
     for r, (ids, positions) in enumerate(zip(tree.private_chunks, tree.private_positions)):
         if ids:
@@ -301,8 +303,10 @@ def build_plan(
     per_head = max(1, (target_programs or pps * _num_sms(device)) // hkv)
     block_m2 = max(16, triton.next_power_of_2(g))
     if _SPLIT_PHASES:
-        groups = [([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
-                  for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))]
+        groups = [
+            ([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
+            for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))
+        ]
     else:
         groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)), 0)]
     least = -(-_MIN_PIECE_TOKENS // c)
@@ -310,11 +314,16 @@ def build_plan(
     def cut(ids: list[int], target: int) -> list[tuple[int, int, int]]:
         # round, not ceil: an item a bit over the target stays whole (cutting all of them in two
         # doubles the programs, which can then need a second wave)
-        return [(i, c0, n) for i in ids
-                for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))]
+        return [
+            (i, c0, n)
+            for i in ids
+            for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))
+        ]
 
     targets = {phase: -(-sum(whole[i][4] for i in ids) // per_head) for ids, _, _, phase in groups if ids}
-    reads = {p: sum(w[4] for w in whole if w[0] == p) for p in (1, 2)}  # chunks each phase reads (phase 1: per row tile)
+    reads = {
+        p: sum(w[4] for w in whole if w[0] == p) for p in (1, 2)
+    }  # chunks each phase reads (phase 1: per row tile)
     if len(targets) == 2 and _P1_BESIDE_PIECES:
         # Beside phase 2, phase 1 streams in the slots phase 2 leaves. Cut as finely as alone,
         # its programs kept phase-2 programs out of their first wave, and each row folded more
@@ -359,7 +368,7 @@ def build_plan(
         phase, r0, nrows, chunk0, _, positions = whole[i]
         if phase == 1:
             items.append((1, r0, nrows, chunk0 + c0, n, 0, len(slot_list), 0, 0, chunks[chunk0 + c0]))
-            slot_list += nxt[r0:r0 + nrows]
+            slot_list += nxt[r0 : r0 + nrows]
             for r in range(r0, r0 + nrows):
                 nxt[r] += 1
             continue
@@ -372,8 +381,13 @@ def build_plan(
             nxt[r0] += 1
 
     lens, items_t, chunks_t, slots_t, merge_t = _to_device(
-        device, list(tree.seq_lens), [x for it in items for x in it], chunks, slot_list,
-        [x for it in merge_items for x in it])
+        device,
+        list(tree.seq_lens),
+        [x for it in items for x in it],
+        chunks,
+        slot_list,
+        [x for it in merge_items for x in it],
+    )
     f32 = dict(dtype=torch.float32, device=device)
     return TppPlan(
         tree=tree,
@@ -389,8 +403,10 @@ def build_plan(
         merge_items=merge_t.view(-1, _MERGE_FIELDS),
         block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
         lean_phase1=reads[2] >= _LEAN_RATIO * reads[1] > 0,
-        lean_phase2=bool(reads[1]) and g > 1 and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces) > (
-            _num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
+        lean_phase2=bool(reads[1])
+        and g > 1
+        and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces)
+        > (_num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
         most_folds=max((it[8] for it in items if it[0] == 2), default=0),
         rows_per_program=_rows_per_program(items, g, hkv),
         part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
@@ -407,10 +423,10 @@ def _to_device(device: torch.device, *lists: list[int]) -> list[Tensor]:
     starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes]).tolist()
     host = np.zeros(starts[-1], dtype=np.int32)
     for values, start, n in zip(lists, starts, sizes):
-        host[start:start + n] = values
+        host[start : start + n] = values
     buf = torch.from_numpy(host)
     buf = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
-    return [buf[start:start + n] for start, n in zip(starts, sizes)]
+    return [buf[start : start + n] for start, n in zip(starts, sizes)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,9 +452,28 @@ def _step(q, k, v, live, acc, m_i, l_i, qk_scale, MASK: tl.constexpr, DOT_T: tl.
 
 
 @triton.jit
-def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_scale,
-            BLOCK_M: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
-            DOT_T: tl.constexpr, DOT_PREC: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr):
+def _attend(
+    q,
+    K,
+    V,
+    Kd,
+    Vd,
+    chunks,
+    cid0,
+    n_tok,
+    kv,
+    stride_kc,
+    stride_kh,
+    qk_scale,
+    BLOCK_M: tl.constexpr,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_T: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    TMA: tl.constexpr,
+    TAIL: tl.constexpr,
+):
     """Online softmax of q: [M, D] over tokens [0, n_tok) of the chunk run at `chunks`.
 
     Returns acc: [M, D] fp32 unnormalised output and m_i / l_i: [M] max / sum (base 2). Token t
@@ -462,8 +497,9 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
             # the next block's chunk id a block ahead (see the pointer loop)
             cid_next = tl.load(chunks + (start + BLOCK_N) // C, mask=start + BLOCK_N < n_tok, other=0)
             row = cid * row_kc + row_kv + start % C
-            acc, m_i, l_i = _step(q, Kd.load([row, 0]), Vd.load([row, 0]), offs_n, acc, m_i, l_i, qk_scale,
-                                  False, DOT_T, DOT_PREC)  # whole block: no mask (offs_n unused)
+            acc, m_i, l_i = _step(
+                q, Kd.load([row, 0]), Vd.load([row, 0]), offs_n, acc, m_i, l_i, qk_scale, False, DOT_T, DOT_PREC
+            )  # whole block: no mask (offs_n unused)
             cid = cid_next
         if TAIL:
             if t0 < n_tok:  # a partial last block: slots past n_tok may hold any bits, NaN too (0 * NaN is NaN)
@@ -513,8 +549,9 @@ def _attend(q, K, V, Kd, Vd, chunks, cid0, n_tok, kv, stride_kc, stride_kh, qk_s
 
 
 @triton.jit
-def _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr,
-               PAIRS: tl.constexpr):
+def _fold_each(
+    acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr, PAIRS: tl.constexpr
+):
     """Fold the partials at slots fold0 .. fold0 + nfold - 1 (o normalised, lse) into the tile's
     state acc: [M, D], m_i / l_i: [M], one slot (one L2 round trip) at a time, or (PAIRS) two
     slots' loads issued together per step (see _FOLD_PAIRS)."""
@@ -548,8 +585,9 @@ def _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs
 
 
 @triton.jit
-def _fold_rows(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr,
-               FOLD_P: tl.constexpr):
+def _fold_rows(
+    acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D: tl.constexpr, FOLD_P: tl.constexpr
+):
     """_fold_each with every live vector's nfold <= FOLD_P partials in one [M, FOLD_P, D] load
     (GQA phase 2: the G heads of a row; padded vectors load nothing)."""
     offs_f = tl.arange(0, FOLD_P)
@@ -568,8 +606,22 @@ def _fold_rows(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs
 
 
 @triton.jit
-def _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, offs_m, offs_d, BLOCK_M: tl.constexpr,
-                 D: tl.constexpr, FOLD_P: tl.constexpr):
+def _fold_vector(
+    acc,
+    m_i,
+    l_i,
+    PartO,
+    PartLse,
+    fold0,
+    nfold,
+    head,
+    hq,
+    offs_m,
+    offs_d,
+    BLOCK_M: tl.constexpr,
+    D: tl.constexpr,
+    FOLD_P: tl.constexpr,
+):
     """_fold_each for a tile of one query vector (MHA phase 2: vector 0 of head `head`; the
     others are padding, never stored): its nfold <= FOLD_P partials in one [FOLD_P, D] load."""
     offs_f = tl.arange(0, FOLD_P)
@@ -593,12 +645,42 @@ def _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, offs_m, 
 
 
 @triton.jit(do_not_specialize=["first"])  # (its values vary by plan: see kernels.launch)
-def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, SeqLens, SlotList, qk_scale,
-                   stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
-                   G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr,
-                   LAUNCH_NEXT: tl.constexpr, EARLY: tl.constexpr, TMA: tl.constexpr, TAIL: tl.constexpr,
-                   FOLD_P: tl.constexpr, FOLD_VEC_MIN: tl.constexpr, FOLD_PAIRS: tl.constexpr):
+def _attend_kernel(
+    Q,
+    K,
+    V,
+    Kd,
+    Vd,
+    Out,
+    PartO,
+    PartLse,
+    first,
+    Items,
+    Chunks,
+    SeqLens,
+    SlotList,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kc,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_T: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    LAUNCH_NEXT: tl.constexpr,
+    EARLY: tl.constexpr,
+    TMA: tl.constexpr,
+    TAIL: tl.constexpr,
+    FOLD_P: tl.constexpr,
+    FOLD_VEC_MIN: tl.constexpr,
+    FOLD_PAIRS: tl.constexpr,
+):
     # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
     # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
     # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
@@ -623,27 +705,52 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
     head = kv * G + offs_m % G
     live = r < nrows
     rows = (row0 + r).to(tl.int64)
-    q = tl.load(Q + rows[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=live[:, None], other=0.0).to(DOT_T)  # [BLOCK_M, D]
+    q = tl.load(
+        Q + rows[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+    ).to(DOT_T)  # [BLOCK_M, D]
     # only a row's last chunk can be partial (phase 2; phase 1 has end 0): cut the tokens past
     # seq_len off this piece
     # (none at all for a piece of reserved chunks past it: a plan built with `reserved`)
     n_tok = tl.maximum(nchunks * C - tl.maximum(end - tl.load(SeqLens + row0), 0), 0)
-    acc, m_i, l_i = _attend(q, K, V, Kd, Vd, Chunks + chunk0, cid0, n_tok, kv, stride_kc, stride_kh, qk_scale,
-                            BLOCK_M, C, D, BLOCK_N, DOT_T, DOT_PREC, TMA, TAIL)
+    acc, m_i, l_i = _attend(
+        q,
+        K,
+        V,
+        Kd,
+        Vd,
+        Chunks + chunk0,
+        cid0,
+        n_tok,
+        kv,
+        stride_kc,
+        stride_kh,
+        qk_scale,
+        BLOCK_M,
+        C,
+        D,
+        BLOCK_N,
+        DOT_T,
+        DOT_PREC,
+        TMA,
+        TAIL,
+    )
     if EARLY:  # started before the launch before completed: past this point it has
         gdc_wait()
     # a finishing phase-2 piece folds in its row's phase-1 partials (nfold = 0 otherwise)
     if FOLD_P > 1:
         if nfold >= FOLD_VEC_MIN:
             if G == 1:
-                acc, m_i, l_i = _fold_vector(acc, m_i, l_i, PartO, PartLse, fold0, nfold, kv, hq, offs_m, offs_d,
-                                             BLOCK_M, D, FOLD_P)
+                acc, m_i, l_i = _fold_vector(
+                    acc, m_i, l_i, PartO, PartLse, fold0, nfold, kv, hq, offs_m, offs_d, BLOCK_M, D, FOLD_P
+                )
             else:
-                acc, m_i, l_i = _fold_rows(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D,
-                                           FOLD_P)
+                acc, m_i, l_i = _fold_rows(
+                    acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D, FOLD_P
+                )
         else:
-            acc, m_i, l_i = _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D, FOLD_PAIRS)
+            acc, m_i, l_i = _fold_each(
+                acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D, FOLD_PAIRS
+            )
     else:
         acc, m_i, l_i = _fold_each(acc, m_i, l_i, PartO, PartLse, fold0, nfold, head, hq, live, offs_d, D, FOLD_PAIRS)
     # a piece that attended nothing (a shortened row) has l = 0: o = 0, lse = -inf, no NaN
@@ -651,8 +758,11 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
     l_safe = tl.where(nonempty, l_i, 1.0)
     o = tl.where(nonempty[:, None], acc / l_safe[:, None], 0.0)
     if slot < 0:  # the row's only piece: its output
-        tl.store(Out + rows[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-                 o.to(Out.dtype.element_ty), mask=live[:, None])
+        tl.store(
+            Out + rows[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+            o.to(Out.dtype.element_ty),
+            mask=live[:, None],
+        )
     else:  # part_o: [P, Hq, D], part_lse: [P, Hq], contiguous
         part = tl.load(SlotList + slot + r, mask=live, other=0).to(tl.int64) * hq + head
         tl.store(PartO + part[:, None] * D + offs_d[None, :], o, mask=live[:, None])
@@ -660,10 +770,34 @@ def _attend_kernel(Q, K, V, Kd, Vd, Out, PartO, PartLse, first, Items, Chunks, S
 
 
 @triton.jit(do_not_specialize=["first", "n_items"])
-def _attend_rows_kernel(Q, K, V, Out, PartO, PartLse, first, n_items, Items, Chunks, SeqLens, qk_scale,
-                        stride_qb, stride_qh, stride_kc, stride_kh, stride_ob, stride_oh,
-                        G: tl.constexpr, C: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_M: tl.constexpr, DOT_T: tl.constexpr, DOT_PREC: tl.constexpr, EARLY: tl.constexpr):
+def _attend_rows_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    PartO,
+    PartLse,
+    first,
+    n_items,
+    Items,
+    Chunks,
+    SeqLens,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kc,
+    stride_kh,
+    stride_ob,
+    stride_oh,
+    G: tl.constexpr,
+    C: tl.constexpr,
+    D: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    DOT_T: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    EARLY: tl.constexpr,
+):
     # Phase 2, grid (ceil(items / ROWS), Hkv): items first + p * ROWS .. + ROWS - 1, each a row's
     # whole private part ending the row (slot -1), their chunk runs back to back in Chunks. One
     # flat loop streams the runs one after another, a chunk per step; query vector m is row slot
@@ -696,8 +830,9 @@ def _attend_rows_kernel(Q, K, V, Out, PartO, PartLse, first, n_items, Items, Chu
     fold0 = tl.sum(tl.where(sel, fold0s[None, :], 0), 1)
     nfold = tl.sum(tl.where(sel, nfolds[None, :], 0), 1)
     head = kv * G + offs_m % G
-    q = tl.load(Q + row_m[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=live[:, None], other=0.0).to(DOT_T)
+    q = tl.load(
+        Q + row_m[:, None] * stride_qb + head[:, None] * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+    ).to(DOT_T)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -739,8 +874,11 @@ def _attend_rows_kernel(Q, K, V, Out, PartO, PartLse, first, n_items, Items, Chu
         l_i = l_i * alpha + beta
         m_i = m_new
     o = tl.where((l_i > 0)[:, None], acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
-    tl.store(Out + row_m[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
-             o.to(Out.dtype.element_ty), mask=live[:, None])
+    tl.store(
+        Out + row_m[:, None] * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+        o.to(Out.dtype.element_ty),
+        mask=live[:, None],
+    )
 
 
 @triton.jit
@@ -850,16 +988,44 @@ class TppDecoder:
     def __init__(self) -> None:
         self._descriptors: dict[tuple, TensorDescriptor] = {}
 
-    def __call__(self, q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None,
-                 out: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        q: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        plan: TppPlan,
+        sm_scale: float | None = None,
+        out: Tensor | None = None,
+    ) -> Tensor:
         """See ``tpp_decode``."""
         out = torch.empty_like(q) if out is None else out
         # what _check and the launches depend on (the launch knobs too: tests set them): a call
         # like one seen before needs neither again
-        sig = (q.shape, q.stride(), q.dtype, q.get_device(), k_cache.shape, k_cache.stride(), k_cache.dtype,
-               k_cache.get_device(), v_cache.stride(), v_cache.dtype, v_cache.get_device(), out.shape, out.stride(),
-               out.dtype, out.get_device(), sm_scale, _PDL, _TMA, _FOLD_MAX, _FOLD_VEC_MIN, _FOLD_VEC_MIN_GQA,
-               _FOLD_PAIRS, _ROWS_BLOCK_BYTES)
+        sig = (
+            q.shape,
+            q.stride(),
+            q.dtype,
+            q.get_device(),
+            k_cache.shape,
+            k_cache.stride(),
+            k_cache.dtype,
+            k_cache.get_device(),
+            v_cache.stride(),
+            v_cache.dtype,
+            v_cache.get_device(),
+            out.shape,
+            out.stride(),
+            out.dtype,
+            out.get_device(),
+            sm_scale,
+            _PDL,
+            _TMA,
+            _FOLD_MAX,
+            _FOLD_VEC_MIN,
+            _FOLD_VEC_MIN_GQA,
+            _FOLD_PAIRS,
+            _ROWS_BLOCK_BYTES,
+        )
         launches = plan.launch_cache.get(sig)
         if launches is None:
             _check(q, k_cache, v_cache, plan, out)
@@ -869,8 +1035,15 @@ class TppDecoder:
         spec = aligned(q, k_cache, v_cache, out)
         for fn, grid, (kind, block_n), tail, options, key in launches:
             if kind == 0 and block_n:  # _attend_kernel, K/V blocks by TMA
-                args = (q, k_cache, v_cache, self._descriptor(k_cache, block_n), self._descriptor(v_cache, block_n),
-                        out, *tail)
+                args = (
+                    q,
+                    k_cache,
+                    v_cache,
+                    self._descriptor(k_cache, block_n),
+                    self._descriptor(v_cache, block_n),
+                    out,
+                    *tail,
+                )
             elif kind == 0:
                 args = (q, k_cache, v_cache, None, None, out, *tail)
             elif kind == 1:  # _attend_rows_kernel
@@ -890,8 +1063,9 @@ class TppDecoder:
         return found
 
 
-def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None,
-               out: Tensor | None = None) -> Tensor:
+def tpp_decode(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, sm_scale: float | None = None, out: Tensor | None = None
+) -> Tensor:
     """Decode attention of one query token per row over the plan's tree. Returns [B, Hq, D] in q.dtype.
 
     q: [B, Hq, D] (last dim contiguous); k_cache, v_cache: [num_chunks, Hkv, c, D] with the same
@@ -934,11 +1108,36 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
         early = dict(launch_pdl=True) if pdl and i > 0 else {}
         if phase == 2 and plan.rows_per_program > 1 and c * d * q.element_size() <= _ROWS_BLOCK_BYTES:  # see _ROWS
             rows = plan.rows_per_program
-            tail = (plan.part_o, plan.part_lse, first, programs, plan.items, plan.chunks, plan.seq_lens, scale,
-                    *strides, g, c, d, rows, max(16, triton.next_power_of_2(rows * g)), dot_t, prec, pdl and i > 0)
+            tail = (
+                plan.part_o,
+                plan.part_lse,
+                first,
+                programs,
+                plan.items,
+                plan.chunks,
+                plan.seq_lens,
+                scale,
+                *strides,
+                g,
+                c,
+                d,
+                rows,
+                max(16, triton.next_power_of_2(rows * g)),
+                dot_t,
+                prec,
+                pdl and i > 0,
+            )
             options = {**_ROWS_CONFIG, **early}
-            launches.append((_attend_rows_kernel, (triton.cdiv(programs, rows), hkv, 1), (1, 0), tail, options,
-                             (q.dtype, tail[8:], tuple(options.items()))))
+            launches.append(
+                (
+                    _attend_rows_kernel,
+                    (triton.cdiv(programs, rows), hkv, 1),
+                    (1, 0),
+                    tail,
+                    options,
+                    (q.dtype, tail[8:], tuple(options.items())),
+                )
+            )
             continue
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
         cfg = _launch_config(d, block_m, q.element_size(), live, lean)
@@ -947,20 +1146,55 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
         # on par.
         tma = phase != 2 and _use_tma(q, k_cache, c, cfg["BLOCK_N"])
         block_n = cfg.pop("BLOCK_N")
-        tail = (plan.part_o, plan.part_lse, first, plan.items, plan.chunks, plan.seq_lens, plan.slot_list, scale,
-                *strides, g, c, d, block_m, block_n, dot_t, prec,
-                pdl and i + 1 < n, pdl and i > 0, tma,
-                phase != 1,  # TAIL: phase-1 pieces read whole chunks
-                triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # FOLD_P, see _FOLD_VEC_MIN
-                vec_min, _FOLD_PAIRS and phase == 2 and plan.most_folds > 1)
+        tail = (
+            plan.part_o,
+            plan.part_lse,
+            first,
+            plan.items,
+            plan.chunks,
+            plan.seq_lens,
+            plan.slot_list,
+            scale,
+            *strides,
+            g,
+            c,
+            d,
+            block_m,
+            block_n,
+            dot_t,
+            prec,
+            pdl and i + 1 < n,
+            pdl and i > 0,
+            tma,
+            phase != 1,  # TAIL: phase-1 pieces read whole chunks
+            triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # FOLD_P, see _FOLD_VEC_MIN
+            vec_min,
+            _FOLD_PAIRS and phase == 2 and plan.most_folds > 1,
+        )
         options = {**cfg, **early}
-        launches.append((_attend_kernel, (programs, hkv, 1), (0, block_n if tma else 0), tail, options,
-                         (q.dtype, tail[8:], tuple(options.items()))))
+        launches.append(
+            (
+                _attend_kernel,
+                (programs, hkv, 1),
+                (0, block_n if tma else 0),
+                tail,
+                options,
+                (q.dtype, tail[8:], tuple(options.items())),
+            )
+        )
     if plan.merge_items.shape[0]:
         tail = (plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
         options = dict(num_warps=1)  # one warp: no cross-warp reduction (2x faster)
-        launches.append((_merge_kernel, (plan.merge_items.shape[0], hq, 1), (2, 0), tail, options,
-                         (q.dtype, tail[3:], tuple(options.items()))))
+        launches.append(
+            (
+                _merge_kernel,
+                (plan.merge_items.shape[0], hq, 1),
+                (2, 0),
+                tail,
+                options,
+                (q.dtype, tail[3:], tuple(options.items())),
+            )
+        )
     return tuple(launches)
 
 
@@ -968,10 +1202,14 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, out: Tens
     if q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache/v_cache must both be [num_chunks, Hkv, c, D], got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"k_cache/v_cache must both be [num_chunks, Hkv, c, D], got "
+            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
     if k_cache.stride() != v_cache.stride():
-        raise ValueError(f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}")
+        raise ValueError(
+            f"k_cache and v_cache must have the same strides, got {k_cache.stride()} and {v_cache.stride()}"
+        )
     b, hq, d = q.shape
     _, hkv, c, dk = k_cache.shape
     if dk != d:
@@ -985,11 +1223,15 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, out: Tens
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
         raise ValueError(f"q, k_cache, v_cache must share one dtype, got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     if not (q.device == k_cache.device == v_cache.device == plan.seq_lens.device):
-        raise ValueError(f"q, caches and plan must be on one device, got {q.device}, {k_cache.device}, "
-                         f"{v_cache.device}, {plan.seq_lens.device}")
+        raise ValueError(
+            f"q, caches and plan must be on one device, got {q.device}, {k_cache.device}, "
+            f"{v_cache.device}, {plan.seq_lens.device}"
+        )
     if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1 or out.device != q.device:
-        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with its last dim contiguous, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}")
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device} with its last dim contiguous, got "
+            f"{tuple(out.shape)} {out.dtype} on {out.device}, strides {out.stride()}"
+        )
     got = (b, hq, hkv, d, c)
     want = (plan.batch_size, plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.chunk_size)
     if got != want:

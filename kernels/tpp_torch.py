@@ -41,8 +41,10 @@ class TorchPlan:
 def build_plan(tree: TreePlan, chunk_size: int, device: torch.device | str) -> TorchPlan:
     c = int(chunk_size)
     # a row's reserved chunks (0 tokens, the last of its list) are left out: nothing to read
-    used = [len(counts) - next((i for i, n in enumerate(reversed(counts)) if n), len(counts))
-            for counts in tree.private_lens]
+    used = [
+        len(counts) - next((i for i, n in enumerate(reversed(counts)) if n), len(counts))
+        for counts in tree.private_lens
+    ]
     b, p = len(tree.seq_lens), max(used, default=0)
     ids, lens = np.zeros((b, p), dtype=np.int64), np.zeros((b, p), dtype=np.int64)
     for r, (chunks, counts, n) in enumerate(zip(tree.private_chunks, tree.private_lens, used)):
@@ -63,10 +65,16 @@ def tpp_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TorchPlan, sm_
     # phase 2: every row's private chunks at once, [B, Hkv, G, ...] states
     p = plan.chunk_ids.shape[1]
     if p:
+
         def gather(cache: Tensor) -> Tensor:  # [Hkv, B, P * c, D]: heads first, so the gather is the only copy
             return cache.transpose(0, 1)[:, plan.chunk_ids].reshape(hkv, b, p * c, d)
-        o, m, n = (x.transpose(0, 1) for x in reference.partial_attn(
-            qf.transpose(0, 1), gather(k_cache), gather(v_cache), sm_scale, mask=plan.live[None, :, None, :]))
+
+        o, m, n = (
+            x.transpose(0, 1)
+            for x in reference.partial_attn(
+                qf.transpose(0, 1), gather(k_cache), gather(v_cache), sm_scale, mask=plan.live[None, :, None, :]
+            )
+        )
     else:
         o, m, n = qf.new_zeros(b, hkv, g, d), qf.new_full((b, hkv, g), float("-inf")), qf.new_zeros(b, hkv, g)
 

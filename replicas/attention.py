@@ -67,34 +67,60 @@ class PrefillSpan:
 class Attention:
     """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
 
-    def __init__(self, pool: KVPool, *, backend: str, num_q_heads: int, head_dim: int, device: torch.device,
-                 flashinfer_fallback: bool = True, flashinfer_prefill: bool = True,
-                 sparse: block_union.BlockUnion | None = None):
+    def __init__(
+        self,
+        pool: KVPool,
+        *,
+        backend: str,
+        num_q_heads: int,
+        head_dim: int,
+        device: torch.device,
+        flashinfer_fallback: bool = True,
+        flashinfer_prefill: bool = True,
+        sparse: block_union.BlockUnion | None = None,
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
             backend = "triton" if device.type == "cuda" else "torch"
         if backend == "triton":
             from kernels import tpp  # imports triton; the reference path must not need it
+
             self._tpp = tpp
             self._decoder = tpp.TppDecoder()
         self.backend = backend
         self.pool, self.device = pool, device
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
-        self.sm_scale = head_dim ** -0.5
+        self.sm_scale = head_dim**-0.5
         self._fi = None  # kernels.fi_decode.FlashInferDecode for unshared GQA batches, if usable
         num_kv_heads = pool.kv.shape[3]
-        if (backend == "triton" and flashinfer_fallback and num_q_heads != num_kv_heads
-                and pool.kv.dtype in (torch.float16, torch.bfloat16)):
+        if (
+            backend == "triton"
+            and flashinfer_fallback
+            and num_q_heads != num_kv_heads
+            and pool.kv.dtype in (torch.float16, torch.bfloat16)
+        ):
             if fi_decode.available():
                 self._fi = fi_decode.FlashInferDecode(
-                    num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                    chunk_size=pool.chunk_size, dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
+                    num_q_heads=num_q_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    chunk_size=pool.chunk_size,
+                    dtype=pool.kv.dtype,
+                    device=device,
+                    sm_scale=self.sm_scale,
+                )
         self._prefill = None  # kernels.paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
         if backend == "triton" and flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
             self._prefill = paged_prefill.FlashInferPrefill(
-                num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, chunk_size=pool.chunk_size,
-                dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
+                num_q_heads=num_q_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                chunk_size=pool.chunk_size,
+                dtype=pool.kv.dtype,
+                device=device,
+                sm_scale=self.sm_scale,
+            )
         self.sparse = sparse
         if sparse is not None:
             sparse.check_chunk_size(pool.chunk_size)
@@ -131,7 +157,7 @@ class Attention:
             table = tuple(seq.chunk_table)
             sparse = None
             if self.sparse is not None and self.sparse.applies(start, c):
-                sparse = to_device(list(table[:-(-(start + n) // c)]), self.device)
+                sparse = to_device(list(table[: -(-(start + n) // c)]), self.device)
             prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
             if means:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
@@ -154,9 +180,19 @@ class Attention:
         budget = None
         if sparse and self._prefill is not None and self.sparse.budget is not None:
             budget = self._plan_budget(sparse)
-        return StepAttention(self, new[0], new[1], new[0] % c, len(batch.decodes),
-                             self._plan_decode(batch), tuple(prefills), fused, dense_rows,
-                             to_device(filled, self.device) if filled else None, budget)
+        return StepAttention(
+            self,
+            new[0],
+            new[1],
+            new[0] % c,
+            len(batch.decodes),
+            self._plan_decode(batch),
+            tuple(prefills),
+            fused,
+            dense_rows,
+            to_device(filled, self.device) if filled else None,
+            budget,
+        )
 
     def _plan_budget(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, ...]:
         """A budget's page lists for the step's sparse spans, planned once for every layer:
@@ -166,14 +202,15 @@ class Attention:
         pages, planned, places = [], [], []
         for s in spans:
             total = s.context_len + s.num_new
-            lists, per, chosen = block_union.budget_lists(list(s.chunk_ids), s.context_len, total, c, self.sparse,
-                                                          hkv, e)
+            lists, per, chosen = block_union.budget_lists(
+                list(s.chunk_ids), s.context_len, total, c, self.sparse, hkv, e
+            )
             places.append((len(pages), per, chosen))
             pages += lists
             planned.append((s.num_new, [per] * e, total - (-(-total // c) - 1) * c))
         ids = to_device(pages, self.device, torch.int32)
         self._prefill.plan_sparse(ids, planned)
-        return tuple(ids[o:o + e * per].view(e, per)[:, chosen] for o, per, chosen in places)
+        return tuple(ids[o : o + e * per].view(e, per)[:, chosen] for o, per, chosen in places)
 
     def _plan_decode(self, batch: Batch):
         if not batch.decodes:
@@ -192,8 +229,16 @@ class Attention:
             plan = self._fi.plan(tables, lens)
             self.fallback_plans += 1
         elif self.backend == "triton":
-            plan = self._tpp.build_plan(tables, lens, c, self.device, num_q_heads=self.num_q_heads,
-                                        num_kv_heads=self.pool.kv.shape[3], head_dim=self.head_dim, tree=tree)
+            plan = self._tpp.build_plan(
+                tables,
+                lens,
+                c,
+                self.device,
+                num_q_heads=self.num_q_heads,
+                num_kv_heads=self.pool.kv.shape[3],
+                head_dim=self.head_dim,
+                tree=tree,
+            )
         elif self.backend == "torch":
             plan = tpp_torch.build_plan(tree, c, self.device)
         else:
@@ -228,15 +273,24 @@ class Attention:
 
         def grown(lens: tuple[int, ...], places: tuple[int, ...], n: int) -> tuple[int, ...]:
             i = places.index(n // c)
-            return lens[:i] + (lens[i] + 1,) + lens[i + 1:]
+            return lens[:i] + (lens[i] + 1,) + lens[i + 1 :]
 
         return dataclasses.replace(
-            plan, seq_lens=tuple(n + 1 for n in plan.seq_lens),
-            private_lens=tuple(grown(pl, pp, n) for pl, pp, n in
-                               zip(plan.private_lens, plan.private_positions, plan.seq_lens)))
+            plan,
+            seq_lens=tuple(n + 1 for n in plan.seq_lens),
+            private_lens=tuple(
+                grown(pl, pp, n) for pl, pp, n in zip(plan.private_lens, plan.private_positions, plan.seq_lens)
+            ),
+        )
 
-    def sparse_prefill(self, layer: int, q: torch.Tensor, out: torch.Tensor, spans: list[PrefillSpan],
-                       budget: tuple[torch.Tensor, ...] | None = None) -> None:
+    def sparse_prefill(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        spans: list[PrefillSpan],
+        budget: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
         """Block-union pieces of one layer: select each piece's blocks from its queries, then
         attend over the page lists (kernels.block_union); writes their rows of out. budget: the
         spans' planned page ids to fill (a budget through FlashInfer), else chunk masks."""
@@ -245,7 +299,7 @@ class Attention:
         bc = cfg.block // c
         pieces = []
         for i, s in enumerate(spans):
-            rows = q[s.start:s.start + s.num_new]
+            rows = q[s.start : s.start + s.num_new]
             k0 = s.context_len // c  # chunks before the one holding the piece's first token
             # the context blocks' mean keys, from the pool's chunk means (their chunks filled in
             # earlier steps: queued before this)
@@ -261,22 +315,26 @@ class Attention:
             if budget is not None:
                 block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
                 self.sparse_pages += agg.shape[0] * block_union.budget_list_len(
-                    cfg, s.context_len, s.context_len + s.num_new, c)
+                    cfg, s.context_len, s.context_len + s.num_new, c
+                )
                 continue
             mask = block_union.chunk_mask(block_union.select_blocks(agg, cfg), bc, k0, s.table.numel())
             if self._prefill is None:  # (the reference path; FlashInfer's counts its pages as it plans)
                 self.sparse_pages += int(mask.sum())
             pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
-        outs = [out[s.start:s.start + s.num_new] for s in spans]
+        outs = [out[s.start : s.start + s.num_new] for s in spans]
         if budget is not None:
-            self._prefill.run_planned_sparse([q[s.start:s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
+            self._prefill.run_planned_sparse([q[s.start : s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
             self.sparse_pages += self._prefill.sparse_pages_planned
         else:
             for s, p, o in zip(spans, pieces, outs):
-                o.copy_(reference.sparse_prefill_ref(p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask,
-                                                     self.sm_scale))
+                o.copy_(
+                    reference.sparse_prefill_ref(
+                        p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask, self.sm_scale
+                    )
+                )
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, out: torch.Tensor) -> None:
         """The decode rows' attention q [B, Hq, D] into out [B, Hq, D]."""
@@ -293,6 +351,7 @@ class Attention:
 @dataclass(frozen=True)
 class StepAttention:
     """One step's attention: what the model calls as `attn.forward(layer, q, k, v)`."""
+
     attention: Attention
     positions: torch.Tensor  # [T] position of each new token in its sequence
     chunk_idx: torch.Tensor  # [T] chunk id of each new token's K/V slot
@@ -302,12 +361,17 @@ class StepAttention:
     decode_plan: object
     prefills: tuple[PrefillSpan, ...]
     fused_prefill: bool = False  # the dense prefill spans through the FlashInfer plan made for this step
-    dense_rows: torch.Tensor | None = None  # their rows where sparse spans are among the spans (else they follow the decodes)
+    dense_rows: torch.Tensor | None = (
+        None  # their rows where sparse spans are among the spans (else they follow the decodes)
+    )
     filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps mean keys
-    budget: tuple[torch.Tensor, ...] | None = None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
+    budget: tuple[torch.Tensor, ...] | None = (
+        None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
+    )
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; out: [T, Hq, D] to write (every row), else a new one
         self.attention.pool.write(layer, self.chunk_idx, self.offset, k, v)
         return self.attend(layer, q, out)
@@ -332,7 +396,8 @@ class StepAttention:
                 if not s.sparse:
                     rows = slice(s.start, s.start + s.num_new)
                     out[rows] = reference.prefill_attention_ref(
-                        q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale)
+                        q[rows], k_cache, v_cache, s.chunk_ids, s.context_len, a.sm_scale
+                    )
         sparse = [s for s in self.prefills if s.sparse]
         if sparse:
             a.sparse_prefill(layer, q, out, sparse, self.budget)

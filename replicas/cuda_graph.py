@@ -43,6 +43,7 @@ class DecodeGraphs:
         if capture_after < 2:
             raise ValueError(f"capture_after must be >= 2 (a plan's first step compiles), got {capture_after}")
         from kernels.tpp import TppPlan  # imports triton: only CUDA engines build DecodeGraphs
+
         self._tpp_plan = TppPlan
         self.model, self.chunk_size = model, chunk_size
         self.capture_after, self.min_replays = capture_after, min_replays
@@ -86,8 +87,9 @@ class DecodeGraphs:
         # once its last graph is: capturing into its handle then fails). thread_local: CUDA
         # calls of other threads (a replica's event loop) cannot invalidate the capture.
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            static = dataclasses.replace(step, positions=self._positions, chunk_idx=self._chunk_idx,
-                                         offset=self._positions % self.chunk_size)
+            static = dataclasses.replace(
+                step, positions=self._positions, chunk_idx=self._chunk_idx, offset=self._positions % self.chunk_size
+            )
             self._hidden = self.model(self._ids, self._positions, static)
         self._graph = graph
         self.captures += 1

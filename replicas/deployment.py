@@ -45,6 +45,7 @@ from replicas.wire import GenerateOutput, GenerateRequest
 @dataclass
 class _Stream:
     """The event-loop side of one request in the engine."""
+
     accepted: asyncio.Future  # set when the engine applied the add: None, or its ValueError
     outputs: asyncio.Queue[RequestOutput | EngineDied]  # one per step; EngineDied if the engine process dies
 
@@ -54,8 +55,15 @@ class LLMReplica:
     DIGEST_PERIOD_S = 1.0  # how often the engine refreshes the cache digest for the router
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
-    def __init__(self, engine_config: EngineConfig, served_model_name: str | None = None, route_chunks: int = 32,
-                 cpus_per_rank: float = 1, warm_up: bool = False, stream_interval_ms: float = 0):
+    def __init__(
+        self,
+        engine_config: EngineConfig,
+        served_model_name: str | None = None,
+        route_chunks: int = 32,
+        cpus_per_rank: float = 1,
+        warm_up: bool = False,
+        stream_interval_ms: float = 0,
+    ):
         """stream_interval_ms: a stream's outputs after its first are sent at most this often, the
         steps between gathered into one (each send is a Ray message, and one more at the ingress
         to the proxy: per token, the ingress and proxy bound the stack's tokens per second); 0:
@@ -68,9 +76,14 @@ class LLMReplica:
         # the router's view of this replica's tree: hashes seeded by the served model name, as the
         # ingress hashes prompts (router/hashing.py); taken between steps, never during one.
         # Built and warmed up (kernels compiled) before the replica reports ready: Serve waits for __init__.
-        self.core = EngineProcess(engine_config, warm_up=warm_up,
-                                  digest_args=(served_model_name or engine_config.model, route_chunks),
-                                  digest_period_s=self.DIGEST_PERIOD_S, tp_rendezvous=rendezvous, while_waiting=check)
+        self.core = EngineProcess(
+            engine_config,
+            warm_up=warm_up,
+            digest_args=(served_model_name or engine_config.model, route_chunks),
+            digest_period_s=self.DIGEST_PERIOD_S,
+            tp_rendezvous=rendezvous,
+            while_waiting=check,
+        )
         info = self.core.info
         self.warmup_stats = info["warmup"]
         self._model_info = {"max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}
@@ -88,8 +101,14 @@ class LLMReplica:
         entered = time.perf_counter()
         self._raise_if_dead()
         rid = request.request_id
-        text = _TextStream(self.tokenizer, request.prompt_token_ids, request.stop, request.params.min_tokens,
-                           request.skip_special_tokens, request.include_stop_str_in_output)
+        text = _TextStream(
+            self.tokenizer,
+            request.prompt_token_ids,
+            request.stop,
+            request.params.min_tokens,
+            request.skip_special_tokens,
+            request.include_stop_str_in_output,
+        )
         if request.params.guided is not None:
             # compiled in the engine process off its step loop (seconds for a large schema and
             # vocabulary): its add then finds it cached (a ValueError for a bad guide reaches the caller)
@@ -119,11 +138,21 @@ class LLMReplica:
                 engine_done = out.engine_done
                 if out.reason is not None and out.output_tokens > 1:
                     self._metrics.time_per_output_token.observe(
-                        (time.perf_counter() - first_token_at) / (out.output_tokens - 1))
+                        (time.perf_counter() - first_token_at) / (out.output_tokens - 1)
+                    )
                 last = batch[-1]
-                yield GenerateOutput(self.replica_id, out.text, out.token_ids, out.reason, last.prompt_tokens,
-                                     last.cached_tokens, out.output_tokens, out.logprobs, out.prompt_logprobs,
-                                     first_output_s=None if sent_at is not None else first_token_at - entered)
+                yield GenerateOutput(
+                    self.replica_id,
+                    out.text,
+                    out.token_ids,
+                    out.reason,
+                    last.prompt_tokens,
+                    last.cached_tokens,
+                    out.output_tokens,
+                    out.logprobs,
+                    out.prompt_logprobs,
+                    first_output_s=None if sent_at is not None else first_token_at - entered,
+                )
                 sent_at = time.perf_counter()
                 if out.stopped:
                     return  # a stop string ended it; the engine still runs it until the abort below
@@ -136,8 +165,14 @@ class LLMReplica:
                     pass
 
     # -- the engine's messages (on the event loop) ------------------------------------------
-    def _on_step(self, outputs: list[RequestOutput], accepted: list[str], rejected: list[tuple[str, str]],
-                 stats: dict, digest: tuple[list[int], float] | None) -> None:
+    def _on_step(
+        self,
+        outputs: list[RequestOutput],
+        accepted: list[str],
+        rejected: list[tuple[str, str]],
+        stats: dict,
+        digest: tuple[list[int], float] | None,
+    ) -> None:
         for rid in accepted:
             stream = self._streams.get(rid)
             if stream is not None and not stream.accepted.done():  # (None: the caller left meanwhile)
@@ -171,17 +206,24 @@ class LLMReplica:
         self._raise_if_dead()  # a failing check makes Serve replace the replica (and its engine process)
         # a rank that died leaves rank 0 waiting in a collective, its engine process still "running"
         if self._tp_ranks:
-            await asyncio.wait_for(asyncio.gather(*(rank.ping.remote() for rank in self._tp_ranks)),
-                                   timeout=self.TP_PING_TIMEOUT_S)
+            await asyncio.wait_for(
+                asyncio.gather(*(rank.ping.remote() for rank in self._tp_ranks)), timeout=self.TP_PING_TIMEOUT_S
+            )
 
     async def record_routing_stats(self) -> dict:
         """What Serve's controller collects from this replica for the routers (router/serve_router.py),
         and the ingress's /metrics from every replica (cluster/metrics.py reads `metrics`): the
         controller polls this each routing-stats period, the ingress when it is scraped."""
         s = self._stats
-        return {"running": s["running"], "waiting": s["waiting"],
-                "kv_chunks_used": s["kv_chunks_used"], "kv_chunks_total": s["kv_chunks_total"],
-                "digest": self._digest, "as_of": self._digest_at, "metrics": self._metrics.snapshot(s)}
+        return {
+            "running": s["running"],
+            "waiting": s["waiting"],
+            "kv_chunks_used": s["kv_chunks_used"],
+            "kv_chunks_total": s["kv_chunks_total"],
+            "digest": self._digest,
+            "as_of": self._digest_at,
+            "metrics": self._metrics.snapshot(s),
+        }
 
     async def stats(self) -> dict[str, int]:
         """engine.stats() as of the engine's last step."""
@@ -236,23 +278,31 @@ class _TPRank:
             raise RuntimeError(f"tensor-parallel rank {self.config.tp_rank} stopped: {self.stopped}")
 
 
-def _start_tp_ranks(config: EngineConfig, cpus_per_rank: float) -> tuple[EngineConfig, list, tuple[str, int],
-                                                                          Callable[[], None]]:
+def _start_tp_ranks(
+    config: EngineConfig, cpus_per_rank: float
+) -> tuple[EngineConfig, list, tuple[str, int], Callable[[], None]]:
     """Start ranks 1 .. n-1 in the replica's placement group, joining rank 0's rendezvous and
     then stepping with it (warmup included: rank 0's engine process steps as soon as it is built).
     -> (rank 0's config, the ranks' actors, the rendezvous, a check that raises a rank's failure)."""
     group = ray.util.get_current_placement_group()
     if group is None or len(group.bundle_specs) < config.tp_size:
-        raise ValueError(f"tensor_parallel_size={config.tp_size} needs a placement group of that many bundles "
-                         "(cluster.app.build_app asks Serve for one)")
+        raise ValueError(
+            f"tensor_parallel_size={config.tp_size} needs a placement group of that many bundles "
+            "(cluster.app.build_app asks Serve for one)"
+        )
     if config.device not in ("cpu", "cuda"):
         raise ValueError(f"tensor_parallel_size > 1 takes device cpu or cuda (a GPU per rank), got {config.device!r}")
     config = worker_config(config, 0)
     addr = ray.util.get_node_ip_address()
     port = free_port(addr)
-    ranks = [_TPRank.options(num_cpus=cpus_per_rank, num_gpus=1 if config.device == "cuda" else 0,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r))
-             .remote(worker_config(config, r)) for r in range(1, config.tp_size)]
+    ranks = [
+        _TPRank.options(
+            num_cpus=cpus_per_rank,
+            num_gpus=1 if config.device == "cuda" else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r),
+        ).remote(worker_config(config, r))
+        for r in range(1, config.tp_size)
+    ]
     refs = [rank.start.remote(addr, port) for rank in ranks] + [rank.serve.remote() for rank in ranks]
 
     def check() -> None:  # while rank 0's engine process starts: a rank that failed raises here
@@ -265,6 +315,7 @@ def _start_tp_ranks(config: EngineConfig, cpus_per_rank: float) -> tuple[EngineC
 @dataclass(frozen=True)
 class _Taken:
     """What one yield sends of a batch of a request's step outputs (see _take)."""
+
     text: str
     token_ids: tuple[int, ...]
     reason: str | None
@@ -288,18 +339,27 @@ def _take(text: _TextStream, batch: list[RequestOutput]) -> _Taken:
         if out.logprobs is not None:
             logprobs = logprobs or []
         for j in range(max(1, len(new))):  # an output with no tokens may still end the request
-            piece, stopped = text.push(tuple(new[j:j + 1]), final=out.finished and j >= len(new) - 1)
+            piece, stopped = text.push(tuple(new[j : j + 1]), final=out.finished and j >= len(new) - 1)
             pieces.append(piece)
-            ids += new[j:j + 1]
+            ids += new[j : j + 1]
             if out.logprobs is not None:
-                logprobs += out.logprobs[j:j + 1]
+                logprobs += out.logprobs[j : j + 1]
             if stopped:
                 unsent = len(new) - j - 1
-                return _Taken("".join(pieces), tuple(ids), "stop", out.output_tokens - unsent, True,
-                              batch[-1].finished, _tuple(logprobs), prompt)
+                return _Taken(
+                    "".join(pieces),
+                    tuple(ids),
+                    "stop",
+                    out.output_tokens - unsent,
+                    True,
+                    batch[-1].finished,
+                    _tuple(logprobs),
+                    prompt,
+                )
         if out.finished:
-            return _Taken("".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True,
-                          _tuple(logprobs), prompt)
+            return _Taken(
+                "".join(pieces), tuple(ids), out.finish_reason, out.output_tokens, False, True, _tuple(logprobs), prompt
+            )
     last = batch[-1]
     return _Taken("".join(pieces), tuple(ids), None, last.output_tokens, False, False, _tuple(logprobs), prompt)
 
@@ -318,12 +378,20 @@ class _TextStream:
     the stop string instead.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, prompt_ids: tuple[int, ...], stop: tuple[str, ...],
-                 min_tokens: int = 0, skip_special_tokens: bool = True, include_stop: bool = False):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_ids: tuple[int, ...],
+        stop: tuple[str, ...],
+        min_tokens: int = 0,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ):
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model has none")
-        self._detok = None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids),
-                                                                           skip_special_tokens)
+        self._detok = (
+            None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids), skip_special_tokens)
+        )
         self._stop, self._include_stop = stop, include_stop
         self._min_tokens, self._tokens = min_tokens, 0
         self._hold = max(map(len, stop), default=1) - 1
@@ -360,14 +428,18 @@ class _Metrics:
     ingress's /metrics aggregates over every replica (cluster/metrics.py), since Ray's metrics
     cannot be read back in-process. Both see every update, so they agree."""
 
-    _COUNTERS = {"prompt_tokens": "prompt tokens of finished requests",
-                 "cached_prompt_tokens": "prompt tokens served from the prefix tree",
-                 "generated_tokens": "tokens generated",
-                 "finished_requests": "requests the engine finished (aborted ones included)"}
-    _GAUGES = {"running": ("running_requests", "sequences in the running batch"),
-               "waiting": ("waiting_requests", "sequences waiting for admission"),
-               "kv_chunks_used": ("kv_chunks_used", "KV chunks held by live sequences"),
-               "kv_chunks_total": ("kv_chunks_total", "KV chunks in the pool")}
+    _COUNTERS = {
+        "prompt_tokens": "prompt tokens of finished requests",
+        "cached_prompt_tokens": "prompt tokens served from the prefix tree",
+        "generated_tokens": "tokens generated",
+        "finished_requests": "requests the engine finished (aborted ones included)",
+    }
+    _GAUGES = {
+        "running": ("running_requests", "sequences in the running batch"),
+        "waiting": ("waiting_requests", "sequences waiting for admission"),
+        "kv_chunks_used": ("kv_chunks_used", "KV chunks held by live sequences"),
+        "kv_chunks_total": ("kv_chunks_total", "KV chunks in the pool"),
+    }
     LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 
     def __init__(self, stats: dict[str, int]):
@@ -375,9 +447,11 @@ class _Metrics:
         self._counters = {k: metrics.Counter(f"chunkserve_{k}", description=d) for k, d in self._COUNTERS.items()}
         self._gauges = {k: metrics.Gauge(f"chunkserve_{name}", description=d) for k, (name, d) in self._GAUGES.items()}
         self.time_to_first_token = _Histogram(
-            "chunkserve_time_to_first_token_seconds", "arrival at the replica to first token", self.LATENCY_BUCKETS)
+            "chunkserve_time_to_first_token_seconds", "arrival at the replica to first token", self.LATENCY_BUCKETS
+        )
         self.time_per_output_token = _Histogram(
-            "chunkserve_time_per_output_token_seconds", "decode time per token after the first", self.LATENCY_BUCKETS)
+            "chunkserve_time_per_output_token_seconds", "decode time per token after the first", self.LATENCY_BUCKETS
+        )
         self.update(stats)
 
     def update(self, stats: dict[str, int]) -> None:
@@ -391,9 +465,11 @@ class _Metrics:
     def snapshot(self, stats: dict[str, int]) -> dict:
         """Plain numbers (picklable, no Ray types): the engine's counters since it started (warmup
         excluded), the gauges as of its last step, and both histograms' buckets."""
-        return {"counters": {k: stats[k] for k in self._COUNTERS},
-                "gauges": {name: stats[k] for k, (name, _) in self._GAUGES.items()},
-                "histograms": {h.name: h.snapshot() for h in (self.time_to_first_token, self.time_per_output_token)}}
+        return {
+            "counters": {k: stats[k] for k in self._COUNTERS},
+            "gauges": {name: stats[k] for k, (name, _) in self._GAUGES.items()},
+            "histograms": {h.name: h.snapshot() for h in (self.time_to_first_token, self.time_per_output_token)},
+        }
 
 
 class _Histogram:

@@ -28,8 +28,9 @@ def free_port(addr: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.device,
-               timeout_s: float = 600.0) -> None:
+def init_group(
+    rank: int, size: int, addr: str, port: int, device: str | torch.device, timeout_s: float = 600.0
+) -> None:
     """Join the replica's tensor-parallel groups (blocks until all `size` ranks have joined).
     device: the rank's engine device; CUDA ranks use NCCL (each on its own GPU), CPU ranks gloo.
     timeout_s bounds each model collective: a rank that stops answering fails the others."""
@@ -37,8 +38,13 @@ def init_group(rank: int, size: int, addr: str, port: int, device: str | torch.d
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://{addr}:{port}",
-                            rank=rank, world_size=size, timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo",
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
     _control = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
 
 
@@ -63,5 +69,3 @@ def broadcast_from_first(t: torch.Tensor) -> None:
     """Rank 0's t on every rank, in place (each rank passes a tensor of the same shape and
     dtype, on its engine device: a GPU tensor goes by NCCL without a trip through the host)."""
     dist.broadcast(t, src=0)
-
-

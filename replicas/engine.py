@@ -110,7 +110,9 @@ class EngineConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.chunk_size:
-            raise ValueError(f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}")
+            raise ValueError(
+                f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}"
+            )
 
 
 class RequestOutput(NamedTuple):
@@ -119,6 +121,7 @@ class RequestOutput(NamedTuple):
     Immutable as a named tuple rather than a frozen dataclass: the engine makes one per row per
     step, and a frozen dataclass's __init__ (a guarded setattr per field) took 2.3 us against
     0.7 (CPU, Python 3.11): about 0.4 ms of a 256-row decode step's host time."""
+
     request_id: str
     new_token_ids: list[int]
     finished: bool
@@ -141,39 +144,72 @@ class LLMEngine:
         _check_tp_group(config)
         dtype = _resolve_dtype(config.dtype, self.device)
         self.model, self.model_config, self.tokenizer = load_model(
-            config.model, dtype=dtype, device=self.device, tp_rank=config.tp_rank,
-            tp_size=config.tp_size, seed=config.seed)
+            config.model,
+            dtype=dtype,
+            device=self.device,
+            tp_rank=config.tp_rank,
+            tp_size=config.tp_size,
+            seed=config.seed,
+        )
         mc, c = self.model_config, config.chunk_size
         kv_heads = mc.num_kv_heads // config.tp_size if mc.num_kv_heads >= config.tp_size else 1
         sparse = config.sparse_prefill
         per_chunk = KVPool.bytes_per_chunk(mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_means=sparse is not None)
-        self.pool = KVPool(num_layers=mc.num_layers, num_chunks=self._num_chunks(per_chunk),
-                           num_kv_heads=kv_heads, chunk_size=c, head_dim=mc.head_dim, dtype=dtype,
-                           device=self.device, key_means=sparse is not None)
+        self.pool = KVPool(
+            num_layers=mc.num_layers,
+            num_chunks=self._num_chunks(per_chunk),
+            num_kv_heads=kv_heads,
+            chunk_size=c,
+            head_dim=mc.head_dim,
+            dtype=dtype,
+            device=self.device,
+            key_means=sparse is not None,
+        )
         capacity = self.pool.num_chunks * c
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the KV pool ({capacity} tokens): "
-                             "raise kv_cache_tokens or lower max_model_len")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the KV pool ({capacity} tokens): "
+                "raise kv_cache_tokens or lower max_model_len"
+            )
         if self.max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's context "
-                             f"({mc.max_position_embeddings} positions)")
+            raise ValueError(
+                f"max_model_len {self.max_model_len} exceeds the model's context "
+                f"({mc.max_position_embeddings} positions)"
+            )
         self.tree = PrefixTree(self.pool)
-        self.scheduler = Scheduler(self.tree, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   enable_prefix_sharing=config.enable_prefix_sharing,
-                                   max_model_len=self.max_model_len)
-        self.attention = Attention(self.pool, backend=config.attention_backend, device=self.device,
-                                   num_q_heads=mc.num_heads // config.tp_size, head_dim=mc.head_dim,
-                                   flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
-                                   flashinfer_prefill=config.flashinfer_prefill, sparse=sparse)
-        self.runner = ModelRunner(self.model, self.attention, self.device, enforce_eager=config.enforce_eager,
-                                  tp_size=config.tp_size, vocab_size=mc.vocab_size,
-                                  eos_token_ids=tuple(mc.eos_token_ids),
-                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                  piecewise=config.piecewise_graphs, decode_graphs=config.decode_graphs)
-        self.async_scheduling = (self.device.type == "cuda" if config.async_scheduling is None
-                                 else config.async_scheduling)
+        self.scheduler = Scheduler(
+            self.tree,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_sharing=config.enable_prefix_sharing,
+            max_model_len=self.max_model_len,
+        )
+        self.attention = Attention(
+            self.pool,
+            backend=config.attention_backend,
+            device=self.device,
+            num_q_heads=mc.num_heads // config.tp_size,
+            head_dim=mc.head_dim,
+            flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
+            flashinfer_prefill=config.flashinfer_prefill,
+            sparse=sparse,
+        )
+        self.runner = ModelRunner(
+            self.model,
+            self.attention,
+            self.device,
+            enforce_eager=config.enforce_eager,
+            tp_size=config.tp_size,
+            vocab_size=mc.vocab_size,
+            eos_token_ids=tuple(mc.eos_token_ids),
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            piecewise=config.piecewise_graphs,
+            decode_graphs=config.decode_graphs,
+        )
+        self.async_scheduling = (
+            self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
+        )
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)
@@ -182,9 +218,20 @@ class LLMEngine:
         self._guided: set[str] = set()  # the live guided requests (async_scheduling collects inside the launch)
         self._arrivals = itertools.count()
         self._counters = dict.fromkeys(
-            ("prompt_tokens", "cached_prompt_tokens", "computed_prompt_tokens", "generated_tokens",
-             "finished_requests", "steps", "decode_steps", "max_decode_batch", "last_decode_batch",
-             "max_kv_chunks_used"), 0)
+            (
+                "prompt_tokens",
+                "cached_prompt_tokens",
+                "computed_prompt_tokens",
+                "generated_tokens",
+                "finished_requests",
+                "steps",
+                "decode_steps",
+                "max_decode_batch",
+                "last_decode_batch",
+                "max_kv_chunks_used",
+            ),
+            0,
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -213,8 +260,7 @@ class LLMEngine:
         return 32768 // c
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int],
-                    params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> None:
         """Queue a request; raises ValueError (and changes nothing) when the input is bad."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
@@ -224,20 +270,29 @@ class LLMEngine:
         prompt = self._validate_prompt(prompt_token_ids)
         vocab = self.model_config.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
-            raise ValueError(f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})")
+            raise ValueError(
+                f"logit_bias names token {max(t for t, _ in params.logit_bias)}: token ids are in [0, {vocab})"
+            )
         if params.think is not None and any(t is not None and t >= vocab for t in params.think):
             raise ValueError(f"think names tokens {params.think}: token ids are in [0, {vocab})")
         # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
         # the others keep the request's id, to collect each step where rank 0 does: inside the next launch)
         guided = params.guided is not None
         matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
-        seq = Sequence(request_id, prompt, params, next(self._arrivals), matcher=matcher,
-                       thinking=GUIDED if params.think is None else THINKING if params.think[0] is None else MAY_THINK)
+        seq = Sequence(
+            request_id,
+            prompt,
+            params,
+            next(self._arrivals),
+            matcher=matcher,
+            thinking=GUIDED if params.think is None else THINKING if params.think[0] is None else MAY_THINK,
+        )
         if guided:
             self._guided.add(request_id)
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
-            self._keys[request_id] = (params.seed if params.seed is not None
-                                      else unseeded_key(self.config.seed, seq.arrival))
+            self._keys[request_id] = (
+                params.seed if params.seed is not None else unseeded_key(self.config.seed, seq.arrival)
+            )
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -248,8 +303,9 @@ class LLMEngine:
             if self._guides is None:
                 if self.tokenizer is None:
                     raise ValueError("guided decoding needs a tokenizer and this model has none")
-                self._guides = Guides(self.tokenizer, self.model_config.vocab_size,
-                                      tuple(self.model_config.eos_token_ids))
+                self._guides = Guides(
+                    self.tokenizer, self.model_config.vocab_size, tuple(self.model_config.eos_token_ids)
+                )
             return self._guides
 
     def _validate_prompt(self, ids: Seq[int]) -> list[int]:
@@ -262,8 +318,9 @@ class LLMEngine:
             if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
                 raise ValueError(f"prompt token {i} is {t!r}: token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                             "no room left to generate")
+            raise ValueError(
+                f"prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: no room left to generate"
+            )
         return list(ids)
 
     def abort(self, request_id: str) -> bool:
@@ -304,8 +361,11 @@ class LLMEngine:
                 outputs.extend(self._collect(self._inflight))
                 self._inflight = None
 
-        launched = self.runner.launch(batch, self._keys, self._inflight,
-                                      before_mask=collect if self._guided else None) if batch else None
+        launched = (
+            self.runner.launch(batch, self._keys, self._inflight, before_mask=collect if self._guided else None)
+            if batch
+            else None
+        )
         collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
@@ -337,8 +397,9 @@ class LLMEngine:
         # prompt's last when the row had nothing but it left to compute (its first output)
         # (a row that finished while the step ran, async_scheduling, computed no prompt token)
         running = Status.RUNNING
-        c["computed_prompt_tokens"] += sum(seq.num_computed <= len(seq.prompt_ids) and seq.status is running
-                                           for seq in batch.decodes)
+        c["computed_prompt_tokens"] += sum(
+            seq.num_computed <= len(seq.prompt_ids) and seq.status is running for seq in batch.decodes
+        )
         for seq, n in batch.prefills:
             if seq.status is not running:
                 continue
@@ -354,9 +415,15 @@ class LLMEngine:
         (dropping a placeholder past it). Runs per row per step: attribute lookups kept few."""
         p = seq.params
         reason = None
-        if (seq.matcher is not None and (seq.thinking == GUIDED or _grammar_takes(seq, token))
-                and not seq.matcher.is_terminated() and not seq.matcher.accept_token(token)):
-            raise RuntimeError(f"request {seq.request_id}: token {token} is outside its grammar (the mask was not applied)")
+        if (
+            seq.matcher is not None
+            and (seq.thinking == GUIDED or _grammar_takes(seq, token))
+            and not seq.matcher.is_terminated()
+            and not seq.matcher.accept_token(token)
+        ):
+            raise RuntimeError(
+                f"request {seq.request_id}: token {token} is outside its grammar (the mask was not applied)"
+            )
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
         elif n >= p.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
@@ -372,12 +439,21 @@ class LLMEngine:
             c["finished_requests"] += 1
             c["prompt_tokens"] += len(seq.prompt_ids)
             c["cached_prompt_tokens"] += seq.num_cached_prompt
-        return RequestOutput(seq.request_id, [token], reason is not None, reason, len(seq.prompt_ids),
-                             seq.num_cached_prompt, n, None if logprobs is None else [logprobs],
-                             seq.prompt_logprobs if n == 1 else None)
+        return RequestOutput(
+            seq.request_id,
+            [token],
+            reason is not None,
+            reason,
+            len(seq.prompt_ids),
+            seq.num_cached_prompt,
+            n,
+            None if logprobs is None else [logprobs],
+            seq.prompt_logprobs if n == 1 else None,
+        )
 
-    def generate(self, prompts: Seq[Seq[int]],
-                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[list[int]]:
+    def generate(
+        self, prompts: Seq[Seq[int]], params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[list[int]]:
         """Run prompts to completion (alongside anything already queued); returns their tokens."""
         params_list = list(params) if isinstance(params, Seq) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -474,11 +550,15 @@ def _check_tp_group(config: EngineConfig) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise ValueError(f"tp_size={config.tp_size} needs a torch.distributed group of its ranks: "
-                         "join it first (replicas.distributed.init_group), one process per rank")
+        raise ValueError(
+            f"tp_size={config.tp_size} needs a torch.distributed group of its ranks: "
+            "join it first (replicas.distributed.init_group), one process per rank"
+        )
     if (dist.get_world_size(), dist.get_rank()) != (config.tp_size, config.tp_rank):
-        raise ValueError(f"tp_size={config.tp_size}, tp_rank={config.tp_rank} but this process is rank "
-                         f"{dist.get_rank()} of {dist.get_world_size()}")
+        raise ValueError(
+            f"tp_size={config.tp_size}, tp_rank={config.tp_rank} but this process is rank "
+            f"{dist.get_rank()} of {dist.get_world_size()}"
+        )
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -519,13 +599,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"model {args.model!r} has no tokenizer: text prompts need one")
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p for p in args.prompt]
     prompts = [tok.encode(t) for t in texts]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
     for text, out in zip(args.prompt, engine.generate(prompts, params)):
         print(f"--- {text!r}\n{tok.decode(out)}")
     s = engine.stats()
-    print(f"--- {s['prompt_tokens']} prompt tokens ({s['cached_prompt_tokens']} cached), "
-          f"{s['generated_tokens']} generated, {s['steps']} steps")
+    print(
+        f"--- {s['prompt_tokens']} prompt tokens ({s['cached_prompt_tokens']} cached), "
+        f"{s['generated_tokens']} generated, {s['steps']} steps"
+    )
 
 
 if __name__ == "__main__":

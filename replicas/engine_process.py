@@ -59,16 +59,27 @@ class EngineDied(Exception):
 class EngineProcess:
     """The replica's side: start the engine process, send it requests, receive its steps."""
 
-    def __init__(self, config: EngineConfig, *, warm_up: bool = False, digest_args: tuple[str, int] | None = None,
-                 digest_period_s: float = 1.0, tp_rendezvous: tuple[str, int] | None = None,
-                 ready_timeout_s: float = 3600.0, while_waiting: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        warm_up: bool = False,
+        digest_args: tuple[str, int] | None = None,
+        digest_period_s: float = 1.0,
+        tp_rendezvous: tuple[str, int] | None = None,
+        ready_timeout_s: float = 3600.0,
+        while_waiting: Callable[[], None] | None = None,
+    ):
         """Start the process and wait until its engine is built (and warmed up): raises
         EngineDied with the engine's error if it fails. while_waiting: called about every
         second meanwhile (the replica checks its tensor-parallel ranks there)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (Ray's working dirs too)
-        self._proc = subprocess.Popen([sys.executable, "-m", "replicas.engine_process", "--fd", str(theirs.fileno())],
-                                      pass_fds=(theirs.fileno(),), env=env)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "replicas.engine_process", "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
         theirs.close()
         self._conn = Connection(ours.detach())
         self._send_lock = threading.Lock()
@@ -128,8 +139,9 @@ class EngineProcess:
         self._conn.close()
 
     # -- engine -> replica --------------------------------------------------------------------
-    def start_receiving(self, loop: asyncio.AbstractEventLoop, on_step: Callable[..., None],
-                        on_death: Callable[[str], None]) -> None:
+    def start_receiving(
+        self, loop: asyncio.AbstractEventLoop, on_step: Callable[..., None], on_death: Callable[[str], None]
+    ) -> None:
         """Deliver each step message to on_step(outputs, accepted, rejected, stats, digest) on
         `loop`, from a receiver thread; on_death(reason) once if the engine process goes."""
 
@@ -153,8 +165,11 @@ class EngineProcess:
                 if self._closed or loop.is_closed():
                     return  # (closed on purpose)
                 code = self._proc.poll()
-                reason = str(e) if isinstance(e, EngineDied) else (
-                    f"the engine process exited ({'code ' + str(code) if code is not None else 'pipe closed'})")
+                reason = (
+                    str(e)
+                    if isinstance(e, EngineDied)
+                    else (f"the engine process exited ({'code ' + str(code) if code is not None else 'pipe closed'})")
+                )
                 self.error = reason
                 deliver(self._fail_compiles, reason)
                 deliver(on_death, reason)
@@ -224,6 +239,7 @@ class _Core:
             warm = None
             if warm_up:
                 from replicas.warmup import warmup
+
                 warm = warmup(self.engine)
         except BaseException as e:  # noqa: BLE001 - the replica raises it
             self.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
@@ -231,8 +247,13 @@ class _Core:
             os._exit(1)
         self.digest_args, self.digest_period_s = digest_args, digest_period_s
         self.digest_at = 0.0
-        info = {"max_model_len": self.engine.max_model_len, "vocab_size": self.engine.model_config.vocab_size,
-                "warmup": warm, "stats": self.engine.stats(), "digest": self._digest()}
+        info = {
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.model_config.vocab_size,
+            "warmup": warm,
+            "stats": self.engine.stats(),
+            "digest": self._digest(),
+        }
         self.send(("ready", info))
 
     def _digest(self) -> tuple[list[int], float] | None:
@@ -318,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def _tp_engine() -> type:
     from replicas.parallel import TPEngine
+
     return TPEngine
 
 

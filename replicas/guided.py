@@ -50,6 +50,7 @@ class Guide:
     strings, the output exactly one of them; "grammar": an EBNF grammar (xgrammar's / GBNF form,
     rule `root`). any_whitespace: in JSON, any whitespace between tokens (vLLM's default), else
     the compact form only."""
+
     kind: str
     spec: str | tuple[str, ...] = ""
     any_whitespace: bool = True
@@ -58,8 +59,11 @@ class Guide:
         if self.kind not in KINDS:
             raise ValueError(f"guided decoding kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.kind == "choice":
-            if (not isinstance(self.spec, tuple) or not self.spec
-                    or not all(isinstance(s, str) and s for s in self.spec)):
+            if (
+                not isinstance(self.spec, tuple)
+                or not self.spec
+                or not all(isinstance(s, str) and s for s in self.spec)
+            ):
                 raise ValueError("guided choice takes a non-empty list of non-empty strings")
             if sum(map(len, self.spec)) > MAX_SPEC_CHARS:
                 raise ValueError(f"guided choices exceed {MAX_SPEC_CHARS} characters")
@@ -95,8 +99,8 @@ class Guide:
 # and JavaScript's parsers refuse it; seen with the random-weight model). Its unbounded strings
 # exclude U+0000-U+001F as JSON says; bounded ones are made to as well, by rewriting that
 # character class in the grammar's EBNF.
-_LAX_CHARS = r'[^\"\\\r\n]'
-_STRICT_CHARS = r'[^\0-\x1f\"\\]'
+_LAX_CHARS = r"[^\"\\\r\n]"
+_STRICT_CHARS = r"[^\0-\x1f\"\\]"
 
 
 def _strict_strings(xgr, grammar):
@@ -162,19 +166,26 @@ def _tokenizer_info(xgr, tokenizer: Tokenizer, vocab_size: int, stop_ids: tuple[
     from transformers import PreTrainedTokenizerFast  # (an xgrammar dependency)
 
     backend = tokenizer.backend
-    detected = xgr.TokenizerInfo.from_huggingface(PreTrainedTokenizerFast(tokenizer_object=backend),
-                                                  vocab_size=vocab_size, stop_token_ids=list(stop_ids))
+    detected = xgr.TokenizerInfo.from_huggingface(
+        PreTrainedTokenizerFast(tokenizer_object=backend), vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+    )
     special = {i for i, tok in backend.get_added_tokens_decoder().items() if tok.special}
     vocab = [""] * vocab_size
     for token, i in backend.get_vocab(with_added_tokens=True).items():
         if i < vocab_size and i not in special:
             vocab[i] = token
-    return xgr.TokenizerInfo(vocab, vocab_type=detected.vocab_type, vocab_size=vocab_size,
-                             stop_token_ids=list(stop_ids), add_prefix_space=detected.add_prefix_space)
+    return xgr.TokenizerInfo(
+        vocab,
+        vocab_type=detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=list(stop_ids),
+        add_prefix_space=detected.add_prefix_space,
+    )
 
 
-def fill_bitmask(matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_token_ids: tuple[int, ...],
-                 pinned: bool = False) -> torch.Tensor:
+def fill_bitmask(
+    matchers: list[xgrammar.GrammarMatcher], vocab_size: int, stop_token_ids: tuple[int, ...], pinned: bool = False
+) -> torch.Tensor:
     """[len(matchers), W] int32 on the host (pinned: page-locked, for an asynchronous copy): bit
     t % 32 of word t // 32 set where token t may come next in that matcher's grammar; after its
     end (a request that ignores EOS goes on) the stop tokens only. The matchers are filled on

@@ -40,8 +40,9 @@ class KVPool:
         self._k, self._v = [self.kv[i, 0] for i in range(num_layers)], [self.kv[i, 1] for i in range(num_layers)]
         # key_means: [L, N, Hkv, D] float32, the mean key of each full chunk (block-union's
         # selection, kernels.block_union), or None without sparse prefill
-        self.key_means = (torch.zeros(num_layers, num_chunks, num_kv_heads, head_dim, device=device)
-                          if key_means else None)
+        self.key_means = (
+            torch.zeros(num_layers, num_chunks, num_kv_heads, head_dim, device=device) if key_means else None
+        )
         # stack of free ids, lowest id on top so allocation order is deterministic
         self._free = list(range(num_chunks - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * num_chunks
@@ -52,8 +53,9 @@ class KVPool:
     def v(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
         return self._v[layer]
 
-    def write(self, layer: int, chunk_idx: torch.Tensor, offset: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+    def write(
+        self, layer: int, chunk_idx: torch.Tensor, offset: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> None:
         """New tokens' K/V into their slots: k, v [T, Hkv, D]; token t into chunk chunk_idx[t] at
         slot offset[t]."""
         k_cache, v_cache = self.k(layer), self.v(layer)
@@ -82,8 +84,9 @@ class KVPool:
         return bool(self._is_free[chunk_id])
 
     @staticmethod
-    def bytes_per_chunk(num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int,
-                        dtype: torch.dtype, key_means: bool = False) -> int:
+    def bytes_per_chunk(
+        num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int, dtype: torch.dtype, key_means: bool = False
+    ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         means = num_layers * num_kv_heads * head_dim * 4 if key_means else 0
         return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + means

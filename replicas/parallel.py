@@ -84,9 +84,11 @@ def _check_same(outputs: Sequence[RequestOutput], engine: LLMEngine) -> None:
     dist.all_gather(every, mine, group=control_group())
     differ = [r for r, h in enumerate(every) if int(h) != int(every[0])]
     if differ:
-        raise RuntimeError(f"tensor-parallel ranks {differ} diverged from rank 0 in step {engine.stats()['steps']} "
-                           f"(this is rank "
-                           f"{dist.get_rank()}; its outputs: {str(_fingerprint(outputs))[:300]})")
+        raise RuntimeError(
+            f"tensor-parallel ranks {differ} diverged from rank 0 in step {engine.stats()['steps']} "
+            f"(this is rank "
+            f"{dist.get_rank()}; its outputs: {str(_fingerprint(outputs))[:300]})"
+        )
 
 
 def _apply(engine: LLMEngine, ops: list[tuple]) -> None:
@@ -127,8 +129,9 @@ class TPEngine:
     def __getattr__(self, name: str) -> Any:  # tokenizer, stats, cache_digest, has_unfinished, ...
         return getattr(self.engine, name)
 
-    def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: SamplingParams | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+    ) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params)
         self._ops.append(("add", request_id, list(prompt_token_ids), params))
 

@@ -23,6 +23,7 @@ from replicas.transfer import to_device
 
 class Gathered(NamedTuple):
     """The penalized rows of a step's sampling batch."""
+
     rows: list[int]  # their indices among the sampling rows
     slots: torch.Tensor  # [P] their slots
     counts: torch.Tensor  # [P, V] int32 their output tokens' counts (before this step's token)
@@ -48,8 +49,7 @@ class Penalties:
     def record(self, gathered: Gathered, tokens: torch.Tensor) -> None:
         """Add each penalized row's sampled token (tokens: [S] on the device) to its counts."""
         picked = tokens[to_device(gathered.rows, self.device)]
-        self.counts.index_put_((gathered.slots, picked), torch.ones_like(picked, dtype=torch.int32),
-                               accumulate=True)
+        self.counts.index_put_((gathered.slots, picked), torch.ones_like(picked, dtype=torch.int32), accumulate=True)
 
     def release(self, request_id: str) -> None:
         slot = self._slot.pop(request_id, None)

@@ -41,8 +41,15 @@ BUCKETS = (8, *range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *
 
 
 class PiecewiseGraphs:
-    def __init__(self, model: torch.nn.Module, pool: KVPool, max_tokens: int, *, graphs: bool = True,
-                 sizes: tuple[int, ...] = BUCKETS):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        max_tokens: int,
+        *,
+        graphs: bool = True,
+        sizes: tuple[int, ...] = BUCKETS,
+    ):
         """model: a LlamaForCausalLM; pool: its K/V pool; max_tokens: a step's tokens at most
         (larger buckets are not made); graphs: capture CUDA graphs (else the pieces run as
         calls: the CPU)."""

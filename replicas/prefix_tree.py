@@ -50,7 +50,7 @@ class PrefixTree:
         """The longest cached path of full chunks covering at most `max_tokens` of `token_ids`."""
         node, path, c = self.root, [], self.c
         for k in range(min(max_tokens, len(token_ids)) // c):
-            node = node.children.get(tuple(token_ids[k * c:(k + 1) * c]))
+            node = node.children.get(tuple(token_ids[k * c : (k + 1) * c]))
             if node is None:
                 break
             path.append(node)
@@ -187,8 +187,9 @@ class PrefixTree:
             parent = self.root
             for i, n in enumerate(s.nodes):
                 assert n.parent is parent, f"{s.request_id}: node {n.id} is not a child of its predecessor"
-                assert n.tokens == tuple(s.token_ids[i * self.c:(i + 1) * self.c]), \
+                assert n.tokens == tuple(s.token_ids[i * self.c : (i + 1) * self.c]), (
                     f"{s.request_id}: node {n.id} holds other tokens than the sequence"
+                )
                 refs[n.id] = refs.get(n.id, 0) + 1
                 parent = n
             for cid in s.private:

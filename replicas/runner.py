@@ -33,6 +33,7 @@ class Launched(NamedTuple):
     Each sampling sequence got a placeholder output token, -1 - i for samplers[i], at
     output_ids[slots[i]], until the engine collects the step; a later step that runs that
     position takes the token from `tokens` on the device."""
+
     samplers: list[Sequence]
     slots: list[int]
     tokens: torch.Tensor | None  # [S] int64 on the device
@@ -43,14 +44,17 @@ class Launched(NamedTuple):
 
 class StepLogprobs(NamedTuple):
     """The logprobs of a step's rows that asked for them (SamplingParams.logprobs)."""
+
     rows: list[int]  # their places among the step's samplers
     values: torch.Tensor  # [W, 1 + k] float32: the drawn token's logprob, then the k most likely tokens'
     ids: torch.Tensor  # [W, k] int64: those tokens
 
     def to_host(self, pinned: bool) -> StepLogprobs:
         """Copies on the host, not waited for (pinned: page-locked, for the asynchronous copy)."""
-        copies = [torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned).copy_(x, non_blocking=pinned)
-                  for x in (self.values, self.ids)]
+        copies = [
+            torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned).copy_(x, non_blocking=pinned)
+            for x in (self.values, self.ids)
+        ]
         return StepLogprobs(self.rows, *copies)
 
     def entries(self, samplers: list[Sequence]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
@@ -60,15 +64,25 @@ class StepLogprobs(NamedTuple):
         out = {}
         for row, vals, top in zip(self.rows, values, ids):
             k = samplers[row].params.logprobs
-            out[row] = (vals[0], tuple(zip(top[:k], vals[1:k + 1])))
+            out[row] = (vals[0], tuple(zip(top[:k], vals[1 : k + 1])))
         return out
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attention: Attention, device: torch.device, *,
-                 enforce_eager: bool = False, tp_size: int = 1, vocab_size: int,
-                 eos_token_ids: tuple[int, ...] = (), max_num_batched_tokens: int = 2048,
-                 piecewise: bool | None = None, decode_graphs: bool = False):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        attention: Attention,
+        device: torch.device,
+        *,
+        enforce_eager: bool = False,
+        tp_size: int = 1,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_num_batched_tokens: int = 2048,
+        piecewise: bool | None = None,
+        decode_graphs: bool = False,
+    ):
         """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
         pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per TPP plan
@@ -80,8 +94,9 @@ class ModelRunner:
         self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs and decode_graphs else None
         if piecewise is None:
             piecewise = cuda_graphs and attention.backend == "triton"
-        self.pieces = (PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs)
-                       if piecewise else None)
+        self.pieces = (
+            PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs) if piecewise else None
+        )
         # seconds the host spent waiting for the device's sampled tokens: a step's time less this
         # is the host's own time in it (replicas.tools.bench's host_ms_per_step)
         self.wait_s = 0.0
@@ -99,8 +114,9 @@ class ModelRunner:
         entries = {} if logprobs is None else logprobs.to_host(False).entries(samplers)
         return dict(zip(samplers, ids)), {samplers[i]: e for i, e in entries.items()}
 
-    def launch(self, batch: Batch, keys: dict[str, int], prev: Launched | None,
-               before_mask: Callable[[], None] | None = None) -> Launched:
+    def launch(
+        self, batch: Batch, keys: dict[str, int], prev: Launched | None, before_mask: Callable[[], None] | None = None
+    ) -> Launched:
         """``run`` without waiting for the device: queue the step and return at once (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
         this step's inputs may hold. before_mask: called once the step's forward is queued,
@@ -149,8 +165,8 @@ class ModelRunner:
             k = seq.params.prompt_logprobs
             for r0 in range(0, n, self._PROMPT_LOGPROB_ROWS):
                 r1 = min(n, r0 + self._PROMPT_LOGPROB_ROWS)
-                logits = self.model.compute_logits(hidden[row + r0:row + r1])  # [R, V]
-                nxt = to_device(seq.prompt_ids[start + r0 + 1:start + r1 + 1], self.device)
+                logits = self.model.compute_logits(hidden[row + r0 : row + r1])  # [R, V]
+                nxt = to_device(seq.prompt_ids[start + r0 + 1 : start + r1 + 1], self.device)
                 values, ids = token_logprobs(logits, list(range(r1 - r0)), nxt, k)
                 for i, (vals, top) in enumerate(zip(values.tolist(), ids.tolist())):
                     seq.prompt_logprobs[start + r0 + i + 1] = (vals[0], tuple(zip(top, vals[1:])))
@@ -158,8 +174,9 @@ class ModelRunner:
     def _stop_ids(self, p) -> tuple[int, ...]:
         """The tokens that would end a request of params p: its stop_token_ids (those in the
         vocabulary: no others can be drawn), EOS unless ignore_eos."""
-        return (tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size)
-                + (() if p.ignore_eos else self.eos_token_ids))
+        return tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size) + (
+            () if p.ignore_eos else self.eos_token_ids
+        )
 
     def collect(self, launched: Launched) -> tuple[list[int], dict[int, tuple]]:
         """The launched step's sampled tokens, samplers' order (waits for the device), and the
@@ -174,9 +191,9 @@ class ModelRunner:
         return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
 
     @torch.inference_mode()
-    def _forward(self, batch: Batch, keys: dict[str, int], prev: Launched | None,
-                 before_mask: Callable[[], None] | None = None
-                 ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
+    def _forward(
+        self, batch: Batch, keys: dict[str, int], prev: Launched | None, before_mask: Callable[[], None] | None = None
+    ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
         on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
         prompt whose logprobs were asked for: they are read back as it runs). before_mask: see
@@ -216,15 +233,17 @@ class ModelRunner:
         counters = [len(s.output_ids) for s in samplers]
         row_keys = [keys.get(s.request_id) for s in samplers]
         # rows short of their min_tokens: their stop tokens cannot be drawn yet
-        banned = [(i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters))
-                  if n < s.params.min_tokens]
+        banned = [
+            (i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters)) if n < s.params.min_tokens
+        ]
         if before_mask is not None:
             before_mask()
         # (a thinking row is free: SamplingParams.think)
         guided = [i for i, s in enumerate(samplers) if s.matcher is not None and s.thinking != THINKING]
         if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
-            words = fill_bitmask([samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids,
-                                 pinned=logits.is_cuda)
+            words = fill_bitmask(
+                [samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids, pinned=logits.is_cuda
+            )
             for row, i in enumerate(guided):
                 if samplers[i].thinking == MAY_THINK:  # its first token may open thinking instead
                     allow(words, row, samplers[i].params.think[0])

@@ -42,9 +42,14 @@ from replicas.sequence import SamplingParams
 from replicas.transfer import to_device
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-           counters: list[int], penalties: Gathered | None = None,
-           banned: list[tuple[int, tuple[int, ...]]] = ()) -> list[int]:
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    keys: list[int | None],
+    counters: list[int],
+    penalties: Gathered | None = None,
+    banned: list[tuple[int, tuple[int, ...]]] = (),
+) -> list[int]:
     """One token id per row of logits: [N, V] float32, one row per sequence that samples this step.
 
     keys[i]: row i's 64-bit key (an int in SEED_RANGE, taken mod 2**64), or None for one drawn
@@ -55,9 +60,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | 
     return sample_ids(logits, params, keys, counters, penalties, banned).tolist()
 
 
-def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[int | None],
-               counters: list[int], penalties: Gathered | None = None,
-               banned: list[tuple[int, tuple[int, ...]]] = ()) -> torch.Tensor:
+def sample_ids(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    keys: list[int | None],
+    counters: list[int],
+    penalties: Gathered | None = None,
+    banned: list[tuple[int, tuple[int, ...]]] = (),
+) -> torch.Tensor:
     """``sample`` left on logits' device: [N] int64 token ids."""
     logits = _adjust(logits, params, penalties, banned)
     rows = [i for i, p in enumerate(params) if not p.greedy]
@@ -69,15 +79,19 @@ def sample_ids(logits: torch.Tensor, params: list[SamplingParams], keys: list[in
     every = len(rows) == len(params)  # (then no copies of the rows in and out: [N, V] each)
     index = None if every else to_device(rows, dev)
     probs = _probs([params[i] for i in rows], logits if every else logits.index_select(0, index))  # [S, V]
-    u = uniform(to_device([_key(keys[i]) for i in rows], dev, torch.int64),
-                to_device([counters[i] for i in rows], dev, torch.int64), probs.shape[-1])
+    u = uniform(
+        to_device([_key(keys[i]) for i in rows], dev, torch.int64),
+        to_device([counters[i] for i in rows], dev, torch.int64),
+        probs.shape[-1],
+    )
     if every:
         return _race(probs, u)
     return logits.argmax(dim=-1).index_copy_(0, index, _race(probs, u))
 
 
-def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], tokens: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows' log-probabilities under their raw logits (vLLM's default: before bias, penalties
     and temperature): ([W, 1 + k] float32: the drawn token's, then the k most likely tokens', and
     [W, k] int64: those tokens), W = len(rows). logits: [S, V]; tokens: [S] drawn."""
@@ -105,13 +119,17 @@ def unseeded_key(engine_seed: int, arrival: int) -> int:
 def _key(key: int | None) -> int:
     """A row's key as the int64 of its low 64 bits (None: a fresh one from torch's global RNG)."""
     if key is None:
-        return int(torch.randint(-2**63, 2**63 - 1, ()))
+        return int(torch.randint(-(2**63), 2**63 - 1, ()))
     key %= 2**64
     return key - 2**64 if key >= 2**63 else key
 
 
-def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Gathered | None,
-            banned: list[tuple[int, tuple[int, ...]]]) -> torch.Tensor:
+def _adjust(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    penalties: Gathered | None,
+    banned: list[tuple[int, tuple[int, ...]]],
+) -> torch.Tensor:
     """The logits every row's choice starts from, greedy rows' too (vLLM's order): logit_bias
     added, then the penalties: repetition (a token of the prompt or the output: divided by it
     where positive, multiplied where not), frequency (times the token's count) and presence (if
@@ -129,13 +147,16 @@ def _adjust(logits: torch.Tensor, params: list[SamplingParams], penalties: Gathe
         rows = [i for i in biased for _ in params[i].logit_bias]
         ids = [t for i in biased for t, _ in params[i].logit_bias]
         bias = [b for i in biased for _, b in params[i].logit_bias]
-        logits.index_put_((to_device(rows, dev), to_device(ids, dev)), to_device(bias, dev, logits.dtype),
-                          accumulate=True)
+        logits.index_put_(
+            (to_device(rows, dev), to_device(ids, dev)), to_device(bias, dev, logits.dtype), accumulate=True
+        )
     if penalties is not None:
         rows = to_device(penalties.rows, dev)
         p = [params[i] for i in penalties.rows]
-        rep, freq, pres = (to_device([getattr(x, name) for x in p], dev, logits.dtype)[:, None]
-                           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+        rep, freq, pres = (
+            to_device([getattr(x, name) for x in p], dev, logits.dtype)[:, None]
+            for name in ("repetition_penalty", "frequency_penalty", "presence_penalty")
+        )
         counts = penalties.counts.to(logits.dtype)
         out = counts > 0
         sub = logits[rows]  # [P, V]
@@ -196,7 +217,9 @@ def _probs(params: list[SamplingParams], logits: torch.Tensor) -> torch.Tensor:
     return logits.softmax(-1)
 
 
-def _nucleus_floor(cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_floor(
+    cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-p over P rows among candidates: each row's lowest logit that stays, [P, 1], and
     whether that cut was found among them, [P] (False: a row needs more of them).
 
@@ -215,8 +238,15 @@ def _nucleus_floor(cand: torch.Tensor, lse: torch.Tensor, top_p: torch.Tensor, v
     return cand.gather(1, n - 1), found
 
 
-def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: int,
-                   prompt: list[int] = (), outputs: list[int] = (), banned: tuple[int, ...] = ()) -> int:
+def sample_row_ref(
+    logits: torch.Tensor,
+    p: SamplingParams,
+    key: int,
+    counter: int,
+    prompt: list[int] = (),
+    outputs: list[int] = (),
+    banned: tuple[int, ...] = (),
+) -> int:
     """One row alone (logits: [V]); the plain reference that ``sample`` batches. prompt, outputs:
     the row's tokens so far, which its penalties read; banned: tokens it must not draw."""
     if banned or p.logit_bias:
@@ -229,8 +259,9 @@ def sample_row_ref(logits: torch.Tensor, p: SamplingParams, key: int, counter: i
         counts = counts.to(logits.device, logits.dtype)
         seen = counts > 0
         seen[list(prompt)] = True
-        logits = torch.where(seen, torch.where(logits > 0, logits / p.repetition_penalty,
-                                               logits * p.repetition_penalty), logits)
+        logits = torch.where(
+            seen, torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty), logits
+        )
         logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
     if p.greedy:
         return int(logits.argmax())

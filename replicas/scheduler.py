@@ -39,8 +39,15 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, tree: PrefixTree, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_prefix_sharing: bool, max_model_len: int | None = None):
+    def __init__(
+        self,
+        tree: PrefixTree,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_sharing: bool,
+        max_model_len: int | None = None,
+    ):
         self.tree = tree
         self.max_model_len = max_model_len
         self.c = tree.c

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 # logits / temperature into inf in float32 and the probabilities into NaN (torch.multinomial,
 # which the sampler once drew with, raised on them for every row of the step's batch).
 GREEDY_BELOW_TEMPERATURE = 1e-5
-SEED_RANGE = range(-2**63, 2**64)  # as torch.Generator.manual_seed; the sampler's key is the seed mod 2**64
+SEED_RANGE = range(-(2**63), 2**64)  # as torch.Generator.manual_seed; the sampler's key is the seed mod 2**64
 MAX_LOGPROBS = 20  # most likely tokens a request may ask the logprobs of, per token (OpenAI: top_logprobs <= 20)
 
 
@@ -66,8 +66,14 @@ class SamplingParams:
         bias = list(self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias)
         for pair in bias:
             t, b = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
-            if (isinstance(t, bool) or not isinstance(t, int) or t < 0 or isinstance(b, bool)
-                    or not isinstance(b, (int, float)) or not -100 <= b <= 100):
+            if (
+                isinstance(t, bool)
+                or not isinstance(t, int)
+                or t < 0
+                or isinstance(b, bool)
+                or not isinstance(b, (int, float))
+                or not -100 <= b <= 100
+            ):
                 raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {pair!r}")
         object.__setattr__(self, "logit_bias", tuple(sorted(bias)))
         for name in ("presence_penalty", "frequency_penalty"):
@@ -77,10 +83,14 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or not (
-                0 <= self.min_tokens <= (self.max_tokens if isinstance(self.max_tokens, int) else 0)):
-            raise ValueError(f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], "
-                             f"got {self.min_tokens!r}")
+        if (
+            isinstance(self.min_tokens, bool)
+            or not isinstance(self.min_tokens, int)
+            or not (0 <= self.min_tokens <= (self.max_tokens if isinstance(self.max_tokens, int) else 0))
+        ):
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"
+            )
         # membership at every generated token (LLMEngine._append): a set, not a scan of the tuple
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,8 +113,9 @@ class SamplingParams:
         if self.think is not None:
             start, end = self.think if isinstance(self.think, tuple) and len(self.think) == 2 else (-1, -1)
             if self.guided is None or not _token_id(end) or not (start is None or _token_id(start)):
-                raise ValueError(f"think must be (start token id or None, end token id) with guided, "
-                                 f"got {self.think!r}")
+                raise ValueError(
+                    f"think must be (start token id or None, end token id) with guided, got {self.think!r}"
+                )
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or a non-negative integer, got {self.top_k!r}")
 

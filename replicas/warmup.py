@@ -65,8 +65,10 @@ def _few_rows_after_long_prefixes(engine, token, longest: int) -> list[list[int]
             # stay under max_num_seqs)
             if b > cfg.max_num_seqs or prefix_len // c + b * (_OWN_CHUNKS + 2) > engine.pool.num_chunks:
                 break
-            rows = [prefix + [token(70_001 * (b + r) + j) for j in range(1 + (37 * r + 11 * b) % (_OWN_CHUNKS * c))]
-                    for r in range(b)]
+            rows = [
+                prefix + [token(70_001 * (b + r) + j) for j in range(1 + (37 * r + 11 * b) % (_OWN_CHUNKS * c))]
+                for r in range(b)
+            ]
             outs += engine.generate(rows, greedy)
     return outs
 
@@ -98,6 +100,8 @@ def warmup(engine) -> dict:
         if n <= longest and n + 2 * c <= engine.pool.num_chunks * c:
             outs += engine.generate([[token(31 * j + 5) for j in range(n)]], SamplingParams(max_tokens=1))
     engine.reset_counters()
-    return {"warmup_s": round(time.perf_counter() - t0, 3), "warmup_requests": len(outs),
-            "warmup_tokens": sum(len(o) for o in outs)}
-
+    return {
+        "warmup_s": round(time.perf_counter() - t0, 3),
+        "warmup_requests": len(outs),
+        "warmup_tokens": sum(len(o) for o in outs),
+    }

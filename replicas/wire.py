@@ -28,6 +28,7 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class GenerateOutput:
     """What a replica streams back: everything new since its previous output for the request."""
+
     replica_id: str
     text: str
     token_ids: tuple[int, ...]

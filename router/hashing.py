@@ -35,8 +35,9 @@ def _le32(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def chunk_hashes(token_ids: Sequence[int], chunk_size: int, route_chunks: int, seed: str | int, *,
-                 after: int | None = None) -> list[int]:
+def chunk_hashes(
+    token_ids: Sequence[int], chunk_size: int, route_chunks: int, seed: str | int, *, after: int | None = None
+) -> list[int]:
     """Chained hashes of the first `route_chunks` full chunks of `token_ids`.
 
     token_ids: the prompt's ids (any length; ids in [0, 2**32)); seed: the served model name (or
@@ -54,6 +55,6 @@ def chunk_hashes(token_ids: Sequence[int], chunk_size: int, route_chunks: int, s
     out = [0] * n
     h = s if after is None else after
     for k in range(n):
-        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + data[k * step:(k + 1) * step], s)
+        h = xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + data[k * step : (k + 1) * step], s)
         out[k] = h
     return out

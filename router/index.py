@@ -148,7 +148,7 @@ class PrefixIndex:
         else:
             chains = entry[1:]
             if chain not in chains:
-                chains = (*chains[max(0, len(chains) + 1 - self.chains_per_root):], chain)  # the newest ones
+                chains = (*chains[max(0, len(chains) + 1 - self.chains_per_root) :], chain)  # the newest ones
             entry = (now, *chains)
         own[root] = entry  # (re-)inserted: most recent last, here and by root
         recorded = self._recorded.get(root)

@@ -118,7 +118,7 @@ class Rendezvous:
         if len(row) < min(need, n):  # deeper than cached: the top k, k doubling (a hot prefix)
             k = min(n, max(need, 2 * len(row), 4 * TOP))
             w = _fmix64(self._seeds[self._live] ^ _SLOT_KEYS[s])
-            top = np.argpartition(w, n - k)[n - k:] if k < n else np.arange(n)
+            top = np.argpartition(w, n - k)[n - k :] if k < n else np.arange(n)
             ids = self._ids
             row = self._deep[s] = tuple([ids[h] for h in self._live[top[np.argsort(w[top])[::-1]]].tolist()])
         return row
@@ -156,7 +156,7 @@ class Rendezvous:
         self._top[hit], self._w[hit] = -1, 0
         live = np.fromiter(self._handle.values(), dtype=np.int64, count=len(self._handle))
         for lo in range(0, len(hit), _BUILD_ROWS):
-            rows = hit[lo:lo + _BUILD_ROWS]
+            rows = hit[lo : lo + _BUILD_ROWS]
             w = _fmix64(_SLOT_KEYS[rows, None] ^ self._seeds[None, live])  # [rows, live]
             self._merge(rows, np.broadcast_to(live, w.shape), w)
         self._changed()
@@ -205,11 +205,11 @@ class DecayClock:
         if now != self._at:
             e = (now - self._t0) / self.half_life
             if e > 64:  # rebase at t0 = now: every sum has decayed by 2^-e (to 0.0 if e is huge)
-                f = 2.0 ** -e
+                f = 2.0**-e
                 for s in self._sums:
                     s._rescale(f)
                 self._t0, e = now, 0.0
-            self._at, self._scale = now, 2.0 ** e
+            self._at, self._scale = now, 2.0**e
         return self._scale
 
 
@@ -356,12 +356,14 @@ class PolicyConfig:
 class ReplicaView:
     """What the glue knows of a replica: its id and, when it has one, a load report (prefill-token
     units, all routers' traffic included)."""
+
     replica_id: str
     load: float | None = None
 
 
 class Ticket(NamedTuple):
     """One routed request's bookkeeping, handed back to `on_finished` (a tuple: cheap to make)."""
+
     replica_id: str
     key: int | None  # the prefix's first chunk hash (None: prompt shorter than a chunk)
     cost: float  # the work it added to the replica's load
@@ -435,8 +437,7 @@ class PrefixPolicy:
         self._hrw.remove(replica_id)
         self.index.remove_replica(replica_id)
 
-    def update_digest(self, replica_id: str, hashes: Iterable[int], as_of: float,
-                      load: float | None = None) -> None:
+    def update_digest(self, replica_id: str, hashes: Iterable[int], as_of: float, load: float | None = None) -> None:
         """A replica published the chunk hashes its tree held at `as_of` (and its load then)."""
         if replica_id not in self._pos:
             return
@@ -483,8 +484,9 @@ class PrefixPolicy:
             by_load = (load - request_work) / (request_work if request_work > share else share)
         return 1 + int(by_load if by_load > by_rate else by_rate)
 
-    def choose(self, prefix_hashes: Sequence[int], num_prompt_tokens: int, max_tokens: int,
-               now: float) -> tuple[str, ...]:
+    def choose(
+        self, prefix_hashes: Sequence[int], num_prompt_tokens: int, max_tokens: int, now: float
+    ) -> tuple[str, ...]:
         """Replica ids, best first: the choice, then the other scored candidates by preference."""
         chain = tuple(prefix_hashes)
         cfg, index = self.config, self.index
@@ -506,7 +508,7 @@ class PrefixPolicy:
                 picks.add(int(rnd() * m))
             for i in sorted(picks):
                 window.append(order[i])
-            window += order[width: width + cfg.spare]
+            window += order[width : width + cfg.spare]
         # The hot path is written for CPython 3.11: loops rather than comprehensions (each of those
         # is a function call there), few calls, and the per-candidate data in few objects.
         pos, loads, c, lw = self._pos, self._load, cfg.chunk_size, cfg.load_weight
@@ -557,8 +559,10 @@ class PrefixPolicy:
                 wloads = wloads + [loads[pos[r]] for r in more]
                 holds = [True] * (len(window) - len(more)) + [r in home for r in more]
                 deepest, hot = max(depths), width > 1
-                cands = [(load <= bound, (deepest if hot and h else d) * c - lw * load, d, r)
-                         for r, d, load, h in zip(window, depths, wloads, holds)]
+                cands = [
+                    (load <= bound, (deepest if hot and h else d) * c - lw * load, d, r)
+                    for r, d, load, h in zip(window, depths, wloads, holds)
+                ]
         if not deepest:  # nobody holds it: where the least work went lately, counting what prefixes
             # placed there lately will still bring (half a typical prefix's work each): long-run balance
             (rate, rt, rs), (placed, pt, ps) = self._rate.stored(now), self._placed.stored(now)
@@ -582,8 +586,9 @@ class PrefixPolicy:
         best = min(self._hrw.sample(self._rng, 8), key=load)
         return best if load(best) <= bound else min(self._pos, key=load)
 
-    def on_routed(self, replica_id: str, prefix_hashes: Sequence[int], num_prompt_tokens: int,
-                  max_tokens: int, now: float) -> Ticket:
+    def on_routed(
+        self, replica_id: str, prefix_hashes: Sequence[int], num_prompt_tokens: int, max_tokens: int, now: float
+    ) -> Ticket:
         """The request went to `replica_id` (Serve may pick another than `choose`'s first)."""
         chain, cfg = tuple(prefix_hashes), self.config
         depth = -1
@@ -596,8 +601,11 @@ class PrefixPolicy:
         if depth < 0:
             depth = self.index.depth(replica_id, chain)
         matched = depth * cfg.chunk_size  # (cost = request_work(num_prompt_tokens, max_tokens, matched))
-        cost = num_prompt_tokens - (matched if matched < num_prompt_tokens else num_prompt_tokens) + \
-            cfg.decode_weight * max_tokens
+        cost = (
+            num_prompt_tokens
+            - (matched if matched < num_prompt_tokens else num_prompt_tokens)
+            + cfg.decode_weight * max_tokens
+        )
         key = chain[0] if chain else None
         p = self._pos.get(replica_id)
         if p is not None:

@@ -178,15 +178,17 @@ class PrefixAffinityRouter(RequestRouter):
             self._policy.update_replicas(ReplicaView(u, loads.get(u)) for u in self._policy_ids)
 
     # -- decisions ------------------------------------------------------------------------------
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
         req = _generate_request(pending_request)
         by_uid = self._by_uid
         if req is not None and self._policy_ids:
-            ranked = self._policy.choose(req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens,
-                                         time.monotonic())
+            ranked = self._policy.choose(
+                req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic()
+            )
             ranks = [[by_uid[uid]] for uid in ranked if uid in by_uid]
             if ranks:
                 chosen = {rank[0].replica_id for rank in ranks}
@@ -216,8 +218,9 @@ class PrefixAffinityRouter(RequestRouter):
         uid = replica_id.unique_id
         if req is None or uid not in self._policy_ids:
             return
-        ticket = self._policy.on_routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens,
-                                        time.monotonic())
+        ticket = self._policy.on_routed(
+            uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic()
+        )
         self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
         request_id = pending_request.metadata.internal_request_id
         self._tickets[request_id] = ticket

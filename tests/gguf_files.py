@@ -36,9 +36,17 @@ def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def make_gguf(path: str | Path, *, qtype: Q = Q.F32, embed_qtype: Q | None = None, pre: str = "llama-bpe",
-              arch: str = "llama", seed: int = 0, raw: dict[str, tuple[np.ndarray, Q]] | None = None,
-              **overrides) -> tuple[Path, Path]:
+def make_gguf(
+    path: str | Path,
+    *,
+    qtype: Q = Q.F32,
+    embed_qtype: Q | None = None,
+    pre: str = "llama-bpe",
+    arch: str = "llama",
+    seed: int = 0,
+    raw: dict[str, tuple[np.ndarray, Q]] | None = None,
+    **overrides,
+) -> tuple[Path, Path]:
     """-> (the GGUF file, the HF checkpoint it was made from). `overrides` go to the HF config;
     `raw` replaces tensors (by llama.cpp name) with given bytes of a given type."""
     path = Path(path)
@@ -79,7 +87,7 @@ def make_gguf(path: str | Path, *, qtype: Q = Q.F32, embed_qtype: Q | None = Non
     for name, t in load_file(hf_dir / "model.safetensors").items():
         a = t.float().numpy()
         if name.startswith("model.layers."):
-            i, rest = name[len("model.layers."):].split(".", 1)
+            i, rest = name[len("model.layers.") :].split(".", 1)
             gname = f"blk.{i}.{_NAMES[rest]}"
         else:
             gname = _NAMES[name]

@@ -30,8 +30,24 @@ ARCHS = {
 }
 
 # A byte-level BPE: the 256 byte symbols, a few merges, then the special tokens of the flavour.
-_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("e", "r"), ("a", "n"), ("o", "n"), ("Ġ", "a"),
-           ("r", "e"), ("Ġ", "s"), ("e", "n"), ("a", "t"), ("o", "r"), ("Ġ", "w"), ("l", "l"), ("Ġ", "f")]
+_MERGES = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("Ġt", "he"),
+    ("i", "n"),
+    ("e", "r"),
+    ("a", "n"),
+    ("o", "n"),
+    ("Ġ", "a"),
+    ("r", "e"),
+    ("Ġ", "s"),
+    ("e", "n"),
+    ("a", "t"),
+    ("o", "r"),
+    ("Ġ", "w"),
+    ("l", "l"),
+    ("Ġ", "f"),
+]
 _LLAMA3 = {
     "specials": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
     "bos": "<|begin_of_text|>",
@@ -122,7 +138,8 @@ def _tokenizer(flavour: dict) -> _Backend:
     if flavour["bos"]:  # Llama-3 style: the post-processor prepends BOS
         bos = flavour["bos"]
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", special_tokens=[(bos, backend.token_to_id(bos))])
+            single=f"{bos}:0 $A:0", special_tokens=[(bos, backend.token_to_id(bos))]
+        )
     return backend
 
 

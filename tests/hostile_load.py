@@ -14,8 +14,7 @@ def send(url: str, hostile: list[tuple[str, str]], burst: int, concurrency: int 
     `concurrency` of the burst in flight); -> each response's (status, its error's param)."""
 
     async def post(client: httpx.AsyncClient, path: str, body: str) -> tuple[int, str | None]:
-        r = await client.post(f"{url}{path}", content=body.encode(),
-                              headers={"Content-Type": "application/json"})
+        r = await client.post(f"{url}{path}", content=body.encode(), headers={"Content-Type": "application/json"})
         return r.status_code, r.json().get("error", {}).get("param")
 
     async def main():
@@ -26,6 +25,8 @@ def send(url: str, hostile: list[tuple[str, str]], burst: int, concurrency: int 
                 return await post(client, "/v1/completions", json.dumps({"prompt": f"x{i}", "temperature": 5}))
 
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 16)) as client:
-            return await asyncio.gather(*(post(client, p, b) for p, b in hostile), *(bad(client, i) for i in range(burst)))
+            return await asyncio.gather(
+                *(post(client, p, b) for p, b in hostile), *(bad(client, i) for i in range(burst))
+            )
 
     return asyncio.run(main())

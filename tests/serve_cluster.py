@@ -16,8 +16,13 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
 
     port = free_port()
     # the dashboard on a free port: another cluster on this machine may hold the default one
-    with LocalCluster(num_nodes=num_nodes, num_cpus_per_node=2, object_store_bytes=100 * 2**20,
-                      include_dashboard=include_dashboard, dashboard_port=free_port() if include_dashboard else None) as c:
+    with LocalCluster(
+        num_nodes=num_nodes,
+        num_cpus_per_node=2,
+        object_store_bytes=100 * 2**20,
+        include_dashboard=include_dashboard,
+        dashboard_port=free_port() if include_dashboard else None,
+    ) as c:
         ray.init(address=c.address)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         try:

@@ -8,8 +8,18 @@ from kernels.tools.bench import _READ_BLOCK, read_kv, read_kv_tma, targets
 
 
 def row(grid, b, n_p, n_s, ours, paged, cascade=None, bound=10.0, tc=None):
-    return dict(grid=grid, b=b, n_p=n_p, n_s=n_s, ours_us=ours, fi_paged_us=paged, fi_cascade_us=cascade,
-                fi_paged_tc_us=tc, bound_us=bound, ours_tok_per_s=b / ours * 1e6)
+    return dict(
+        grid=grid,
+        b=b,
+        n_p=n_p,
+        n_s=n_s,
+        ours_us=ours,
+        fi_paged_us=paged,
+        fi_cascade_us=cascade,
+        fi_paged_tc_us=tc,
+        bound_us=bound,
+        ours_tok_per_s=b / ours * 1e6,
+    )
 
 
 def test_targets_name_the_rows_that_miss():
@@ -28,14 +38,19 @@ def test_targets_name_the_rows_that_miss():
         dict(row("tree", 32, 2348, 2048, 1.0, 40.0), ours_us=None),  # not timed: not checked
     ]
     got = targets(rows)
-    assert got["nothing_shared"] == dict(checks=3, missed=[["paper b=32 2048/0 us", 110.0, 105.0],
-                                                           ["gqa b=32 1024/0 us", 35.0, 33.6]])
-    assert got["partially_shared"]["missed"] == [["paper b=32 2048/1024 us", 130.0, 124.0],
-                                                 ["gqa b=32 1024/512 us", 24.0, 23.2]]
+    assert got["nothing_shared"] == dict(
+        checks=3, missed=[["paper b=32 2048/0 us", 110.0, 105.0], ["gqa b=32 1024/0 us", 35.0, 33.6]]
+    )
+    assert got["partially_shared"]["missed"] == [
+        ["paper b=32 2048/1024 us", 130.0, 124.0],
+        ["gqa b=32 1024/512 us", 24.0, 23.2],
+    ]
     assert got["partially_shared"]["below_read"] == [["paper b=32 2048/1024", 124.0, 124.5]]
     assert got["partially_shared"]["checks"] == 6  # the batch rows are partially shared too
-    assert got["fully_shared"] == dict(checks=5, missed=[["paper b=32 4096/4096 x faster than fi_cascade", 2.4, 2.5],
-                                                         ["gqa b=32 4096/4096 us", 14.1, 14.0]])
+    assert got["fully_shared"] == dict(
+        checks=5,
+        missed=[["paper b=32 4096/4096 x faster than fi_cascade", 2.4, 2.5], ["gqa b=32 4096/4096 us", 14.1, 14.0]],
+    )
     assert got["batch_scaling"]["checks"] == 2
     assert [m[0] for m in got["batch_scaling"]["missed"]] == ["batch b=64 2304/2048 tok/s (b=32: 1523810)"]
 
@@ -51,7 +66,7 @@ def test_read_kv_reads_every_element_once(dtype, programs):
     per = -(-k.numel() // programs // _READ_BLOCK) * _READ_BLOCK  # each program's run, the last one cut short
     for row, x in enumerate((k, v)):
         flat = x.flatten().float().cpu()
-        want = torch.stack([flat[p * per:(p + 1) * per].sum() for p in range(programs)])
+        want = torch.stack([flat[p * per : (p + 1) * per].sum() for p in range(programs)])
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)
 
 
@@ -68,5 +83,5 @@ def test_read_kv_tma_reads_every_row_once(dtype, programs, box):
     assert per * (got.shape[1] - 1) < rows <= per * got.shape[1]
     for row, x in enumerate((k, v)):
         flat = x.reshape(rows, 16).float().cpu()
-        want = torch.stack([flat[p * per:(p + 1) * per].sum() for p in range(got.shape[1])])
+        want = torch.stack([flat[p * per : (p + 1) * per].sum() for p in range(got.shape[1])])
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)

@@ -39,9 +39,14 @@ def test_chunk_mass_is_the_reference_attention_and_sums_to_the_rows():
     assert (mass >= 0).all() and mass[:, -1].max() < q.shape[0]
 
 
-@pytest.mark.parametrize("cfg", [BlockUnion(min_context=0, block=32, budget=0.25, window=2),
-                                 BlockUnion(min_context=0, block=32, alpha=0.9, window=1, subgroup=2),
-                                 BlockUnion(min_context=0, block=16, budget=0.1, sink=2, window=1)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        BlockUnion(min_context=0, block=32, budget=0.25, window=2),
+        BlockUnion(min_context=0, block=32, alpha=0.9, window=1, subgroup=2),
+        BlockUnion(min_context=0, block=16, budget=0.1, sink=2, window=1),
+    ],
+)
 def test_oracle_keeps_at_least_the_selectors_mass(cfg):
     for seed in range(3):
         q, k, v, ids, context = _piece(seed)
@@ -50,7 +55,7 @@ def test_oracle_keeps_at_least_the_selectors_mass(cfg):
         _, mass = bsa.chunk_mass(q, kk, vv, context, C, 0.2)
         sub = bsa.block_union.subgroup_size(hq, hkv, cfg.subgroup)
         k0 = context // C
-        keep = bsa.select(q, kk[:, :k0 * C], cfg, C, sub, 0.2)
+        keep = bsa.select(q, kk[:, : k0 * C], cfg, C, sub, 0.2)
         bm, own = bsa.list_mass(mass, sub, k0, cfg.block // C)
         assert keep.shape == bm.shape == (hq // sub, -(-k0 // (cfg.block // C)))
         torch.testing.assert_close(bm.sum(1) + own, torch.full((hq // sub,), float(sub * q.shape[0])))
@@ -88,10 +93,17 @@ def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer()
     from replicas.engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
-    opts = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": 2048, "max_num_batched_tokens": 256,
-            "enable_prefix_sharing": False}
-    cfgs = {"b": BlockUnion(min_context=256, block=64, window=1, budget=0.25),
-            "all": BlockUnion(min_context=256, block=64, window=1, budget=1.0)}
+    opts = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": 2048,
+        "max_num_batched_tokens": 256,
+        "enable_prefix_sharing": False,
+    }
+    cfgs = {
+        "b": BlockUnion(min_context=256, block=64, window=1, budget=0.25),
+        "all": BlockUnion(min_context=256, block=64, window=1, budget=1.0),
+    }
     plain, probed = LLMEngine.from_model("tiny", **opts), LLMEngine.from_model("tiny", **opts)
     probe = bsa.MassProbe(probed, cfgs, 256)
     prompt = [(i * 37) % 250 + 1 for i in range(900)]

@@ -34,9 +34,16 @@ def _cache(num_chunks, hkv, c, d, dtype=torch.float32, device="cpu", seed=0):
     return k, v
 
 
-@pytest.mark.parametrize("t, hq, hkv, sub, d, block, nb", [
-    (1, 4, 4, 1, 16, 16, 1), (37, 8, 2, 2, 32, 16, 5), (64, 4, 1, 4, 16, 32, 70), (50, 2, 2, 1, 64, 32, 17),
-    (100, 8, 2, 4, 16, 16, 66)])
+@pytest.mark.parametrize(
+    "t, hq, hkv, sub, d, block, nb",
+    [
+        (1, 4, 4, 1, 16, 16, 1),
+        (37, 8, 2, 2, 32, 16, 5),
+        (64, 4, 1, 4, 16, 32, 70),
+        (50, 2, 2, 1, 64, 32, 17),
+        (100, 8, 2, 4, 16, 16, 66),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
     device = "cuda" if CUDA else "cpu"
@@ -70,9 +77,9 @@ def test_write_pages_is_budget_pages(e, hkv, free, bc):
     table = torch.randperm(500, generator=g)[:200].to(device)
     blocks = torch.stack([torch.randperm(200 // bc, generator=g)[:free] for _ in range(e)]).to(device)
     planned = torch.full((e, 3 + free * bc + 2), -7, dtype=torch.int32, device=device)
-    block_union.write_pages(planned[:, 3:3 + free * bc], blocks, table, bc, hkv)
-    assert (planned[:, :3] == -7).all() and (planned[:, 3 + free * bc:] == -7).all()
-    assert torch.equal(planned[:, 3:3 + free * bc], block_union.budget_pages(blocks, table, bc, hkv))
+    block_union.write_pages(planned[:, 3 : 3 + free * bc], blocks, table, bc, hkv)
+    assert (planned[:, :3] == -7).all() and (planned[:, 3 + free * bc :] == -7).all()
+    assert torch.equal(planned[:, 3 : 3 + free * bc], block_union.budget_pages(blocks, table, bc, hkv))
 
 
 def test_block_keys_are_the_mean_of_their_chunks():
@@ -86,8 +93,16 @@ def test_block_keys_are_the_mean_of_their_chunks():
     torch.testing.assert_close(block_keys(layers, table[:4], 2)[0], block_keys(layers[0], table[:4], 2))
 
 
-@pytest.mark.parametrize("k, bc, dtype", [(1, 2, torch.float32), (9, 2, torch.float32), (130, 2, torch.float16),
-                                           (64, 4, torch.bfloat16), (5, 1, torch.float32)])
+@pytest.mark.parametrize(
+    "k, bc, dtype",
+    [
+        (1, 2, torch.float32),
+        (9, 2, torch.float32),
+        (130, 2, torch.float16),
+        (64, 4, torch.bfloat16),
+        (5, 1, torch.float32),
+    ],
+)
 def test_block_keys_kernel_is_block_keys(k, bc, dtype):
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(k)
@@ -101,8 +116,9 @@ def test_block_keys_kernel_is_block_keys(k, bc, dtype):
 @pytest.mark.parametrize("c, d", [(16, 16), (64, 32)])
 def test_chunk_key_means_kernel_is_the_mean_of_each_chunks_keys(c, d):
     device = "cuda" if CUDA else "cpu"
-    kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(device=device,
-                                                                                          dtype=torch.bfloat16)
+    kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(
+        device=device, dtype=torch.bfloat16
+    )
     means = torch.full((3, 40, 2, d), -9.0, device=device)
     chunks = torch.tensor([7, 0, 39, 12], device=device)
     block_union.chunk_key_means(kv[:, 0], chunks, means)
@@ -185,8 +201,8 @@ def test_budget_lists_are_the_masked_pages(context, new, budget):
     page = torch.tensor(table)[None, :] * hkv + (torch.arange(e) // (e // hkv))[:, None]
     for i in range(e):  # the same pages; the chosen blocks' in any order, each block's chunks in order
         assert sorted(planned[i].tolist()) == sorted(page[i][mask[i]].tolist())
-        assert planned[i, :chosen.start].tolist() == page[i, :chosen.start].tolist()
-        assert planned[i, chosen.stop:].tolist() == page[i, -(per - chosen.stop):].tolist()
+        assert planned[i, : chosen.start].tolist() == page[i, : chosen.start].tolist()
+        assert planned[i, chosen.stop :].tolist() == page[i, -(per - chosen.stop) :].tolist()
 
 
 def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
@@ -196,8 +212,16 @@ def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
 
 
 def test_config_is_checked():
-    for bad in (dict(block=48), dict(block=8), dict(alpha=1.5), dict(sink=-1), dict(subgroup=0), dict(budget=0.0),
-                dict(budget=1.5), dict(budget=0.5, window=0)):
+    for bad in (
+        dict(block=48),
+        dict(block=8),
+        dict(alpha=1.5),
+        dict(sink=-1),
+        dict(subgroup=0),
+        dict(budget=0.0),
+        dict(budget=1.5),
+        dict(budget=0.5, window=0),
+    ):
         with pytest.raises(ValueError):
             BlockUnion(**bad)
     with pytest.raises(ValueError, match="multiple of the chunk size"):
@@ -207,8 +231,11 @@ def test_config_is_checked():
     assert not cfg.applies(100, 16) and not cfg.applies(111, 16)  # 3 blocks: sink and window keep them all
     assert cfg.applies(112, 16)  # 7 chunks: 4 blocks
     assert cfg.first_sparse_context(16) == 112
-    for cfg, c in ((BlockUnion(min_context=0, block=128, sink=1, window=4), 64), (BlockUnion(min_context=5000), 16),
-                   (BlockUnion(min_context=100, block=32, sink=0, window=1), 32)):
+    for cfg, c in (
+        (BlockUnion(min_context=0, block=128, sink=1, window=4), 64),
+        (BlockUnion(min_context=5000), 16),
+        (BlockUnion(min_context=100, block=32, sink=0, window=1), 32),
+    ):
         first = cfg.first_sparse_context(c)  # where applies turns on, and stays
         assert not cfg.applies(first - 1, c) and all(cfg.applies(first + i, c) for i in range(0, 400, 7))
 
@@ -241,12 +268,17 @@ def test_sparse_reference_is_dense_prefill_over_the_compacted_lists(hq, hkv, sub
         chosen = [table[k] for k in range(used) if mask[i, k]]
         dropped = used - len(chosen)
         heads = slice(i * sub, (i + 1) * sub)
-        want = prefill_attention_ref(q[:, heads], k_cache[:, kv:kv + 1], v_cache[:, kv:kv + 1], chosen,
-                                     context - dropped * c)
+        want = prefill_attention_ref(
+            q[:, heads], k_cache[:, kv : kv + 1], v_cache[:, kv : kv + 1], chosen, context - dropped * c
+        )
         torch.testing.assert_close(got[:, heads], want, atol=1e-5, rtol=1e-5)
     everything = torch.ones(e, used, dtype=torch.bool)
-    torch.testing.assert_close(sparse_prefill_ref(q, k_cache, v_cache, table, context, everything),
-                               prefill_attention_ref(q, k_cache, v_cache, table, context), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        sparse_prefill_ref(q, k_cache, v_cache, table, context, everything),
+        prefill_attention_ref(q, k_cache, v_cache, table, context),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_sparse_reference_refuses_a_mask_that_does_not_fit():
@@ -264,15 +296,24 @@ def _prompts():
     rng = random.Random(3)
     shared = [rng.randrange(256) for _ in range(300)]
     return [shared + [rng.randrange(256) for _ in range(n)] for n in (5, 40)] + [
-        [rng.randrange(256) for _ in range(230)]]
+        [rng.randrange(256) for _ in range(230)]
+    ]
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
-    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(prompts, params)
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, async_scheduling=async_scheduling,
-                                  sparse_prefill=dict(SPARSE, alpha=0.0))
+    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
+        prompts, params
+    )
+    engine = LLMEngine.from_model(
+        "tiny",
+        device="cpu",
+        chunk_size=16,
+        max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+        sparse_prefill=dict(SPARSE, alpha=0.0),
+    )
     assert engine.generate(prompts, params) == dense
     stats = engine.stats()
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
@@ -280,17 +321,21 @@ def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
 
 def test_engine_with_a_whole_budget_gives_the_dense_tokens():
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
-    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(prompts, params)
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64,
-                                  sparse_prefill=dict(SPARSE, budget=1.0))
+    dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
+        prompts, params
+    )
+    engine = LLMEngine.from_model(
+        "tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, sparse_prefill=dict(SPARSE, budget=1.0)
+    )
     assert engine.generate(prompts, params) == dense
 
 
 @pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3)])
 def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys(sparse):
     prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64,
-                                  sparse_prefill=dict(SPARSE, **sparse))
+    engine = LLMEngine.from_model(
+        "tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, sparse_prefill=dict(SPARSE, **sparse)
+    )
     outs = engine.generate(prompts, params)
     assert all(len(o) == 40 for o in outs)
     stats = engine.stats()
@@ -315,6 +360,7 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     """One sparse piece through the engine's layer: the same as sparse_prefill_ref on the mask
     the selection rules give from the reference scores."""
     from replicas.attention import PrefillSpan
+
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6))
     engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool and its means
     attention, pool = engine.attention, engine.pool
@@ -327,10 +373,10 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     torch.testing.assert_close(keys[1], block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2))
     span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
     attention.sparse_prefill(1, q, out, [span])
-    keep = select_blocks(normalised(block_scores_ref(q, keys[1], 32, 64 ** -0.5), 2), engine.config.sparse_prefill)
+    keep = select_blocks(normalised(block_scores_ref(q, keys[1], 32, 64**-0.5), 2), engine.config.sparse_prefill)
     mask = chunk_mask(keep, 2, k0, 24)
     assert not mask.all()
-    want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64 ** -0.5)
+    want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64**-0.5)
     torch.testing.assert_close(out, want)
 
 
@@ -349,18 +395,29 @@ def test_engine_refuses_a_block_that_is_not_a_chunk_multiple():
 
 # -- FlashInfer over the page lists (GPU) -----------------------------------------------------
 
-@pytest.mark.parametrize("dtype, hq, hkv, sub, d", [
-    (torch.bfloat16, 32, 8, 4, 128), (torch.bfloat16, 32, 32, 1, 128), (torch.bfloat16, 8, 2, 2, 64)])
+
+@pytest.mark.parametrize(
+    "dtype, hq, hkv, sub, d",
+    [(torch.bfloat16, 32, 8, 4, 128), (torch.bfloat16, 32, 32, 1, 128), (torch.bfloat16, 8, 2, 2, 64)],
+)
 @pytest.mark.parametrize("c", [16, 64])
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d, c):
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
     from kernels.paged_prefill import FlashInferPrefill, SparsePiece
+
     rng = random.Random(c + hq)
     k_cache, v_cache = _cache(256, hkv, c, d, dtype, "cuda", seed=c)
-    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype,
-                           device=torch.device("cuda"), sm_scale=d ** -0.5)
+    fi = FlashInferPrefill(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        chunk_size=c,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        sm_scale=d**-0.5,
+    )
     pieces, spans = [], []
     for context, new in [(40 * c, 3 * c + 5), (17 * c + 9, 40), (9 * c, 1)]:
         total = context + new
@@ -378,7 +435,6 @@ def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d,
         torch.testing.assert_close(o, want, atol={torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype], rtol=0)
 
 
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("hq, hkv, c", [(32, 8, 64), (8, 2, 16)])
@@ -387,13 +443,15 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
     every run is the reference on its own selection (FlashInfer reads the page ids in place)."""
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
     from kernels.paged_prefill import FlashInferPrefill
+
     d, dtype, dev = (128 if hq == 32 else 64), torch.bfloat16, torch.device("cuda")
     cfg = BlockUnion(block=2 * c, budget=0.3, sink=1, window=2)
     sub = subgroup_size(hq, hkv, cfg.subgroup)
     e = hq // sub
     k_cache, v_cache = _cache(300, hkv, c, d, dtype, "cuda", seed=c)
-    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev,
-                           sm_scale=d ** -0.5)
+    fi = FlashInferPrefill(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev, sm_scale=d**-0.5
+    )
     rng = random.Random(hq)
     spans = []
     for context, new in [(60 * c, 2 * c + 3), (33 * c + 7, 20)]:
@@ -415,8 +473,9 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             nb = -(-k0 // 2)
             scores = torch.rand(hq, 2, nb, generator=torch.Generator().manual_seed(layer * 7 + k0)).to(dev)
             blocks = budget_blocks(normalised(scores, sub), cfg)
-            block_union.write_pages(ids[o:o + e * per].view(e, per)[:, chosen], blocks,
-                                    torch.tensor(table, device=dev), 2, hkv)
+            block_union.write_pages(
+                ids[o : o + e * per].view(e, per)[:, chosen], blocks, torch.tensor(table, device=dev), 2, hkv
+            )
             masks.append(chunk_mask(select_blocks(normalised(scores, sub), cfg), 2, k0, len(table)))
             qs.append(torch.randn(total - context, hq, d, device=dev).to(dtype))
         outs = fi.run_planned_sparse(qs, k_cache, v_cache)
@@ -432,10 +491,18 @@ def test_engine_sparse_prefill_through_the_triton_kernels():
     kernels; with every block kept, the dense tokens; the pool's mean keys exact."""
     device = "cuda" if CUDA else "cpu"
     prompts, params = _prompts()[:2], SamplingParams(max_tokens=6, temperature=0)
-    dense = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, max_num_batched_tokens=128,
-                                 attention_backend="torch").generate(prompts, params)
-    engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, max_num_batched_tokens=128,
-                                  attention_backend="triton", sparse_prefill=dict(SPARSE, alpha=0.0))
+    dense = LLMEngine.from_model(
+        "tiny", device=device, dtype="float32", chunk_size=16, max_num_batched_tokens=128, attention_backend="torch"
+    ).generate(prompts, params)
+    engine = LLMEngine.from_model(
+        "tiny",
+        device=device,
+        dtype="float32",
+        chunk_size=16,
+        max_num_batched_tokens=128,
+        attention_backend="triton",
+        sparse_prefill=dict(SPARSE, alpha=0.0),
+    )
     assert engine.generate(prompts, params) == dense
     stats = engine.stats()
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]

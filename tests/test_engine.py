@@ -26,20 +26,30 @@ def mixed_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     tok = lambda n: [rng.randrange(vocab) for _ in range(n)]  # noqa: E731
     shared = tok(330)
     deeper = shared + tok(75)
-    return [shared + tok(37), shared + tok(101), shared + tok(3), deeper + tok(21), deeper + tok(50),
-            tok(45), tok(290), tok(7)]
+    return [
+        shared + tok(37),
+        shared + tok(101),
+        shared + tok(3),
+        deeper + tok(21),
+        deeper + tok(50),
+        tok(45),
+        tok(290),
+        tok(7),
+    ]
 
 
 def hf_greedy(path: str, prompts: list[list[int]], n: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                               pad_token_id=0)
-        outs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n, pad_token_id=0
+            )
+        outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -51,16 +61,14 @@ def test_greedy_matches_transformers(arch, tmp_path):
     expected = hf_greedy(path, prompts, GREEDY.max_tokens)
     assert sum(len(e) == GREEDY.max_tokens for e in expected) >= 6  # the seed gives long generations
     # a 128-token budget forces chunked prefill of every long prompt, mixed with decodes
-    engine = LLMEngine.from_model(path, dtype="float32", device="cpu", max_num_batched_tokens=128,
-                                  kv_cache_tokens=8192)
+    engine = LLMEngine.from_model(path, dtype="float32", device="cpu", max_num_batched_tokens=128, kv_cache_tokens=8192)
     got = engine.generate(prompts, GREEDY)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}): engine {g} != transformers {e}"
     stats = engine.stats()
     assert stats["cached_prompt_tokens"] > 0 and stats["max_decode_batch"] > 1
     # with sharing off the tokens are the same
-    plain = LLMEngine.from_model(path, dtype="float32", device="cpu", enable_prefix_sharing=False,
-                                 kv_cache_tokens=8192)
+    plain = LLMEngine.from_model(path, dtype="float32", device="cpu", enable_prefix_sharing=False, kv_cache_tokens=8192)
     assert plain.generate(prompts, GREEDY) == expected
 
 
@@ -134,14 +142,16 @@ def test_a_cached_prompt_runs_only_its_last_token_and_counts_it():
 def test_preemption_under_pressure_keeps_outputs_exact(async_scheduling):
     rng = random.Random(3)
     common = [rng.randrange(256) for _ in range(40)]
-    prompts = [(common if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(20, 90))]
-               for i in range(14)]
+    prompts = [
+        (common if i % 2 else []) + [rng.randrange(256) for _ in range(rng.randrange(20, 90))] for i in range(14)
+    ]
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
     roomy = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=16_384)
     expected = roomy.generate(prompts, params)
     need = sum(-(-(len(p) + 30) // 16) for p in prompts)
-    tight = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=512, max_model_len=512,
-                                 async_scheduling=async_scheduling)
+    tight = LLMEngine.from_model(
+        "tiny", chunk_size=16, kv_cache_tokens=512, max_model_len=512, async_scheduling=async_scheduling
+    )
     assert need >= 3 * tight.pool.num_chunks
     for i, p in enumerate(prompts):
         tight.add_request(str(i), p, params)
@@ -158,15 +168,26 @@ def test_preemption_under_pressure_keeps_outputs_exact(async_scheduling):
 
 @pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
 def small_pool(request):
-    return LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=320, max_model_len=160,
-                                max_num_batched_tokens=64, max_num_seqs=6, async_scheduling=request.param)
+    return LLMEngine.from_model(
+        "tiny",
+        chunk_size=16,
+        kv_cache_tokens=320,
+        max_model_len=160,
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        async_scheduling=request.param,
+    )
 
 
-ops = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 100), st.integers(0, 3), st.integers(1, 12)),
-    st.tuples(st.just("step"), st.integers(1, 4)),
-    st.tuples(st.just("abort"), st.integers(0, 50)),
-), min_size=1, max_size=25)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 100), st.integers(0, 3), st.integers(1, 12)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=25,
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -218,13 +239,16 @@ def test_async_scheduling_gives_the_same_outputs_as_sync():
     free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     sync = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=16_384, async_scheduling=False)
     stops = [out[k] for out, k in zip(sync.generate(prompts[:3], free), (0, 5, 23))]
-    params = [greedy, SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stops[1],), ignore_eos=True),
-              SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stops[0], stops[2])),
-              SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True),
-              SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
-              SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=8, stop_token_ids=(stops[1],)),
-              SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),  # ends at max_model_len
-              free]
+    params = [
+        greedy,
+        SamplingParams(max_tokens=20, temperature=0, stop_token_ids=(stops[1],), ignore_eos=True),
+        SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(stops[0], stops[2])),
+        SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, seed=7, ignore_eos=True),
+        SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.0, top_k=20, seed=8, stop_token_ids=(stops[1],)),
+        SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),  # ends at max_model_len
+        free,
+    ]
 
     def run(engine: LLMEngine) -> tuple[dict, dict, dict]:  # tokens, finish reasons, counters
         for i, (p, sp) in enumerate(zip(prompts, params)):
@@ -247,8 +271,20 @@ def test_async_scheduling_gives_the_same_outputs_as_sync():
         assert len(gone) == 2
         engine.tree.evict_all()
         assert engine.pool.num_free == engine.pool.num_chunks
-        return got, ends, {k: engine.stats()[k] for k in ("generated_tokens", "finished_requests", "prompt_tokens",
-                                                         "cached_prompt_tokens", "computed_prompt_tokens")}
+        return (
+            got,
+            ends,
+            {
+                k: engine.stats()[k]
+                for k in (
+                    "generated_tokens",
+                    "finished_requests",
+                    "prompt_tokens",
+                    "cached_prompt_tokens",
+                    "computed_prompt_tokens",
+                )
+            },
+        )
 
     kw = dict(chunk_size=16, max_model_len=470)
     want = run(LLMEngine.from_model("tiny", kv_cache_tokens=16_384, async_scheduling=False, **kw))
@@ -266,8 +302,9 @@ def test_async_steps_return_the_step_before_and_drop_a_token_past_a_stop():
     prompt = list(range(10, 40))
     free = engine.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
     assert engine.stats()["steps"] == 6  # the prompt, then 5 decodes: none past the known last one
-    engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
-                                                   stop_token_ids=(free[2],)))
+    engine.add_request(
+        "a", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, stop_token_ids=(free[2],))
+    )
     assert engine.step() == []  # the prompt's step is on the device
     seq = engine.scheduler.running[0]
     assert seq.output_ids == [-1]  # a placeholder for its token
@@ -302,7 +339,7 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny, tmp_path):
         SamplingParams(temperature=-0.5)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
-    for seed in (2**64, -2**63 - 1, 1.5):  # outside SEED_RANGE
+    for seed in (2**64, -(2**63) - 1, 1.5):  # outside SEED_RANGE
         with pytest.raises(ValueError, match="seed"):
             SamplingParams(temperature=1.0, seed=seed)
     out = []
@@ -330,11 +367,14 @@ def test_sampling_seeded_stop_and_abort(tiny):
     a, b = tiny.generate([prompt, prompt], [sampled, sampled])
     assert a == b  # same seed, same tokens, even in one batch
     greedy = tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
-    assert tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))[0] == greedy
+    assert (
+        tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=1.0, top_k=1, ignore_eos=True))[0] == greedy
+    )
     stop = greedy[4]
-    stopped = tiny.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,),
-                                                     ignore_eos=True))[0]
-    assert stopped == greedy[:greedy.index(stop) + 1]
+    stopped = tiny.generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,), ignore_eos=True)
+    )[0]
+    assert stopped == greedy[: greedy.index(stop) + 1]
     tiny.add_request("gone", prompt, SamplingParams(max_tokens=100, temperature=0))
     tiny.step()
     assert tiny.stats()["kv_chunks_used"] > 0
@@ -344,14 +384,19 @@ def test_sampling_seeded_stop_and_abort(tiny):
 
 
 def test_cli_prints_text():
-    r = subprocess.run([sys.executable, "-m", "replicas.engine", "--model", "tiny", "--prompt", "Hello there",
-                        "--max-tokens", "8"], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "replicas.engine", "--model", "tiny", "--prompt", "Hello there", "--max-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "Hello there" in r.stdout and "8 generated" in r.stdout
 
 
 def test_cache_digest_names_cached_prefixes_as_the_router_hashes_them():
     from router.hashing import chunk_hashes
+
     engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=1024)
     rng = random.Random(5)
     a = [rng.randrange(256) for _ in range(100)]
@@ -379,9 +424,28 @@ def test_cpu_engine_runs_eagerly():
 def test_bench_cli_prints_a_run_per_repeat():
     """`python -m replicas.tools.bench` on the CPU: one JSON line per run, the shared prefix cached for
     every row but the first, the decode timed step by step (host share within the step)."""
-    r = subprocess.run([sys.executable, "-m", "replicas.tools.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
-                        "--max-tokens", "6", "--repeat", "2", "--max-num-batched-tokens", "69"],  # row 1 prefills alone
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replicas.tools.bench",
+            "--batch",
+            "4",
+            "--prefix",
+            "64",
+            "--suffix",
+            "5",
+            "--max-tokens",
+            "6",
+            "--repeat",
+            "2",
+            "--max-num-batched-tokens",
+            "69",
+        ],  # row 1 prefills alone
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     runs = [json.loads(line) for line in r.stdout.splitlines()]
     assert [run["run"] for run in runs] == [0, 1]
@@ -393,9 +457,27 @@ def test_bench_cli_prints_a_run_per_repeat():
 
 
 def test_bench_cli_warms_up_first_and_counts_only_the_run():
-    r = subprocess.run([sys.executable, "-m", "replicas.tools.bench", "--batch", "4", "--prefix", "64", "--suffix", "5",
-                        "--max-tokens", "6", "--warmup", "--max-num-batched-tokens", "69"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "replicas.tools.bench",
+            "--batch",
+            "4",
+            "--prefix",
+            "64",
+            "--suffix",
+            "5",
+            "--max-tokens",
+            "6",
+            "--warmup",
+            "--max-num-batched-tokens",
+            "69",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     (run,) = [json.loads(line) for line in r.stdout.splitlines()]
     # max_num_seqs rows, then as many alone, then 1, 2 and 4 rows after each of two long prefixes

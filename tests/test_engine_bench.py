@@ -12,8 +12,26 @@ def test_poisson_offsets_are_the_load_tests():
 
 
 def test_poisson_mode_serves_every_request_and_reports_its_latencies(capsys):
-    main(["--model", "tiny", "--prefix", "128", "--suffix", "8", "--max-tokens", "6", "--request-rate", "50,200",
-          "--requests", "24", "--groups", "2", "--kv-cache-tokens", "8192"])
+    main(
+        [
+            "--model",
+            "tiny",
+            "--prefix",
+            "128",
+            "--suffix",
+            "8",
+            "--max-tokens",
+            "6",
+            "--request-rate",
+            "50,200",
+            "--requests",
+            "24",
+            "--groups",
+            "2",
+            "--kv-cache-tokens",
+            "8192",
+        ]
+    )
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["request_rate"] for r in rows] == [50.0, 200.0]
     for r in rows:

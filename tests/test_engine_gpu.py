@@ -109,8 +109,10 @@ def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
     # kernel variant it did not (each would compile on a request's path)
     from kernels import launch
     from replicas.warmup import warmup
-    engine = LLMEngine.from_model("tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=65536, chunk_size=64,
-                                  max_num_seqs=64)
+
+    engine = LLMEngine.from_model(
+        "tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=65536, chunk_size=64, max_num_seqs=64
+    )
     warmup(engine)
     before = launch.first_launches()[0]
     rng = random.Random(5)
@@ -137,8 +139,14 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
     def run(backend, dtype, weights=None):
-        engine = LLMEngine.from_model("llama3-8b", device="cuda", dtype=dtype, kv_cache_tokens=32768,
-                                      attention_backend=backend, decode_graphs=True)
+        engine = LLMEngine.from_model(
+            "llama3-8b",
+            device="cuda",
+            dtype=dtype,
+            kv_cache_tokens=32768,
+            attention_backend=backend,
+            decode_graphs=True,
+        )
         if weights is not None:
             copy_weights(engine, weights)
         logits = record_logits(engine)
@@ -159,8 +167,12 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     err_ref, err_tri = logit_errors(exact_out, exact, [(ref_out, ref), (tri_out, tri)], 16)
     assert len(err_tri) >= 64, f"only {len(err_tri)} comparable tokens"
     assert max(err_tri) <= 2 * max(err_ref) + 1e-2, f"triton off by {max(err_tri)}, bf16 reference by {max(err_ref)}"
-    assert sum(err_tri) <= 2 * sum(err_ref), f"mean errors: triton {sum(err_tri) / len(err_tri)}, reference {sum(err_ref) / len(err_ref)}"
-    print(f"compared {len(err_tri)} tokens: max |logit error| triton {max(err_tri):.3f}, bf16 reference {max(err_ref):.3f}")
+    assert sum(err_tri) <= 2 * sum(err_ref), (
+        f"mean errors: triton {sum(err_tri) / len(err_tri)}, reference {sum(err_ref) / len(err_ref)}"
+    )
+    print(
+        f"compared {len(err_tri)} tokens: max |logit error| triton {max(err_tri):.3f}, bf16 reference {max(err_ref):.3f}"
+    )
 
 
 def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
@@ -173,8 +185,15 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
     def run(dtype, backend="triton", fallback=True, weights=None):
-        return tiny_run(prompts, params, weights, dtype=dtype, attention_backend=backend,
-                        flashinfer_fallback=fallback, enforce_eager=True)
+        return tiny_run(
+            prompts,
+            params,
+            weights,
+            dtype=dtype,
+            attention_backend=backend,
+            flashinfer_fallback=fallback,
+            enforce_eager=True,
+        )
 
     fi_engine, fi_out, fi = run("bfloat16")
     tri_engine, tri_out, tri = run("bfloat16", fallback=False)
@@ -199,8 +218,15 @@ def test_prefill_through_flashinfer_within_bf16_error():
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
     def run(dtype, fused=True, backend="triton", weights=None):
-        return tiny_run(prompts, params, weights, dtype=dtype, attention_backend=backend,
-                        max_num_batched_tokens=96, flashinfer_prefill=fused)
+        return tiny_run(
+            prompts,
+            params,
+            weights,
+            dtype=dtype,
+            attention_backend=backend,
+            max_num_batched_tokens=96,
+            flashinfer_prefill=fused,
+        )
 
     fi_engine, fi_out, fi = run("bfloat16")
     ref_engine, ref_out, ref = run("bfloat16", fused=False)
@@ -210,8 +236,10 @@ def test_prefill_through_flashinfer_within_bf16_error():
     err_fi, err_ref = logit_errors(exact_out, exact, [(fi_out, fi), (ref_out, ref)], 12)
     assert len(err_fi) >= 48, f"only {len(err_fi)} comparable tokens"
     assert max(err_fi) <= 2 * max(err_ref) + 1e-2, f"flashinfer off by {max(err_fi)}, reference by {max(err_ref)}"
-    print(f"compared {len(err_fi)} tokens: max |logit error| flashinfer prefill {max(err_fi):.4f}, "
-          f"reference {max(err_ref):.4f}")
+    print(
+        f"compared {len(err_fi)} tokens: max |logit error| flashinfer prefill {max(err_fi):.4f}, "
+        f"reference {max(err_ref):.4f}"
+    )
 
 
 def test_sparse_prefill_through_flashinfer_within_bf16_error():
@@ -225,8 +253,16 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
     sparse = dict(min_context=128, block=32, window=1)
 
     def run(dtype, backend="triton", weights=None, **options):
-        return tiny_run(prompts, params, weights, dtype=dtype, attention_backend=backend, chunk_size=16,
-                        max_num_batched_tokens=96, **options)
+        return tiny_run(
+            prompts,
+            params,
+            weights,
+            dtype=dtype,
+            attention_backend=backend,
+            chunk_size=16,
+            max_num_batched_tokens=96,
+            **options,
+        )
 
     sp_engine, sp_out, sp = run("bfloat16", sparse_prefill=dict(sparse, alpha=0.0))
     de_engine, de_out, de = run("bfloat16", weights=sp_engine)
@@ -238,10 +274,12 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
     assert max(err_sp) <= 2 * max(err_de) + 1e-2, f"sparse off by {max(err_sp)}, dense by {max(err_de)}"
     bu_engine, bu_out, bu = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0))
     assert bu_engine.attention._prefill._sparse_rows  # planned once a step, through FlashInfer
-    err_bu, = logit_errors(exact_out, exact, [(bu_out, bu)], 12)
+    (err_bu,) = logit_errors(exact_out, exact, [(bu_out, bu)], 12)
     assert max(err_bu) <= 2 * max(err_de) + 1e-2, f"a whole budget off by {max(err_bu)}, dense by {max(err_de)}"
-    print(f"compared {len(err_sp)} tokens: max |logit error| sparse (all kept) {max(err_sp):.4f}, "
-          f"a whole budget {max(err_bu):.4f}, dense {max(err_de):.4f}")
+    print(
+        f"compared {len(err_sp)} tokens: max |logit error| sparse (all kept) {max(err_sp):.4f}, "
+        f"a whole budget {max(err_bu):.4f}, dense {max(err_de):.4f}"
+    )
     for cut_options in (dict(alpha=1.0), dict(budget=0.3)):
         cut, cut_out, _ = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, **cut_options))
         stats = cut.stats()

@@ -96,8 +96,9 @@ def test_aborts_and_guides_compile_in_the_engine_process():
         await front.until(lambda: front.stats["running"] == 0 and front.stats["kv_chunks_used"] == 0)
         with pytest.raises(ValueError, match="schema"):
             await core.compile(Guide("json", "{not a schema"))
-        guide = Guide("json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
-                                          "required": ["a"]}))
+        guide = Guide(
+            "json", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+        )
         await core.compile(guide)
         core.add("g", PROMPTS[1], SamplingParams(max_tokens=40, temperature=0, guided=guide))
         await front.until(lambda: "g" in front.done)

@@ -15,8 +15,14 @@ from replicas.model.gguf import GGUFCheckpoint
 from tests.gguf_files import Q, llama_cpp_permute, make_gguf
 from tests.test_model import PROMPT, greedy, our_logits
 
-TEXTS = [PROMPT, "  two  spaces\nand a new line\t tab", "numbers 12345 and 7, x=3.14;", "the <|eot_id|> inside",
-         "café naïve — ünïcödé 日本語", ""]
+TEXTS = [
+    PROMPT,
+    "  two  spaces\nand a new line\t tab",
+    "numbers 12345 and 7, x=3.14;",
+    "the <|eot_id|> inside",
+    "café naïve — ünïcödé 日本語",
+    "",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +74,7 @@ def test_quantized_gguf_matches_transformers(qtype, tmp_path):
     assert ids == hf_tok(PROMPT).input_ids
     with torch.inference_mode():
         ref = hf(torch.tensor([ids])).logits[0].float()
-        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, pad_token_id=0)[0, len(ids):]
+        out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=16, pad_token_id=0)[0, len(ids) :]
     torch.testing.assert_close(our_logits(ours, ids), ref, atol=1e-4, rtol=1e-4)
     assert greedy(ours, ids, 16) == out.tolist()
     # and the quantization is what was read: the weights are near the unquantized ones, not equal
@@ -114,8 +120,9 @@ def test_tokenizer_matches_transformers(pre, tmp_path):
         assert tok.decode(ids) == hf_tok.decode(ids, skip_special_tokens=True)
     assert tok.bos_token_id == hf_tok.bos_token_id and tok.eos_token_ids == (hf_tok.eos_token_id,)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
-    assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(messages, tokenize=False,
-                                                                           add_generation_prompt=True)
+    assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_a_directory_holding_one_gguf(tmp_path):

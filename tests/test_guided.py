@@ -13,11 +13,17 @@ from replicas.guided import Guide, Guides, allowed_mask, fill_bitmask, mask_logi
 from replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
 from tests.test_penalties import _record_logits
 
-SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok", "color"],
-          "properties": {"name": {"type": "string", "maxLength": 6},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                         "ok": {"type": "boolean"},
-                         "color": {"enum": ["red", "green", "blue"]}}}
+SCHEMA = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age", "ok", "color"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+        "color": {"enum": ["red", "green", "blue"]},
+    },
+}
 REGEX = r"[a-z]{3}-\d{2}"
 CHOICES = ("red", "green", "blue")
 EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
@@ -25,10 +31,16 @@ EBNF = 'root ::= "yes" | "no" | "maybe " [0-9]'
 
 def _follows_schema(obj) -> bool:
     """obj follows SCHEMA (what the schema says, spelled out)."""
-    return (isinstance(obj, dict) and set(obj) == {"name", "age", "ok", "color"}
-            and isinstance(obj["name"], str) and len(obj["name"]) <= 6
-            and type(obj["age"]) is int and 0 <= obj["age"] <= 99
-            and type(obj["ok"]) is bool and obj["color"] in CHOICES)
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"name", "age", "ok", "color"}
+        and isinstance(obj["name"], str)
+        and len(obj["name"]) <= 6
+        and type(obj["age"]) is int
+        and 0 <= obj["age"] <= 99
+        and type(obj["ok"]) is bool
+        and obj["color"] in CHOICES
+    )
 
 
 # The random-weight model picks among the tokens a grammar allows about evenly, so some grammars
@@ -38,9 +50,13 @@ def _follows_schema(obj) -> bool:
 BIASES = {"json": {ord(c): -2.0 for c in " \n\t\r"}, "json_object": {ord('"'): 4.0, ord("}"): 4.0}}
 CASES = {  # guide -> whether a finished text follows it (True; False or a parse error: it does not)
     "json": (Guide("json", json.dumps(SCHEMA)), lambda text: _follows_schema(json.loads(text))),
-    "json_compact": (Guide("json", json.dumps(SCHEMA), any_whitespace=False),
-                     lambda text: (_follows_schema(json.loads(text))  # and in its one compact form
-                                   and json.dumps(json.loads(text), ensure_ascii=False) == text)),
+    "json_compact": (
+        Guide("json", json.dumps(SCHEMA), any_whitespace=False),
+        lambda text: (
+            _follows_schema(json.loads(text))  # and in its one compact form
+            and json.dumps(json.loads(text), ensure_ascii=False) == text
+        ),
+    ),
     "json_object": (Guide("json_object"), lambda text: isinstance(json.loads(text), dict)),
     "regex": (Guide("regex", REGEX), lambda text: re.fullmatch(REGEX, text) is not None),
     "choice": (Guide("choice", CHOICES), lambda text: text in CHOICES),
@@ -56,25 +72,31 @@ def engine():
 # -- guides ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind, spec, match", [
-    ("xml", "", "kind must be one of"),
-    ("json", "", "must not be empty"),
-    ("regex", 5, "takes a string"),
-    ("choice", (), "non-empty list"),
-    ("choice", ("a", ""), "non-empty strings"),
-    ("choice", "ab", "non-empty list"),
-])
+@pytest.mark.parametrize(
+    "kind, spec, match",
+    [
+        ("xml", "", "kind must be one of"),
+        ("json", "", "must not be empty"),
+        ("regex", 5, "takes a string"),
+        ("choice", (), "non-empty list"),
+        ("choice", ("a", ""), "non-empty strings"),
+        ("choice", "ab", "non-empty list"),
+    ],
+)
 def test_malformed_guides_are_refused(kind, spec, match):
     with pytest.raises(ValueError, match=match):
         Guide(kind, spec)
 
 
-@pytest.mark.parametrize("guide, match", [
-    (Guide("json", "{not json"), r"^guided json: Failed to parse JSON"),
-    (Guide("json", '{"type": "nonsense"}'), r"^guided json: .*nonsense"),
-    (Guide("regex", "a(b"), r"^guided regex: .*parenthesis"),
-    (Guide("grammar", "root ::= x"), r'^guided grammar: .*Rule "x" is not defined'),
-])
+@pytest.mark.parametrize(
+    "guide, match",
+    [
+        (Guide("json", "{not json"), r"^guided json: Failed to parse JSON"),
+        (Guide("json", '{"type": "nonsense"}'), r"^guided json: .*nonsense"),
+        (Guide("regex", "a(b"), r"^guided regex: .*parenthesis"),
+        (Guide("grammar", "root ::= x"), r'^guided grammar: .*Rule "x" is not defined'),
+    ],
+)
 def test_guides_that_do_not_parse_say_why(guide, match):
     with pytest.raises(ValueError, match=match):
         guide.grammar()
@@ -148,8 +170,12 @@ def test_outputs_follow_their_grammar(engine, name, temperature):
     guide, check = CASES[name]
     prompt = engine.tokenizer.encode("Answer: ")
     for seed in range(3):
-        out, = engine.generate([prompt], SamplingParams(max_tokens=200, temperature=temperature, seed=seed,
-                                                        guided=guide, logit_bias=BIASES.get(name, {})))
+        (out,) = engine.generate(
+            [prompt],
+            SamplingParams(
+                max_tokens=200, temperature=temperature, seed=seed, guided=guide, logit_bias=BIASES.get(name, {})
+            ),
+        )
         text = _text(engine, out)
         assert check(text), text
 
@@ -158,7 +184,7 @@ def test_the_random_model_alone_follows_no_grammar(engine):
     # what makes the test above able to fail: without the guide these prompts give noise
     prompt = engine.tokenizer.encode("Answer: ")
     for seed in range(3):
-        out, = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=seed))
+        (out,) = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=1.0, seed=seed))
         text = engine.tokenizer.decode(out)
         assert not any(_passes(check, text) for _, check in CASES.values()), text
 
@@ -183,8 +209,11 @@ def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
             engine.add_request(f"free{i}", p, sp)
         outs, late = defaultdict(list), with_guided
         if with_guided:
-            engine.add_request("json", prompts[0], SamplingParams(max_tokens=96, temperature=0.9, seed=5,
-                                                                  guided=CASES["json_compact"][0]))
+            engine.add_request(
+                "json",
+                prompts[0],
+                SamplingParams(max_tokens=96, temperature=0.9, seed=5, guided=CASES["json_compact"][0]),
+            )
         steps = 0
         while engine.has_unfinished():
             for out in engine.step():
@@ -214,8 +243,11 @@ def test_async_guided_steps_keep_a_step_in_flight():
     compute, collect = engine.model.compute_logits, engine.runner.collect
     engine.model.compute_logits = lambda hidden: (events.append("logits"), compute(hidden))[1]
     engine.runner.collect = lambda launched: (events.append("collect"), collect(launched))[1]
-    engine.add_request("json", list(range(20, 40)), SamplingParams(max_tokens=96, temperature=0.9, seed=1,
-                                                                   guided=CASES["json_compact"][0]))
+    engine.add_request(
+        "json",
+        list(range(20, 40)),
+        SamplingParams(max_tokens=96, temperature=0.9, seed=1, guided=CASES["json_compact"][0]),
+    )
     engine.add_request("free", list(range(40, 60)), SamplingParams(max_tokens=120, seed=2, ignore_eos=True))
     seq = engine._seqs["json"]
     outs, steps = defaultdict(list), []
@@ -239,15 +271,18 @@ def test_async_guided_steps_keep_a_step_in_flight():
 def test_logprobs_of_a_guided_row_are_over_its_allowed_tokens(engine):
     seen = _record_logits(engine)
     try:
-        engine.add_request("g", engine.tokenizer.encode("Pick: "),
-                           SamplingParams(max_tokens=8, temperature=0, logprobs=5, guided=Guide("choice", CHOICES)))
+        engine.add_request(
+            "g",
+            engine.tokenizer.encode("Pick: "),
+            SamplingParams(max_tokens=8, temperature=0, logprobs=5, guided=Guide("choice", CHOICES)),
+        )
         outs = []
         while engine.has_unfinished():
             outs += engine.step()
     finally:
         del engine.runner._forward, engine.model.compute_logits  # the instance's own, back to the class's
     first = outs[0]
-    (drawn, top), = first.logprobs
+    ((drawn, top),) = first.logprobs
     allowed = {ord(c[0]) for c in CHOICES}  # r, g, b: the choices' first bytes
     raw = torch.log_softmax(seen["g"][0].float(), -1)
     ids = list(allowed)
@@ -281,14 +316,17 @@ def test_a_model_without_a_tokenizer_cannot_guide():
 
 
 def test_a_row_that_ignores_eos_draws_only_eos_after_its_grammar_ends(engine):
-    out, = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True,
-                                                       guided=Guide("choice", ("ab",))))
+    (out,) = engine.generate(
+        [[1, 2, 3]],
+        SamplingParams(max_tokens=12, temperature=1.0, seed=0, ignore_eos=True, guided=Guide("choice", ("ab",))),
+    )
     eos = engine.model_config.eos_token_ids[0]
     assert out == engine.tokenizer.encode("ab", add_special_tokens=False) + [eos] * 10
 
 
 def test_bit_31_is_the_sign_bit():
     from replicas.guided import _bit
+
     words = torch.tensor([[_bit(31) | _bit(0)]], dtype=torch.int32)
     assert allowed_mask(words, 32)[0].nonzero().flatten().tolist() == [0, 31]
 
@@ -302,8 +340,9 @@ def test_cuda_engine_guides_as_the_cpu_engine_does():
     torch.backends.cuda.matmul.allow_tf32 = False
 
     def run(device):
-        engine = LLMEngine.from_model("tiny", device=device, dtype="float32", chunk_size=16, kv_cache_tokens=8192,
-                                      decode_graphs=True)
+        engine = LLMEngine.from_model(
+            "tiny", device=device, dtype="float32", chunk_size=16, kv_cache_tokens=8192, decode_graphs=True
+        )
         prompts = [list(range(20, 60)), list(range(30, 45)), list(range(50, 90)), list(range(25, 70))]
         names = ["json_compact", "regex", "choice"]
         for i, name in enumerate(names):
@@ -316,8 +355,9 @@ def test_cuda_engine_guides_as_the_cpu_engine_does():
                 outs[out.request_id] += out.new_token_ids
             steps += 1
             if steps == 10:
-                engine.add_request("grammar", prompts[3], SamplingParams(max_tokens=20, temperature=0,
-                                                                         guided=CASES["grammar"][0]))
+                engine.add_request(
+                    "grammar", prompts[3], SamplingParams(max_tokens=20, temperature=0, guided=CASES["grammar"][0])
+                )
         return engine, dict(outs)
 
     engine, got = run("cuda")
@@ -367,8 +407,14 @@ def test_thinking_runs_free_and_the_grammar_holds_what_follows(async_scheduling)
     free = set()
     for think, bias in (((None, gt), {gt: 3.0}), ((lt, gt), {lt: 8.0, gt: 3.0}), ((lt, gt), {lt: -100.0})):
         for seed in range(3):
-            params = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, guided=Guide("regex", REGEX),
-                                    think=think, logit_bias={eos: -100.0, **bias})
+            params = SamplingParams(
+                max_tokens=200,
+                temperature=1.0,
+                seed=seed,
+                guided=Guide("regex", REGEX),
+                think=think,
+                logit_bias={eos: -100.0, **bias},
+            )
             text = _text(engine, engine.generate([prompt], params)[0])
             if bias.get(lt) == -100.0:  # never opened: the grammar from the first token
                 assert re.fullmatch(REGEX, text), text
@@ -381,8 +427,12 @@ def test_thinking_runs_free_and_the_grammar_holds_what_follows(async_scheduling)
 
 
 def test_think_needs_a_guide_and_token_ids(engine):
-    for think, guided in (((1, 2), None), (("<", 2), Guide("regex", "a")), ((1, None), Guide("regex", "a")),
-                          ((1, 2, 3), Guide("regex", "a"))):
+    for think, guided in (
+        ((1, 2), None),
+        (("<", 2), Guide("regex", "a")),
+        ((1, None), Guide("regex", "a")),
+        ((1, 2, 3), Guide("regex", "a")),
+    ):
         with pytest.raises(ValueError, match="think must be"):
             SamplingParams(think=think, guided=guided)
     with pytest.raises(ValueError, match="token ids are in"):  # past the vocabulary: refused, nothing kept

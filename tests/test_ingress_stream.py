@@ -45,14 +45,20 @@ def _events(outs: list[GenerateOutput]) -> list[dict]:
 
     lines = [line for piece in asyncio.run(body()) for line in piece.split("\n") if line.startswith("data: ")]
     assert lines[-1] == "data: [DONE]" and not rest.cancelled
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def test_outputs_with_tokens_but_no_text_are_sent_as_vllm_does():
     # a special token or half a character adds no text: the chunk still goes (its text ""), so a
     # client sees each token arrive; an output with neither tokens nor text is dropped
-    outs = [_out("A", (10,), tokens=1), _out("", (11,), tokens=2), _out("", (), tokens=2), _out("", (12,), tokens=3),
-            _out("B", (13,), tokens=4), _out("", (), "length", tokens=4)]
+    outs = [
+        _out("A", (10,), tokens=1),
+        _out("", (11,), tokens=2),
+        _out("", (), tokens=2),
+        _out("", (12,), tokens=3),
+        _out("B", (13,), tokens=4),
+        _out("", (), "length", tokens=4),
+    ]
     *chunks, usage = _events(outs)
     assert [c["choices"][0]["text"] for c in chunks] == ["A", "", "", "B", ""]
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["length"]

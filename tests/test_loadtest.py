@@ -74,11 +74,11 @@ def test_tenants_sessions_resend_their_conversation():
         for prev, nxt in zip(turns, turns[1:]):
             assert nxt.after == prev.index and by_index[nxt.after] is prev
             # the next turn resends the previous prompt, the reply, then a new user turn
-            assert nxt.turns[:len(prev.turns)] == prev.turns
-            assert [role for role, _ in nxt.turns[len(prev.turns):]] == ["assistant", "user"]
+            assert nxt.turns[: len(prev.turns)] == prev.turns
+            assert [role for role, _ in nxt.turns[len(prev.turns) :]] == ["assistant", "user"]
             assert nxt.prompt_len == prev.prompt_len + 5 + 6
             p, n = r.request(prev).prompt, r.request(nxt).prompt
-            assert n[:len(p)] == p
+            assert n[: len(p)] == p
     # every session opens with its tenant's system prompt; Zipf: tenant 0 the most popular
     systems = {s.tenant: s.turns[0] for s in specs}
     assert all(role == "system" for role, _ in systems.values()) and len(set(systems.values())) == len(systems)
@@ -118,9 +118,11 @@ def test_arrivals_poisson_and_gamma():
 
 def test_trace_loading_and_replay(tmp_path):
     f = tmp_path / "t.jsonl"
-    f.write_text('{"prompt": "hello", "max_tokens": 3, "timestamp": 10.5, "tenant": "a"}\n\n'
-                 '{"prompt": [1, 2, 3], "timestamp": 11.0}\n'
-                 '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "timestamp": 12.25}\n')
+    f.write_text(
+        '{"prompt": "hello", "max_tokens": 3, "timestamp": 10.5, "tenant": "a"}\n\n'
+        '{"prompt": [1, 2, 3], "timestamp": 11.0}\n'
+        '{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "timestamp": 12.25}\n'
+    )
     specs = wl.load_trace(f, default_max_tokens=7)
     assert [s.max_tokens for s in specs] == [3, 7, 2]
     assert wl.Arrivals(replay=True).offsets(specs) == [0.0, 0.5, 1.75]
@@ -131,17 +133,20 @@ def test_trace_loading_and_replay(tmp_path):
     assert reqs[2].messages == [{"role": "user", "content": "hi"}] and reqs[2].path == "/v1/chat/completions"
 
 
-@pytest.mark.parametrize("line, message", [
-    ("not json", "t.jsonl:2: not JSON"),
-    ('{"prompt": ""}', "t.jsonl:2: prompt must be non-empty"),
-    ('{"prompt": "a", "messages": []}', "exactly one of prompt and messages"),
-    ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be a positive integer"),
-    ('{"prompt": "a", "colour": 1}', "unknown field"),
-    ('{"prompt": [1, -2]}', "list of token ids"),
-    ('{"messages": [{"role": "user"}]}', "messages must be"),
-    ('{"prompt": "a", "timestamp": 0.5}', "timestamps must not decrease"),
-    ('[1, 2]', "must be a JSON object"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("not json", "t.jsonl:2: not JSON"),
+        ('{"prompt": ""}', "t.jsonl:2: prompt must be non-empty"),
+        ('{"prompt": "a", "messages": []}', "exactly one of prompt and messages"),
+        ('{"prompt": "a", "max_tokens": 0}', "max_tokens must be a positive integer"),
+        ('{"prompt": "a", "colour": 1}', "unknown field"),
+        ('{"prompt": [1, -2]}', "list of token ids"),
+        ('{"messages": [{"role": "user"}]}', "messages must be"),
+        ('{"prompt": "a", "timestamp": 0.5}', "timestamps must not decrease"),
+        ("[1, 2]", "must be a JSON object"),
+    ],
+)
 def test_a_malformed_trace_line_is_named(tmp_path, line, message, capsys):
     f = tmp_path / "t.jsonl"
     f.write_text('{"prompt": "ok", "timestamp": 1}\n' + line + "\n")
@@ -152,22 +157,25 @@ def test_a_malformed_trace_line_is_named(tmp_path, line, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--request-rate", "0"], "--request-rate: the value must be > 0"),
-    (["--request-rate", "-3"], "must be > 0"),
-    (["--request-rate", "fast"], "must be a number"),
-    (["--workload", "nope"], "invalid choice: 'nope'"),
-    (["--sweep", "1,0"], "every sweep rate must be > 0"),
-    (["--num-prompts", "0"], "must be > 0"),
-    (["--goodput", "ttft:x"], "goodput ttft must be a positive number"),
-    (["--goodput", "latency:3"], "goodput takes ttft"),
-    (["--search-goodput", "90"], "--search-goodput needs --goodput"),
-    (["--clients", "2"], "give --address"),
-    (["--url", "localhost:8000"], "must start with http://"),
-    (["--token-range", "9:3"], "0 <= LO < HI"),
-    (["--replay"], "--replay takes a --dataset"),
-    (["--dataset", "/nonexistent/trace.jsonl"], "cannot read the trace"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--request-rate", "0"], "--request-rate: the value must be > 0"),
+        (["--request-rate", "-3"], "must be > 0"),
+        (["--request-rate", "fast"], "must be a number"),
+        (["--workload", "nope"], "invalid choice: 'nope'"),
+        (["--sweep", "1,0"], "every sweep rate must be > 0"),
+        (["--num-prompts", "0"], "must be > 0"),
+        (["--goodput", "ttft:x"], "goodput ttft must be a positive number"),
+        (["--goodput", "latency:3"], "goodput takes ttft"),
+        (["--search-goodput", "90"], "--search-goodput needs --goodput"),
+        (["--clients", "2"], "give --address"),
+        (["--url", "localhost:8000"], "must start with http://"),
+        (["--token-range", "9:3"], "0 <= LO < HI"),
+        (["--replay"], "--replay takes a --dataset"),
+        (["--dataset", "/nonexistent/trace.jsonl"], "cannot read the trace"),
+    ],
+)
 def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
@@ -183,8 +191,9 @@ def test_slo_parse_and_units():
 
 
 def test_the_command_as_a_module_exits_2_on_bad_input():
-    p = subprocess.run([sys.executable, "-m", "cluster.loadtest", "--request-rate", "0"], capture_output=True,
-                       text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "cluster.loadtest", "--request-rate", "0"], capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 2 and "must be > 0" in p.stderr
 
 
@@ -197,8 +206,21 @@ def test_a_dead_url_ends_with_errors_within_its_limit(tmp_path, capsys):
     s.close()  # nothing listens there now
     out = tmp_path / "r.jsonl"
     t0 = time.monotonic()
-    code = main(["--url", f"http://127.0.0.1:{port}", "--num-prompts", "12", "--request-rate", "50",
-                 "--max-duration", "20", "--no-progress", "--save-result", str(out)])
+    code = main(
+        [
+            "--url",
+            f"http://127.0.0.1:{port}",
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "50",
+            "--max-duration",
+            "20",
+            "--no-progress",
+            "--save-result",
+            str(out),
+        ]
+    )
     assert time.monotonic() - t0 < 20
     assert code == 1
     report = json.loads(out.read_text().splitlines()[0])
@@ -240,8 +262,15 @@ def test_a_server_that_stops_answering_gives_errors_not_a_hang():
     try:
         reqs = [Request(i, 4, prompt=[1, 2, 3]) for i in range(6)]
         t0 = time.monotonic()
-        res = asyncio.run(run_client(reqs, [0.0, 0.0, 0.1, 0.2, 5.0, 6.0], [f"http://127.0.0.1:{server.port}"],
-                                     ClientOptions(request_timeout=60), max_duration=1.5))
+        res = asyncio.run(
+            run_client(
+                reqs,
+                [0.0, 0.0, 0.1, 0.2, 5.0, 6.0],
+                [f"http://127.0.0.1:{server.port}"],
+                ClientOptions(request_timeout=60),
+                max_duration=1.5,
+            )
+        )
         assert time.monotonic() - t0 < 10
     finally:
         server.close()
@@ -252,8 +281,15 @@ def test_a_server_that_stops_answering_gives_errors_not_a_hang():
     # and a request's own timeout, well inside the run's
     server = _Hanging()
     try:
-        res = asyncio.run(run_client([Request(0, 4, prompt=[1])], [0.0], [f"http://127.0.0.1:{server.port}"],
-                                     ClientOptions(request_timeout=0.5), max_duration=30))
+        res = asyncio.run(
+            run_client(
+                [Request(0, 4, prompt=[1])],
+                [0.0],
+                [f"http://127.0.0.1:{server.port}"],
+                ClientOptions(request_timeout=0.5),
+                max_duration=30,
+            )
+        )
     finally:
         server.close()
     assert res.records[0].error_kind == "timeout" and res.duration < 10
@@ -272,9 +308,31 @@ def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
 
     out, plots = tmp_path / "r.jsonl", tmp_path / "plots"
     with stub_server(tokens=5) as url:
-        code = main(["--url", url, "--prompt-format", "tokens", "--model", "stub", "--workload", "random",
-                     "--num-prompts", "20", "--random-input-len", "8", "--sweep", "50,100", "--no-progress",
-                     "--save-result", str(out), "--plot", str(plots), "--label", "stub"])
+        code = main(
+            [
+                "--url",
+                url,
+                "--prompt-format",
+                "tokens",
+                "--model",
+                "stub",
+                "--workload",
+                "random",
+                "--num-prompts",
+                "20",
+                "--random-input-len",
+                "8",
+                "--sweep",
+                "50,100",
+                "--no-progress",
+                "--save-result",
+                str(out),
+                "--plot",
+                str(plots),
+                "--label",
+                "stub",
+            ]
+        )
     assert code == 0
     *runs, summary = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["request_rate"] for r in runs] == [50, 100] and all(r["completed"] == 20 for r in runs)
@@ -291,8 +349,12 @@ def test_stack_overrides_an_apps_args():
 
     config = {"applications": [{"args": {"model": "tiny", "engine": {"chunk_size": 64}}}]}
     got = apply_overrides(config, ["engine.enable_prefix_sharing=false", "router.policy=pow2", "num_replicas=2"])
-    assert got["applications"][0]["args"] == {"model": "tiny", "num_replicas": 2, "router": {"policy": "pow2"},
-                                              "engine": {"chunk_size": 64, "enable_prefix_sharing": False}}
+    assert got["applications"][0]["args"] == {
+        "model": "tiny",
+        "num_replicas": 2,
+        "router": {"policy": "pow2"},
+        "engine": {"chunk_size": 64, "enable_prefix_sharing": False},
+    }
     with pytest.raises(ValueError, match="PATH=VALUE"):
         apply_overrides(config, ["num_replicas"])
 
@@ -302,12 +364,42 @@ def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "r.jsonl"
-    p = subprocess.run([sys.executable, "-m", "cluster.loadtest.stack", str(root / "configs/local.yaml"),
-                        "--set", "num_replicas=1", "--set", "engine.enable_prefix_sharing=false",
-                        "--log", str(tmp_path / "serve.log"), "--", "--num-prompts", "12", "--gsp-num-groups", "2",
-                        "--gsp-prompts-per-group", "6", "--gsp-system-prompt-len", "128", "--gsp-question-len", "8",
-                        "--gsp-output-len", "4", "--request-rate", "20", "--no-progress", "--save-result", str(out)],
-                       cwd=root, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "cluster.loadtest.stack",
+            str(root / "configs/local.yaml"),
+            "--set",
+            "num_replicas=1",
+            "--set",
+            "engine.enable_prefix_sharing=false",
+            "--log",
+            str(tmp_path / "serve.log"),
+            "--",
+            "--num-prompts",
+            "12",
+            "--gsp-num-groups",
+            "2",
+            "--gsp-prompts-per-group",
+            "6",
+            "--gsp-system-prompt-len",
+            "128",
+            "--gsp-question-len",
+            "8",
+            "--gsp-output-len",
+            "4",
+            "--request-rate",
+            "20",
+            "--no-progress",
+            "--save-result",
+            str(out),
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     (report,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert report["completed"] == 12 and report["failed"] == 0

@@ -14,15 +14,37 @@ from cluster.app import build_app
 from cluster.loadtest.cli import main
 from tests.serve_cluster import serve_on_local_cluster
 
-APP = {"model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": 64,
-       "engine": {"kv_cache_tokens": 16384, "max_num_seqs": 64}}
+APP = {
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 1,
+    "max_ongoing_requests": 64,
+    "engine": {"kv_cache_tokens": 16384, "max_num_seqs": 64},
+}
 
 # the keys `vllm bench serve --save-result` writes for the same metrics
-VLLM_KEYS = {"date", "model_id", "num_prompts", "request_rate", "burstiness", "max_concurrency", "duration",
-             "completed", "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
-             "output_throughput", "total_token_throughput", "max_concurrent_requests", "input_lens", "output_lens",
-             "ttfts", "itls", "errors"} | {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99")
-                                           for m in ("ttft", "tpot", "itl", "e2el")}
+VLLM_KEYS = {
+    "date",
+    "model_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "max_concurrent_requests",
+    "input_lens",
+    "output_lens",
+    "ttfts",
+    "itls",
+    "errors",
+} | {f"{s}_{m}_ms" for s in ("mean", "median", "std", "p99") for m in ("ttft", "tpot", "itl", "e2el")}
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +100,8 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
     assert report["median_ttft_ms"] <= report["median_e2el_ms"]
     assert sum(t["requests"] for t in report["tenants"].values()) == num
     assert {m: t["requests"] for m, t in report["server_timing"].items()} == dict.fromkeys(
-        ("prepare", "first-output", "replica", "outside"), num)
+        ("prepare", "first-output", "replica", "outside"), num
+    )
     assert report["server_timing"]["replica"]["median_ms"] <= report["server_timing"]["first-output"]["median_ms"]
 
 
@@ -86,9 +109,27 @@ def test_gsp_from_client_actors_on_every_node(app, tmp_path):
     url, handle = app
     before = _settled_stats(handle, 0)
     num = 48
-    (report,) = _run(tmp_path, "gsp", url, "--workload", "gsp", "--gsp-num-groups", "4",
-                     "--gsp-prompts-per-group", "12", "--gsp-system-prompt-len", "192", "--gsp-question-len", "24",
-                     "--gsp-output-len", "8", "--request-rate", "40", "--seed", "5")
+    (report,) = _run(
+        tmp_path,
+        "gsp",
+        url,
+        "--workload",
+        "gsp",
+        "--gsp-num-groups",
+        "4",
+        "--gsp-prompts-per-group",
+        "12",
+        "--gsp-system-prompt-len",
+        "192",
+        "--gsp-question-len",
+        "24",
+        "--gsp-output-len",
+        "8",
+        "--request-rate",
+        "40",
+        "--seed",
+        "5",
+    )
     assert VLLM_KEYS <= set(report)
     assert report["num_clients"] == 3 and report["prompt_format"] == "text"
     assert len({c["node"] for c in report["clients"]}) == 3  # one client actor on each node
@@ -108,10 +149,33 @@ def test_gsp_from_client_actors_on_every_node(app, tmp_path):
 
 def test_tenants_chat_sessions_over_a_sweep_on_two_clients(app, tmp_path):
     url, _ = app
-    runs = _run(tmp_path, "tenants", url, "--workload", "tenants", "--clients", "2", "--num-prompts", "30",
-                "--tenants", "3", "--tenant-prompt-len", "128", "--tenant-turns", "3", "--tenant-turn-len", "16",
-                "--tenant-output-len", "6", "--tenant-active-sessions", "5", "--sweep", "10,30",
-                "--goodput", "ttft:30,tpot:5000")
+    runs = _run(
+        tmp_path,
+        "tenants",
+        url,
+        "--workload",
+        "tenants",
+        "--clients",
+        "2",
+        "--num-prompts",
+        "30",
+        "--tenants",
+        "3",
+        "--tenant-prompt-len",
+        "128",
+        "--tenant-turns",
+        "3",
+        "--tenant-turn-len",
+        "16",
+        "--tenant-output-len",
+        "6",
+        "--tenant-active-sessions",
+        "5",
+        "--sweep",
+        "10,30",
+        "--goodput",
+        "ttft:30,tpot:5000",
+    )
     *reports, summary = runs
     assert [r["request_rate"] for r in reports] == [10, 30]
     for report in reports:

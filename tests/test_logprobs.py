@@ -25,25 +25,29 @@ def _run(engine, prompts, params):
     return outs, seen
 
 
-CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                         reason="needs CUDA")])
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_engine_logprobs_are_the_raw_logits_log_softmax(async_scheduling, device):
     engine = LLMEngine.from_model("tiny", device=device, chunk_size=16, async_scheduling=async_scheduling)
-    params = [SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=3, ignore_eos=True),
-              # penalized and biased: the logprobs are still the raw logits' (vLLM's default)
-              SamplingParams(max_tokens=8, temperature=0, logprobs=0, repetition_penalty=1.5,
-                             logit_bias={5: 3.0}, ignore_eos=True),
-              SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)]
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.8, seed=3, logprobs=3, ignore_eos=True),
+        # penalized and biased: the logprobs are still the raw logits' (vLLM's default)
+        SamplingParams(
+            max_tokens=8, temperature=0, logprobs=0, repetition_penalty=1.5, logit_bias={5: 3.0}, ignore_eos=True
+        ),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ]
     outs, seen = _run(engine, PROMPTS, params)
     for rid, k in (("0", 3), ("1", 0)):
         assert len(outs[rid]) == 8
         for out, logits in zip(outs[rid], seen[rid], strict=True):
             lp = torch.log_softmax(logits.float(), -1)
-            (drawn, top), = out.logprobs
+            ((drawn, top),) = out.logprobs
             token = out.new_token_ids[0]
             assert drawn == pytest.approx(lp[token].item(), abs=1e-5)
             assert len(top) == k
@@ -79,11 +83,13 @@ def test_prompt_logprobs_score_each_prompt_token_given_those_before(async_schedu
     it; in pieces (chunked prefill), and with the prompt's prefix already cached (the request
     computes it anyway); the first token has none; they come with the first output only."""
     prompt = [(37 * i + 11) % 250 for i in range(45)]
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=16,
-                                  async_scheduling=async_scheduling)
+    engine = LLMEngine.from_model(
+        "tiny", device="cpu", chunk_size=16, max_num_batched_tokens=16, async_scheduling=async_scheduling
+    )
     engine.generate([prompt[:40]], SamplingParams(max_tokens=2))  # caches the first 32 tokens
-    engine.add_request("p", prompt, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1,
-                                                              ignore_eos=True))
+    engine.add_request(
+        "p", prompt, SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+    )
     outs = []
     while engine.has_unfinished():
         outs += engine.step()

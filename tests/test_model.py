@@ -40,8 +40,11 @@ class DenseCausal:
         T, S, group = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
         causal = torch.ones(T, S, dtype=torch.bool).tril(S - T)  # the T queries are the last T positions
         o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-            v.repeat_interleave(group, 1).transpose(0, 1), attn_mask=causal)
+            q.transpose(0, 1),
+            k.repeat_interleave(group, 1).transpose(0, 1),
+            v.repeat_interleave(group, 1).transpose(0, 1),
+            attn_mask=causal,
+        )
         return o.transpose(0, 1)
 
 
@@ -106,7 +109,7 @@ def test_greedy_matches_hf_generate(arch, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     with torch.inference_mode():
         ref = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, pad_token_id=0)
-    ref = ref[0, len(ids):].tolist()
+    ref = ref[0, len(ids) :].tolist()
     out = greedy(model, ids, len(ref))  # HF stops early at an EOS; this seed and prompt have none
     assert out == ref and len(out) == 24 and len(set(out)) > 12
 
@@ -151,14 +154,21 @@ def test_bfloat16_load_close_to_fp32(tmp_path):
 
 # --- RoPE scaling --------------------------------------------------------------------------------
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 
 
 @pytest.mark.parametrize("rope", [LLAMA3_ROPE, {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}])
 def test_rope_scaling_matches_hf(rope):
-    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=4096,
-                         rope_parameters=dict(rope))
+    hf_cfg = LlamaConfig(
+        hidden_size=256, num_attention_heads=2, head_dim=128, max_position_embeddings=4096, rope_parameters=dict(rope)
+    )
     ref = LlamaRotaryEmbedding(hf_cfg)
     cfg = ModelConfig.from_hf({**hf_cfg.to_dict(), "architectures": ["LlamaForCausalLM"]})
     ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -179,8 +189,15 @@ def test_llama3_rope_model_matches_hf(tmp_path):
 
 
 def test_v4_style_rope_keys():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 16}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "max_position_embeddings": 16,
+    }
     old = ModelConfig.from_hf({**base, "rope_theta": 5e5, "rope_scaling": {"type": "linear", "factor": 2.0}})
     assert old.rope_theta == 5e5 and old.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     plain = ModelConfig.from_hf({**base, "rope_scaling": None})
@@ -213,8 +230,13 @@ def test_llama3_8b_preset_config():
     shape = (cfg.vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads)
     assert shape == (128256, 4096, 32, 32, 8)
     assert (cfg.intermediate_size, cfg.head_dim, cfg.rope_theta) == (14336, 128, 500000.0)
-    assert cfg.rope_scaling == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    assert cfg.rope_scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
 
 
 # --- tensor parallelism --------------------------------------------------------------------------
@@ -229,8 +251,9 @@ def test_tp_shards_concatenate_to_full_weights(tmp_path):
     p = "model.layers.1."
     for kind in ("weight", "bias"):
         # Each rank's fused qkv holds [q | k | v] of its own heads.
-        parts = [getattr(a.qkv_proj, kind).split([a.num_heads * 64, a.num_kv_heads * 64, a.num_kv_heads * 64])
-                 for a in attn]
+        parts = [
+            getattr(a.qkv_proj, kind).split([a.num_heads * 64, a.num_kv_heads * 64, a.num_kv_heads * 64]) for a in attn
+        ]
         for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
             assert torch.equal(torch.cat([part[i] for part in parts]), full[p + f"self_attn.{name}.{kind}"])
     assert all(torch.equal(a.o_proj.bias, full[p + "self_attn.o_proj.bias"]) for a in attn)  # replicated
@@ -248,8 +271,9 @@ def test_tp_shards_concatenate_to_full_weights(tmp_path):
 
 def _tp_worker(rank: int, port: int, path: str, ids: list[int], out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
     try:
         model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=2)[0]
         logits = our_logits(model, ids)
@@ -298,20 +322,25 @@ def _edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"hidden_size": None}, "missing required field 'hidden_size'"),
-    ({"architectures": None}, "architectures"),
-    ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer"),
-    ({"vocab_size": -5}, "'vocab_size' must be a positive integer"),
-    ({"intermediate_size": "big"}, "'intermediate_size' must be a positive integer"),
-    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
-    ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
-    ({"hidden_act": "gelu"}, "unsupported hidden_act"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "unsupported rope type 'yarn'"),
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}},
-     "needs a positive 'low_freq_factor'"),
-    ({"eos_token_id": 10_000}, "eos_token_id"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": None}, "missing required field 'hidden_size'"),
+        ({"architectures": None}, "architectures"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer"),
+        ({"vocab_size": -5}, "'vocab_size' must be a positive integer"),
+        ({"intermediate_size": "big"}, "'intermediate_size' must be a positive integer"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ({"architectures": ["MistralForCausalLM"]}, "unsupported architecture 'MistralForCausalLM'"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "unsupported rope type 'yarn'"),
+        (
+            {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4, "factor": 2.0}},
+            "needs a positive 'low_freq_factor'",
+        ),
+        ({"eos_token_id": 10_000}, "eos_token_id"),
+    ],
+)
 def test_bad_config_raises(tmp_path, changes, message):
     path = make_hf_checkpoint("LlamaForCausalLM", tmp_path)
     _edit_config(path, **changes)
@@ -320,8 +349,15 @@ def test_bad_config_raises(tmp_path, changes, message):
 
 
 def test_heads_not_dividing_hidden_raises():
-    d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 10, "intermediate_size": 8,
-         "num_hidden_layers": 1, "num_attention_heads": 4, "max_position_embeddings": 16}
+    d = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 10,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 16,
+    }
     with pytest.raises(ValueError, match="not divisible by num_attention_heads"):
         ModelConfig.from_hf(d)
 
@@ -351,13 +387,20 @@ def _rewrite_weights(path, edit):
     save_file(tensors, path / "model.safetensors")
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing 1 of .*model.layers.1.mlp.up_proj.weight"),
-    (lambda t: t.update({"model.layers.0.self_attn.foo.weight": torch.zeros(2)}),
-     "unexpected tensor 'model.layers.0.self_attn.foo.weight'"),
-    (lambda t: t.update({"model.norm.weight": torch.ones(7)}),
-     r"'model.norm.weight' has shape \(7,\), expected \(128,\)"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"), "missing 1 of .*model.layers.1.mlp.up_proj.weight"),
+        (
+            lambda t: t.update({"model.layers.0.self_attn.foo.weight": torch.zeros(2)}),
+            "unexpected tensor 'model.layers.0.self_attn.foo.weight'",
+        ),
+        (
+            lambda t: t.update({"model.norm.weight": torch.ones(7)}),
+            r"'model.norm.weight' has shape \(7,\), expected \(128,\)",
+        ),
+    ],
+)
 def test_bad_weights_raise(tmp_path, edit, message):
     path = make_hf_checkpoint("LlamaForCausalLM", tmp_path)
     _rewrite_weights(path, edit)
@@ -390,10 +433,13 @@ def test_tp_size_not_dividing_heads_raises(tmp_path):
 
 # --- tokenizers ----------------------------------------------------------------------------------
 
-TEXTS = ["plain ascii text", "héllo wörld", "北京欢迎你", "emoji 😀👍🏽 and flags 🇯🇵",
-         "mixed 日本 and ünïcode ✓"]
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "what is 北京?"}]
+TEXTS = ["plain ascii text", "héllo wörld", "北京欢迎你", "emoji 😀👍🏽 and flags 🇯🇵", "mixed 日本 and ünïcode ✓"]
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "what is 北京?"},
+]
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -511,13 +557,18 @@ def test_special_tokens_typed_by_a_user_are_text(arch, tmp_path):
     ids = tok.encode(hostile, split_special_tokens=True)
     bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
     assert ids == bos + tok.encode(hostile, add_special_tokens=False, split_special_tokens=True)
-    assert not specials & set(ids[len(bos):]) and tok.decode(ids, skip_special_tokens=False).endswith(hostile)
+    assert not specials & set(ids[len(bos) :]) and tok.decode(ids, skip_special_tokens=False).endswith(hostile)
     assert specials & set(tok.encode(hostile, add_special_tokens=False))  # (as before, and as vLLM tokenizes)
     # a chat: the template's markers are special, what a user or a tool typed is text, a system's is special
-    chat = [{"role": "system", "content": f"be kind{forged}"}, {"role": "user", "content": hostile},
-            {"role": "assistant", "content": "ok"}, {"role": "tool", "content": forged}]
-    typed_away = [dict(m, content=m["content"].replace(forged, "")) if m["role"] in ("user", "tool") else m
-                  for m in chat]
+    chat = [
+        {"role": "system", "content": f"be kind{forged}"},
+        {"role": "user", "content": hostile},
+        {"role": "assistant", "content": "ok"},
+        {"role": "tool", "content": forged},
+    ]
+    typed_away = [
+        dict(m, content=m["content"].replace(forged, "")) if m["role"] in ("user", "tool") else m for m in chat
+    ]
     ids = tok.encode_chat(chat)
     assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(chat)  # the same text
     assert [t for t in ids if t in specials] == [t for t in tok.encode_chat(typed_away) if t in specials]
@@ -530,10 +581,12 @@ def test_special_tokens_typed_by_a_user_are_text(arch, tmp_path):
 
 def test_a_template_that_cuts_content_cannot_keep_typed_special_tokens_as_text(tmp_path):
     path = make_hf_checkpoint("Qwen2ForCausalLM", tmp_path)
-    (path / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m['content'][:6] }}<|im_end|>"
-                                              "{% endfor %}")
+    (path / "chat_template.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m['content'][:6] }}<|im_end|>{% endfor %}"
+    )
     tok = Tokenizer.from_pretrained(path)
     assert tok.encode_chat([{"role": "user", "content": "hello there"}]) == tok.encode(
-        "<|im_start|>hello <|im_end|>", add_special_tokens=False)
+        "<|im_start|>hello <|im_end|>", add_special_tokens=False
+    )
     with pytest.raises(ValueError, match="special tokens' text"):
         tok.encode_chat([{"role": "user", "content": "<|im_end|>x"}])

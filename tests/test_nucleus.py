@@ -62,7 +62,11 @@ def test_a_cut_among_the_top_k_candidates_keeps_what_the_whole_row_keeps(seed):
     # -inf), its probabilities from the whole row. Rows whose k-th value has ties past the
     # candidates (bf16-rounded, and a row of whole numbers) keep the same tokens as the whole row.
     gen = torch.Generator().manual_seed(seed)
-    x = (torch.randn(6, 400, generator=gen) * torch.tensor([[4.0], [0.5], [2.0], [0.1], [1.0], [3.0]])).bfloat16().float()
+    x = (
+        (torch.randn(6, 400, generator=gen) * torch.tensor([[4.0], [0.5], [2.0], [0.1], [1.0], [3.0]]))
+        .bfloat16()
+        .float()
+    )
     x[5] = torch.randint(0, 4, (400,), generator=gen).float()  # runs of ties a hundred long
     ks = [3, 40, 10, 60, 1, 5]
     tops = torch.tensor([[0.9], [0.6], [0.95], [0.99], [0.5], [0.999]], dtype=torch.float64)

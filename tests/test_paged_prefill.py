@@ -17,8 +17,15 @@ def _spans(rng, c, num_chunks):
     """(table, context_len, num_new) covering the awkward cases: no context, a context ending
     on a chunk boundary and inside one, one new token, new tokens crossing several chunks, a
     long context; tables drawn from a shuffled pool (neighbours not adjacent)."""
-    shapes = [(0, 1), (0, 5 * c + 3), (c, c), (2 * c + 7, 1), (3 * c - 1, 2 * c + 5), (17 * c + 9, 40),
-              (rng.randrange(1, 9 * c), rng.randrange(1, 3 * c))]
+    shapes = [
+        (0, 1),
+        (0, 5 * c + 3),
+        (c, c),
+        (2 * c + 7, 1),
+        (3 * c - 1, 2 * c + 5),
+        (17 * c + 9, 40),
+        (rng.randrange(1, 9 * c), rng.randrange(1, 3 * c)),
+    ]
     free = list(range(num_chunks))
     rng.shuffle(free)
     spans = []
@@ -31,8 +38,15 @@ def _spans(rng, c, num_chunks):
 
 # (FlashInfer compiles a module per dtype and head size on first use, about 90 s each on a
 # fresh H200: three of them here; head size 256 is not run)
-@pytest.mark.parametrize("dtype, hq, hkv, d", [
-    (torch.float16, 32, 32, 128), (torch.bfloat16, 32, 8, 128), (torch.bfloat16, 8, 2, 64), (torch.bfloat16, 8, 1, 64)])
+@pytest.mark.parametrize(
+    "dtype, hq, hkv, d",
+    [
+        (torch.float16, 32, 32, 128),
+        (torch.bfloat16, 32, 8, 128),
+        (torch.bfloat16, 8, 2, 64),
+        (torch.bfloat16, 8, 1, 64),
+    ],
+)
 @pytest.mark.parametrize("c", [16, 64])
 def test_spans_match_the_reference(dtype, hq, hkv, d, c):
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
@@ -43,9 +57,16 @@ def test_spans_match_the_reference(dtype, hq, hkv, d, c):
     num_chunks = 80 * 64 // c
     k = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
     v = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
-    scale = d ** -0.5
-    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype,
-                           device=torch.device("cuda"), sm_scale=scale)
+    scale = d**-0.5
+    fi = FlashInferPrefill(
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        chunk_size=c,
+        dtype=dtype,
+        device=torch.device("cuda"),
+        sm_scale=scale,
+    )
     for step in range(2):  # the two wrappers in turn
         spans = _spans(rng, c, num_chunks)
         rows = sum(n for _, _, n in spans)
@@ -55,8 +76,8 @@ def test_spans_match_the_reference(dtype, hq, hkv, d, c):
         assert out.shape == q.shape and out.dtype == dtype
         start = 0
         for table, context, new in spans:
-            want = prefill_attention_ref(q[start:start + new], k, v, table, context, scale)
-            err = (out[start:start + new].float() - want.float()).abs().max().item()
+            want = prefill_attention_ref(q[start : start + new], k, v, table, context, scale)
+            err = (out[start : start + new].float() - want.float()).abs().max().item()
             assert err <= TOL[dtype], f"step {step}, span ({context}, {new}): off by {err}"
             start += new
 
@@ -67,8 +88,15 @@ def test_bad_plans_and_runs_are_refused():
 
     assert not usable(torch.float32, 64, torch.device("cuda")) and not usable(torch.bfloat16, 64, torch.device("cpu"))
     assert not usable(torch.bfloat16, 96, torch.device("cuda"))
-    fi = FlashInferPrefill(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16, dtype=torch.bfloat16,
-                           device=torch.device("cuda"), sm_scale=0.125)
+    fi = FlashInferPrefill(
+        num_q_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        chunk_size=16,
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        sm_scale=0.125,
+    )
     with pytest.raises(ValueError, match="needs 3 chunks"):
         fi.plan([([0, 1], 30, 5)])
     with pytest.raises(ValueError, match="new tokens"):
@@ -78,5 +106,12 @@ def test_bad_plans_and_runs_are_refused():
     with pytest.raises(ValueError, match="5 query rows"):
         fi.run(torch.zeros(4, 4, 64, dtype=torch.bfloat16, device="cuda"), k, k)
     with pytest.raises(ValueError, match="16-bit"):
-        FlashInferPrefill(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16, dtype=torch.float32,
-                          device=torch.device("cuda"), sm_scale=0.125)
+        FlashInferPrefill(
+            num_q_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            chunk_size=16,
+            dtype=torch.float32,
+            device=torch.device("cuda"),
+            sm_scale=0.125,
+        )

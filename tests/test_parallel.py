@@ -22,18 +22,21 @@ from replicas.parallel import TPEngine, TPWorker
 from replicas.sequence import SamplingParams
 from replicas.warmup import warmup
 
-CONFIG = EngineConfig(model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16,
-                      max_num_batched_tokens=64)  # prompts prefill in several pieces
+CONFIG = EngineConfig(
+    model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16, max_num_batched_tokens=64
+)  # prompts prefill in several pieces
 CONFIG2 = dataclasses.replace(CONFIG, tp_size=2)
 SHARED = list(range(40, 40 + 70))  # 70 shared tokens: 4 whole chunks and a partial one
 PROMPTS = [SHARED + [300 + i] * (i + 1) for i in range(6)] + [[7, 8, 9]]
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 # (with logprobs and prompt logprobs: every rank computes them, rank 0's are returned)
-SAMPLED = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2,
-                         prompt_logprobs=1)
+SAMPLED = SamplingParams(
+    max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True, logprobs=2, prompt_logprobs=1
+)
 # penalties: every rank keeps the row's token counts from the tokens rank 0 broadcast
-PENALIZED = dataclasses.replace(GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2,
-                                logit_bias={5: 1.5})
+PENALIZED = dataclasses.replace(
+    GREEDY, presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.2, logit_bias={5: 1.5}
+)
 # guided: rank 0 keeps the row's grammar state (its tokens are broadcast), and async scheduling
 # collects each step inside the next one's launch, on every rank, while it lives
 GUIDED = SamplingParams(max_tokens=40, temperature=0.9, seed=2, guided=Guide("regex", r"[a-z]{3}-\d{2}"))
@@ -42,11 +45,16 @@ JOIN_S = 120
 
 def _config(scenario: str, tp_size: int = 1, rank: int = 0, device: str = "cpu") -> EngineConfig:
     sizes = KV_TOKENS.get(scenario, (CONFIG.kv_cache_tokens,) * 2)
-    return dataclasses.replace(CONFIG, tp_size=tp_size, tp_rank=rank, device=device,
-                               kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
-                               max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
-                               async_scheduling=scenario.endswith("_async"),
-                               sparse_prefill=SPARSE if scenario.startswith("sparse") else None)
+    return dataclasses.replace(
+        CONFIG,
+        tp_size=tp_size,
+        tp_rank=rank,
+        device=device,
+        kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
+        max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
+        async_scheduling=scenario.endswith("_async"),
+        sparse_prefill=SPARSE if scenario.startswith("sparse") else None,
+    )
 
 
 def _on_gpu(rank: int, device: str) -> str:
@@ -64,6 +72,7 @@ def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
         import replicas.runner
+
         sample_ids = replicas.runner.sample_ids
         replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
     init_group(1, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
@@ -143,8 +152,12 @@ def _sparse(engine) -> dict:
     return {"tokens": engine.generate(prompts, GREEDY), "stats": engine.stats()}
 
 
-SCENARIOS = {"generate": _generate, "bad_input_and_abort": _bad_input_and_abort, "preemption": _preemption,
-             "warmed": _warmed}
+SCENARIOS = {
+    "generate": _generate,
+    "bad_input_and_abort": _bad_input_and_abort,
+    "preemption": _preemption,
+    "warmed": _warmed,
+}
 # the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
 # pools (free GPU memory) agree on the smaller one, which one rank alone then has
 KV_TOKENS = {"preemption": (4096, 160)}
@@ -164,8 +177,10 @@ def _run_tp2(scenario: str, tmp_path, fails: bool = False, device: str = "cpu") 
     # forked as in tests/test_model.py (a spawned rank re-imports torch: slow); CUDA ranks spawned
     # (CUDA does not survive a fork), each on a GPU of its own
     ctx = mp.get_context("fork" if device == "cpu" else "spawn")
-    ranks = [ctx.Process(target=_rank0, args=(port, scenario, out, device)),
-             ctx.Process(target=_rank1, args=(port, scenario, device))]
+    ranks = [
+        ctx.Process(target=_rank0, args=(port, scenario, out, device)),
+        ctx.Process(target=_rank1, args=(port, scenario, device)),
+    ]
     for p in ranks:
         p.start()
     try:

@@ -46,8 +46,10 @@ def test_batched_rows_match_the_reference():
         keys = [7 * step + i for i in range(len(params))]
         got = sample(logits, params, keys, [step] * len(params), gathered, banned)
         off = dict(banned)
-        want = [sample_row_ref(logits[i], p, keys[i], step, prompts[i], outputs[i], off.get(i, ()))
-                for i, p in enumerate(params)]
+        want = [
+            sample_row_ref(logits[i], p, keys[i], step, prompts[i], outputs[i], off.get(i, ()))
+            for i, p in enumerate(params)
+        ]
         assert got == want
         assert all(got[i] not in ids for i, ids in banned)
         changed += sum(a != b for a, b in zip(got, sample(logits, params, keys, [step] * len(params), None, banned)))
@@ -65,7 +67,9 @@ def test_a_large_bias_decides_and_penalties_push_tokens_away():
     counts = torch.zeros(1, 50, dtype=torch.int32)
     counts[0, 4] = 3
     assert sample(logits, [p], [None], [0]) == [4]
-    assert sample(logits, [p], [None], [0], Gathered([0], torch.zeros(1), counts, torch.zeros(1, 50, dtype=torch.bool))) != [4]
+    assert sample(
+        logits, [p], [None], [0], Gathered([0], torch.zeros(1), counts, torch.zeros(1, 50, dtype=torch.bool))
+    ) != [4]
 
 
 def _record_logits(engine):
@@ -95,8 +99,10 @@ def test_engine_tokens_follow_the_reference(async_scheduling):
     rng = random.Random(1)
     prefix = [rng.randrange(256) for _ in range(70)]
     prompts = [prefix + [rng.randrange(256) for _ in range(rng.randrange(1, 40))] for _ in range(12)]
-    params = [replace(ROWS[i % len(ROWS)], max_tokens=6 + 3 * (i % 4), ignore_eos=True, seed=100 + i)
-              for i in range(len(prompts))]
+    params = [
+        replace(ROWS[i % len(ROWS)], max_tokens=6 + 3 * (i % 4), ignore_eos=True, seed=100 + i)
+        for i in range(len(prompts))
+    ]
     engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096, max_num_seqs=5, async_scheduling=async_scheduling)
     seen = _record_logits(engine)
     outs = engine.generate(prompts, params)
@@ -108,8 +114,16 @@ def test_engine_tokens_follow_the_reference(async_scheduling):
         for k, token in enumerate(out):
             assert token == sample_row_ref(seen[rid][k], params[i], params[i].seed, k, prompts[i], out[:k]), (i, k)
     plain = LLMEngine.from_model("tiny", kv_cache_tokens=4096, max_num_seqs=5, async_scheduling=async_scheduling)
-    assert plain.generate(prompts, [replace(p, presence_penalty=0, frequency_penalty=0, repetition_penalty=1,
-                                            min_p=0, logit_bias=()) for p in params]) != outs
+    assert (
+        plain.generate(
+            prompts,
+            [
+                replace(p, presence_penalty=0, frequency_penalty=0, repetition_penalty=1, min_p=0, logit_bias=())
+                for p in params
+            ],
+        )
+        != outs
+    )
 
 
 def test_an_aborted_request_gives_its_slot_back_and_bad_bias_is_refused():
@@ -122,9 +136,18 @@ def test_an_aborted_request_gives_its_slot_back_and_bad_bias_is_refused():
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("b", [1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
     assert not engine.has_unfinished()
-    for bad in (dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
-                dict(min_p=1.5), dict(min_p=float("nan")), dict(logit_bias={-1: 1.0}), dict(logit_bias={3: 200}),
-                dict(logit_bias={3: "x"}), dict(logit_bias=[(1, 2, 3)]), dict(logit_bias={"3": 1.0})):
+    for bad in (
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(repetition_penalty=0),
+        dict(min_p=1.5),
+        dict(min_p=float("nan")),
+        dict(logit_bias={-1: 1.0}),
+        dict(logit_bias={3: 200}),
+        dict(logit_bias={3: "x"}),
+        dict(logit_bias=[(1, 2, 3)]),
+        dict(logit_bias={"3": 1.0}),
+    ):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
 
@@ -138,8 +161,13 @@ def test_min_tokens_hold_off_eos_and_stop_tokens(async_scheduling):
     to_eos = SamplingParams(max_tokens=20, temperature=0, logit_bias={eos: 100})
     to_stop = SamplingParams(max_tokens=20, temperature=0.8, seed=3, logit_bias={42: 100}, stop_token_ids=(42,))
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 5, 9], [2, 4, 6]]
-    params = [to_eos, replace(to_eos, min_tokens=5), to_stop, replace(to_stop, min_tokens=9),
-              replace(to_eos, min_tokens=5, ignore_eos=True, max_tokens=7)]
+    params = [
+        to_eos,
+        replace(to_eos, min_tokens=5),
+        to_stop,
+        replace(to_stop, min_tokens=9),
+        replace(to_eos, min_tokens=5, ignore_eos=True, max_tokens=7),
+    ]
     outs = engine.generate(prompts, params)
     assert [len(o) for o in outs] == [1, 6, 1, 10, 7]
     assert outs[1][-1] == eos and eos not in outs[1][:-1] and outs[3][-1] == 42 and 42 not in outs[3][:-1]

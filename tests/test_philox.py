@@ -27,7 +27,7 @@ def test_reference_gives_random123s_known_answers(ctr, key, want):
     assert philox.philox4x32_ref(_hex(ctr), _hex(key)).tolist() == _hex(want).tolist()
 
 
-KEYS = [0, -1, 7, 2**62 + 5, -2**63, 123456789]
+KEYS = [0, -1, 7, 2**62 + 5, -(2**63), 123456789]
 COUNTERS = [0, 1, 2**32 + 3, -1, 5, 2**40]
 
 
@@ -56,14 +56,20 @@ def test_uniforms_lie_in_the_open_interval_and_differ_by_key_and_counter():
     assert (u[0] == u[1]).float().mean() < 0.01  # unrelated streams, not shifted copies
     # the extremes, words whose kept bits are all ones or all zeros, stay inside (0, 1) in float32
     m = philox._MANTISSA
-    assert 0 < np.float32(np.float32(0.5) * np.float32(2.0**-m)) and np.float32(np.float32(2**m - 0.5) * np.float32(2.0**-m)) < 1
+    assert (
+        0 < np.float32(np.float32(0.5) * np.float32(2.0**-m))
+        and np.float32(np.float32(2**m - 0.5) * np.float32(2.0**-m)) < 1
+    )
 
 
-@pytest.mark.parametrize("keys, counters, n", [
-    (torch.tensor([1, 2]), torch.tensor([0]), 4),  # shapes differ
-    (torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 4),
-    (torch.tensor([1]), torch.tensor([0]), 0),
-])
+@pytest.mark.parametrize(
+    "keys, counters, n",
+    [
+        (torch.tensor([1, 2]), torch.tensor([0]), 4),  # shapes differ
+        (torch.tensor([1], dtype=torch.int32), torch.tensor([0], dtype=torch.int32), 4),
+        (torch.tensor([1]), torch.tensor([0]), 0),
+    ],
+)
 def test_bad_arguments_are_refused(keys, counters, n):
     with pytest.raises(ValueError):
         philox.uniform(keys, counters, n)

@@ -11,8 +11,12 @@ import torch
 from replicas.engine import LLMEngine, SamplingParams
 from replicas.piecewise import BUCKETS, PiecewiseGraphs
 
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+    ),
+]
 
 
 def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
@@ -26,8 +30,11 @@ def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
     while step <= max(arrivals) or engine.has_unfinished():
         for _ in range(arrivals.get(step, 0)):
             own = [rng.randrange(256) for _ in range(rng.randrange(1, 90))]
-            engine.add_request(f"r{n}", (prefix if n % 2 else []) + own,
-                               SamplingParams(max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"r{n}",
+                (prefix if n % 2 else []) + own,
+                SamplingParams(max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True),
+            )
             n += 1
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
@@ -39,8 +46,13 @@ def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, async_scheduling):
     # a budget past the largest bucket under it (96): full prefill pieces of 97-100 tokens run eagerly
-    opts = dict(device=device, dtype="float32", kv_cache_tokens=16384, max_num_batched_tokens=100,
-                async_scheduling=async_scheduling)
+    opts = dict(
+        device=device,
+        dtype="float32",
+        kv_cache_tokens=16384,
+        max_num_batched_tokens=100,
+        async_scheduling=async_scheduling,
+    )
     plain = LLMEngine.from_model("tiny", piecewise_graphs=False, **opts)
     pieces = LLMEngine.from_model("tiny", piecewise_graphs=True, **opts)
     assert plain.runner.pieces is None and pieces.runner.pieces is not None
@@ -74,8 +86,11 @@ def test_padding_rows_write_only_the_scratch_chunk():
     rng = random.Random(3)
     for engine in (plain, pieces):
         for i, n in enumerate((40, 3, 17, 9)):
-            engine.add_request(f"r{i}", [rng.randrange(1, 256) for _ in range(n)],
-                               SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"r{i}",
+                [rng.randrange(1, 256) for _ in range(n)],
+                SamplingParams(max_tokens=6 + i, temperature=0, ignore_eos=True),
+            )
         rng.seed(3)
     scratch = pieces.pool.scratch
     assert plain.pool.scratch == scratch == pieces.pool.num_chunks
@@ -83,8 +98,7 @@ def test_padding_rows_write_only_the_scratch_chunk():
     while plain.has_unfinished():
         plain.step()
         pieces.step()
-        torch.testing.assert_close(pieces.pool.kv[:, :, :scratch], plain.pool.kv[:, :, :scratch],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(pieces.pool.kv[:, :, :scratch], plain.pool.kv[:, :, :scratch], rtol=1e-5, atol=1e-5)
         padded += bool(pieces.pool.kv[:, :, scratch].abs().sum())
     assert not pieces.has_unfinished() and pieces.runner.pieces.replays > 5
     assert padded  # some step had padding rows, and they wrote the scratch chunk

@@ -11,8 +11,9 @@ C = 4
 
 
 def make_tree(num_chunks=8):
-    pool = KVPool(num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2,
-                  dtype=torch.float32, device="cpu")
+    pool = KVPool(
+        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32, device="cpu"
+    )
     return PrefixTree(pool)
 
 
@@ -25,7 +26,7 @@ def fill(tree, seq, now=1):
     while seq.private and (len(seq.nodes) + 1) * C <= seq.num_computed:
         k = len(seq.nodes)
         parent = seq.nodes[-1] if seq.nodes else tree.root
-        seq.nodes.append(tree.insert(parent, tuple(seq.token_ids[k * C:(k + 1) * C]), seq.private.pop(0), now))
+        seq.nodes.append(tree.insert(parent, tuple(seq.token_ids[k * C : (k + 1) * C]), seq.private.pop(0), now))
 
 
 def seq(rid, tokens):
@@ -130,14 +131,18 @@ def test_decode_rows_sort_by_shared_path_then_arrival():
     ids = iter(range(10**6))
     for trial in range(30):
         roots = [[Node(9)] for _ in range(rng.randint(1, 3))]
-        branches = [r + [Node(5) for _ in range(rng.randint(0, 3))]
-                    for r in roots for _ in range(rng.randint(1, 3))] + [[]]
-        rows = [Row(rng.choice(branches) + [Node(1) for _ in range(rng.randint(0, 2))], a)
-                for a in rng.sample(range(100), 40)]
+        branches = [
+            r + [Node(5) for _ in range(rng.randint(0, 3))] for r in roots for _ in range(rng.randint(1, 3))
+        ] + [[]]
+        rows = [
+            Row(rng.choice(branches) + [Node(1) for _ in range(rng.randint(0, 2))], a)
+            for a in rng.sample(range(100), 40)
+        ]
 
         def plain(row):
             k = sum(n.ref > 1 for n in row.nodes)
             return row.path_ids()[:k], row.arrival
+
         want = sorted(rows, key=plain)
         _sort_dfs(rows)
         assert rows == want, trial

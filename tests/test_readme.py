@@ -25,7 +25,7 @@ BASE = "http://127.0.0.1:8000"
 def _block(after: str, lang: str) -> str:
     """The first `lang` block after the line containing `after`."""
     text = (ROOT / "README.md").read_text()
-    return re.search(rf"```{lang}\n(.*?)```", text[text.index(after):], re.S).group(1)
+    return re.search(rf"```{lang}\n(.*?)```", text[text.index(after) :], re.S).group(1)
 
 
 def _bash(after: str) -> str:
@@ -43,10 +43,14 @@ def serve_run():
         except httpx.TransportError:
             pass
     ray_tmp = tempfile.mkdtemp(prefix="ray")
-    serve = subprocess.Popen([sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run",
-                              str(ROOT / "configs/local.yaml")], cwd=ROOT, start_new_session=True,
-                             env=dict(os.environ, RAY_TMPDIR=ray_tmp),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    serve = subprocess.Popen(
+        [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(ROOT / "configs/local.yaml")],
+        cwd=ROOT,
+        start_new_session=True,
+        env=dict(os.environ, RAY_TMPDIR=ray_tmp),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         start, deadline = time.monotonic(), time.monotonic() + 300
         while True:
@@ -72,11 +76,20 @@ def serve_run():
 def test_capital_of_france_through_the_openai_client(serve_run):
     client = openai.OpenAI(base_url=f"{BASE}/v1", api_key="unused", timeout=120)
     assert [m.id for m in client.models.list().data] == ["smollm2-135m"]
-    r = client.chat.completions.create(model="smollm2-135m", max_tokens=32, temperature=0,
-                                       messages=[{"role": "user", "content": "What is the capital of France?"}])
+    r = client.chat.completions.create(
+        model="smollm2-135m",
+        max_tokens=32,
+        temperature=0,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "Paris" in r.choices[0].message.content and r.choices[0].finish_reason == "stop"
-    streamed = client.chat.completions.create(model="smollm2-135m", max_tokens=32, temperature=0, stream=True,
-                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
+    streamed = client.chat.completions.create(
+        model="smollm2-135m",
+        max_tokens=32,
+        temperature=0,
+        stream=True,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
 
 
@@ -98,8 +111,15 @@ def test_the_quick_start_examples_print_what_the_readme_shows(serve_run, tmp_pat
 def test_the_readme_load_test_runs_as_printed(serve_run, tmp_path):
     command = _bash("## Load testing")
     assert command.startswith("python -m cluster.loadtest ")
-    run = subprocess.run(command.replace("python ", f"{sys.executable} ", 1), shell=True, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    run = subprocess.run(
+        command.replace("python ", f"{sys.executable} ", 1),
+        shell=True,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     (report,) = [json.loads(line) for line in (tmp_path / "gsp.jsonl").read_text().splitlines()]
     assert report["completed"] == report["num_prompts"] == 64 and report["failed"] == 0

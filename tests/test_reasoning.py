@@ -70,15 +70,27 @@ def test_unknown_parser_is_refused():
 
 
 def _outputs(pieces: list[str], finish: str) -> list[GenerateOutput]:
-    return [GenerateOutput(replica_id="r", text=p, token_ids=(), finish_reason=finish if i == len(pieces) - 1 else None,
-                           prompt_tokens=3, cached_tokens=0, completion_tokens=i + 1) for i, p in enumerate(pieces)]
+    return [
+        GenerateOutput(
+            replica_id="r",
+            text=p,
+            token_ids=(),
+            finish_reason=finish if i == len(pieces) - 1 else None,
+            prompt_tokens=3,
+            cached_tokens=0,
+            completion_tokens=i + 1,
+        )
+        for i, p in enumerate(pieces)
+    ]
 
 
 @pytest.mark.parametrize("tools", [False, True])
 def test_chat_messages_carry_reasoning_apart_then_content_and_calls(tools):
     # the ingress's chat format: whole and streamed, the thinking in reasoning_content; under
     # tool_choice auto the calls are parsed from the content only
-    text = '<think>Call it? Yes: <tool_call> it.</think>Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    text = (
+        '<think>Call it? Yes: <tool_call> it.</think>Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+    )
     args = ("auto", "hermes") if tools else ("none", None)
     fmt = _ChatFormat("chatcmpl-1", "m", [1, 2, 3], 1, False, TokenTexts(Tokenizer.byte()), *args, "qwen3")
     whole = fmt.whole([_outputs([text], "stop")]).choices[0]
@@ -97,7 +109,8 @@ def test_chat_messages_carry_reasoning_apart_then_content_and_calls(tools):
         assert "".join(d.get("content", "") for d in deltas) == whole.message.content
         calls = [c for d in deltas for c in d.get("tool_calls", [])]
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
-            (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()]
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls or ()
+        ]
         assert [c.choices[0].finish_reason for c in chunks if c is not None][-1] == whole.finish_reason
 
 
@@ -134,8 +147,14 @@ def test_a_guided_chat_thinks_first_then_answers_in_its_grammar():
     eos, regex = engine.model_config.eos_token_ids[0], r"[a-z]{3}-\d{2}"
     fmt = _ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(tok), reasoning_parser="qwen3")
     for seed in range(3):
-        params = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, guided=Guide("regex", regex),
-                                think=(start, end), logit_bias={start: 10.0, end: 3.0, eos: -100.0})
+        params = SamplingParams(
+            max_tokens=200,
+            temperature=1.0,
+            seed=seed,
+            guided=Guide("regex", regex),
+            think=(start, end),
+            logit_bias={start: 10.0, end: 3.0, eos: -100.0},
+        )
         ids = engine.generate([tok.encode("Think: ")], params)[0]
         assert ids[0] == start and end in ids and ids[-1] == eos, ids
         message = fmt.whole([_outputs([tok.decode(ids)], "stop")]).choices[0].message

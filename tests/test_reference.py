@@ -322,7 +322,8 @@ def test_tpp_all_shared_rows_and_empty_batch():
     torch.testing.assert_close(
         tpp_decode_ref(q, k_cache, v_cache, plan),
         decode_attention_ref(q, k_cache, v_cache, tables, lens),
-        atol=1e-5, rtol=1e-5,
+        atol=1e-5,
+        rtol=1e-5,
     )
     empty = tpp_decode_ref(q[:0], k_cache, v_cache, build_tree_plan([], [], c))
     assert empty.shape == (0, HKV * 4, d)

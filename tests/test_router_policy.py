@@ -34,7 +34,8 @@ def test_hashes_are_identical_in_another_process_and_seeded_by_model():
     here = chunk_hashes(tokens, C, 32, "llama")
     there = _in_subprocess(
         "import json; from router.hashing import chunk_hashes; "
-        f"print(json.dumps(chunk_hashes(list(range(1000, 1000 + 2100)), {C}, 32, 'llama')))")
+        f"print(json.dumps(chunk_hashes(list(range(1000, 1000 + 2100)), {C}, 32, 'llama')))"
+    )
     assert here == there
     assert len(here) == 32 and len(set(here)) == 32
     assert chunk_hashes(tokens, C, 32, "qwen") != here  # another served model never shares
@@ -65,7 +66,8 @@ def test_two_routers_in_separate_processes_place_a_new_prefix_alike():
     there = _in_subprocess(
         "import json; from router.policy import PrefixPolicy\n"
         f"p = PrefixPolicy(replicas={list(reversed(replicas))!r}, seed=7)\n"  # other order, other seed
-        f"print(json.dumps([p.choose(tuple(c), 2176, 256, 0.0)[0] for c in {[list(c) for c in chains]!r}]))")
+        f"print(json.dumps([p.choose(tuple(c), 2176, 256, 0.0)[0] for c in {[list(c) for c in chains]!r}]))"
+    )
     assert here == there
     assert len(set(here)) > 4  # and they are spread, not all on one replica
 
@@ -255,7 +257,7 @@ def test_decaying_sums_halve_per_half_life_and_keep_their_total():
     assert d.get("x", 2.0) == pytest.approx(4.0) and d.total(2.0) == pytest.approx(8.0)
     d.add("z", 1.0, 4.0)  # over max_keys: x, the least recently added, goes
     assert d.get("x", 4.0) == 0.0 and d.total(4.0) == pytest.approx(3.0)
-    assert d.get("y", 4.0 + 2 * 100) == pytest.approx(2.0 * 2.0 ** -100)  # across a rebase
+    assert d.get("y", 4.0 + 2 * 100) == pytest.approx(2.0 * 2.0**-100)  # across a rebase
     assert d.get("z", 1e9) == 0.0 and d.total(1e9) == 0.0
 
 
@@ -355,4 +357,4 @@ def test_prefix_work_tracks_in_flight_and_recent_work_on_a_shared_clock():
     work.routed(3, 1.0, 4.0)  # over max_keys: 1, the least recently routed, goes
     assert work.get(1, 4.0) == (0.0, 0.0) and work.get(3, 4.0) == (1.0, 1.0)
     far = 4.0 + 2 * 100  # across a rebase of the shared clock: both sums rescaled
-    assert work.get(2, far) == pytest.approx((1.0, 2.0 ** -100)) and rate.get("x", far) == pytest.approx(2.0 ** -101)
+    assert work.get(2, far) == pytest.approx((1.0, 2.0**-100)) and rate.get("x", far) == pytest.approx(2.0**-101)

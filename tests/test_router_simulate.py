@@ -8,8 +8,20 @@ import pytest
 
 from router.tools import simulate as sim
 
-FIELDS = {"policy", "workload", "replicas", "hit_rate", "oracle_hit_rate", "max_mean_load", "p99_queue",
-          "decision_us", "groups", "groups_scaled", "requests", "utilisation"}
+FIELDS = {
+    "policy",
+    "workload",
+    "replicas",
+    "hit_rate",
+    "oracle_hit_rate",
+    "max_mean_load",
+    "p99_queue",
+    "decision_us",
+    "groups",
+    "groups_scaled",
+    "requests",
+    "utilisation",
+}
 
 
 @pytest.fixture(scope="module")

@@ -32,8 +32,10 @@ def test_seeded_rows_draw_what_each_row_alone_draws():
         logits = torch.randn(len(params), v) * 4
         keys = [100 * step + i - 20 for i in range(len(params))]  # negative ones too
         got = sample(logits, params, keys, [step] * len(params))
-        want = [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, keys[i], step)
-                for i, p in enumerate(params)]
+        want = [
+            int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, keys[i], step)
+            for i, p in enumerate(params)
+        ]
         assert got == want
 
 
@@ -57,8 +59,12 @@ def test_unseeded_rows_keep_their_filters_and_probabilities():
     v = 50
     base = torch.randn(v) * 2
     logits = base.expand(64, v).clone()
-    params = [SamplingParams(temperature=0.9, top_k=3), SamplingParams(temperature=1.0, top_p=0.5),
-              SamplingParams(temperature=1.0), SamplingParams(temperature=0)] * 16
+    params = [
+        SamplingParams(temperature=0.9, top_k=3),
+        SamplingParams(temperature=1.0, top_p=0.5),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+    ] * 16
     order = base.argsort(descending=True).tolist()
     probs = base.softmax(-1)
     nucleus, mass = [], 0.0  # tokens kept by top_p = 0.5: until the ones before reach 0.5
@@ -85,7 +91,7 @@ def test_same_seed_same_tokens_anywhere_in_the_batch():
     logits = torch.randn(1, 1000).expand(6, 1000).clone()
     others = [SamplingParams(temperature=1.0)] * 6
     for row in range(6):
-        params = others[:row] + [p] + others[row + 1:]
+        params = others[:row] + [p] + others[row + 1 :]
         keys = [None] * 6
         keys[row] = 7
         assert sample(logits, params, keys, [row + 5] * 6)[row] == sample(logits[:1], [p], [7], [row + 5])[0]
@@ -121,8 +127,11 @@ def _nucleus_by_hand(logits: list[float], top_p: float) -> set[int]:
     """Tokens top-p keeps: a token stays unless the tokens more likely than it reach top_p (top_p
     1: every token not filtered out already)."""
     z = sum(math.exp(x) for x in logits)
-    return {t for t, x in enumerate(logits)
-            if x > -math.inf and (top_p >= 1 or sum(math.exp(y) / z for y in logits if y > x) < top_p)}
+    return {
+        t
+        for t, x in enumerate(logits)
+        if x > -math.inf and (top_p >= 1 or sum(math.exp(y) / z for y in logits if y > x) < top_p)
+    }
 
 
 @pytest.mark.parametrize("top_p", [0.2, 0.45, 0.5, 0.7, 0.95])
@@ -143,8 +152,12 @@ def test_top_k_rows_cut_their_nucleus_among_the_top_k(top_k):
     v = 600
     scale = torch.tensor([8.0, 0.3, 5.0, 0.05] * 3)[:, None]
     logits = (torch.randn(12, v) * scale).bfloat16().float()
-    params = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=0.8, top_p=0.6, top_k=top_k),
-              SamplingParams(temperature=1.2, top_p=0.95, top_k=top_k), SamplingParams(temperature=0.9, top_k=top_k)] * 3
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=0.8, top_p=0.6, top_k=top_k),
+        SamplingParams(temperature=1.2, top_p=0.95, top_k=top_k),
+        SamplingParams(temperature=0.9, top_k=top_k),
+    ] * 3
     probs = sampler._probs(params, logits.clone())
     for i, p in enumerate(params):
         x = logits[i] / p.temperature
@@ -178,13 +191,18 @@ def test_rows_on_the_gpu_draw_what_each_row_alone_draws():
     torch.manual_seed(6)
     params = [MIXED[i % len(MIXED)] for i in range(64)]
     logits = (torch.randn(64, 128256) * torch.tensor([6.0, 0.5, 2.0, 0.05])[torch.arange(64) % 4, None]).cuda()
-    topk = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9), SamplingParams(temperature=1.2, top_k=5, top_p=0.5),
-            SamplingParams(temperature=1.0, top_k=100)]  # every nucleus row with top-k: searched among candidates
+    topk = [
+        SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=5, top_p=0.5),
+        SamplingParams(temperature=1.0, top_k=100),
+    ]  # every nucleus row with top-k: searched among candidates
     for rows in (params, [topk[i % 3] for i in range(64)]):
         for step in range(3):
             got = sample(logits, rows, list(range(64)), [step] * 64)
-            assert got == [int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, i, step)
-                           for i, p in enumerate(rows)]
+            assert got == [
+                int(logits[i].argmax()) if p.greedy else sample_row_ref(logits[i], p, i, step)
+                for i, p in enumerate(rows)
+            ]
 
 
 def test_sampler_bench_prints_a_line_per_case(capsys):

@@ -19,10 +19,12 @@ C = 4  # tokens a chunk
 
 
 def _scheduler(num_chunks: int = 64, *, budget: int = 64, max_num_seqs: int = 16, sharing: bool = True) -> Scheduler:
-    pool = KVPool(num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2,
-                  dtype=torch.float32, device="cpu")
-    return Scheduler(PrefixTree(pool), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                     enable_prefix_sharing=sharing)
+    pool = KVPool(
+        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32, device="cpu"
+    )
+    return Scheduler(
+        PrefixTree(pool), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_sharing=sharing
+    )
 
 
 _arrivals = itertools.count()
@@ -97,8 +99,11 @@ def test_decode_rows_holding_a_node_are_contiguous():
     # rows come grouped by prefix (DFS), arrival order inside each group
     s = _scheduler()
     p, q = list(range(1, 9)), list(range(50, 58))
-    seqs = [_seq(f"{name}{i}", prefix + [200 + 10 * i + k for k in range(3)])
-            for i in range(3) for name, prefix in (("p", p), ("q", q))]
+    seqs = [
+        _seq(f"{name}{i}", prefix + [200 + 10 * i + k for k in range(3)])
+        for i in range(3)
+        for name, prefix in (("p", p), ("q", q))
+    ]
     for seq in seqs:
         s.add(seq)
     for _ in range(3):

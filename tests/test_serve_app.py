@@ -48,10 +48,13 @@ def server(tmp_path_factory):
             pytest.fail(f"{host}:{port} is taken; configs/local.yaml serves there")
     base = f"http://{host}:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "serve-run.log"
-    with LocalCluster(num_nodes=1, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as cluster, \
-            open(log_path, "w") as log:
-        proc = subprocess.Popen([str(SERVE), "run", "--address", cluster.address, str(path)], cwd=REPO,
-                                stdout=log, stderr=subprocess.STDOUT)
+    with (
+        LocalCluster(num_nodes=1, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as cluster,
+        open(log_path, "w") as log,
+    ):
+        proc = subprocess.Popen(
+            [str(SERVE), "run", "--address", cluster.address, str(path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
         try:
             wait_until_serving(base, STARTUP_S, proc, log_path)
             yield base, config["applications"][0]["args"]
@@ -68,8 +71,9 @@ def server(tmp_path_factory):
 def engine(server):
     """The engine a replica runs, in this process: same preset, seed and chunk size."""
     _, args = server
-    return LLMEngine.from_model(args["model"], device="cpu", chunk_size=args["engine"]["chunk_size"],
-                                kv_cache_tokens=4096)
+    return LLMEngine.from_model(
+        args["model"], device="cpu", chunk_size=args["engine"]["chunk_size"], kv_cache_tokens=4096
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,15 +89,18 @@ def _sse(base: str, path: str, body: dict) -> list[dict]:
     with httpx.stream("POST", f"{base}{path}", json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
-        data = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+        data = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert data[-1] == "[DONE]"
     return [json.loads(d) for d in data[:-1]]
 
 
 def test_completion_greedy_equals_engine(server, engine):
     base, args = server
-    r = httpx.post(f"{base}/v1/completions", timeout=120,
-                   json={"model": args["model"], "prompt": PROMPT, "return_token_ids": True, **GREEDY})
+    r = httpx.post(
+        f"{base}/v1/completions",
+        timeout=120,
+        json={"model": args["model"], "prompt": PROMPT, "return_token_ids": True, **GREEDY},
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     choice = body["choices"][0]
@@ -111,8 +118,9 @@ def test_completion_greedy_equals_engine(server, engine):
 def test_completion_stream_matches_non_stream(server):
     base, _ = server
     whole = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=120).json()
-    events = _sse(base, "/v1/completions",
-                  {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **GREEDY})
+    events = _sse(
+        base, "/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
+    )
     *chunks, usage = events
     assert all("usage" not in c or c["usage"] is None for c in chunks)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
@@ -123,8 +131,9 @@ def test_completion_stream_matches_non_stream(server):
 def test_chat_greedy_equals_engine(server, engine):
     base, _ = server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
-    r = httpx.post(f"{base}/v1/chat/completions", timeout=120,
-                   json={"messages": messages, "return_token_ids": True, **GREEDY})
+    r = httpx.post(
+        f"{base}/v1/chat/completions", timeout=120, json={"messages": messages, "return_token_ids": True, **GREEDY}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     tok = engine.tokenizer
@@ -158,8 +167,11 @@ def test_openai_client_chat(server, client):
     whole = client.chat.completions.create(model=args["model"], messages=messages, **GREEDY)
     assert whole.choices[0].message.role == "assistant"
     assert whole.usage.prompt_tokens_details.cached_tokens >= 0
-    chunks = list(client.chat.completions.create(model=args["model"], messages=messages, stream=True,
-                                                 stream_options={"include_usage": True}, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=args["model"], messages=messages, stream=True, stream_options={"include_usage": True}, **GREEDY
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -179,10 +191,13 @@ def test_openai_client_penalties_and_logit_bias(server, client, engine):
     _, args = server
     prompt_ids = engine.tokenizer.encode(PROMPT)
     penalized = dict(presence_penalty=1.5, frequency_penalty=0.5, logit_bias={"65": 3.0})
-    r = client.completions.create(model=args["model"], prompt=PROMPT, **GREEDY, **penalized,
-                                  extra_body={"return_token_ids": True})
-    expected = engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0, presence_penalty=1.5,
-                                                            frequency_penalty=0.5, logit_bias={65: 3.0}))[0]
+    r = client.completions.create(
+        model=args["model"], prompt=PROMPT, **GREEDY, **penalized, extra_body={"return_token_ids": True}
+    )
+    expected = engine.generate(
+        [prompt_ids],
+        SamplingParams(max_tokens=24, temperature=0, presence_penalty=1.5, frequency_penalty=0.5, logit_bias={65: 3.0}),
+    )[0]
     assert r.choices[0].token_ids == expected
     assert expected != engine.generate([prompt_ids], SamplingParams(max_tokens=24, temperature=0))[0]
     with pytest.raises(openai.BadRequestError) as e:
@@ -190,9 +205,17 @@ def test_openai_client_penalties_and_logit_bias(server, client, engine):
     assert "logit_bias" in str(e.value)
     # vLLM's min_tokens: EOS biased to certainty still gives min_tokens + 1 tokens; more than max_tokens: 400
     eos = engine.model_config.eos_token_ids[0]
-    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=24, temperature=0,
-                                  logit_bias={str(eos): 100}, extra_body={"min_tokens": 6, "return_token_ids": True})
-    assert len(r.choices[0].token_ids) == 7 and r.choices[0].token_ids[-1] == eos and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(
+        model=args["model"],
+        prompt=PROMPT,
+        max_tokens=24,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"min_tokens": 6, "return_token_ids": True},
+    )
+    assert (
+        len(r.choices[0].token_ids) == 7 and r.choices[0].token_ids[-1] == eos and r.choices[0].finish_reason == "stop"
+    )
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, extra_body={"min_tokens": 5})
     assert "min_tokens" in str(e.value)
@@ -204,10 +227,13 @@ def test_n_choices_are_the_engines_draws_with_seeds_seed_plus_i(server, client, 
     _, args = server
     prompt_ids = engine.tokenizer.encode(PROMPT)
     sampled = {"max_tokens": 12, "temperature": 0.9, "seed": 7}
-    whole = client.completions.create(model=args["model"], prompt=PROMPT, n=3, **sampled,
-                                      extra_body={"return_token_ids": True})
+    whole = client.completions.create(
+        model=args["model"], prompt=PROMPT, n=3, **sampled, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in whole.choices] == [0, 1, 2]
-    want = [engine.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i))[0] for i in range(3)]
+    want = [
+        engine.generate([prompt_ids], SamplingParams(max_tokens=12, temperature=0.9, seed=7 + i))[0] for i in range(3)
+    ]
     assert [c.token_ids for c in whole.choices] == want and len({tuple(w) for w in want}) == 3
     assert whole.usage.prompt_tokens == len(prompt_ids)
     assert whole.usage.completion_tokens == sum(len(w) for w in want)
@@ -216,8 +242,9 @@ def test_n_choices_are_the_engines_draws_with_seeds_seed_plus_i(server, client, 
         for c in chunk.choices:
             texts[c.index] += c.text
     assert texts == [c.text for c in whole.choices]
-    chat = client.chat.completions.create(model=args["model"], messages=[{"role": "user", "content": "Hi"}], n=2,
-                                          **sampled)
+    chat = client.chat.completions.create(
+        model=args["model"], messages=[{"role": "user", "content": "Hi"}], n=2, **sampled
+    )
     assert [c.index for c in chat.choices] == [0, 1] and all(c.message.role == "assistant" for c in chat.choices)
     # unseeded choices draw apart (each gets a random seed: on two replicas the engines' own keys
     # could coincide)
@@ -244,8 +271,14 @@ def test_openai_client_logprobs(server, client, engine):
     _, args = server
     prompt_ids = engine.tokenizer.encode(PROMPT)
     tokens, entries = _engine_logprobs(engine, prompt_ids, SamplingParams(max_tokens=8, temperature=0, logprobs=2))
-    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=args["model"],
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_token_ids": True},
+    )
     choice = r.choices[0]
     assert choice.token_ids == tokens
     lp = choice.logprobs
@@ -261,8 +294,13 @@ def test_openai_client_logprobs(server, client, engine):
         for t, v in best:  # (tokens that decode alike: the likeliest keeps the key)
             want.setdefault(engine.tokenizer.decode([t], skip_special_tokens=False), v)
         assert top.keys() == want.keys() and list(top.values()) == pytest.approx(list(want.values()), abs=1e-4)
-    streamed = [c.choices[0].logprobs for c in client.completions.create(
-        model=args["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True) if c.choices]
+    streamed = [
+        c.choices[0].logprobs
+        for c in client.completions.create(
+            model=args["model"], prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2, stream=True
+        )
+        if c.choices
+    ]
     assert [t for s in streamed if s for t in s.tokens] == lp.tokens
     assert [o for s in streamed if s for o in s.text_offset] == lp.text_offset
     assert [v for s in streamed if s for v in s.token_logprobs] == pytest.approx(lp.token_logprobs)
@@ -272,31 +310,48 @@ def test_openai_client_logprobs(server, client, engine):
     # forms, and a special token drawn (skipped in the text) counts no characters of text_offset
     forced = dict(max_tokens=3, temperature=0, logit_bias={"226": 100}, extra_body={"ignore_eos": True})
     byte = client.completions.create(model=args["model"], prompt=PROMPT, logprobs=0, **forced).choices[0].logprobs
-    chat = client.chat.completions.create(model=args["model"], messages=[{"role": "user", "content": "Hi"}],
-                                          logprobs=True, **forced).choices[0].logprobs.content
+    chat = (
+        client.chat.completions.create(
+            model=args["model"], messages=[{"role": "user", "content": "Hi"}], logprobs=True, **forced
+        )
+        .choices[0]
+        .logprobs.content
+    )
     assert byte.tokens == [c.token for c in chat] == ["\ufffd"] * 3 and byte.text_offset == [0, 1, 2]
     eos = engine.model_config.eos_token_ids[0]
-    ended = client.completions.create(model=args["model"], prompt=PROMPT, logprobs=0, max_tokens=3, temperature=0,
-                                      logit_bias={str(eos): 100}, extra_body={"ignore_eos": True}).choices[0]
+    ended = client.completions.create(
+        model=args["model"],
+        prompt=PROMPT,
+        logprobs=0,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(eos): 100},
+        extra_body={"ignore_eos": True},
+    ).choices[0]
     assert ended.text == "" and ended.logprobs.tokens == ["<|eos|>"] * 3 and ended.logprobs.text_offset == [0, 0, 0]
 
     messages = [{"role": "user", "content": "Hi"}]
-    chat = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=6, temperature=0,
-                                          logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=args["model"], messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = chat.choices[0].logprobs.content
     assert "".join(c.token for c in content) == chat.choices[0].message.content or any(
-        "\ufffd" in c.token for c in content)  # (a byte of a multi-byte character decodes alone to U+FFFD)
+        "\ufffd" in c.token for c in content
+    )  # (a byte of a multi-byte character decodes alone to U+FFFD)
     for c in content:
         assert len(c.top_logprobs) == 3 and c.logprob == pytest.approx(c.top_logprobs[0].logprob)
         assert c.bytes == list(c.token.encode()) and c.logprob <= 0
         assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
-    bare = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=3, temperature=0,
-                                          logprobs=True)
+    bare = client.chat.completions.create(
+        model=args["model"], messages=messages, max_tokens=3, temperature=0, logprobs=True
+    )
     assert all(c.top_logprobs == [] for c in bare.choices[0].logprobs.content)
-    stream = client.chat.completions.create(model=args["model"], messages=messages, max_tokens=6, temperature=0,
-                                            logprobs=True, top_logprobs=3, stream=True)
-    assert [c.token for k in stream if k.choices and k.choices[0].logprobs
-            for c in k.choices[0].logprobs.content] == [c.token for c in content]
+    stream = client.chat.completions.create(
+        model=args["model"], messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    assert [c.token for k in stream if k.choices and k.choices[0].logprobs for c in k.choices[0].logprobs.content] == [
+        c.token for c in content
+    ]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=args["model"], messages=messages, max_tokens=2, top_logprobs=2)
     assert "top_logprobs" in str(e.value)
@@ -314,8 +369,13 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
     plain = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0)
     echoed = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text and echoed.choices[0].logprobs is None
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=args["model"], prompt=PROMPT, max_tokens=4, temperature=0, echo=True, stream=True
+        )
+        if c.choices
+    )
     assert streamed == echoed.choices[0].text
     by_ids = client.completions.create(model=args["model"], prompt=prompt_ids, max_tokens=4, temperature=0, echo=True)
     assert by_ids.choices[0].text == engine.tokenizer.decode(prompt_ids) + plain.choices[0].text  # the ids decoded
@@ -323,8 +383,9 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
     rid = "echo-logprobs"
     engine.add_request(rid, prompt_ids, SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1))
     first = next(o for _ in range(100) for o in engine.step() if o.request_id == rid)
-    r = client.completions.create(model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True,
-                                  logprobs=1)
+    r = client.completions.create(
+        model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1
+    )
     lp = r.choices[0].logprobs
     n = len(prompt_ids)
     assert len(lp.tokens) == n + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -338,12 +399,17 @@ def test_openai_client_echo_and_prompt_logprobs(server, client, engine):
     assert lp.text_offset == [0] + [sum(map(len, lp.tokens[1:i])) for i in range(1, n + 1)]
     assert all(text[o:].startswith(t) for o, t in zip(lp.text_offset[1:], lp.tokens[1:]))
     # the same of an echoed token id prompt (its echo decoded without special tokens) and streamed
-    by_ids = client.completions.create(model=args["model"], prompt=prompt_ids, max_tokens=1, temperature=0,
-                                       echo=True, logprobs=1).choices[0]
+    by_ids = client.completions.create(
+        model=args["model"], prompt=prompt_ids, max_tokens=1, temperature=0, echo=True, logprobs=1
+    ).choices[0]
     assert by_ids.text == text and by_ids.logprobs.text_offset == lp.text_offset
-    chunks = [c.choices[0] for c in client.completions.create(
-        model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True)
-        if c.choices]
+    chunks = [
+        c.choices[0]
+        for c in client.completions.create(
+            model=args["model"], prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=1, stream=True
+        )
+        if c.choices
+    ]
     assert [t for c in chunks if c.logprobs for t in c.logprobs.token_logprobs] == lp.token_logprobs
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == lp.text_offset
 
@@ -364,11 +430,13 @@ def test_tokenize_and_detokenize(server, client, engine):
     assert chat["count"] == used.usage.prompt_tokens
     r = httpx.post(f"{base}/detokenize", json={"tokens": body["tokens"]}, timeout=60)
     assert r.status_code == 200 and r.json() == {"prompt": PROMPT}
-    for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, None),
-                             ("/tokenize", {}, None),
-                             ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
-                             ("/detokenize", {"tokens": "abc"}, "tokens"),
-                             ("/tokenize", {"model": "other", "prompt": "x"}, "model")):
+    for path, bad, param in (
+        ("/tokenize", {"prompt": "x", "messages": messages}, None),
+        ("/tokenize", {}, None),
+        ("/detokenize", {"tokens": [1, 10**7]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"model": "other", "prompt": "x"}, "model"),
+    ):
         r = httpx.post(f"{base}{path}", json=bad, timeout=60)
         assert r.status_code in (400, 404), (path, bad, r.text)
         assert param is None or r.json()["error"]["param"] == param
@@ -381,11 +449,15 @@ def test_openai_client_batched_prompts(server, client, engine):
     prompts = [PROMPT, "Hello there", "x"]
     ids = [engine.tokenizer.encode(p) for p in prompts]
     sampled = {"max_tokens": 6, "temperature": 0.9, "seed": 11}
-    r = client.completions.create(model=args["model"], prompt=prompts, n=2, **sampled,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=args["model"], prompt=prompts, n=2, **sampled, extra_body={"return_token_ids": True}
+    )
     assert [c.index for c in r.choices] == list(range(6))
-    want = [engine.generate([p], SamplingParams(max_tokens=6, temperature=0.9, seed=11 + i))[0]
-            for p in ids for i in range(2)]
+    want = [
+        engine.generate([p], SamplingParams(max_tokens=6, temperature=0.9, seed=11 + i))[0]
+        for p in ids
+        for i in range(2)
+    ]
     assert [c.token_ids for c in r.choices] == want
     assert [c.prompt_token_ids for c in r.choices] == [p for p in ids for _ in range(2)]
     assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == sum(map(len, want))
@@ -408,42 +480,64 @@ def test_openai_client_structured_outputs(server, client, engine):
     # schema, regex or grammar that does not parse, or two guides at once, is a 400 naming it
     _, args = server
     model = args["model"]
-    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "boolean"}},
-              "required": ["color", "n"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "n": {"type": "boolean"}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
     messages = [{"role": "user", "content": "Pick a color"}]
-    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
-                                          response_format=fmt, extra_body={"return_token_ids": True})
+    chat = client.chat.completions.create(
+        model=model,
+        messages=messages,
+        max_tokens=200,
+        temperature=0,
+        response_format=fmt,
+        extra_body={"return_token_ids": True},
+    )
     obj = json.loads(chat.choices[0].message.content)
     assert obj["color"] in ("red", "green", "blue") and type(obj["n"]) is bool and set(obj) == {"color", "n"}
     assert chat.choices[0].finish_reason == "stop"
     prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages), add_special_tokens=False)
-    want = engine.generate([prompt_ids], SamplingParams(max_tokens=200, temperature=0,
-                                                        guided=Guide("json", json.dumps(schema))))[0]
+    want = engine.generate(
+        [prompt_ids], SamplingParams(max_tokens=200, temperature=0, guided=Guide("json", json.dumps(schema)))
+    )[0]
     assert chat.choices[0].token_ids == want
-    streamed = client.chat.completions.create(model=model, messages=messages, max_tokens=200, temperature=0,
-                                              response_format=fmt, stream=True)
+    streamed = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=200, temperature=0, response_format=fmt, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
 
-    for extra, check in (({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
-                         ({"guided_regex": r"\d{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
-                         ({"structured_outputs": {"grammar": 'root ::= "a" [0-9] | "b"'}},
-                          lambda t: re.fullmatch(r"a[0-9]|b", t))):
-        r = client.completions.create(model=model, prompt=PROMPT, max_tokens=32, temperature=0.9, seed=3, n=2,
-                                      extra_body=extra)
+    for extra, check in (
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": r"\d{3}-[a-z]{2}"}, lambda t: re.fullmatch(r"\d{3}-[a-z]{2}", t)),
+        ({"structured_outputs": {"grammar": 'root ::= "a" [0-9] | "b"'}}, lambda t: re.fullmatch(r"a[0-9]|b", t)),
+    ):
+        r = client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=32, temperature=0.9, seed=3, n=2, extra_body=extra
+        )
         assert all(check(c.text) and c.finish_reason == "stop" for c in r.choices), (extra, r.choices)
 
-    for extra, param in (({"guided_json": {"type": "nonsense"}}, "guided_json"),
-                         ({"guided_regex": "a(b"}, "guided_regex"),
-                         ({"guided_grammar": "root ::= x"}, "guided_grammar"),
-                         ({"guided_choice": ["a"], "guided_regex": "b"}, None)):
+    for extra, param in (
+        ({"guided_json": {"type": "nonsense"}}, "guided_json"),
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        ({"guided_grammar": "root ::= x"}, "guided_grammar"),
+        ({"guided_choice": ["a"], "guided_regex": "b"}, None),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=extra)
         assert e.value.body["param"] == param, e.value.body
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
-                                       response_format={"type": "json_schema", "json_schema": {
-                                           "name": "x", "schema": {"type": "object", "minProperties": "two"}}})
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            max_tokens=4,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "two"}},
+            },
+        )
     assert e.value.body["param"] == "response_format"
     # the replica still serves
     assert client.completions.create(model=model, prompt=PROMPT, max_tokens=2).choices[0].finish_reason == "length"
@@ -457,15 +551,26 @@ def test_openai_client_tool_calls(server, client, engine):
     # are 400s and the replica serves on
     _, args = server
     model = args["model"]
-    weather = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-               "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}}}
+    weather = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["city", "unit"],
+        "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["C", "F"]}},
+    }
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}}]
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
     bias = {ord(c): -2.0 for c in " \n\t\r"}  # whitespace less likely (see tests/test_guided.py's BIASES)
-    base = dict(model=model, messages=messages, tools=tools, max_tokens=300, temperature=0,
-                logit_bias={str(t): b for t, b in bias.items()})
-    prompt_ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, tools=tools),
-                                         add_special_tokens=False)
+    base = dict(
+        model=model,
+        messages=messages,
+        tools=tools,
+        max_tokens=300,
+        temperature=0,
+        logit_bias={str(t): b for t, b in bias.items()},
+    )
+    prompt_ids = engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template(messages, tools=tools), add_special_tokens=False
+    )
 
     def follows(call) -> bool:
         args = json.loads(call.function.arguments)
@@ -483,41 +588,57 @@ def test_openai_client_tool_calls(server, client, engine):
             finish = chunk.choices[0].finish_reason or finish
         return [tuple(calls[i]) for i in sorted(calls)], finish
 
-    for choice, finish in (("required", "tool_calls"),
-                           ({"type": "function", "function": {"name": "get_weather"}}, "stop")):
-        r = client.chat.completions.create(**base, tool_choice=choice, parallel_tool_calls=False,
-                                           extra_body={"return_token_ids": True})
+    for choice, finish in (
+        ("required", "tool_calls"),
+        ({"type": "function", "function": {"name": "get_weather"}}, "stop"),
+    ):
+        r = client.chat.completions.create(
+            **base, tool_choice=choice, parallel_tool_calls=False, extra_body={"return_token_ids": True}
+        )
         message = r.choices[0].message
         assert r.choices[0].finish_reason == finish and message.content is None and len(message.tool_calls) == 1
         assert follows(message.tool_calls[0]) and message.tool_calls[0].id.startswith("call_"), message
-        guide = ChatCompletionRequest.model_validate({"messages": messages, "tools": tools, "tool_choice": choice,
-                                                      "parallel_tool_calls": False}).guide
-        want = engine.generate([prompt_ids], SamplingParams(max_tokens=300, temperature=0, guided=guide,
-                                                            logit_bias=bias))[0]
+        guide = ChatCompletionRequest.model_validate(
+            {"messages": messages, "tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+        ).guide
+        want = engine.generate(
+            [prompt_ids], SamplingParams(max_tokens=300, temperature=0, guided=guide, logit_bias=bias)
+        )[0]
         assert r.choices[0].token_ids == want
         calls, stream_finish = streamed_calls(tool_choice=choice, parallel_tool_calls=False)
         assert calls == [(c.function.name, c.function.arguments) for c in message.tool_calls]
         assert stream_finish == finish
 
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
-                                                              "arguments": '{"city": "Oslo", "unit": "C"}'}}
-    talk = messages + [{"role": "assistant", "content": None, "tool_calls": [call]},
-                       {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "C"}'},
+    }
+    talk = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
+    ]
     auto = client.chat.completions.create(model=model, messages=talk, tools=tools, max_tokens=16, temperature=0)
     # as the template takes them: content text, a call's arguments an object
     parsed = {**call, "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}}
     rendered = engine.tokenizer.apply_chat_template(
-        [messages[0], {"role": "assistant", "content": "", "tool_calls": [parsed]}, talk[2]], tools=tools)
+        [messages[0], {"role": "assistant", "content": "", "tool_calls": [parsed]}, talk[2]], tools=tools
+    )
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>' in rendered
-    want = engine.generate([engine.tokenizer.encode(rendered, add_special_tokens=False)],
-                           SamplingParams(max_tokens=16, temperature=0))[0]
+    want = engine.generate(
+        [engine.tokenizer.encode(rendered, add_special_tokens=False)], SamplingParams(max_tokens=16, temperature=0)
+    )[0]
     assert not auto.choices[0].message.tool_calls and auto.choices[0].message.content == engine.tokenizer.decode(want)
 
-    unparsable = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "two"}}}]
-    for extra, param in (({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, None),
-                         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, None),
-                         ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
-                         ({"tools": unparsable, "tool_choice": "required"}, "tools")):
+    unparsable = [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "minProperties": "two"}}}
+    ]
+    for extra, param in (
+        ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, None),
+        ({"tool_choice": "required", "response_format": {"type": "json_object"}}, None),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools"),
+        ({"tools": unparsable, "tool_choice": "required"}, "tools"),
+    ):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(**{**base, **extra})
         assert e.value.body["param"] == param, e.value.body

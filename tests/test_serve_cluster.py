@@ -30,8 +30,14 @@ MAX_MODEL_LEN = 1024
 MAX_ONGOING = 16
 MAX_QUEUED = 16  # a burst of MAX_ONGOING requests is queued at the ingress until they are assigned
 ONE = {
-    "model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": MAX_ONGOING,
-    "max_queued_requests": MAX_QUEUED, "retry_after_s": 3, "api_key": KEY, "max_request_bytes": 32 * 1024,
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 1,
+    "max_ongoing_requests": MAX_ONGOING,
+    "max_queued_requests": MAX_QUEUED,
+    "retry_after_s": 3,
+    "api_key": KEY,
+    "max_request_bytes": 32 * 1024,
     # scheduled asynchronously (not the CPU's default): streams, stop strings, disconnects and
     # overload through a replica whose engine returns each step's tokens a step later; warmed up
     # before it serves (not the CPU's default either)
@@ -87,7 +93,7 @@ async def _stream(client: httpx.AsyncClient, url: str, **body) -> list[dict]:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
             if line.startswith("data: "):
-                events.append(line[len("data: "):])
+                events.append(line[len("data: ") :])
     assert events[-1] == "[DONE]"
     return [json.loads(e) for e in events[:-1]]
 
@@ -100,9 +106,12 @@ def test_concurrent_streams_share_decode_batches(one):
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            return await asyncio.gather(*(
-                _stream(client, url, prompt=f"request {i}:", max_tokens=48, stream_options={"include_usage": True})
-                for i in range(16)))
+            return await asyncio.gather(
+                *(
+                    _stream(client, url, prompt=f"request {i}:", max_tokens=48, stream_options={"include_usage": True})
+                    for i in range(16)
+                )
+            )
 
     for events in asyncio.run(main()):
         *chunks, usage = events
@@ -125,6 +134,7 @@ def test_shared_prefix_is_served_from_cache(one):
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     # the replica publishes the prefix in its routing digest, hashed as the router hashes prompts
     from router.hashing import chunk_hashes
+
     want = set(chunk_hashes(prefix + [10], 64, 32, "tiny"))
     deadline = time.monotonic() + 60
     while not want <= set((routing := handle.record_routing_stats.remote().result(timeout_s=60))["digest"]):
@@ -158,8 +168,12 @@ BAD = [  # (id, body bytes or JSON, headers, status, error code)
 def test_bad_input_gets_openai_error_and_replica_survives(one, body, headers, status, code):
     url, handle = one
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
-    r = httpx.post(f"{url}/v1/completions", content=content, timeout=TIMEOUT,
-                   headers={"Content-Type": "application/json", **headers})
+    r = httpx.post(
+        f"{url}/v1/completions",
+        content=content,
+        timeout=TIMEOUT,
+        headers={"Content-Type": "application/json", **headers},
+    )
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
@@ -176,8 +190,9 @@ def test_requests_that_once_broke_the_replica_or_the_api(one):
     greedy = _completion(url, max_tokens=4, ignore_eos=True).json()["choices"][0]["text"]
     tiny = _completion(url, max_tokens=4, ignore_eos=True, temperature=1e-40)
     assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy
-    nulls = _completion(url, max_tokens=4, ignore_eos=True, temperature=None, top_p=None, n=None, stream=None,
-                        stop=None, seed=None)
+    nulls = _completion(
+        url, max_tokens=4, ignore_eos=True, temperature=None, top_p=None, n=None, stream=None, stop=None, seed=None
+    )
     assert nulls.status_code == 200, nulls.text  # temperature null is 1.0: sampled, so no text to compare
     long = _completion(url, prompt="ab" * 9000, max_tokens=1)  # 18000 characters (byte tokenizer: 18000 ids)
     assert long.status_code == 400 and long.json()["error"]["code"] == "context_length_exceeded"
@@ -194,8 +209,11 @@ def test_ready_and_health_need_no_key(one):
 
 def test_unknown_routes_and_methods_get_openai_errors(one):
     url, _ = one
-    for method, path, status in (("GET", "/v1/nonexistent", 404), ("POST", "/v1/models", 405),
-                                 ("GET", "/v1/completions", 405)):
+    for method, path, status in (
+        ("GET", "/v1/nonexistent", 404),
+        ("POST", "/v1/models", 405),
+        ("GET", "/v1/completions", 405),
+    ):
         r = httpx.request(method, f"{url}{path}", headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == status, (path, r.text)
         error = r.json()["error"]
@@ -205,32 +223,63 @@ def test_unknown_routes_and_methods_get_openai_errors(one):
 
 def test_bad_chat_input(one):
     url, _ = one
-    for body in ({"messages": []}, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                 {"messages": [{"role": "wizard", "content": "hi"}]}, {"messages": [{"role": "user", "content": "x"}],
-                                                                     "top_logprobs": 2}):  # without logprobs
+    for body in (
+        {"messages": []},
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"messages": [{"role": "wizard", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+    ):  # without logprobs
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
-                   json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}},
+    )
     assert r.status_code == 200, r.text  # an OpenAI field we do not use is ignored
     assert set(r.json()["choices"][0]["message"]) == {"role", "content"}  # no reasoning_content: none was split off
     # a guided output is not split: its guide holds the whole of it
-    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT, json={
-        "messages": [{"role": "user", "content": "hi"}], "guided_regex": "<think>[a-z]{3}</think>[a-z]{2}"})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"messages": [{"role": "user", "content": "hi"}], "guided_regex": "<think>[a-z]{3}</think>[a-z]{2}"},
+    )
     message = r.json()["choices"][0]["message"]
     assert r.status_code == 200 and "reasoning_content" not in message, r.text
     assert message["content"].startswith("<think>") and len(message["content"]) == 20, message
     # tools whose tool_choice is `auto` (the default) on an app with no tool_call_parser (as vLLM)
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {},
-                                                                          "additionalProperties": False}}}]
-    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT,
-                   json={"messages": [{"role": "user", "content": "hi"}], "tools": tools})
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+            },
+        }
+    ]
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={"messages": [{"role": "user", "content": "hi"}], "tools": tools},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     assert "tool_call_parser" in r.json()["error"]["message"]
-    r = httpx.post(f"{url}/v1/chat/completions", headers=AUTH, timeout=TIMEOUT, json={
-        "messages": [{"role": "user", "content": "hi"}], "tools": tools, "tool_choice": "required", "max_tokens": 256,
-        "parallel_tool_calls": False})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        headers=AUTH,
+        timeout=TIMEOUT,
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": tools,
+            "tool_choice": "required",
+            "max_tokens": 256,
+            "parallel_tool_calls": False,
+        },
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
 
 
@@ -262,8 +311,7 @@ def test_disconnected_stream_frees_its_chunks(one):
 
     async def read_a_little(n: int):
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0,
-                    "n": n}
+            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0, "n": n}
             async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
                 lines = r.aiter_lines()
                 for _ in range(3 * n):
@@ -301,9 +349,12 @@ def test_overload_gets_503_with_retry_after(one):
                 await started.get()
             # ... so these queue at the ingress (MAX_QUEUED at most) and the rest are refused at once; while
             # the streams hold the replica, nothing queued can finish.
-            extra = [asyncio.create_task(client.post(f"{url}/v1/completions", headers=AUTH,
-                                                     json={"prompt": "x", "max_tokens": 2}))
-                     for _ in range(MAX_QUEUED + 8)]
+            extra = [
+                asyncio.create_task(
+                    client.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2})
+                )
+                for _ in range(MAX_QUEUED + 8)
+            ]
             done, _ = await asyncio.wait(extra, return_when=asyncio.FIRST_COMPLETED)
             assert not any(task.done() for task in holds)
             assert all(task.result().status_code == 503 for task in done)
@@ -322,9 +373,18 @@ def test_overload_gets_503_with_retry_after(one):
 
 
 def test_three_replicas_on_three_nodes_all_serve(cluster):
-    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 3,
-                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
-              name="spread", route_prefix="/spread")
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 3,
+                "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
+            }
+        ),
+        name="spread",
+        route_prefix="/spread",
+    )
     actors = list_actors(filters=[("class_name", "=", "ServeReplica:spread:LLMReplica"), ("state", "=", "ALIVE")])
     assert len(actors) == 3
     node_of = {a.name.rsplit("#", 1)[1]: a.node_id for a in actors}  # SERVE_REPLICA::app#deployment#<replica id>
@@ -334,9 +394,12 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
         seen: set[str] = set()
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             for _ in range(20):  # waves of concurrent requests until every replica has answered one
-                responses = await asyncio.gather(*(
-                    client.post(f"{cluster}/spread/v1/completions", json={"prompt": f"wave {i}", "max_tokens": 2})
-                    for i in range(6)))
+                responses = await asyncio.gather(
+                    *(
+                        client.post(f"{cluster}/spread/v1/completions", json={"prompt": f"wave {i}", "max_tokens": 2})
+                        for i in range(6)
+                    )
+                )
                 assert all(r.status_code == 200 for r in responses)
                 seen |= {r.headers[REPLICA_HEADER] for r in responses}
                 if seen == set(node_of):
@@ -351,9 +414,19 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     # stream_interval_ms: after the first chunk, a stream sends at most one chunk per interval, the
     # steps between gathered into it; the text and token count are those of one chunk per step
     interval = 0.1
-    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "stream_interval_ms": interval * 1000,
-                         "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}),
-              name="gathered", route_prefix="/gathered")
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 1,
+                "stream_interval_ms": interval * 1000,
+                "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
+            }
+        ),
+        name="gathered",
+        route_prefix="/gathered",
+    )
     url = f"{cluster}/gathered/v1/completions"
     body = {"prompt": "gather these", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
@@ -361,12 +434,13 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     async def main():
         times, texts = [], []
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            async with client.stream("POST", url, json={**body, "stream": True,
-                                                        "stream_options": {"include_usage": True}}) as r:
+            async with client.stream(
+                "POST", url, json={**body, "stream": True, "stream_options": {"include_usage": True}}
+            ) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        event = json.loads(line[len("data: "):])
+                        event = json.loads(line[len("data: ") :])
                         if event["choices"]:
                             times.append(time.perf_counter())
                             texts.append(event["choices"][0]["text"])
@@ -386,8 +460,14 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     serve.delete("gathered")
 
 
-TP = {"model": "tiny", "device": "cpu", "num_replicas": 1, "tensor_parallel_size": 2, "num_cpus_per_replica": 0.5,
-      "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024}}
+TP = {
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 1,
+    "tensor_parallel_size": 2,
+    "num_cpus_per_replica": 0.5,
+    "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
+}
 
 
 def _alive(class_name: str) -> list:
@@ -413,9 +493,21 @@ def test_tensor_parallel_replica_serves_what_one_rank_does(tp):
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            return await asyncio.gather(*(client.post(f"{tp}/v1/completions", json={
-                "prompt": p, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True})
-                for p in prompts))
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        f"{tp}/v1/completions",
+                        json={
+                            "prompt": p,
+                            "max_tokens": 12,
+                            "temperature": 0,
+                            "ignore_eos": True,
+                            "return_token_ids": True,
+                        },
+                    )
+                    for p in prompts
+                )
+            )
 
     responses = asyncio.run(main())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
@@ -454,10 +546,21 @@ def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(clu
     # ingress gets a 503 deadline_exceeded (with Retry-After), its call cancelled; a stream that
     # started is not cut by it, and the replica serves on with nothing left over
     deadline = 2.0
-    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 1, "max_ongoing_requests": 1,
-                         "request_deadline_s": deadline, "retry_after_s": 3,
-                         "engine": {"kv_cache_tokens": 8192, "max_model_len": 4096}}),
-              name="deadline", route_prefix="/deadline")
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 1,
+                "max_ongoing_requests": 1,
+                "request_deadline_s": deadline,
+                "retry_after_s": 3,
+                "engine": {"kv_cache_tokens": 8192, "max_model_len": 4096},
+            }
+        ),
+        name="deadline",
+        route_prefix="/deadline",
+    )
     url = f"{cluster}/deadline"
     handle = serve.get_deployment_handle("LLMReplica", app_name="deadline")
 
@@ -490,7 +593,9 @@ def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(clu
     assert late.status_code == 503, late.text
     assert late.json()["error"]["code"] == "deadline_exceeded" and late.headers["retry-after"] == "3"
     assert deadline <= waited < deadline + 5
-    _wait_for(handle, lambda s: s["running"] == s["waiting"] == 0 and s["kv_chunks_used"] == 0, "the held stream's chunks")
+    _wait_for(
+        handle, lambda s: s["running"] == s["waiting"] == 0 and s["kv_chunks_used"] == 0, "the held stream's chunks"
+    )
     ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
     assert ok.status_code == 200, ok.text
     serve.delete("deadline")

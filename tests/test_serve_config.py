@@ -19,30 +19,36 @@ from replicas.model import load_tokenizer
 from replicas.wire import GenerateOutput
 
 
-@pytest.mark.parametrize("args, field", [
-    ({"modle": "tiny"}, "modle"),
-    ({"engine": {"chunk_size": 64, "kv_cache": 10}}, "kv_cache"),
-    ({"router": {"route_chunk": 8}}, "route_chunk"),
-    ({"ingress": {"replicas": 2}}, "replicas"),
-    ({"engine": {"sparse_prefill": {"alfa": 0.2}}}, "alfa"),
-])
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ({"modle": "tiny"}, "modle"),
+        ({"engine": {"chunk_size": 64, "kv_cache": 10}}, "kv_cache"),
+        ({"router": {"route_chunk": 8}}, "route_chunk"),
+        ({"ingress": {"replicas": 2}}, "replicas"),
+        ({"engine": {"sparse_prefill": {"alfa": 0.2}}}, "alfa"),
+    ],
+)
 def test_unknown_field_is_an_error_naming_it(args, field):
     with pytest.raises(ValidationError, match=field):
         AppConfig.model_validate(args)
 
 
-@pytest.mark.parametrize("args", [
-    {"engine": {"chunk_size": 48}},
-    {"num_replicas": 0},
-    {"device": "tpu"},
-    {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}},
-    {"api_key": "a", "api_key_env": "B"},
-    {"tensor_parallel_size": 2, "num_gpus_per_replica": 1},
-    {"engine": {"sparse_prefill": {"block": 32}}},  # under the chunk size (64)
-    {"engine": {"sparse_prefill": {"budget": 0.2, "window": 0}}},
-    {"engine": {"sparse_prefill": {"alpha": 1.5}}},
-    {"engine": {"sparse_prefill": {"budget": 0}}},
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"engine": {"chunk_size": 48}},
+        {"num_replicas": 0},
+        {"device": "tpu"},
+        {"num_replicas": 2, "autoscaling_config": {"max_replicas": 4}},
+        {"api_key": "a", "api_key_env": "B"},
+        {"tensor_parallel_size": 2, "num_gpus_per_replica": 1},
+        {"engine": {"sparse_prefill": {"block": 32}}},  # under the chunk size (64)
+        {"engine": {"sparse_prefill": {"budget": 0.2, "window": 0}}},
+        {"engine": {"sparse_prefill": {"alpha": 1.5}}},
+        {"engine": {"sparse_prefill": {"budget": 0}}},
+    ],
+)
 def test_bad_values_are_errors(args):
     with pytest.raises(ValidationError):
         AppConfig.model_validate(args)
@@ -65,8 +71,17 @@ def _replica(app):
 
 
 def test_build_app_binds_ingress_and_replicas():
-    ingress, llm = _replica(build_app({"device": "cpu", "num_replicas": 3, "max_ongoing_requests": 8,
-                                       "max_queued_requests": 5, "retry_after_s": 2}))
+    ingress, llm = _replica(
+        build_app(
+            {
+                "device": "cpu",
+                "num_replicas": 3,
+                "max_ongoing_requests": 8,
+                "max_queued_requests": 5,
+                "retry_after_s": 2,
+            }
+        )
+    )
     assert (ingress.name, llm.name) == ("OpenAIIngress", "LLMReplica")
     assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
     assert llm.backpressure_config.retry_after_s == 2
@@ -81,8 +96,16 @@ def test_build_app_binds_ingress_and_replicas():
 
 
 def test_build_app_tensor_parallel_bundles_and_autoscaling():
-    _, llm = _replica(build_app({"device": "cuda", "tensor_parallel_size": 2, "num_cpus_per_replica": 4,
-                                 "autoscaling_config": {"min_replicas": 1, "max_replicas": 6}}))
+    _, llm = _replica(
+        build_app(
+            {
+                "device": "cuda",
+                "tensor_parallel_size": 2,
+                "num_cpus_per_replica": 4,
+                "autoscaling_config": {"min_replicas": 1, "max_replicas": 6},
+            }
+        )
+    )
     assert llm._replica_config.placement_group_bundles == [{"CPU": 4, "GPU": 1}] * 2
     assert llm._replica_config.placement_group_strategy == "STRICT_PACK"
     assert llm.ray_actor_options == {"num_cpus": 4, "num_gpus": 1}
@@ -109,54 +132,62 @@ def _deep(depth: int) -> dict:
     return {"type": "object", "x": out}
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "temperature": 2.5}, "temperature"),
-    ({"prompt": "x", "top_p": 0}, "top_p"),
-    ({"prompt": "x", "n": 17}, "n"),
-    ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),
-    ({"prompt": ["a"] * 257}, "prompt"),  # a batch of at most 256 prompts
-    ({"prompt": [[1], []]}, "prompt"),
-    ({"prompt": ["a", 1]}, "prompt"),
-    ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "echo": "yes"}, "echo"),
-    ({"prompt": "x", "best_of": 2}, "best_of"),
-    ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),  # OpenAI's range: [-2, 2]
-    ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
-    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
-    ({"prompt": "x", "min_p": 1.5}, "min_p"),
-    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
-    ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
-    ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
-    ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
-    ({"prompt": None}, "prompt"),  # null is no prompt, not a default
-    ({"prompt": "x", "seed": 2**64}, "seed"),
-    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
-    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
-    ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # vLLM's, not implemented
-    ({"prompt": "x", "guided_choice": []}, "guided_choice"),  # structured outputs, malformed
-    ({"prompt": "x", "guided_choice": ["a", 1]}, "guided_choice"),
-    ({"prompt": "x", "guided_json": 5}, "guided_json"),
-    ({"prompt": "x", "guided_regex": ""}, "guided_regex"),
-    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format"),
-    ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {}}, "structured_outputs"),
-    ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
-    ({"prompt": "x", "logprobs": 21}, "logprobs"),
-    ({"prompt": "x", "logprobs": -1}, "logprobs"),
-    ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: a count, not a flag
-    # schemas nested deeper than MAX_SCHEMA_DEPTH, as a dict, as text, in response_format: refused unparsed
-    ({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH + 1)}, "guided_json"),
-    ({"prompt": "x", "guided_json": json.dumps(_deep(MAX_SCHEMA_DEPTH + 1))}, "guided_json"),
-    ({"prompt": "x", "structured_outputs": {"json": _deep(MAX_SCHEMA_DEPTH + 1)}}, "structured_outputs"),
-    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": _deep(MAX_SCHEMA_DEPTH + 1)}}},
-     "response_format"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": "x", "temperature": 2.5}, "temperature"),
+        ({"prompt": "x", "top_p": 0}, "top_p"),
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "n": 0}, "n"),
+        ({"prompt": "x", "max_tokens": "3"}, "max_tokens"),
+        ({"prompt": ["a"] * 257}, "prompt"),  # a batch of at most 256 prompts
+        ({"prompt": [[1], []]}, "prompt"),
+        ({"prompt": ["a", 1]}, "prompt"),
+        ({"prompt": "x", "stop": [""]}, "stop"),
+        ({"prompt": "x", "echo": "yes"}, "echo"),
+        ({"prompt": "x", "best_of": 2}, "best_of"),
+        ({"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),  # OpenAI's range: [-2, 2]
+        ({"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+        ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+        ({"prompt": "x", "min_p": 1.5}, "min_p"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+        ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
+        ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
+        ({"prompt": None}, "prompt"),  # null is no prompt, not a default
+        ({"prompt": "x", "seed": 2**64}, "seed"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),  # without stream: true
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens"),
+        ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"prompt": "x", "guided_whitespace_pattern": " "}, "guided_whitespace_pattern"),  # vLLM's, not implemented
+        ({"prompt": "x", "guided_choice": []}, "guided_choice"),  # structured outputs, malformed
+        ({"prompt": "x", "guided_choice": ["a", 1]}, "guided_choice"),
+        ({"prompt": "x", "guided_json": 5}, "guided_json"),
+        ({"prompt": "x", "guided_regex": ""}, "guided_regex"),
+        ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format"),
+        ({"prompt": "x", "response_format": {"type": "structural_tag"}}, "response_format"),
+        ({"prompt": "x", "structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        ({"prompt": "x", "structured_outputs": {}}, "structured_outputs"),
+        ({"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "logprobs": -1}, "logprobs"),
+        ({"prompt": "x", "logprobs": True}, "logprobs"),  # strict: a count, not a flag
+        # schemas nested deeper than MAX_SCHEMA_DEPTH, as a dict, as text, in response_format: refused unparsed
+        ({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH + 1)}, "guided_json"),
+        ({"prompt": "x", "guided_json": json.dumps(_deep(MAX_SCHEMA_DEPTH + 1))}, "guided_json"),
+        ({"prompt": "x", "structured_outputs": {"json": _deep(MAX_SCHEMA_DEPTH + 1)}}, "structured_outputs"),
+        (
+            {
+                "prompt": "x",
+                "response_format": {"type": "json_schema", "json_schema": {"schema": _deep(MAX_SCHEMA_DEPTH + 1)}},
+            },
+            "response_format",
+        ),
+    ],
+)
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
@@ -173,8 +204,13 @@ def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():
 
 
 def test_prompt_forms_and_batches():
-    for prompt, want in (("ab", ["ab"]), (["ab"], ["ab"]), (["a", "b"], ["a", "b"]), ([5, 6], [[5, 6]]),
-                         ([[5], [6, 7]], [[5], [6, 7]])):
+    for prompt, want in (
+        ("ab", ["ab"]),
+        (["ab"], ["ab"]),
+        (["a", "b"], ["a", "b"]),
+        ([5, 6], [[5, 6]]),
+        ([[5], [6, 7]], [[5], [6, 7]]),
+    ):
         assert CompletionRequest.model_validate({"prompt": prompt}).prompts == want
 
 
@@ -189,9 +225,16 @@ def test_usage_counts_each_prompt_once_and_every_completion():
 
 
 def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
-    body = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": 0.5, "frequency_penalty": -1,
-                                             "repetition_penalty": 1.2, "min_p": 0.1,
-                                             "logit_bias": {"7": -100, "3": 2.5}})
+    body = CompletionRequest.model_validate(
+        {
+            "prompt": "x",
+            "presence_penalty": 0.5,
+            "frequency_penalty": -1,
+            "repetition_penalty": 1.2,
+            "min_p": 0.1,
+            "logit_bias": {"7": -100, "3": 2.5},
+        }
+    )
     p = body.sampling_params(8)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1, 1.2, 0.1)
     assert p.logit_bias == ((3, 2.5), (7, -100)) and p.penalized
@@ -204,8 +247,13 @@ def test_logprobs_reach_the_sampling_params():
     assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}).sampling_params(8).logprobs == 0
     assert CompletionRequest.model_validate({"prompt": "x", "logprobs": None}).sampling_params(8).logprobs is None
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    for extra, want in (({}, None), ({"logprobs": False}, None), ({"logprobs": True}, 0),
-                        ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": False, "top_logprobs": 0}, None)):
+    for extra, want in (
+        ({}, None),
+        ({"logprobs": False}, None),
+        ({"logprobs": True}, 0),
+        ({"logprobs": True, "top_logprobs": 5}, 5),
+        ({"logprobs": False, "top_logprobs": 0}, None),
+    ):
         assert ChatCompletionRequest.model_validate({**chat, **extra}).sampling_params(8).logprobs == want
     for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 1}):
         with pytest.raises(ValidationError):
@@ -221,6 +269,7 @@ def test_echo_with_logprobs_asks_for_the_prompts():
 
 def test_logprob_forms():
     from cluster.logprobs import chat_logprobs, completion_logprobs
+
     texts = TokenTexts(load_tokenizer("tiny"))
     entries = [(-0.5, ((72, -0.5), (73, -1.5))), (-2.0, ((105, -0.25), (33, -2.0)))]
     got = completion_logprobs([72, 33], entries, texts, offset=4)
@@ -240,24 +289,50 @@ def test_logprob_forms():
 def test_null_means_the_default():
     """openai-python sends null for arguments passed as None: OpenAI and vLLM take it as the
     default (max_tokens: no limit but the context, as vLLM)."""
-    nulls = dict.fromkeys(("temperature", "top_p", "top_k", "n", "stream", "ignore_eos", "seed", "stop",
-                           "stop_token_ids", "stream_options", "max_tokens", "return_token_ids", "user"))
+    nulls = dict.fromkeys(
+        (
+            "temperature",
+            "top_p",
+            "top_k",
+            "n",
+            "stream",
+            "ignore_eos",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "stream_options",
+            "max_tokens",
+            "return_token_ids",
+            "user",
+        )
+    )
     got = CompletionRequest.model_validate({"prompt": "x", **nulls})
     want = CompletionRequest.model_validate({"prompt": "x"})
     assert got.model_dump() == dict(want.model_dump(), max_tokens=None)
-    streamed = CompletionRequest.model_validate({"prompt": "x", "stream": True, "stream_options": {"include_usage": None}})
+    streamed = CompletionRequest.model_validate(
+        {"prompt": "x", "stream": True, "stream_options": {"include_usage": None}}
+    )
     assert streamed.stream_options.include_usage is False
-    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **nulls,
-                                                 "max_completion_tokens": None})
+    chat = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "hi"}], **nulls, "max_completion_tokens": None}
+    )
     assert chat.temperature == 1.0 and chat.requested_max_tokens is None and not chat.stream
 
 
 def test_requests_accept_prompt_forms_and_ignore_unknown_fields():
     for prompt in ("hi", ["hi"], [1, 2], [[1, 2]]):
         assert CompletionRequest.model_validate({"prompt": prompt, "store": True}).prompt == prompt
-    chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], "max_tokens": 5, "max_completion_tokens": 7,
-        "parallel_tool_calls": False, "stop": "x", "stream": True, "stream_options": {"include_usage": True}})
+    chat = ChatCompletionRequest.model_validate(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+            "max_tokens": 5,
+            "max_completion_tokens": 7,
+            "parallel_tool_calls": False,
+            "stop": "x",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
     assert chat.messages[0].text() == "ab" and chat.requested_max_tokens == 7
     assert chat.stop_strings == ("x",) and chat.include_usage
 
@@ -304,14 +379,25 @@ def test_text_stream_stop_strings_and_utf8():
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
 
 
-def _outputs(ids: list[int], per_step: int, finish: str | None, prompt: int = 3,
-             logprobs: bool = False) -> list[RequestOutput]:
+def _outputs(
+    ids: list[int], per_step: int, finish: str | None, prompt: int = 3, logprobs: bool = False
+) -> list[RequestOutput]:
     """The engine's step outputs of one request that generates ids, per_step tokens a step (with
     logprobs: token t's entry (-t, ((t, -t),)))."""
-    steps = [ids[i:i + per_step] for i in range(0, len(ids), per_step)]
-    return [RequestOutput("r", s, finish is not None and i == len(steps) - 1, finish if i == len(steps) - 1 else None,
-                          prompt, 0, per_step * i + len(s), [(-t, ((t, -t),)) for t in s] if logprobs else None)
-            for i, s in enumerate(steps)]
+    steps = [ids[i : i + per_step] for i in range(0, len(ids), per_step)]
+    return [
+        RequestOutput(
+            "r",
+            s,
+            finish is not None and i == len(steps) - 1,
+            finish if i == len(steps) - 1 else None,
+            prompt,
+            0,
+            per_step * i + len(s),
+            [(-t, ((t, -t),)) for t in s] if logprobs else None,
+        )
+        for i, s in enumerate(steps)
+    ]
 
 
 @pytest.mark.parametrize("per_step", [1, 2])
@@ -322,7 +408,7 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
     tok = load_tokenizer("tiny")
     prompt = tuple(tok.encode("p"))
     ids = tok.encode("ab cd STOP ef gh", add_special_tokens=False)
-    upto = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[:i + 1])) + 1  # tokens through the stop
+    upto = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[: i + 1])) + 1  # tokens through the stop
     assert upto < len(ids) - 2
     batch = _outputs(ids, per_step, finish)
     got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
@@ -353,6 +439,7 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 def test_engine_options_are_engine_config_fields():
     # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
     from replicas.engine import EngineConfig
+
     options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": True}})
     options = options.engine.model_dump()
     assert options["enforce_eager"] is True and options["async_scheduling"] is True
@@ -364,6 +451,7 @@ def test_engine_options_are_engine_config_fields():
     assert dataclasses.asdict(config.sparse_prefill) == sparse  # every option reaches BlockUnion by its name
     defaults = AppConfig.model_validate({"engine": {"sparse_prefill": {}}}).engine.sparse_prefill.model_dump()
     from kernels.block_union import BlockUnion
+
     assert defaults == dataclasses.asdict(BlockUnion())  # one set of defaults
 
 
@@ -377,8 +465,15 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     from cluster.ingress import _ChatFormat, _sse
 
     def out(text, n, end=None):
-        return GenerateOutput(replica_id="r", text=text, token_ids=(n,), finish_reason=end, prompt_tokens=3,
-                              cached_tokens=2, completion_tokens=n)
+        return GenerateOutput(
+            replica_id="r",
+            text=text,
+            token_ids=(n,),
+            finish_reason=end,
+            prompt_tokens=3,
+            cached_tokens=2,
+            completion_tokens=n,
+        )
 
     class Replies:
         def __init__(self, outs, delay):
@@ -397,9 +492,13 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
             self.cancelled = True
 
     texts = [["a", "b", "c"], ["x", "y"], ["p", "q", "r", "s"]]
-    started = [(out(t[0], 1), Replies([out(c, k + 2, "length" if k == len(t) - 2 else None) for k, c in enumerate(t[1:])],
-                                      delay))
-               for t, delay in zip(texts, (0.003, 0.001, 0.002))]
+    started = [
+        (
+            out(t[0], 1),
+            Replies([out(c, k + 2, "length" if k == len(t) - 2 else None) for k, c in enumerate(t[1:])], delay),
+        )
+        for t, delay in zip(texts, (0.003, 0.001, 0.002))
+    ]
 
     async def body() -> list[str]:
         response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], 3, False, TokenTexts(None)), True, {})
@@ -417,8 +516,12 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     assert got == {i: "".join(t) for i, t in enumerate(texts)}
     assert [c["choices"][0]["index"] for c in chunks[:3]] == [0, 1, 2]  # the first outputs, in order
     assert [c["choices"][0]["index"] for c in chunks[3:]] != sorted(c["choices"][0]["index"] for c in chunks[3:])
-    assert usage["usage"] == {"prompt_tokens": 3, "completion_tokens": 3 + 2 + 4, "total_tokens": 12,
-                              "prompt_tokens_details": {"cached_tokens": 2}}
+    assert usage["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3 + 2 + 4,
+        "total_tokens": 12,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     assert not any(rest.cancelled for _, rest in started)
 
 
@@ -431,8 +534,15 @@ def test_stream_that_fails_midway_says_so_and_ends():
 
     from cluster.ingress import _CompletionFormat, _sse
 
-    out = GenerateOutput(replica_id="r", text="Hel", token_ids=(1,), finish_reason=None, prompt_tokens=3,
-                         cached_tokens=0, completion_tokens=1)
+    out = GenerateOutput(
+        replica_id="r",
+        text="Hel",
+        token_ids=(1,),
+        finish_reason=None,
+        prompt_tokens=3,
+        cached_tokens=0,
+        completion_tokens=1,
+    )
 
     class Failing:
         cancelled = False
@@ -447,7 +557,9 @@ def test_stream_that_fails_midway_says_so_and_ends():
             Failing.cancelled = True
 
     async def body() -> list[str]:
-        response = _sse([(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {})
+        response = _sse(
+            [(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {}
+        )
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
@@ -462,8 +574,15 @@ def test_structured_outputs_reach_the_sampling_params_in_every_form():
     text = json.dumps(schema)
     forms = [
         ({"response_format": {"type": "json_object"}}, Guide("json_object")),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
-         Guide("json", text)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": schema, "strict": True},
+                }
+            },
+            Guide("json", text),
+        ),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, Guide("json_object")),
         ({"response_format": {"type": "text"}}, None),
         ({"guided_json": schema}, Guide("json", text)),
@@ -484,11 +603,14 @@ def test_structured_outputs_reach_the_sampling_params_in_every_form():
     assert CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a"}).guide_field == "guided_regex"
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one of"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "at most one of"),
-    ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens cannot be combined with guided_choice"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "at most one of"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "at most one of"),
+        ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens cannot be combined with guided_choice"),
+    ],
+)
 def test_structured_outputs_one_at_a_time_and_not_with_min_tokens(extra, match):
     with pytest.raises(ValidationError, match=match):
         CompletionRequest.model_validate({"prompt": "x", **extra})

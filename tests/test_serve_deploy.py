@@ -56,8 +56,10 @@ def _kuberay_serve_config() -> dict:
 
 
 def _serve_configs() -> dict[str, dict]:
-    return {**{path: yaml.safe_load((REPO / path).read_text()) for path in CONFIG_FILES},
-            "configs/kuberay/rayservice.yaml serveConfigV2": _kuberay_serve_config()}
+    return {
+        **{path: yaml.safe_load((REPO / path).read_text()) for path in CONFIG_FILES},
+        "configs/kuberay/rayservice.yaml serveConfigV2": _kuberay_serve_config(),
+    }
 
 
 def _schema_in(annotation) -> type[BaseModel] | None:
@@ -117,7 +119,10 @@ def test_one_machine_configs_serve_this_machine_only():
     # listens where); the cluster configs serve a network
     configs = _serve_configs()
     assert {path: configs[path]["http_options"]["host"] for path in CONFIG_FILES} == {
-        "configs/local.yaml": "127.0.0.1", "configs/llama3-8b.yaml": "127.0.0.1", "configs/serve.yaml": "0.0.0.0"}
+        "configs/local.yaml": "127.0.0.1",
+        "configs/llama3-8b.yaml": "127.0.0.1",
+        "configs/serve.yaml": "0.0.0.0",
+    }
 
 
 def test_kuberay_serve_config_is_the_gpu_deployment():
@@ -133,15 +138,21 @@ def _broken(edit) -> dict:
     return config
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda c, a: a["args"]["engine"].update(kv_cache=4096), "kv_cache"),  # unknown arg key
-    (lambda c, a: a["args"].update(num_replicas="four"), "num_replicas"),  # wrong type
-    (lambda c, a: a["args"].update(device="tpu"), "device"),
-    (lambda c, a: c["http_options"].update(port="eighty"), "port"),  # Serve's schema: wrong type
-    (lambda c, a: a.update(route_prefx="/v1"), "route_prefx"),  # keys Serve's schema would ignore
-    (lambda c, a: c.update(proxy_locaton="HeadOnly"), "proxy_locaton"),
-    (lambda c, a: a.update(deployments=[{"name": "LLMReplica", "num_replica": 2}]), r"deployments\[0\].num_replica"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda c, a: a["args"]["engine"].update(kv_cache=4096), "kv_cache"),  # unknown arg key
+        (lambda c, a: a["args"].update(num_replicas="four"), "num_replicas"),  # wrong type
+        (lambda c, a: a["args"].update(device="tpu"), "device"),
+        (lambda c, a: c["http_options"].update(port="eighty"), "port"),  # Serve's schema: wrong type
+        (lambda c, a: a.update(route_prefx="/v1"), "route_prefx"),  # keys Serve's schema would ignore
+        (lambda c, a: c.update(proxy_locaton="HeadOnly"), "proxy_locaton"),
+        (
+            lambda c, a: a.update(deployments=[{"name": "LLMReplica", "num_replica": 2}]),
+            r"deployments\[0\].num_replica",
+        ),
+    ],
+)
 def test_broken_kuberay_serve_configs_are_refused(edit, match):
     with pytest.raises(ValueError, match=match):  # (pydantic's ValidationError is one)
         _validate(_broken(edit))
@@ -202,8 +213,13 @@ class _SteadyStream:
 
     async def _one(self, client: httpx.AsyncClient, i: int) -> None:
         # prompts differ and are shorter than a chunk, so the prefix router spreads them by load
-        body = {"model": self.model, "prompt": f"request {i}: the quick brown fox", "max_tokens": 4,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": self.model,
+            "prompt": f"request {i}: the quick brown fox",
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+        }
         started = time.monotonic()
         result = _Result(i, started, 0.0)
         try:
@@ -229,8 +245,9 @@ class _SteadyStream:
 
 
 def _serve(*args: str, dashboard: str) -> str:
-    p = subprocess.run([str(SERVE), *args, "--address", dashboard], cwd=REPO, capture_output=True, text=True,
-                       timeout=120)
+    p = subprocess.run(
+        [str(SERVE), *args, "--address", dashboard], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert p.returncode == 0, f"serve {' '.join(args)} exited with {p.returncode}:\n{p.stdout}\n{p.stderr}"
     return p.stdout
 
@@ -264,6 +281,7 @@ def _wait_running(dashboard: str, llm_replicas: int) -> float:
 def _engine_stats(calls: int = 8) -> list[dict]:
     """LLMReplica.stats() through a DeploymentHandle, `calls` times (Serve spreads them over the replicas)."""
     from ray import serve
+
     handle = serve.get_deployment_handle("LLMReplica", app_name=APP)
     return [handle.stats.remote().result(timeout_s=60) for _ in range(calls)]
 
@@ -287,8 +305,13 @@ def test_serve_deploy_updates_in_place_while_requests_stream_then_shutdown(tmp_p
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     # 4 logical CPUs on one node: two replicas of 1 CPU each, and room for replacements while old
     # replicas drain
-    with LocalCluster(num_nodes=1, num_cpus_per_node=4, object_store_bytes=100 * 2**20, include_dashboard=True,
-                      dashboard_port=dashboard_port) as cluster:
+    with LocalCluster(
+        num_nodes=1,
+        num_cpus_per_node=4,
+        object_store_bytes=100 * 2**20,
+        include_dashboard=True,
+        dashboard_port=dashboard_port,
+    ) as cluster:
         ray.init(address=cluster.address)
         _deploy(config, tmp_path / "v1.yaml", dashboard)
         wait_until_serving(base, STARTUP_S)
@@ -318,9 +341,11 @@ def test_serve_deploy_updates_in_place_while_requests_stream_then_shutdown(tmp_p
         results = stream.results
         failed = [r for r in results if not r.ok]
         slowest = max(r.seconds for r in results)
-        print(f"\nup in {up:.0f} s; {len(results)} streamed requests, {len(failed)} failed; "
-              f"num_replicas 1 -> 2 took {scaled_in:.0f} s, kv_cache_tokens {reconfigured_in:.0f} s; "
-              f"slowest request {slowest:.1f} s")
+        print(
+            f"\nup in {up:.0f} s; {len(results)} streamed requests, {len(failed)} failed; "
+            f"num_replicas 1 -> 2 took {scaled_in:.0f} s, kv_cache_tokens {reconfigured_in:.0f} s; "
+            f"slowest request {slowest:.1f} s"
+        )
         assert not failed, f"{len(failed)} of {len(results)} failed during the updates, e.g. {failed[:3]}"
         assert len(results) >= 50
 

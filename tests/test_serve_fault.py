@@ -27,18 +27,29 @@ from tests.test_serve_hostile import LEAKS, _replicas
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQS = 3  # per replica: the rest of its requests wait in its engine, with no token yet
 MAX_TOKENS = 240  # long enough that no running stream ends, so no waiting one starts, before the kill
-FAULT = {"model": "tiny", "device": "cpu", "num_replicas": 2, "num_cpus_per_replica": 0.5,
-         # a small pool (32 chunks of 64), still enough for MAX_SEQS sequences of prompt + MAX_TOKENS
-         # (6 chunks each): no preemption, so which requests have a token at the kill is known
-         "engine": {"kv_cache_tokens": 2048, "max_model_len": 1024, "max_num_seqs": MAX_SEQS}}
+FAULT = {
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 2,
+    "num_cpus_per_replica": 0.5,
+    # a small pool (32 chunks of 64), still enough for MAX_SEQS sequences of prompt + MAX_TOKENS
+    # (6 chunks each): no preemption, so which requests have a token at the kill is known
+    "engine": {"kv_cache_tokens": 2048, "max_model_len": 1024, "max_num_seqs": MAX_SEQS},
+}
 TIMEOUT = httpx.Timeout(300.0)
 
 
 def _body(i: int, max_tokens: int = MAX_TOKENS, stream: bool = True) -> tuple[str, dict]:
     """Request i: completions for even i, chat for odd; each prompt its own (no shared prefix)."""
     text = f"request {i}: " + f"tell me about chunk {i} " * (1 + i % 3)
-    body = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "return_token_ids": True,
-            "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+    body = {
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_token_ids": True,
+        "stream": stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    }
     if i % 2 == 0:
         return "/v1/completions", {**body, "prompt": text}
     return "/v1/chat/completions", {**body, "messages": [{"role": "user", "content": text}]}
@@ -62,7 +73,7 @@ class _Stream:
                 self.status, self.replica, self.started = r.status_code, r.headers.get(REPLICA_HEADER), time.monotonic()
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
-                        self.events.append(line[len("data: "):])
+                        self.events.append(line[len("data: ") :])
         except Exception as e:  # noqa: BLE001 - asserted on below
             self.error = e
 
@@ -124,8 +135,11 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
         replicas = _replicas("fault")
         assert len(replicas) == 2
         # the replicas run this worktree's code (the cluster inherits PYTHONPATH)
-        handle = next(ray.get_actor(a["name"], namespace=a["namespace"]) for a in
-                      ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("SERVE_REPLICA::fault#LLM"))
+        handle = next(
+            ray.get_actor(a["name"], namespace=a["namespace"])
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::fault#LLM")
+        )
         where = ray.get(handle.__ray_call__.remote(lambda _: __import__("replicas.deployment").deployment.__file__))
         assert Path(where).resolve().is_relative_to(ROOT), where
         t0 = time.monotonic()
@@ -134,6 +148,7 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
             readies: list[tuple[float, int, str]] = []
             done = asyncio.Event()
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+
                 async def poll_ready():
                     while not done.is_set():
                         r = await client.get(f"{url}/ready")
@@ -163,8 +178,10 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
                 os.kill(replicas[victim], signal.SIGKILL)
                 had_token = {s.i for s in streams if s.started is not None}
                 # requests sent right after the kill, before Serve has noticed it
-                after = [asyncio.create_task(client.post(f"{url}{p}", json=b)) for p, b in
-                         (_body(100 + i, stream=False) for i in range(2))]
+                after = [
+                    asyncio.create_task(client.post(f"{url}{p}", json=b))
+                    for p, b in (_body(100 + i, stream=False) for i in range(2))
+                ]
                 after_streams = [_Stream(200 + i) for i in range(2)]
                 after += [asyncio.create_task(s.run(client, url)) for s in after_streams]
                 results = await asyncio.wait_for(asyncio.gather(*tasks, *after), timeout=600)
@@ -174,23 +191,37 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
                     assert time.monotonic() < deadline, "the killed replica was not replaced"
                     await asyncio.sleep(1)
                     pids = await asyncio.to_thread(_replicas, "fault")
-                    if (len(pids) == 2 and replicas[victim] not in pids.values() and readies[-1][1] == 200
-                            and json.loads(readies[-1][2])["model_replicas"] == {"RUNNING": 2}):
+                    if (
+                        len(pids) == 2
+                        and replicas[victim] not in pids.values()
+                        and readies[-1][1] == 200
+                        and json.loads(readies[-1][2])["model_replicas"] == {"RUNNING": 2}
+                    ):
                         break
                 done.set()
                 await poller
-                return streams, victim, waiting, had_token, killed_at, results[len(tasks):len(tasks) + 2], \
-                    after_streams, readies
+                return (
+                    streams,
+                    victim,
+                    waiting,
+                    had_token,
+                    killed_at,
+                    results[len(tasks) : len(tasks) + 2],
+                    after_streams,
+                    readies,
+                )
 
         streams, victim, waiting, had_token, killed_at, after, after_streams, readies = asyncio.run(main())
         [survivor] = set(replicas) - {victim}
         cut = [s for s in streams if s.i in had_token and s.replica == victim]
         whole = [s for s in streams if s not in cut]
-        print(f"\nkilled replica {victim} ({waiting} requests waiting in its engine, {len(cut)} streaming) at "
-              f"{killed_at - t0:.1f} s; {len(had_token)} of 16 had a token then; {len(cut)} cut, {len(whole)} "
-              f"whole ({sum(s.i not in had_token for s in whole)} that had no token, "
-              f"{sum(s.replica == survivor for s in whole)} on {survivor}); /ready polled {len(readies)} times: "
-              f"{sorted({code for _, code, _ in readies})}")
+        print(
+            f"\nkilled replica {victim} ({waiting} requests waiting in its engine, {len(cut)} streaming) at "
+            f"{killed_at - t0:.1f} s; {len(had_token)} of 16 had a token then; {len(cut)} cut, {len(whole)} "
+            f"whole ({sum(s.i not in had_token for s in whole)} that had no token, "
+            f"{sum(s.replica == survivor for s in whole)} on {survivor}); /ready polled {len(readies)} times: "
+            f"{sorted({code for _, code, _ in readies})}"
+        )
         # every one of the 16 accounted for: cut (tokens, then the error) or whole
         assert len(cut) == MAX_SEQS and len(cut) + len(whole) == 16
         for s in cut:
@@ -199,18 +230,20 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
             _check_whole_stream(s)
         # those with no token yet (the victim's waiting ones among them) completed on the other replica
         fresh = [s for s in streams if s.i not in had_token]
-        assert len(fresh) >= waiting and all(s.replica == survivor for s in fresh), \
-            [(s.i, s.replica) for s in fresh]
+        assert len(fresh) >= waiting and all(s.replica == survivor for s in fresh), [(s.i, s.replica) for s in fresh]
         for r in after:
             _whole(r)
         for s in after_streams:
             _check_whole_stream(s)
         # one replica was up throughout, until the killed one was replaced: /ready never went false
         replaced = readies[-1][0] - (killed_at - t0)
-        print(f"replaced {replaced:.1f} s after the kill; /ready polled {len(readies)} times, "
-              f"states seen: {sorted({text for _, _, text in readies})}")
-        assert len(readies) > 20 and all(code == 200 for _, code, _ in readies), \
-            [(round(t, 1), code, text) for t, code, text in readies if code != 200]
+        print(
+            f"replaced {replaced:.1f} s after the kill; /ready polled {len(readies)} times, "
+            f"states seen: {sorted({text for _, _, text in readies})}"
+        )
+        assert len(readies) > 20 and all(code == 200 for _, code, _ in readies), [
+            (round(t, 1), code, text) for t, code, text in readies if code != 200
+        ]
         assert all(json.loads(text)["model_replicas"].get("RUNNING", 0) >= 1 for _, _, text in readies)
         # after: both replicas (the killed one's replacement) serve
         for i in range(4):

@@ -28,8 +28,12 @@ from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 
 MAX_MODEL_LEN = 2048
-HOSTILE = {"model": "tiny", "device": "cpu", "num_replicas": 1,
-           "engine": {"kv_cache_tokens": 8192, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32}}
+HOSTILE = {
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 1,
+    "engine": {"kv_cache_tokens": 8192, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32},
+}
 TIMEOUT = httpx.Timeout(300.0)
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
@@ -76,15 +80,20 @@ def test_text_that_is_not_unicode_is_a_400(url, path):
         error = _openai_error(_post(url, path, good.replace(b"Hello", b"He" + bad + b"llo")), 400)
         assert error["code"] == "invalid_utf8", (bad, error)
     # a surrogate pair is one character: served
-    r = _post(url, path, json.dumps(_body(path, "a\U0001F600b")).encode())
+    r = _post(url, path, json.dumps(_body(path, "a\U0001f600b")).encode())
     assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("path", ENDPOINTS)
 def test_bodies_not_declared_json_are_refused(url, path):
     body = json.dumps(_body(path, "Hello")).encode()
-    for content_type in ("text/plain", "text/plain; charset=utf-8", "application/x-www-form-urlencoded",
-                         "multipart/form-data; boundary=x", "application/xml"):
+    for content_type in (
+        "text/plain",
+        "text/plain; charset=utf-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/xml",
+    ):
         error = _openai_error(_post(url, path, body, content_type), 415)
         assert error["code"] == "unsupported_media_type" and "application/json" in error["message"], error
     for content_type in ("application/json", "application/json; charset=utf-8", "application/vnd.api+json", None):
@@ -94,23 +103,47 @@ def test_bodies_not_declared_json_are_refused(url, path):
 
 # what no error body may hold: a pid, a node address, an actor id (32 hex digits), Ray's words
 # for its actors, a Python repr or traceback
-LEAKS = re.compile(r"pid\W*\d|\b\d{1,3}(?:\.\d{1,3}){3}\b|\b[0-9a-f]{32}\b|actor|namespace|ray::|SERVE_REPLICA"
-                   r"|\b\w+(?:Error|Exception)\(|object at 0x|Traceback", re.IGNORECASE)
+LEAKS = re.compile(
+    r"pid\W*\d|\b\d{1,3}(?:\.\d{1,3}){3}\b|\b[0-9a-f]{32}\b|actor|namespace|ray::|SERVE_REPLICA"
+    r"|\b\w+(?:Error|Exception)\(|object at 0x|Traceback",
+    re.IGNORECASE,
+)
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 BAD = [  # (id, path, body bytes or JSON, content type, status)
     ("malformed-json", "/v1/completions", b'{"prompt": ', "application/json", 400),
     ("wrong-type", "/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "application/json", 400),
-    ("lone-surrogate", "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
-     "application/json", 400),
+    (
+        "lone-surrogate",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "\ud800"}]},
+        "application/json",
+        400,
+    ),
     ("invalid-utf8", "/v1/completions", b'{"prompt": "\xc3("}', "application/json", 400),
     ("text-plain", "/v1/chat/completions", CHAT, "text/plain", 415),
     ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404),
     ("out-of-vocab", "/v1/completions", {"prompt": [1, 10**6]}, "application/json", 400),
     ("too-long", "/v1/completions", {"prompt": [1] * MAX_MODEL_LEN}, "application/json", 400),
-    ("unknown-role", "/v1/chat/completions", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
-     "application/json", 400),
-    ("bad-schema", "/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "minProperties": "two"}}}}, "application/json", 400),
+    (
+        "unknown-role",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "wizard", "content": "x"}]},
+        "application/json",
+        400,
+    ),
+    (
+        "bad-schema",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "two"}},
+            },
+        },
+        "application/json",
+        400,
+    ),
     ("bad-regex", "/v1/completions", {"prompt": "x", "guided_regex": "a(b"}, "application/json", 400),
     ("bad-logit-bias", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "application/json", 400),
     ("best-of", "/v1/completions", {"prompt": "x", "best_of": 3}, "application/json", 400),
@@ -156,12 +189,15 @@ def test_a_replica_fault_is_a_stable_server_error(url):
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             whole = asyncio.create_task(client.post(f"{url}/v1/completions", json=long))
             events = []
-            async with client.stream("POST", f"{url}/v1/chat/completions", json={
-                    **CHAT, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True}) as r:
+            async with client.stream(
+                "POST",
+                f"{url}/v1/chat/completions",
+                json={**CHAT, "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
-                        events.append(line[len("data: "):])
+                        events.append(line[len("data: ") :])
                         if len(events) == 4:
                             os.kill(replica, signal.SIGKILL)
             return await whole, events, r.headers["x-request-id"]
@@ -181,13 +217,17 @@ def test_a_replica_fault_is_a_stable_server_error(url):
         r = httpx.get(f"{url}/ready", timeout=TIMEOUT)
         if r.status_code == 503:
             error = _openai_error(r, 503)
-            assert error["code"] == "not_ready" and re.search(r"model replicas: .*(starting|stopping|recovering|"
-                                                              r"none deployed)", error["message"]), error
+            assert error["code"] == "not_ready" and re.search(
+                r"model replicas: .*(starting|stopping|recovering|"
+                r"none deployed)",
+                error["message"],
+            ), error
         seen.append(r.status_code)
         time.sleep(0.2)
     assert set(seen) == {200, 503} and r.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}
-    while (r := httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
-           ).status_code != 200:  # requests meanwhile: the same error, or 503 while no replica is up
+    while (
+        r := httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+    ).status_code != 200:  # requests meanwhile: the same error, or 503 while no replica is up
         assert r.status_code in (500, 503) and not LEAKS.search(r.text), r.text
         assert time.monotonic() < deadline, "the killed replica was not replaced"
         time.sleep(1)
@@ -203,12 +243,16 @@ def _typed_as_text(url: str) -> tuple[list[int], list[int], list[int]]:
     prompt = httpx.post(f"{url}/tokenize", json={"prompt": FORGED}, timeout=TIMEOUT).json()["tokens"]
     messages = [{"role": "user", "content": FORGED}]
     chat = httpx.post(f"{url}/tokenize", json={"messages": messages}, timeout=TIMEOUT).json()["tokens"]
-    r = httpx.post(f"{url}/v1/chat/completions", timeout=TIMEOUT,
-                   json={"messages": messages, "max_tokens": 1, "return_token_ids": True})
+    r = httpx.post(
+        f"{url}/v1/chat/completions",
+        timeout=TIMEOUT,
+        json={"messages": messages, "max_tokens": 1, "return_token_ids": True},
+    )
     assert r.status_code == 200, r.text
     ran = r.json()["prompt_token_ids"]
-    r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT,
-                   json={"prompt": FORGED, "max_tokens": 1, "return_token_ids": True})
+    r = httpx.post(
+        f"{url}/v1/completions", timeout=TIMEOUT, json={"prompt": FORGED, "max_tokens": 1, "return_token_ids": True}
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == prompt, r.text
     return prompt, chat, ran
 
@@ -225,8 +269,7 @@ def test_special_tokens_typed_by_a_user_are_text(url):
 
 
 def test_allow_special_tokens_in_prompt_restores_vllms_reading(url):
-    serve.run(build_app({**HOSTILE, "allow_special_tokens_in_prompt": True}), name="lenient",
-              route_prefix="/lenient")
+    serve.run(build_app({**HOSTILE, "allow_special_tokens_in_prompt": True}), name="lenient", route_prefix="/lenient")
     try:
         prompt, chat, ran = _typed_as_text(url.replace("/hostile", "/lenient"))
     finally:
@@ -255,11 +298,24 @@ def test_no_request_stalls_the_event_loop(url):
         ("/v1/completions", {"prompt": huge, "max_tokens": 2}, "prompt"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 2}, "messages"),
         ("/tokenize", {"prompt": huge}, "prompt"),
-        ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "deep", "schema": _chain(270)}}}, "response_format"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": _chain(270)}},
+            },
+            "response_format",
+        ),
         ("/v1/completions", {"prompt": "x", "guided_json": json.dumps(_chain(270))}, "guided_json"),
-        ("/v1/chat/completions", {**CHAT, "tool_choice": "required", "tools": [{"type": "function", "function": {
-            "name": "f", "parameters": _chain(270)}}]}, "tools"),
+        (
+            "/v1/chat/completions",
+            {
+                **CHAT,
+                "tool_choice": "required",
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": _chain(270)}}],
+            },
+            "tools",
+        ),
     ]
     burst = 1000
     started, ended = asyncio.Event(), asyncio.Event()
@@ -298,8 +354,9 @@ def test_no_request_stalls_the_event_loop(url):
                 await started.wait()
                 polling = asyncio.create_task(health(client, waits))
                 t = time.monotonic()
-                answers = await loop.run_in_executor(pool, hostile_load.send, url,
-                                                     [(p, json.dumps(b)) for p, b, _ in hostile], burst)
+                answers = await loop.run_in_executor(
+                    pool, hostile_load.send, url, [(p, json.dumps(b)) for p, b, _ in hostile], burst
+                )
                 took = time.monotonic() - t
             ended.set()
             outlived = not streaming.done()
@@ -308,12 +365,14 @@ def test_no_request_stalls_the_event_loop(url):
             return answers, gaps, waits, took, outlived
 
     answers, gaps, waits, took, outlived = asyncio.run(main())
-    print(f"\n{len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
-          f"{max(gaps) * 1e3:.0f} ms over {len(gaps)} chunks (median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms); "
-          f"/health's slowest {max(waits) * 1e3:.0f} ms over {len(waits)} polls")
+    print(
+        f"\n{len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
+        f"{max(gaps) * 1e3:.0f} ms over {len(gaps)} chunks (median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms); "
+        f"/health's slowest {max(waits) * 1e3:.0f} ms over {len(waits)} polls"
+    )
     print("the stream's worst gaps (ms):", sorted(round(g * 1e3) for g in gaps)[-8:])
-    assert answers[:len(hostile)] == [(400, param) for _, _, param in hostile]
-    assert answers[len(hostile):] == [(400, "temperature")] * burst
+    assert answers[: len(hostile)] == [(400, param) for _, _, param in hostile]
+    assert answers[len(hostile) :] == [(400, "temperature")] * burst
     assert len(gaps) > 20 and len(waits) > 5
     # Generous: on a 2-core CPU shared with other test suites the worst gap was 0.1 s without the
     # burst and 0.45-0.8 s with it (its requests' CPU: Serve's proxy, the ingress, this client),
@@ -331,8 +390,9 @@ def _replicas(app: str) -> dict[str, int]:
         if actor["name"].startswith(f"SERVE_REPLICA::{app}#LLMReplica#"):
             handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
             try:
-                out[actor["name"].rsplit("#", 1)[1]] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()),
-                                                               timeout=30)
+                out[actor["name"].rsplit("#", 1)[1]] = ray.get(
+                    handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30
+                )
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
                 pass  # (dead or dying)
     return out
@@ -358,8 +418,7 @@ def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
     token yet: the replica compiles a guide before the request joins its engine) when that
     replica is SIGKILLed: the ingress sends it again, once, and the other replica serves it whole;
     /ready stays 200 meanwhile (a replica runs)."""
-    serve.run(build_app({**HOSTILE, "num_replicas": 2, "num_cpus_per_replica": 0.5}), name="pair",
-              route_prefix="/pair")
+    serve.run(build_app({**HOSTILE, "num_replicas": 2, "num_cpus_per_replica": 0.5}), name="pair", route_prefix="/pair")
     pair = url.replace("/hostile", "/pair")
     try:
         replicas = _replicas("pair")
@@ -381,7 +440,7 @@ def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
         busy, r = asyncio.run(main())
         [other] = set(replicas) - {busy}
         assert r.status_code == 200 and r.headers[REPLICA_HEADER] == other, r.text[:500]
-        events = [line[len("data: "):] for line in r.text.splitlines() if line.startswith("data: ")]
+        events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]" and "error" not in r.text
         chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
         assert "".join(c["text"] for c in chunks) in choices and chunks[-1]["finish_reason"] == "stop"

@@ -23,7 +23,11 @@ from tests.serve_cluster import serve_on_local_cluster
 
 KEY = "metrics-key"
 APP = {
-    "model": "tiny", "device": "cpu", "num_replicas": 2, "num_cpus_per_replica": 0.5, "api_key": KEY,
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 2,
+    "num_cpus_per_replica": 0.5,
+    "api_key": KEY,
     "engine": {"kv_cache_tokens": 4096, "max_model_len": 512},
 }
 DASHBOARD = Path(__file__).resolve().parent.parent / "configs" / "grafana" / "chunkserve.json"
@@ -51,8 +55,12 @@ def _scrape(url: str) -> tuple[httpx.Response, dict, float]:
 
 def _values(families: dict, sample: str, **labels) -> dict[str, float]:
     """{replica: value} of the samples named `sample` whose labels include `labels`."""
-    found = {s.labels.get("replica"): s.value for f in families.values() for s in f.samples
-             if s.name == sample and labels.items() <= s.labels.items()}
+    found = {
+        s.labels.get("replica"): s.value
+        for f in families.values()
+        for s in f.samples
+        if s.name == sample and labels.items() <= s.labels.items()
+    }
     assert sample in _declared(families), f"/metrics has no {sample}"  # (declared: it may have no sample yet)
     return found
 
@@ -65,8 +73,11 @@ def _declared(families: dict) -> set[str]:
 def _llm_replica_ids() -> set[str]:
     # Serve's replica actors, as Ray's GCS lists them (independently of cluster/metrics.py's fan-out)
     prefix = "SERVE_REPLICA::metrics#LLMReplica#"
-    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["name"].startswith(prefix)}
+    return {
+        a["name"][len(prefix) :]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith(prefix)
+    }
 
 
 SHARED = "a context that every request of the test shares, long enough for three chunks of 64 tokens; " * 2
@@ -78,8 +89,12 @@ async def _requests(url: str, n: int) -> list[dict]:
     auth = {"Authorization": f"Bearer {KEY}"}
 
     async def one(client: httpx.AsyncClient, i: int) -> dict:
-        body = {"prompt": f"{SHARED}request {i} " + "word " * (5 * i), "max_tokens": 3 + i, "temperature": 0,
-                "ignore_eos": True}
+        body = {
+            "prompt": f"{SHARED}request {i} " + "word " * (5 * i),
+            "max_tokens": 3 + i,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         if i % 2:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
             usage = None
@@ -108,8 +123,12 @@ def test_metrics_aggregate_every_replica(app):
 
     n = 8
     usages = asyncio.run(_requests(url, n))
-    bad = httpx.post(f"{url}/v1/completions", content=b"{not json", headers={"Authorization": f"Bearer {KEY}",
-                     "Content-Type": "application/json"}, timeout=TIMEOUT)
+    bad = httpx.post(
+        f"{url}/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=TIMEOUT,
+    )
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
 
     r, after, sent = _scrape(url)
@@ -120,8 +139,12 @@ def test_metrics_aggregate_every_replica(app):
         assert again == r.text  # the same text: its own /metrics response is not counted in it yet
     print(f"/metrics with 2 model replicas: {fanned_out * 1e3:.1f} ms asking them, {cached * 1e3:.1f} ms cached")
     assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
-    for name in ("chunkserve_running_requests", "chunkserve_prompt_tokens_total",
-                 "chunkserve_time_to_first_token_seconds_bucket", "chunkserve_http_responses_total"):
+    for name in (
+        "chunkserve_running_requests",
+        "chunkserve_prompt_tokens_total",
+        "chunkserve_time_to_first_token_seconds_bucket",
+        "chunkserve_http_responses_total",
+    ):
         assert f"\n{name}{{" in r.text  # (grep-able names, as the README's curl | grep shows them)
 
     def delta(sample: str, **labels) -> float:
@@ -159,8 +182,15 @@ def test_dashboard_asks_only_for_exposed_metrics(app):
     exposed = _declared(families)
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
-    for title in ("Time to first token", "Time per output token", "Cached prompt fraction", "KV cache use",
-                  "Requests running / waiting", "Tokens per second", "Errors by status and code"):
+    for title in (
+        "Time to first token",
+        "Time per output token",
+        "Cached prompt fraction",
+        "KV cache use",
+        "Requests running / waiting",
+        "Tokens per second",
+        "Errors by status and code",
+    ):
         assert title in exprs
     for title, queries in exprs.items():
         for expr in queries:

@@ -38,14 +38,20 @@ def _router_env():
             return 0
 
     def pending(prompt: list[int], n: int, max_tokens: int = 8) -> PendingRequest:
-        req = GenerateRequest(request_id=f"r{n}", prompt_token_ids=tuple(prompt),
-                              params=SamplingParams(max_tokens=max_tokens), stop=(), model="tiny",
-                              prefix_hashes=tuple(chunk_hashes(prompt, C, 32, "tiny")))
+        req = GenerateRequest(
+            request_id=f"r{n}",
+            prompt_token_ids=tuple(prompt),
+            params=SamplingParams(max_tokens=max_tokens),
+            stop=(),
+            model="tiny",
+            prefix_hashes=tuple(chunk_hashes(prompt, C, 32, "tiny")),
+        )
         return PendingRequest(args=[req], kwargs={}, metadata=RequestMetadata(f"r{n}", f"internal-{n}"))
 
     def make(replicas):
-        router = PrefixAffinityRouter(deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN,
-                                      use_replica_queue_len_cache=True)
+        router = PrefixAffinityRouter(
+            deployment_id=dep, handle_source=DeploymentHandleSource.UNKNOWN, use_replica_queue_len_cache=True
+        )
         router.initialize_state(chunk_size=C)
         router.update_replicas(replicas)
         return router
@@ -150,8 +156,17 @@ def test_router_follows_membership_and_digests():
             assert home not in {r.replica_id.unique_id for rank in ranks for r in rank}
         # a newcomer publishing a digest that holds the whole prefix attracts it
         chain = chunk_hashes(prefix, C, 32, "tiny")
-        newcomer = FakeReplica("rep-new", {"running": 0, "waiting": 0, "kv_chunks_used": 8, "kv_chunks_total": 64,
-                                           "digest": chain, "as_of": time.time()})
+        newcomer = FakeReplica(
+            "rep-new",
+            {
+                "running": 0,
+                "waiting": 0,
+                "kv_chunks_used": 8,
+                "kv_chunks_total": 64,
+                "digest": chain,
+                "as_of": time.time(),
+            },
+        )
         router.update_replicas([r for r in reps if r.replica_id.unique_id != home] + [newcomer])
         # nobody else holds the prefix (the choices above were not routed): only the digest points there
         assert await _route(router, pending(prefix + [9], 9)) == "rep-new"
@@ -192,14 +207,25 @@ def test_shared_prefixes_stay_on_one_replica(serve_url):
     from cluster.app import build_app
     from cluster.ingress import REPLICA_HEADER
 
-    serve.run(build_app({"model": "tiny", "device": "cpu", "num_replicas": 3, "num_cpus_per_replica": 0.5,
-                         "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
-                         "router": {"policy": "prefix", "routing_stats_period_s": 0.5}}),
-              name="prefix", route_prefix="/prefix")
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 3,
+                "num_cpus_per_replica": 0.5,
+                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
+                "router": {"policy": "prefix", "routing_stats_period_s": 0.5},
+            }
+        ),
+        name="prefix",
+        route_prefix="/prefix",
+    )
     url = f"{serve_url}/prefix/v1/completions"
 
     async def main():
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+
             async def one(prompt):
                 r = await client.post(url, json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
@@ -237,8 +263,10 @@ def test_config_selects_the_router():
     rc = router_config({"device": "cpu", "engine": {"chunk_size": 32}, "router": {"routing_stats_period_s": 2}})
     assert rc.request_router_class == PREFIX_ROUTER  # prefix is the default
     assert rc.request_router_kwargs == {"chunk_size": 32} and rc.request_routing_stats_period_s == 2
-    assert router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class \
+    assert (
+        router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class
         == DEFAULT_REQUEST_ROUTER_PATH
+    )
     with pytest.raises(ValueError, match="policy"):
         AppConfig.model_validate({"router": {"policy": "random"}})
     for path in ("configs/local.yaml", "configs/serve.yaml"):

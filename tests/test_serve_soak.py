@@ -40,19 +40,31 @@ MAX_IN_FLIGHT = 48  # ... unless this many are unanswered
 RSS_GROWTH_BOUND = 64 << 20
 CHUNK = 16
 MAX_MODEL_LEN = 1024
-SOAK = {"model": "tiny", "device": "cpu", "num_replicas": 1,
-        "engine": {"kv_cache_tokens": 4096, "chunk_size": CHUNK, "max_model_len": MAX_MODEL_LEN,
-                   "max_num_seqs": 16}}
+SOAK = {
+    "model": "tiny",
+    "device": "cpu",
+    "num_replicas": 1,
+    "engine": {"kv_cache_tokens": 4096, "chunk_size": CHUNK, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16},
+}
 TIMEOUT = httpx.Timeout(300.0)
 
 SHARED = "You are a careful assistant. Answer in one short sentence, and never more than that. " * 2
-PROMPTS = [SHARED + q for q in ("What is a chunk?", "Why cache prefixes?", "Name a prime.", "Say hi.")] + \
-    ["Once upon a time", "The quick brown fox", "1, 2, 3, 4,", "Q: 2+2? A:"]
-CHATS = [[{"role": "user", "content": "Hi there"}],
-         [{"role": "system", "content": SHARED}, {"role": "user", "content": "What is a chunk?"}],
-         [{"role": "system", "content": SHARED}, {"role": "user", "content": "Name a color."}],
-         [{"role": "user", "content": "Count to five."}, {"role": "assistant", "content": "1 2 3 4 5"},
-          {"role": "user", "content": "Again."}]]
+PROMPTS = [SHARED + q for q in ("What is a chunk?", "Why cache prefixes?", "Name a prime.", "Say hi.")] + [
+    "Once upon a time",
+    "The quick brown fox",
+    "1, 2, 3, 4,",
+    "Q: 2+2? A:",
+]
+CHATS = [
+    [{"role": "user", "content": "Hi there"}],
+    [{"role": "system", "content": SHARED}, {"role": "user", "content": "What is a chunk?"}],
+    [{"role": "system", "content": SHARED}, {"role": "user", "content": "Name a color."}],
+    [
+        {"role": "user", "content": "Count to five."},
+        {"role": "assistant", "content": "1 2 3 4 5"},
+        {"role": "user", "content": "Again."},
+    ],
+]
 LENGTHS = (4, 16, 40)
 STEADY_TOKENS = 300  # the reference stream's (ignore_eos): long, greedy, the same each time
 VALID = ("completion", "completion-stream", "chat", "chat-stream")
@@ -114,7 +126,7 @@ class Soak:
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     done = True
                     continue
@@ -136,26 +148,43 @@ class Soak:
             content = self.rng.choice((b'{"prompt": ', b'{"messages": [}', b"not json", b'{"prompt": "x",}'))
             path = self.rng.choice(("/v1/completions", "/v1/chat/completions"))
         elif kind == "out-of-range":
-            bad = self.rng.choice(({"temperature": -1}, {"top_p": 1.5}, {"max_tokens": 0}, {"n": 0},
-                                   {"max_tokens": MAX_MODEL_LEN + 1}, {"presence_penalty": 3}))
+            bad = self.rng.choice(
+                (
+                    {"temperature": -1},
+                    {"top_p": 1.5},
+                    {"max_tokens": 0},
+                    {"n": 0},
+                    {"max_tokens": MAX_MODEL_LEN + 1},
+                    {"presence_penalty": 3},
+                )
+            )
             path, content = "/v1/completions", json.dumps({"prompt": "x", **bad}).encode()
         else:  # longer than the context: as text and as token ids
             path = "/v1/completions"
-            content = json.dumps({"prompt": self.rng.choice(("ab" * MAX_MODEL_LEN, [65] * (MAX_MODEL_LEN + 8))),
-                                  "max_tokens": 4}).encode()
+            content = json.dumps(
+                {"prompt": self.rng.choice(("ab" * MAX_MODEL_LEN, [65] * (MAX_MODEL_LEN + 8))), "max_tokens": 4}
+            ).encode()
         self.sent[kind] += 1
         r = await self.client.post(f"{self.url}{path}", content=content, headers={"Content-Type": "application/json"})
-        if r.status_code != 400 or set(r.json().get("error", {})) != {"message", "type", "param", "code"} \
-                or LEAKS.search(r.text):
+        if (
+            r.status_code != 400
+            or set(r.json().get("error", {})) != {"message", "type", "param", "code"}
+            or LEAKS.search(r.text)
+        ):
             self.fail(kind, f"{r.status_code} {r.text}")
 
     async def aborted(self) -> None:
         """A long stream the client closes after a few chunks."""
         after = self.rng.randint(1, 6)
-        path, body = self.rng.choice((("/v1/completions", {"prompt": self.rng.choice(PROMPTS)}),
-                                      ("/v1/chat/completions", {"messages": self.rng.choice(CHATS)})))
-        async with self.client.stream("POST", f"{self.url}{path}",
-                                      json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:
+        path, body = self.rng.choice(
+            (
+                ("/v1/completions", {"prompt": self.rng.choice(PROMPTS)}),
+                ("/v1/chat/completions", {"messages": self.rng.choice(CHATS)}),
+            )
+        )
+        async with self.client.stream(
+            "POST", f"{self.url}{path}", json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        ) as r:
             if r.status_code != 200:
                 return self.fail("aborted", r.status_code)
             chunks = 0
@@ -169,13 +198,17 @@ class Soak:
 
     async def disconnected(self) -> None:
         """A request with a long prompt the client abandons after 0-150 ms: before its first token, mostly."""
-        prompt = "".join(self.rng.choice("abcdefgh ") for _ in range(self.rng.randint(300, 700)))  # (+ 200: in the context)
+        prompt = "".join(
+            self.rng.choice("abcdefgh ") for _ in range(self.rng.randint(300, 700))
+        )  # (+ 200: in the context)
         started = asyncio.Event()
 
         async def go():
-            async with self.client.stream("POST", f"{self.url}/v1/completions",
-                                          json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True,
-                                                "stream": True}) as r:
+            async with self.client.stream(
+                "POST",
+                f"{self.url}/v1/completions",
+                json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True},
+            ) as r:
                 started.set()
                 async for _ in r.aiter_lines():
                     pass
@@ -193,10 +226,15 @@ class Soak:
         kind = self.rng.choices(("valid", "invalid", "aborted", "disconnected"), (10, 3, 2, 2))[0]
         if kind == "valid":
             kind = self.rng.choice(VALID)
-        coro = {"completion": lambda: self.generate("completion", False),
-                "completion-stream": lambda: self.generate("completion", True),
-                "chat": lambda: self.generate("chat", False), "chat-stream": lambda: self.generate("chat", True),
-                "invalid": self.invalid, "aborted": self.aborted, "disconnected": self.disconnected}[kind]()
+        coro = {
+            "completion": lambda: self.generate("completion", False),
+            "completion-stream": lambda: self.generate("completion", True),
+            "chat": lambda: self.generate("chat", False),
+            "chat-stream": lambda: self.generate("chat", True),
+            "invalid": self.invalid,
+            "aborted": self.aborted,
+            "disconnected": self.disconnected,
+        }[kind]()
         if kind != "invalid":
             self.sent[kind] += 1
         self.in_flight += 1
@@ -220,7 +258,7 @@ class Soak:
                         if last is not None:
                             gaps.append(now - last)
                         last = now
-                        ids += json.loads(line[len("data: "):])["choices"][0].get("token_ids") or []
+                        ids += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
             outputs.append(tuple(ids))
 
 
@@ -282,44 +320,76 @@ def test_soak(soak_url):
     # the ingress's error counts (its /metrics): the 400s, and no server error (a client that
     # leaves is not one), no error chunk in a stream
     metrics = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
-    errors = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-              if line.startswith(("chunkserve_http_errors_total{", "chunkserve_stream_errors_total{"))}
+    errors = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith(("chunkserve_http_errors_total{", "chunkserve_stream_errors_total{"))
+    }
     sent = sum(soak.sent.values())
-    print(f"\nsoak: {sent} requests in {took:.0f} s ({sent / took:.1f}/s; throttled {throttled} times at "
-          f"{MAX_IN_FLIGHT} in flight): {dict(sorted(soak.sent.items()))}")
+    print(
+        f"\nsoak: {sent} requests in {took:.0f} s ({sent / took:.1f}/s; throttled {throttled} times at "
+        f"{MAX_IN_FLIGHT} in flight): {dict(sorted(soak.sent.items()))}"
+    )
     print(f"failures by kind: {dict(soak.failures) or 'none'} {soak.failed}")
     print(f"abandoned: {dict(soak.disconnect)}")
-    print(f"steady stream: {len(steady_outputs)} streams of {STEADY_TOKENS} tokens, worst gap between chunks "
-          f"{max(gaps) * 1e3:.0f} ms (median {sorted(gaps)[len(gaps) // 2] * 1e3:.0f} ms over {len(gaps)})")
-    print("engine once idle:", {k: stats[k] for k in ("running", "waiting", "kv_chunks_used", "kv_chunks_cached",
-                                                      "kv_chunks_free", "kv_chunks_total", "preemptions")},
-          {k: v for k, v in stats.items() if k.endswith(("requests", "tokens"))})
+    print(
+        f"steady stream: {len(steady_outputs)} streams of {STEADY_TOKENS} tokens, worst gap between chunks "
+        f"{max(gaps) * 1e3:.0f} ms (median {sorted(gaps)[len(gaps) // 2] * 1e3:.0f} ms over {len(gaps)})"
+    )
+    print(
+        "engine once idle:",
+        {
+            k: stats[k]
+            for k in (
+                "running",
+                "waiting",
+                "kv_chunks_used",
+                "kv_chunks_cached",
+                "kv_chunks_free",
+                "kv_chunks_total",
+                "preemptions",
+            )
+        },
+        {k: v for k, v in stats.items() if k.endswith(("requests", "tokens"))},
+    )
     print("RSS (MB) during the mix:", [(round(t), {k: round(v / 2**20) for k, v in rss.items()}) for t, rss in samples])
-    print("RSS (MB) after warm-up -> end:", {k: f"{early[k] / 2**20:.0f} -> {late[k] / 2**20:.0f} "
-                                                f"({(late[k] - early[k]) / 2**20:+.1f})" for k in early})
-    print("error counts (/metrics):", {k.split("{", 1)[0].removeprefix("chunkserve_") + "{" +
-                                        ",".join(kv for kv in k.split("{", 1)[1].rstrip("}").split(",")
-                                                 if kv.startswith(("status", "code"))) + "}": v
-                                        for k, v in errors.items()})
+    print(
+        "RSS (MB) after warm-up -> end:",
+        {k: f"{early[k] / 2**20:.0f} -> {late[k] / 2**20:.0f} ({(late[k] - early[k]) / 2**20:+.1f})" for k in early},
+    )
+    print(
+        "error counts (/metrics):",
+        {
+            k.split("{", 1)[0].removeprefix("chunkserve_")
+            + "{"
+            + ",".join(kv for kv in k.split("{", 1)[1].rstrip("}").split(",") if kv.startswith(("status", "code")))
+            + "}": v
+            for k, v in errors.items()
+        },
+    )
     assert not soak.failures, (soak.failures, soak.failed)
     assert not [k for k in errors if 'status="5' in k or k.startswith("chunkserve_stream_errors")], errors
-    assert sum(v for k, v in errors.items() if 'status="400"' in k) == \
-        sum(soak.sent[k] for k in ("bad-json", "out-of-range", "oversized"))
+    assert sum(v for k, v in errors.items() if 'status="400"' in k) == sum(
+        soak.sent[k] for k in ("bad-json", "out-of-range", "oversized")
+    )
     assert stats["running"] == stats["waiting"] == stats["kv_chunks_used"] == 0
     assert all(soak.sent[k] > 0 for k in (*VALID, "bad-json", "out-of-range", "oversized", "aborted", "disconnected"))
     assert soak.disconnect["before first token"] > 0
     # every valid greedy output is the engine's own for its prompt
     engine = LLMEngine.from_model(SOAK["model"], device="cpu", chunk_size=CHUNK, kv_cache_tokens=4096)
     tok = engine.tokenizer
-    chat_ids = {c: httpx.post(f"{url}/tokenize", json={"messages": CHATS[c]}, timeout=TIMEOUT).json()["tokens"]
-                for c in range(len(CHATS))}
+    chat_ids = {
+        c: httpx.post(f"{url}/tokenize", json={"messages": CHATS[c]}, timeout=TIMEOUT).json()["tokens"]
+        for c in range(len(CHATS))
+    }
     for (what, i, m), seen in sorted(soak.outputs.items()):
         prompt = tok.encode(PROMPTS[i]) if what == "prompt" else chat_ids[i]
         expected = engine.generate([prompt], SamplingParams(max_tokens=m, temperature=0))[0]
         assert seen == {tuple(expected)}, (what, i, m, seen, expected)
         assert soak.texts[what, i, m] == {tok.decode(expected)}, (what, i, m, soak.texts[what, i, m])
-    [steady] = engine.generate([tok.encode(PROMPTS[0])], SamplingParams(max_tokens=STEADY_TOKENS, temperature=0,
-                                                                          ignore_eos=True))
+    [steady] = engine.generate(
+        [tok.encode(PROMPTS[0])], SamplingParams(max_tokens=STEADY_TOKENS, temperature=0, ignore_eos=True)
+    )
     assert steady_outputs and set(steady_outputs) == {tuple(steady)}
     assert len(soak.outputs) > 10
     for k in early:

@@ -15,8 +15,14 @@ import sys
 
 def test_every_tile_double_buffers_kv_and_fits_two_programs_per_sm():
     env = dict(os.environ, TRITON_INTERPRET="0")
-    out = subprocess.run([sys.executable, "-m", "kernels.tools.sm90_report"], env=env, capture_output=True, text=True,
-                         timeout=600, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "kernels.tools.sm90_report"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    ).stdout
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     phase1 = {"mha_phase1", "mha_phase1_alone", "gqa_phase1"}
     assert {r["tile"] for r in rows} == phase1 | {"mha_phase2", "gqa_phase2"}

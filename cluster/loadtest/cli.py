@@ -32,6 +32,7 @@ def _positive(kind: type, what: str) -> Callable[[str], float]:
         if not x > 0:
             raise argparse.ArgumentTypeError(f"{what} must be > 0, got {text}")
         return x
+
     return parse
 
 
@@ -61,30 +62,47 @@ def _slo(text: str) -> Slo:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m cluster.loadtest",
-                                 description="Load test an OpenAI-compatible server with multi-tenant "
-                                 "shared-prefix traffic.")
+    ap = argparse.ArgumentParser(
+        prog="python -m cluster.loadtest",
+        description="Load test an OpenAI-compatible server with multi-tenant shared-prefix traffic.",
+    )
     pint, pfloat = _positive(int, "the value"), _positive(float, "the value")
     g = ap.add_argument_group("server")
-    g.add_argument("--url", action="append", help=f"base URL (repeat, or comma-separate, to spread over several; "
-                   f"default {DEFAULT_URL}, or with --address each node's proxy)")
+    g.add_argument(
+        "--url",
+        action="append",
+        help=f"base URL (repeat, or comma-separate, to spread over several; "
+        f"default {DEFAULT_URL}, or with --address each node's proxy)",
+    )
     g.add_argument("--address", help="Ray cluster address (auto, or host:port): client actors on its nodes")
     g.add_argument("--clients", type=pint, help="client actors with --address (default: one per node)")
     g.add_argument("--port", type=pint, default=8000, help="each node's Serve HTTP port (--address without --url)")
     g.add_argument("--model", help="the `model` to send (default: the server's first, from /v1/models)")
-    g.add_argument("--api-key", default=os.environ.get("CHUNKSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
-                   help="sent as a Bearer token (default: $CHUNKSERVE_API_KEY or $OPENAI_API_KEY)")
+    g.add_argument(
+        "--api-key",
+        default=os.environ.get("CHUNKSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
+        help="sent as a Bearer token (default: $CHUNKSERVE_API_KEY or $OPENAI_API_KEY)",
+    )
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", choices=wl.WORKLOADS, default="gsp")
-    g.add_argument("--dataset", help="a JSON-lines trace instead of a workload (prompt or messages, max_tokens, "
-                   "optional timestamp and tenant)")
+    g.add_argument(
+        "--dataset",
+        help="a JSON-lines trace instead of a workload (prompt or messages, max_tokens, optional timestamp and tenant)",
+    )
     g.add_argument("--num-prompts", type=pint, help="requests per run (default: the workload's own)")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--prompt-format", choices=FORMATS, default="auto",
-                   help="text (the server's tokenizer makes exact lengths) or token ids; auto: text where "
-                   "the server tokenizes")
-    g.add_argument("--endpoint", choices=ENDPOINTS, default="auto",
-                   help="auto: chat for multi-turn text (tenants), completions otherwise")
+    g.add_argument(
+        "--prompt-format",
+        choices=FORMATS,
+        default="auto",
+        help="text (the server's tokenizer makes exact lengths) or token ids; auto: text where the server tokenizes",
+    )
+    g.add_argument(
+        "--endpoint",
+        choices=ENDPOINTS,
+        default="auto",
+        help="auto: chat for multi-turn text (tenants), completions otherwise",
+    )
     g.add_argument("--token-range", type=_token_range, default=(32, 127), help="ids of token prompts, LO:HI")
     g.add_argument("--gsp-num-groups", type=pint, default=wl.Gsp.num_groups)
     g.add_argument("--gsp-prompts-per-group", type=pint, default=wl.Gsp.prompts_per_group)
@@ -108,42 +126,72 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--random-prefix-len", type=int, default=wl.Random_.prefix_len)
     g.add_argument("--output-len", type=pint, default=128, help="a trace line's max_tokens when it has none")
     g = ap.add_argument_group("arrivals")
-    g.add_argument("--request-rate", type=pfloat, default=math.inf,
-                   help="requests per second (default inf: all at once)")
+    g.add_argument(
+        "--request-rate", type=pfloat, default=math.inf, help="requests per second (default inf: all at once)"
+    )
     g.add_argument("--burstiness", type=pfloat, default=1.0, help="gamma shape of the gaps: 1 Poisson, < 1 burstier")
     g.add_argument("--max-concurrency", type=pint, help="requests in flight at most (over all clients)")
     g.add_argument("--sweep", type=_rates, help="run each of these rates in turn, e.g. 2,4,8,16")
     g.add_argument("--replay", action="store_true", help="a trace's timestamps set the send times")
-    g.add_argument("--same-prompts", action="store_true",
-                   help="every run of a sweep sends the same content (default: fresh content per run, so no run "
-                   "finds another's prompts cached)")
+    g.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every run of a sweep sends the same content (default: fresh content per run, so no run "
+        "finds another's prompts cached)",
+    )
     g = ap.add_argument_group("goodput")
-    g.add_argument("--goodput", type=_slo, help="SLOs a good request meets: ttft:S,tpot:MS,e2el:S "
-                   "(TTFT and E2EL in seconds, TPOT in ms, unless suffixed ms or s)")
-    g.add_argument("--search-goodput", type=pfloat, metavar="P",
-                   help="find the highest rate at which P %% of the requests meet --goodput")
+    g.add_argument(
+        "--goodput",
+        type=_slo,
+        help="SLOs a good request meets: ttft:S,tpot:MS,e2el:S "
+        "(TTFT and E2EL in seconds, TPOT in ms, unless suffixed ms or s)",
+    )
+    g.add_argument(
+        "--search-goodput",
+        type=pfloat,
+        metavar="P",
+        help="find the highest rate at which P %% of the requests meet --goodput",
+    )
     g.add_argument("--search-max-rate", type=pfloat, default=1024.0)
     g.add_argument("--search-probes", type=pint, default=8, help="runs the search makes at most")
-    g.add_argument("--norm-latency-slo", type=pfloat, default=40.0,
-                   help="a sweep's summary: the highest throughput at this mean ms per output token at most")
+    g.add_argument(
+        "--norm-latency-slo",
+        type=pfloat,
+        default=40.0,
+        help="a sweep's summary: the highest throughput at this mean ms per output token at most",
+    )
     g = ap.add_argument_group("sending")
     g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="outputs run to max_tokens (default on: fixed output lengths)")
-    g.add_argument("--token-ids", action="store_true",
-                   help="ask for each chunk's token ids (return_token_ids, a vLLM extension): a chunk per token "
-                   "even where its text is empty, so ITLs are per token")
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="outputs run to max_tokens (default on: fixed output lengths)",
+    )
+    g.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="ask for each chunk's token ids (return_token_ids, a vLLM extension): a chunk per token "
+        "even where its text is empty, so ITLs are per token",
+    )
     g.add_argument("--request-timeout", type=pfloat, default=300.0, help="seconds one request may take")
-    g.add_argument("--max-duration", type=pfloat, default=600.0,
-                   help="seconds a run may take: then what is in flight is cancelled and reported")
+    g.add_argument(
+        "--max-duration",
+        type=pfloat,
+        default=600.0,
+        help="seconds a run may take: then what is in flight is cancelled and reported",
+    )
     g = ap.add_argument_group("output")
     g.add_argument("--save-result", help="write each run's report (with per-request lists) to this JSON-lines file")
     g.add_argument("--plot", help="write PNG plots into this directory (needs matplotlib)")
     g.add_argument("--label", help="a name for the runs, kept in the report")
     g.add_argument("--metric-percentiles", default="90,99", help="percentiles of every latency, e.g. 50,90,99")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
-    g.add_argument("--client-capacity", action="store_true",
-                   help="only measure how fast this process drives requests against a stub endpoint, and exit")
+    g.add_argument(
+        "--client-capacity",
+        action="store_true",
+        help="only measure how fast this process drives requests against a stub endpoint, and exit",
+    )
     return ap
 
 
@@ -178,14 +226,30 @@ def workload(args: argparse.Namespace) -> list[wl.Spec]:
     if args.dataset:
         return wl.load_trace(args.dataset, args.output_len, args.num_prompts)
     if args.workload == "gsp":
-        gen = wl.Gsp(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_system_prompt_len,
-                     args.gsp_question_len, args.gsp_output_len)
+        gen = wl.Gsp(
+            args.gsp_num_groups,
+            args.gsp_prompts_per_group,
+            args.gsp_system_prompt_len,
+            args.gsp_question_len,
+            args.gsp_output_len,
+        )
     elif args.workload == "tenants":
-        gen = wl.Tenants(args.tenants, args.tenant_prompt_len, args.tenant_zipf, args.tenant_turns,
-                         args.tenant_turn_len, args.tenant_output_len, args.tenant_active_sessions)
+        gen = wl.Tenants(
+            args.tenants,
+            args.tenant_prompt_len,
+            args.tenant_zipf,
+            args.tenant_turns,
+            args.tenant_turn_len,
+            args.tenant_output_len,
+            args.tenant_active_sessions,
+        )
     elif args.workload == "prefix_repetition":
-        gen = wl.PrefixRepetition(args.prefix_repetition_prefix_len, args.prefix_repetition_suffix_len,
-                                  args.prefix_repetition_num_prefixes, args.prefix_repetition_output_len)
+        gen = wl.PrefixRepetition(
+            args.prefix_repetition_prefix_len,
+            args.prefix_repetition_suffix_len,
+            args.prefix_repetition_num_prefixes,
+            args.prefix_repetition_output_len,
+        )
     else:
         gen = wl.Random_(args.random_input_len, args.random_output_len, args.random_range_ratio, args.random_prefix_len)
     return gen.specs(args.seed, args.num_prompts)
@@ -196,12 +260,18 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, specs: list[wl.Spec]):
         self.args, self.specs = args, specs
-        self.options = ClientOptions(model=args.model, api_key=args.api_key, temperature=args.temperature,
-                                     ignore_eos=args.ignore_eos, request_timeout=args.request_timeout,
-                                     extra_body={"return_token_ids": True} if args.token_ids else {})
+        self.options = ClientOptions(
+            model=args.model,
+            api_key=args.api_key,
+            temperature=args.temperature,
+            ignore_eos=args.ignore_eos,
+            request_timeout=args.request_timeout,
+            extra_body={"return_token_ids": True} if args.token_ids else {},
+        )
         self.urls = args.urls
         if args.address:
             from cluster.loadtest.distributed import node_urls  # Ray only where a cluster is asked for
+
             self.prep_url = (self.urls or node_urls(args.address, args.port))[0]
         else:
             self.urls = self.urls or [DEFAULT_URL]
@@ -221,8 +291,11 @@ class Runner:
                 except (httpx.HTTPError, ValueError):
                     pass  # (a server that does not answer: the run reports its errors)
             if self.fmt == "auto":
-                self.fmt = "text" if await server_has_tokenizer(client, self.prep_url, headers, self.options.model) \
+                self.fmt = (
+                    "text"
+                    if await server_has_tokenizer(client, self.prep_url, headers, self.options.model)
                     else "tokens"
+                )
             renderer = Renderer(self.fmt, seed, self.args.token_range, self.args.endpoint)
             await renderer.prepare(client, self.prep_url, self.specs, headers, self.options.model)
         return [renderer.request(s) for s in self.specs]
@@ -236,23 +309,41 @@ class Runner:
         bar = _progress(len(requests), args.no_progress)
         if args.address:
             from cluster.loadtest.distributed import run_on_cluster
-            results = run_on_cluster(args.address, requests, offsets, self.options, clients=args.clients,
-                                     urls=self.urls or None, port=args.port, max_concurrency=args.max_concurrency,
-                                     max_duration=args.max_duration, progress=bar.set_done)
+
+            results = run_on_cluster(
+                args.address,
+                requests,
+                offsets,
+                self.options,
+                clients=args.clients,
+                urls=self.urls or None,
+                port=args.port,
+                max_concurrency=args.max_concurrency,
+                max_duration=args.max_duration,
+                progress=bar.set_done,
+            )
         else:
             results = [self._in_process(requests, offsets, bar.step)]
         bar.close()
-        return summarize(results, percentiles=args.percentiles, slo=args.goodput, detail=True,
-                         info=self._info(rate, len(results)))
+        return summarize(
+            results, percentiles=args.percentiles, slo=args.goodput, detail=True, info=self._info(rate, len(results))
+        )
 
     def _in_process(self, requests: list[Request], offsets: list[float], step: Callable) -> ClientResult:
         args = self.args
 
         async def go() -> ClientResult:
             async with http_client(self.options, args.max_concurrency) as client:
-                res = await run_client(requests, offsets, self.urls, self.options,
-                                       max_concurrency=args.max_concurrency, max_duration=args.max_duration,
-                                       progress=lambda _: step(), client=client)
+                res = await run_client(
+                    requests,
+                    offsets,
+                    self.urls,
+                    self.options,
+                    max_concurrency=args.max_concurrency,
+                    max_duration=args.max_duration,
+                    progress=lambda _: step(),
+                    client=client,
+                )
             res.url = ",".join(self.urls)
             return res
 
@@ -260,13 +351,23 @@ class Runner:
 
     def _info(self, rate: float, clients: int) -> dict:
         args = self.args
-        return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "openai",
-                "label": args.label, "model_id": self.options.model, "endpoint_type": "openai",
-                "workload": "trace" if args.dataset else args.workload, "dataset": args.dataset,
-                "prompt_format": self.fmt, "num_prompts": len(self.specs),
-                "request_rate": "inf" if math.isinf(rate) else rate,
-                "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-                "num_clients": clients, "urls": self.urls or f"each node's :{args.port}"}
+        return {
+            "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+            "backend": "openai",
+            "label": args.label,
+            "model_id": self.options.model,
+            "endpoint_type": "openai",
+            "workload": "trace" if args.dataset else args.workload,
+            "dataset": args.dataset,
+            "prompt_format": self.fmt,
+            "num_prompts": len(self.specs),
+            "request_rate": "inf" if math.isinf(rate) else rate,
+            "burstiness": args.burstiness,
+            "max_concurrency": args.max_concurrency,
+            "seed": args.seed,
+            "num_clients": clients,
+            "urls": self.urls or f"each node's :{args.port}",
+        }
 
 
 class _progress:
@@ -277,6 +378,7 @@ class _progress:
         if not off:
             try:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total, unit="req", file=sys.stderr, dynamic_ncols=True)
             except ImportError:
                 pass
@@ -313,8 +415,9 @@ def search_goodput(runner: Runner, args: argparse.Namespace, emit: Callable[[dic
         report = runner.run(rate)
         emit(report)
         frac = report["goodput_fraction"]
-        probes.append({"request_rate": rate, "goodput_fraction": frac,
-                       "request_throughput": report["request_throughput"]})
+        probes.append(
+            {"request_rate": rate, "goodput_fraction": frac, "request_throughput": report["request_throughput"]}
+        )
         if frac >= target:
             passed = rate
             if failed is None and rate * 2 > args.search_max_rate:
@@ -325,8 +428,15 @@ def search_goodput(runner: Runner, args: argparse.Namespace, emit: Callable[[dic
             rate = rate / 2 if passed is None else (passed + rate) / 2
         if passed is not None and failed is not None and (failed - passed) / failed < 0.05:
             break
-    return {"goodput_search": {"target_fraction": target, "slo": args.goodput.as_dict(), "best_request_rate": passed,
-                               "first_missed_rate": failed, "probes": probes}}
+    return {
+        "goodput_search": {
+            "target_fraction": target,
+            "slo": args.goodput.as_dict(),
+            "best_request_rate": passed,
+            "first_missed_rate": failed,
+            "probes": probes,
+        }
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     _check(ap, args)
     if args.client_capacity:
         from cluster.loadtest.capacity import measure
+
         print(json.dumps(measure()), flush=True)
         return 0
     try:
@@ -367,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                 out.write(json.dumps(summary) + "\n")
         if args.plot:
             from cluster.loadtest.plots import write_plots
+
             for path in write_plots(runs, Path(args.plot)):
                 print(f"wrote {path}", file=sys.stderr)
     finally:

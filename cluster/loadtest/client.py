@@ -50,6 +50,7 @@ def server_timing(header: str | None) -> dict[str, float] | None:
 @dataclass
 class Record:
     """One request's outcome. Times in seconds; `scheduled` and `sent` from the client's start."""
+
     index: int
     scheduled: float
     tenant: str | None = None
@@ -112,8 +113,14 @@ def http_client(options: ClientOptions, connections: int | None = None) -> httpx
 
 
 def request_body(req: Request, options: ClientOptions) -> dict:
-    body = {"max_tokens": req.max_tokens, "stream": True, "stream_options": {"include_usage": True},
-            "temperature": options.temperature, "ignore_eos": options.ignore_eos, **options.extra_body}
+    body = {
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": options.temperature,
+        "ignore_eos": options.ignore_eos,
+        **options.extra_body,
+    }
     if options.model:
         body["model"] = options.model
     if req.messages is not None:
@@ -123,15 +130,22 @@ def request_body(req: Request, options: ClientOptions) -> dict:
     return body
 
 
-async def send(client: httpx.AsyncClient, url: str, req: Request, rec: Record, options: ClientOptions,
-               clock: Callable[[], float] = time.perf_counter) -> None:
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    req: Request,
+    rec: Record,
+    options: ClientOptions,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
     """Send one streaming request and fill `rec` (never raises but for cancellation)."""
     start = clock()
     last = None
     done = False
     try:
-        async with client.stream("POST", url + req.path, json=request_body(req, options),
-                                 headers=options.headers()) as resp:
+        async with client.stream(
+            "POST", url + req.path, json=request_body(req, options), headers=options.headers()
+        ) as resp:
             rec.status = resp.status_code
             rec.replica = resp.headers.get(REPLICA_HEADER)
             rec.server_timing = server_timing(resp.headers.get(TIMING_HEADER))
@@ -187,10 +201,18 @@ def _message(body: bytes) -> str:
     return text[:500]
 
 
-async def run_client(requests: list[Request], offsets: list[float], urls: list[str], options: ClientOptions, *,
-                     max_concurrency: int | None = None, max_duration: float = 600.0, client_index: int = 0,
-                     progress: Callable[[Record], None] | None = None,
-                     client: httpx.AsyncClient | None = None) -> ClientResult:
+async def run_client(
+    requests: list[Request],
+    offsets: list[float],
+    urls: list[str],
+    options: ClientOptions,
+    *,
+    max_concurrency: int | None = None,
+    max_duration: float = 600.0,
+    client_index: int = 0,
+    progress: Callable[[Record], None] | None = None,
+    client: httpx.AsyncClient | None = None,
+) -> ClientResult:
     """Send each request at its offset (seconds from now) to urls[i % len(urls)], at most
     max_concurrency in flight; stop at max_duration. Returns a record for every request."""
     if len(offsets) != len(requests):
@@ -202,8 +224,7 @@ async def run_client(requests: list[Request], offsets: list[float], urls: list[s
     clock = time.perf_counter
     cpu0, t0 = time.process_time(), clock()
     order = sorted(range(len(requests)), key=lambda i: offsets[i])
-    records = {r.index: Record(r.index, offsets[i], r.tenant, r.session, client_index)
-               for i, r in enumerate(requests)}
+    records = {r.index: Record(r.index, offsets[i], r.tenant, r.session, client_index) for i, r in enumerate(requests)}
     waited = {r.after for r in requests if r.after is not None}
     finished = {i: asyncio.Event() for i in waited if i in records}
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None

@@ -36,15 +36,31 @@ class ClientActor:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address()
 
-    async def run(self, requests: list[Request], offsets: list[float], urls: list[str], options: ClientOptions,
-                  max_concurrency: int | None, max_duration: float, start_at: float) -> dict:
+    async def run(
+        self,
+        requests: list[Request],
+        offsets: list[float],
+        urls: list[str],
+        options: ClientOptions,
+        max_concurrency: int | None,
+        max_duration: float,
+        start_at: float,
+    ) -> dict:
         await asyncio.sleep(max(0.0, start_at - time.time()))
 
         def progress(_: Record) -> None:
             self.done += 1
 
-        res = await run_client(requests, offsets, urls, options, max_concurrency=max_concurrency,
-                               max_duration=max_duration, client_index=self.index, progress=progress)
+        res = await run_client(
+            requests,
+            offsets,
+            urls,
+            options,
+            max_concurrency=max_concurrency,
+            max_duration=max_duration,
+            client_index=self.index,
+            progress=progress,
+        )
         return {"records": [r.as_dict() for r in res.records], "duration": res.duration, "cpu_s": res.cpu_s}
 
     async def progress(self) -> int:
@@ -75,15 +91,28 @@ def node_urls(address: str, port: int) -> list[str]:
     return [f"http://{n['NodeManagerAddress']}:{port}" for n in _connect(address)]
 
 
-def run_on_cluster(address: str, requests: list[Request], offsets: list[float], options: ClientOptions, *,
-                   clients: int | None = None, urls: list[str] | None = None, port: int = 8000,
-                   max_concurrency: int | None = None, max_duration: float = 600.0,
-                   progress: Callable[[int], None] | None = None) -> list[ClientResult]:
+def run_on_cluster(
+    address: str,
+    requests: list[Request],
+    offsets: list[float],
+    options: ClientOptions,
+    *,
+    clients: int | None = None,
+    urls: list[str] | None = None,
+    port: int = 8000,
+    max_concurrency: int | None = None,
+    max_duration: float = 600.0,
+    progress: Callable[[int], None] | None = None,
+) -> list[ClientResult]:
     """Run the requests from client actors on the cluster at `address`; one ClientResult each."""
     nodes = _connect(address)
     n = clients or len(nodes)
-    actors = [ClientActor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-        nodes[i % len(nodes)]["NodeID"], soft=False)).remote(i) for i in range(n)]
+    actors = [
+        ClientActor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(nodes[i % len(nodes)]["NodeID"], soft=False)
+        ).remote(i)
+        for i in range(n)
+    ]
     try:
         return _run(actors, requests, offsets, options, urls, port, max_concurrency, max_duration, progress)
     finally:
@@ -91,18 +120,29 @@ def run_on_cluster(address: str, requests: list[Request], offsets: list[float], 
             ray.kill(a)
 
 
-def _run(actors: list, requests: list[Request], offsets: list[float], options: ClientOptions,
-         urls: list[str] | None, port: int, max_concurrency: int | None, max_duration: float,
-         progress: Callable[[int], None] | None) -> list[ClientResult]:
+def _run(
+    actors: list,
+    requests: list[Request],
+    offsets: list[float],
+    options: ClientOptions,
+    urls: list[str] | None,
+    port: int,
+    max_concurrency: int | None,
+    max_duration: float,
+    progress: Callable[[int], None] | None,
+) -> list[ClientResult]:
     n = len(actors)
     placed = ray.get([a.node.remote() for a in actors])
     parts = shares(requests, n)
     per_client = None if max_concurrency is None else max(1, math.ceil(max_concurrency / n))
     start_at = time.time() + START_LEAD_S
     targets = [[urls[i % len(urls)]] if urls else [f"http://{ip}:{port}"] for i, (_, ip) in enumerate(placed)]
-    refs = [a.run.remote([requests[k] for k in part], [offsets[k] for k in part], target, options, per_client,
-                         max_duration, start_at)
-            for a, part, target in zip(actors, parts, targets)]
+    refs = [
+        a.run.remote(
+            [requests[k] for k in part], [offsets[k] for k in part], target, options, per_client, max_duration, start_at
+        )
+        for a, part, target in zip(actors, parts, targets)
+    ]
     pending = list(refs)
     while pending:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.5)
@@ -111,6 +151,9 @@ def _run(actors: list, requests: list[Request], offsets: list[float], options: C
     out = []
     for i, (ref, (node_id, _), target) in enumerate(zip(refs, placed, targets)):
         got = ray.get(ref)
-        out.append(ClientResult([Record.from_dict(d) for d in got["records"]], got["duration"], got["cpu_s"], i,
-                                node_id, target[0]))
+        out.append(
+            ClientResult(
+                [Record.from_dict(d) for d in got["records"]], got["duration"], got["cpu_s"], i, node_id, target[0]
+            )
+        )
     return out

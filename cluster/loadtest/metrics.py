@@ -26,6 +26,7 @@ from cluster.loadtest.client import ClientResult, Record
 @dataclass(frozen=True)
 class Slo:
     """Service-level objectives a request must meet, each None when not set."""
+
     ttft_s: float | None = None
     tpot_ms: float | None = None
     e2el_s: float | None = None
@@ -54,9 +55,11 @@ class Slo:
     def met(self, rec: Record) -> bool:
         if not rec.ok:
             return False
-        return ((self.ttft_s is None or rec.ttft <= self.ttft_s)
-                and (self.tpot_ms is None or tpot(rec) * 1e3 <= self.tpot_ms)
-                and (self.e2el_s is None or rec.e2el <= self.e2el_s))
+        return (
+            (self.ttft_s is None or rec.ttft <= self.ttft_s)
+            and (self.tpot_ms is None or tpot(rec) * 1e3 <= self.tpot_ms)
+            and (self.e2el_s is None or rec.e2el <= self.e2el_s)
+        )
 
     def as_dict(self) -> dict:
         return {"ttft_s": self.ttft_s, "tpot_ms": self.tpot_ms, "e2el_s": self.e2el_s}
@@ -77,8 +80,11 @@ def _stats(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> d
     if ms.size == 0:
         out = {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0}
         return out | {f"p{_pkey(p)}_{name}_ms": 0.0 for p in percentiles}
-    out = {f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-           f"std_{name}_ms": float(ms.std())}
+    out = {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+    }
     return out | {f"p{_pkey(p)}_{name}_ms": float(np.percentile(ms, p)) for p in percentiles}
 
 
@@ -86,8 +92,12 @@ def _max_concurrency(records: list[Record]) -> int:
     """Most requests in flight at once on one client's clock (summed over clients: an upper bound)."""
     total = 0
     for client in {r.client for r in records}:
-        events = sorted(e for r in records if r.client == client and r.sent is not None and r.e2el is not None
-                        for e in ((r.sent, 1), (r.sent + r.e2el, -1)))
+        events = sorted(
+            e
+            for r in records
+            if r.client == client and r.sent is not None and r.e2el is not None
+            for e in ((r.sent, 1), (r.sent + r.e2el, -1))
+        )
         now = most = 0
         for _, d in events:
             now += d
@@ -96,8 +106,14 @@ def _max_concurrency(records: list[Record]) -> int:
     return total
 
 
-def summarize(results: list[ClientResult], *, percentiles: tuple[float, ...] = (90, 99), slo: Slo | None = None,
-              info: dict | None = None, detail: bool = False) -> dict:
+def summarize(
+    results: list[ClientResult],
+    *,
+    percentiles: tuple[float, ...] = (90, 99),
+    slo: Slo | None = None,
+    info: dict | None = None,
+    detail: bool = False,
+) -> dict:
     """One run's report from every client's records. detail: also the raw per-request lists
     (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges."""
     records = [r for res in results for r in res.records]
@@ -178,8 +194,12 @@ def _replicas(ok: list[Record]) -> dict:
             p["output_tokens"] += r.output_tokens or 0
     counts = [p["requests"] for p in per.values()]
     mean = sum(counts) / len(counts) if counts else 0.0
-    return {"replicas": dict(sorted(per.items())), "replica_requests_max": max(counts, default=0),
-            "replica_requests_mean": mean, "replica_requests_max_over_mean": max(counts) / mean if mean else 0.0}
+    return {
+        "replicas": dict(sorted(per.items())),
+        "replica_requests_max": max(counts, default=0),
+        "replica_requests_mean": mean,
+        "replica_requests_max_over_mean": max(counts) / mean if mean else 0.0,
+    }
 
 
 def _server_timing(ok: list[Record]) -> dict:
@@ -193,20 +213,33 @@ def _server_timing(ok: list[Record]) -> dict:
             per[name].append(seconds)
         if "prepare" in timing and "first-output" in timing:
             per["outside"].append(r.ttft - timing["prepare"] - timing["first-output"])
-    return {name: {"median_ms": float(np.median(v)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3,
-                   "requests": len(v)} for name, v in per.items()}
+    return {
+        name: {"median_ms": float(np.median(v)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3, "requests": len(v)}
+        for name, v in per.items()
+    }
 
 
 def _client_overhead(results: list[ClientResult]) -> dict:
     lags = np.asarray([r.dispatch_lag for res in results for r in res.records if r.dispatch_lag is not None]) * 1e3
-    clients = [{"client": res.client, "node": res.node, "url": res.url, "requests": len(res.records),
-                "duration": res.duration, "cpu_s": res.cpu_s, "cpu_util": res.cpu_s / max(res.duration, 1e-9)}
-               for res in results]
-    return {"client_dispatch_lag_p50_ms": float(np.median(lags)) if lags.size else 0.0,
-            "client_dispatch_lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else 0.0,
-            "client_dispatch_lag_max_ms": float(lags.max()) if lags.size else 0.0,
-            "client_cpu_util_max": max((c["cpu_util"] for c in clients), default=0.0),
-            "clients": clients}
+    clients = [
+        {
+            "client": res.client,
+            "node": res.node,
+            "url": res.url,
+            "requests": len(res.records),
+            "duration": res.duration,
+            "cpu_s": res.cpu_s,
+            "cpu_util": res.cpu_s / max(res.duration, 1e-9),
+        }
+        for res in results
+    ]
+    return {
+        "client_dispatch_lag_p50_ms": float(np.median(lags)) if lags.size else 0.0,
+        "client_dispatch_lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else 0.0,
+        "client_dispatch_lag_max_ms": float(lags.max()) if lags.size else 0.0,
+        "client_cpu_util_max": max((c["cpu_util"] for c in clients), default=0.0),
+        "clients": clients,
+    }
 
 
 def sweep_summary(runs: list[dict], norm_latency_slo_ms: float = 40.0) -> dict:
@@ -214,12 +247,25 @@ def sweep_summary(runs: list[dict], norm_latency_slo_ms: float = 40.0) -> dict:
     the SLO (ms per output token), and each run's rate, throughput and latencies in one table."""
     within = [r for r in runs if r["completed"] and r["mean_norm_latency_ms"] <= norm_latency_slo_ms]
     best = max(within, key=lambda r: r["request_throughput"], default=None)
-    keys = ("request_rate", "max_concurrency", "request_throughput", "output_throughput", "median_ttft_ms",
-            "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "mean_norm_latency_ms", "cached_fraction", "failed")
-    return {"norm_latency_slo_ms": norm_latency_slo_ms,
-            "max_request_throughput_within_slo": None if best is None else best["request_throughput"],
-            "at_request_rate": None if best is None else best["request_rate"],
-            "table": [{k: r.get(k) for k in keys} for r in runs]}
+    keys = (
+        "request_rate",
+        "max_concurrency",
+        "request_throughput",
+        "output_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_norm_latency_ms",
+        "cached_fraction",
+        "failed",
+    )
+    return {
+        "norm_latency_slo_ms": norm_latency_slo_ms,
+        "max_request_throughput_within_slo": None if best is None else best["request_throughput"],
+        "at_request_rate": None if best is None else best["request_rate"],
+        "table": [{k: r.get(k) for k in keys} for r in runs],
+    }
 
 
 def finite_or_none(x: float) -> float | None:

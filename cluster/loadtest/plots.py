@@ -18,6 +18,7 @@ def _plt():
         raise SystemExit("--plot needs matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -73,11 +74,12 @@ def write_plots(runs: list[dict], out: str | Path) -> list[Path]:
         for label, s in series.items():
             rates = [r["request_rate"] for r in s]
             axes[0].plot(rates, [r["request_throughput"] for r in s], "o-", label=f"{label} completed".strip())
-            line, = axes[1].plot(rates, [r["median_ttft_ms"] for r in s], "o-", label=f"{label} TTFT p50".strip())
+            (line,) = axes[1].plot(rates, [r["median_ttft_ms"] for r in s], "o-", label=f"{label} TTFT p50".strip())
             p99 = next((k for k in s[0] if k.startswith("p99_ttft")), None)
             if p99:
-                axes[1].plot(rates, [r[p99] for r in s], "s--", color=line.get_color(),
-                             label=f"{label} TTFT p99".strip())
+                axes[1].plot(
+                    rates, [r[p99] for r in s], "s--", color=line.get_color(), label=f"{label} TTFT p99".strip()
+                )
         axes[0].set_ylabel("requests / s")
         axes[1].set_ylabel("ms")
         axes[1].set_yscale("log")

@@ -49,6 +49,7 @@ def corpus(seed: int, chars: int) -> str:
 @dataclass(frozen=True)
 class Request:
     """What the client sends for one spec: a prompt (ids or text) or chat messages."""
+
     index: int
     max_tokens: int
     prompt: list[int] | str | None = None
@@ -81,40 +82,62 @@ class Renderer:
         lo, hi = self.token_range
         return [rng.randrange(lo, hi) for _ in range(piece.length)]
 
-    async def prepare(self, client: httpx.AsyncClient, url: str, specs: list[Spec], headers: dict[str, str],
-                      model: str | None = None, concurrency: int = 16) -> None:
+    async def prepare(
+        self,
+        client: httpx.AsyncClient,
+        url: str,
+        specs: list[Spec],
+        headers: dict[str, str],
+        model: str | None = None,
+        concurrency: int = 16,
+    ) -> None:
         """Text format: make every distinct piece's text with the server's tokenizer (see above)."""
         if self.fmt != "text":
             return
-        pieces = sorted({p.key: p for s in specs for _, content in s.turns for p in content
-                         if isinstance(p, Piece)}.values(), key=lambda p: p.key)
+        pieces = sorted(
+            {p.key: p for s in specs for _, content in s.turns for p in content if isinstance(p, Piece)}.values(),
+            key=lambda p: p.key,
+        )
         if not pieces:
             return
         need = max(p.length for p in pieces) + len(pieces)
         ids: list[int] = []
         chars = 16 * need
         while len(ids) < need and chars < 64 * need:  # (a tokenizer of many characters a token)
-            body = {"prompt": corpus(self.seed, chars), "add_special_tokens": False, **({"model": model} if model else {})}
+            body = {
+                "prompt": corpus(self.seed, chars),
+                "add_special_tokens": False,
+                **({"model": model} if model else {}),
+            }
             ids = await _post(client, url, "/tokenize", body, headers, "tokens")
             chars *= 4
         rng = random.Random(f"offsets/{self.seed}")
         # distinct pieces start at distinct places (pieces of equal start would share a prefix)
-        starts = rng.sample(range(len(ids)), len(pieces)) if len(pieces) <= len(ids) else \
-            [rng.randrange(len(ids)) for _ in pieces]
+        starts = (
+            rng.sample(range(len(ids)), len(pieces))
+            if len(pieces) <= len(ids)
+            else [rng.randrange(len(ids)) for _ in pieces]
+        )
         sem = asyncio.Semaphore(concurrency)
 
         async def one(piece: Piece, start: int) -> None:
             run = [ids[(start + i) % len(ids)] for i in range(piece.length)]
             async with sem:
-                self._texts[piece.key] = await _post(client, url, "/detokenize",
-                                                     {"tokens": run, **({"model": model} if model else {})},
-                                                     headers, "prompt")
+                self._texts[piece.key] = await _post(
+                    client,
+                    url,
+                    "/detokenize",
+                    {"tokens": run, **({"model": model} if model else {})},
+                    headers,
+                    "prompt",
+                )
 
         await asyncio.gather(*(one(p, s) for p, s in zip(pieces, starts)))
 
     def request(self, spec: Spec) -> Request:
-        labels = dict(index=spec.index, max_tokens=spec.max_tokens, tenant=spec.tenant, session=spec.session,
-                      after=spec.after)
+        labels = dict(
+            index=spec.index, max_tokens=spec.max_tokens, tenant=spec.tenant, session=spec.session, after=spec.after
+        )
         items = [x for _, content in spec.turns for x in content]
         as_ids = self.fmt == "tokens" and all(isinstance(x, Piece) for x in items)
         if as_ids or any(isinstance(x, tuple) for x in items):
@@ -122,8 +145,11 @@ class Renderer:
             for x in items:
                 ids += self.ids(x) if isinstance(x, Piece) else list(x)
             return Request(prompt=ids, **labels)
-        chat = spec.chat if spec.chat is not None else (
-            self.endpoint == "chat" or (self.endpoint == "auto" and len(spec.turns) > 1))
+        chat = (
+            spec.chat
+            if spec.chat is not None
+            else (self.endpoint == "chat" or (self.endpoint == "auto" and len(spec.turns) > 1))
+        )
         if chat:
             messages = [{"role": role, "content": "".join(map(self._text, content))} for role, content in spec.turns]
             return Request(messages=messages, **labels)
@@ -144,12 +170,14 @@ async def _post(client: httpx.AsyncClient, url: str, path: str, body: dict, head
     return r.json()[field]
 
 
-async def server_has_tokenizer(client: httpx.AsyncClient, url: str, headers: dict[str, str],
-                               model: str | None = None) -> bool:
+async def server_has_tokenizer(
+    client: httpx.AsyncClient, url: str, headers: dict[str, str], model: str | None = None
+) -> bool:
     """Whether the server tokenizes text (its /tokenize answers a probe): auto picks text then."""
     try:
-        r = await client.post(url + "/tokenize", json={"prompt": "probe", **({"model": model} if model else {})},
-                              headers=headers)
+        r = await client.post(
+            url + "/tokenize", json={"prompt": "probe", **({"model": model} if model else {})}, headers=headers
+        )
     except httpx.HTTPError:
         return False
     return r.status_code == 200

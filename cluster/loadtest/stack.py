@@ -58,7 +58,7 @@ def wait_ready(url: str, timeout: float, proc: subprocess.Popen) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ours, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(prog="python -m cluster.loadtest.stack", description=__doc__.split("\n")[0])
     ap.add_argument("config", help="a Serve config file")
     ap.add_argument("--set", action="append", default=[], help="PATH=VALUE override of the app's args")
@@ -87,8 +87,11 @@ def main(argv: list[str] | None = None) -> int:
             proc.wait(120)
         except subprocess.TimeoutExpired:  # (then the Ray it started may be left: stopped too)
             os.killpg(proc.pid, signal.SIGKILL)
-            subprocess.run([sys.executable, "-c", "from ray.scripts.scripts import main; main()", "stop", "--force"],
-                           capture_output=True, timeout=120)
+            subprocess.run(
+                [sys.executable, "-c", "from ray.scripts.scripts import main; main()", "stop", "--force"],
+                capture_output=True,
+                timeout=120,
+            )
         os.unlink(f.name)
         if log is not None:
             log.close()

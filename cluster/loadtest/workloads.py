@@ -40,6 +40,7 @@ Content = tuple  # of Piece, or literal text / token ids (traces)
 @dataclass(frozen=True)
 class Spec:
     """One request of a workload, before it is rendered for an endpoint."""
+
     index: int
     turns: tuple[tuple[str, Content], ...]  # (role, content) in order; a prompt is one ("user", ...)
     max_tokens: int
@@ -59,6 +60,7 @@ class Spec:
 @dataclass(frozen=True)
 class Gsp:
     """SGLang's generated-shared-prefix dataset (bench_serving's gsp defaults)."""
+
     num_groups: int = 64
     prompts_per_group: int = 16
     system_prompt_len: int = 2048
@@ -67,9 +69,14 @@ class Gsp:
 
     def specs(self, seed: int, num: int | None = None) -> list[Spec]:
         rng = random.Random(seed)
-        specs = [(f"g{g}", (("user", (Piece(f"g{g}.system", self.system_prompt_len),
-                                      Piece(f"g{g}.q{i}", self.question_len))),))
-                 for g in range(self.num_groups) for i in range(self.prompts_per_group)]
+        specs = [
+            (
+                f"g{g}",
+                (("user", (Piece(f"g{g}.system", self.system_prompt_len), Piece(f"g{g}.q{i}", self.question_len))),),
+            )
+            for g in range(self.num_groups)
+            for i in range(self.prompts_per_group)
+        ]
         rng.shuffle(specs)  # the groups interleaved, as SGLang sends them
         specs = _take(specs, num)
         return [Spec(i, turns, self.output_len, tenant=group) for i, (group, turns) in enumerate(specs)]
@@ -78,6 +85,7 @@ class Gsp:
 @dataclass(frozen=True)
 class Tenants:
     """Multi-tenant multi-turn traffic: Zipf-popular tenants, sessions that resend their conversation."""
+
     num_tenants: int = 8
     prompt_len: int = 2048  # each tenant's system prompt (tool schemas, few-shot examples)
     zipf: float = 1.1  # tenant k (from 0) is chosen with weight 1 / (k + 1) ** zipf
@@ -96,8 +104,13 @@ class Tenants:
             nonlocal sessions
             sessions += 1
             tenant = rng.choices(range(self.num_tenants), weights)[0]
-            return {"id": sessions - 1, "tenant": tenant, "turn": 0, "last": None,
-                    "history": [("system", (Piece(f"t{tenant}.system", self.prompt_len),))]}
+            return {
+                "id": sessions - 1,
+                "tenant": tenant,
+                "turn": 0,
+                "last": None,
+                "history": [("system", (Piece(f"t{tenant}.system", self.prompt_len),))],
+            }
 
         active = [new_session() for _ in range(min(self.active_sessions, num))]
         specs = []
@@ -106,8 +119,17 @@ class Tenants:
             s = active[slot]
             sid, turn = s["id"], s["turn"]
             s["history"].append(("user", (Piece(f"s{sid}.u{turn}", self.turn_len),)))
-            specs.append(Spec(len(specs), tuple(s["history"]), self.output_len, tenant=f"t{s['tenant']}",
-                              session=sid, turn=turn, after=s["last"]))
+            specs.append(
+                Spec(
+                    len(specs),
+                    tuple(s["history"]),
+                    self.output_len,
+                    tenant=f"t{s['tenant']}",
+                    session=sid,
+                    turn=turn,
+                    after=s["last"],
+                )
+            )
             # the reply as the next turn resends it (the same every run: not the model's own)
             s["history"].append(("assistant", (Piece(f"s{sid}.a{turn}", self.output_len),)))
             s["turn"], s["last"] = turn + 1, len(specs) - 1
@@ -119,6 +141,7 @@ class Tenants:
 @dataclass(frozen=True)
 class PrefixRepetition:
     """vLLM's prefix_repetition dataset: num_prefixes prefixes, each with suffixes of its own."""
+
     prefix_len: int = 256
     suffix_len: int = 256
     num_prefixes: int = 10
@@ -129,13 +152,21 @@ class PrefixRepetition:
         rng = random.Random(seed)
         order = [i % self.num_prefixes for i in range(num)]
         rng.shuffle(order)
-        return [Spec(i, (("user", (Piece(f"p{p}", self.prefix_len), Piece(f"r{i}", self.suffix_len))),),
-                     self.output_len, tenant=f"p{p}") for i, p in enumerate(order)]
+        return [
+            Spec(
+                i,
+                (("user", (Piece(f"p{p}", self.prefix_len), Piece(f"r{i}", self.suffix_len))),),
+                self.output_len,
+                tenant=f"p{p}",
+            )
+            for i, p in enumerate(order)
+        ]
 
 
 @dataclass(frozen=True)
 class Random_:
     """vLLM's random dataset: input and output lengths uniform in [len (1 - r), len (1 + r)]."""
+
     input_len: int = 1024
     output_len: int = 128
     range_ratio: float = 0.0
@@ -196,16 +227,24 @@ def load_trace(path: str | Path, default_max_tokens: int = 128, num: int | None 
             prompt = row["prompt"]
             if isinstance(prompt, str) and prompt:
                 turns = (("user", (prompt,)),)
-            elif (isinstance(prompt, list) and prompt
-                  and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)):
+            elif (
+                isinstance(prompt, list)
+                and prompt
+                and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt)
+            ):
                 turns = (("user", (tuple(prompt),)),)
             else:
                 raise TraceError(f"{where}: prompt must be non-empty text or a list of token ids")
         else:
             messages = row["messages"]
-            if not (isinstance(messages, list) and messages and all(
+            if not (
+                isinstance(messages, list)
+                and messages
+                and all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages)):
+                    for m in messages
+                )
+            ):
                 raise TraceError(f"{where}: messages must be a non-empty list of {{role, content}} with text content")
             turns = tuple((m["role"], (m["content"],)) for m in messages)
         max_tokens = row.get("max_tokens", default_max_tokens)
@@ -224,8 +263,16 @@ def load_trace(path: str | Path, default_max_tokens: int = 128, num: int | None 
         tenant = row.get("tenant")
         if tenant is not None and not isinstance(tenant, (str, int)):
             raise TraceError(f"{where}: tenant must be a string, got {tenant!r}")
-        specs.append(Spec(len(specs), turns, max_tokens, tenant=None if tenant is None else str(tenant),
-                          timestamp=None if ts is None else ts - first_ts, chat="messages" in row))
+        specs.append(
+            Spec(
+                len(specs),
+                turns,
+                max_tokens,
+                tenant=None if tenant is None else str(tenant),
+                timestamp=None if ts is None else ts - first_ts,
+                chat="messages" in row,
+            )
+        )
     if not specs:
         raise TraceError(f"{path}: the trace holds no request")
     if num is not None:
@@ -243,6 +290,7 @@ class Arrivals:
     rate: requests per second (inf: all at once); burstiness: the gamma shape of the gaps
     (1: Poisson; below 1 burstier, above steadier: vLLM's --burstiness); replay: a trace's own
     timestamps instead."""
+
     rate: float = math.inf
     burstiness: float = 1.0
     replay: bool = False

@@ -51,23 +51,35 @@ def workload(groups: int, per_group: int, prefix_len: int, question_len: int, se
 async def send(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[tuple[str, dict]]:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+
         async def one(prompt):
             async with sem:
-                r = await client.post(url, json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                                                 "ignore_eos": True})
+                r = await client.post(
+                    url, json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+                )
                 r.raise_for_status()
                 return r.headers[REPLICA_HEADER], r.json()["usage"]
+
         return await asyncio.gather(*(one(p) for p in prompts))
 
 
 def run_policy(base: str, policy: str, args) -> dict:
     name = f"cmp-{policy}"
-    serve.run(build_app({
-        "model": "tiny", "device": "cpu", "num_replicas": args.replicas, "num_cpus_per_replica": 0.5,
-        "max_ongoing_requests": 16,
-        "engine": {"kv_cache_tokens": args.kv_tokens, "max_model_len": 2048, "chunk_size": 64},
-        "router": {"policy": policy, "routing_stats_period_s": 1.0},
-    }), name=name, route_prefix=f"/{name}")
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": args.replicas,
+                "num_cpus_per_replica": 0.5,
+                "max_ongoing_requests": 16,
+                "engine": {"kv_cache_tokens": args.kv_tokens, "max_model_len": 2048, "chunk_size": 64},
+                "router": {"policy": policy, "routing_stats_period_s": 1.0},
+            }
+        ),
+        name=name,
+        route_prefix=f"/{name}",
+    )
     prompts = workload(args.groups, args.per_group, args.prefix, args.question, args.seed)
     t0 = time.monotonic()
     results = asyncio.run(send(f"{base}/{name}/v1/completions", prompts, args.max_tokens, args.concurrency))
@@ -75,9 +87,16 @@ def run_policy(base: str, policy: str, args) -> dict:
     serve.delete(name)
     prompt = sum(u["prompt_tokens"] for _, u in results)
     cached = sum(u["prompt_tokens_details"]["cached_tokens"] for _, u in results)
-    return {"policy": policy, "replicas": args.replicas, "requests": len(results), "prompt_tokens": prompt,
-            "cached_prompt_tokens": cached, "cached_fraction": round(cached / prompt, 4),
-            "replicas_used": len({r for r, _ in results}), "wall_s": round(wall, 1)}
+    return {
+        "policy": policy,
+        "replicas": args.replicas,
+        "requests": len(results),
+        "prompt_tokens": prompt,
+        "cached_prompt_tokens": cached,
+        "cached_fraction": round(cached / prompt, 4),
+        "replicas_used": len({r for r, _ in results}),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main() -> None:
@@ -91,8 +110,12 @@ def main() -> None:
     p.add_argument("--question", type=int, default=32, help="unique tokens per prompt")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--kv-tokens", type=int, default=6144,
-                   help="KV pool per replica, in tokens: a quarter of the groups' prefixes fit, all of them do not")
+    p.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=6144,
+        help="KV pool per replica, in tokens: a quarter of the groups' prefixes fit, all of them do not",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--policies", default="prefix,pow2")
     args = p.parse_args()

@@ -299,8 +299,9 @@ def readers(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> dict[str, list[Ca
     out = {"read_pointer": [lambda k=k, v=v: read_kv(k, v, _READ_PROGRAMS_PER_SM * sms) for k, v in zip(ks, vs)]}
     if torch.cuda.get_device_capability(ks[0].device)[0] >= 9:
         box = max(16, _READ_TMA_BOX_BYTES // (ks[0].shape[-1] * ks[0].element_size()))
-        out["read_tma"] = [lambda k=k, v=v: read_kv_tma(k, v, _READ_TMA_PROGRAMS_PER_SM * sms, box)
-                           for k, v in zip(ks, vs)]
+        out["read_tma"] = [
+            lambda k=k, v=v: read_kv_tma(k, v, _READ_TMA_PROGRAMS_PER_SM * sms, box) for k, v in zip(ks, vs)
+        ]
     return out
 
 
@@ -320,8 +321,9 @@ def copy_bandwidth() -> float:
 
 
 def ours(case: Case, batch: Batch, c: int, ks, vs):
-    plan = tpp.build_plan(batch.tables, batch.lens, c, "cuda", num_q_heads=case.hq, num_kv_heads=case.hkv,
-                          head_dim=case.head_dim)
+    plan = tpp.build_plan(
+        batch.tables, batch.lens, c, "cuda", num_q_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.head_dim
+    )
     return [lambda k=k, v=v: tpp.tpp_decode(batch.q, k, v, plan) for k, v in zip(ks, vs)]
 
 
@@ -339,8 +341,17 @@ def flashinfer_paged(case: Case, batch: Batch, c: int, ks, vs, tensor_cores: boo
         indptr.append(indptr[-1] + len(t))
     last = [n - (len(t) - 1) * c for t, n in zip(batch.tables, batch.lens)]
     dt = _DTYPES[case.dtype]
-    w.plan(_i32(indptr), _i32([x for t in batch.tables for x in t]), _i32(last), case.hq, case.hkv,
-           case.head_dim, c, q_data_type=dt, kv_data_type=dt)
+    w.plan(
+        _i32(indptr),
+        _i32([x for t in batch.tables for x in t]),
+        _i32(last),
+        case.hq,
+        case.hkv,
+        case.head_dim,
+        c,
+        q_data_type=dt,
+        kv_data_type=dt,
+    )
     return [lambda k=k, v=v: w.run(batch.q, (k, v)) for k, v in zip(ks, vs)]
 
 
@@ -375,8 +386,7 @@ def sdpa(case: Case, batch: Batch, c: int):
     nbytes = 2 * b * n * case.hkv * case.head_dim * batch.k.element_size()
     kvs = [(dense(batch.k), dense(batch.v)) for _ in range(max(1, min(8, _rotations(nbytes))))]
     q = batch.q[:, :, None]  # [B, Hq, 1, D]
-    return [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv)
-            for k, v in kvs]
+    return [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv) for k, v in kvs]
 
 
 def _try(fn: Callable[[], list], notes: dict, name: str):
@@ -410,8 +420,18 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
     rot = _rotations(unique)
     ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
     notes: dict[str, str] = {}
-    row = dict(grid=case.grid, b=case.batch, hq=case.hq, hkv=case.hkv, d=case.head_dim, dtype=case.dtype, c=c,
-               n_p=case.seq_len, n_s=case.shared, levels=[list(lv) for lv in case.levels])
+    row = dict(
+        grid=case.grid,
+        b=case.batch,
+        hq=case.hq,
+        hkv=case.hkv,
+        d=case.head_dim,
+        dtype=case.dtype,
+        c=c,
+        n_p=case.seq_len,
+        n_s=case.shared,
+        levels=[list(lv) for lv in case.levels],
+    )
     runs = {
         "ours": lambda: ours(case, batch, c, ks, vs),
         "fi_paged": lambda: flashinfer_paged(case, batch, c, ks, vs),
@@ -441,8 +461,13 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
         row["private_only_ours_us"] = sub.get("ours_us")
         fi_own = [sub[k] for k in ("fi_paged_us", "fi_paged_tc_us") if sub.get(k)]
         row["private_only_best_fi_us"] = min(fi_own) if fi_own else None
-    row.update({k: float(f"{v:.3g}") if k.endswith("err_vs_ref") else round(v, 2)
-                for k, v in row.items() if isinstance(v, float)})
+    row.update(
+        {
+            k: float(f"{v:.3g}") if k.endswith("err_vs_ref") else round(v, 2)
+            for k, v in row.items()
+            if isinstance(v, float)
+        }
+    )
     if notes:
         row["notes"] = notes
     return row
@@ -457,6 +482,7 @@ def targets(rows: list[dict]) -> dict:
     row's read floor `read_us`: no kernel that reads the row's KV at that speed can meet it).
     Nothing shared (n_s = 0): at most 1.05x FlashInfer's paged decode, the faster of its two paths
     (CUDA cores, tensor cores). Batch scaling: our tokens per second rising with b."""
+
     def label(r: dict) -> str:
         return f"{r['grid']} b={r['b']} {r['n_p']}/{r['n_s']}"
 
@@ -491,8 +517,14 @@ def targets(rows: list[dict]) -> dict:
             check("nothing_shared", r, "us", r["ours_us"], limit, r["ours_us"] <= limit)
     scaling = sorted((r for r in timed if r["grid"] == "batch"), key=lambda r: r["b"])
     for prev, r in zip(scaling, scaling[1:]):
-        check("batch_scaling", r, f"tok/s (b={prev['b']}: {round(prev['ours_tok_per_s'])})",
-              round(r["ours_tok_per_s"]), round(prev["ours_tok_per_s"]), r["ours_tok_per_s"] > prev["ours_tok_per_s"])
+        check(
+            "batch_scaling",
+            r,
+            f"tok/s (b={prev['b']}: {round(prev['ours_tok_per_s'])})",
+            round(r["ours_tok_per_s"]),
+            round(prev["ours_tok_per_s"]),
+            r["ours_tok_per_s"] > prev["ours_tok_per_s"],
+        )
     got = {k: dict(checks=n, missed=missed[k]) for k, n in checks.items()}
     got["partially_shared"]["below_read"] = below_read
     return got
@@ -515,11 +547,24 @@ def _max_err(case: Case, batch: Batch, c: int, notes: dict) -> float | None:
 
 
 SWEEP = [  # (BLOCK_N, num_warps, num_stages)
-    (64, 4, 2), (64, 4, 3), (64, 4, 4), (32, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 3),
+    (64, 4, 2),
+    (64, 4, 3),
+    (64, 4, 4),
+    (32, 4, 3),
+    (128, 4, 3),
+    (128, 8, 3),
+    (64, 8, 3),
 ]
 DEALS = [  # (_PROGRAMS_PER_SM, _MIN_PIECE_TOKENS, _P1_MAX_M, _SPLIT_PHASES)
-    (4, 256, 64, True), (4, 256, 64, False), (2, 256, 64, True), (8, 256, 64, True), (4, 512, 64, True),
-    (4, 128, 64, True), (4, 256, 32, True), (4, 256, 128, True), (4, 256, 16, False),
+    (4, 256, 64, True),
+    (4, 256, 64, False),
+    (2, 256, 64, True),
+    (8, 256, 64, True),
+    (4, 512, 64, True),
+    (4, 128, 64, True),
+    (4, 256, 32, True),
+    (4, 256, 128, True),
+    (4, 256, 16, False),
 ]
 _DEAL_KNOBS = ("_PROGRAMS_PER_SM", "_MIN_PIECE_TOKENS", "_P1_MAX_M", "_SPLIT_PHASES")
 
@@ -527,14 +572,21 @@ _DEAL_KNOBS = ("_PROGRAMS_PER_SM", "_MIN_PIECE_TOKENS", "_P1_MAX_M", "_SPLIT_PHA
 def _sweep_cases() -> list[Case]:
     runs = [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, ns, 4096 - ns)) for ns in (0, 2048, 4096)]
     runs += [Case("sweep", 32, 32, 32, 128, "fp16", _two_level(32, 512, 512))]
-    runs += [Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, ns, n - ns))
-             for n, ns in ((4096, 0), (1024, 512), (4096, 3072), (4096, 4096), (2048, 2048))]
+    runs += [
+        Case("sweep", 32, 32, 8, 128, "bf16", _two_level(32, ns, n - ns))
+        for n, ns in ((4096, 0), (1024, 512), (4096, 3072), (4096, 4096), (2048, 2048))
+    ]
     runs += [Case("sweep", 256, 32, 8, 128, "bf16", _two_level(256, 2048, 256))]
     return runs
 
 
 PHASE1_SWEEP = [  # (BLOCK_N, num_warps, num_stages) of phase-1 tiles only, each with these programs per SM
-    (64, 4, 3), (32, 4, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 8, 2),
+    (64, 4, 3),
+    (32, 4, 3),
+    (32, 4, 4),
+    (64, 4, 2),
+    (64, 8, 3),
+    (128, 8, 2),
 ]
 PHASE1_PROGRAMS_PER_SM = (2, 3, 4)
 
@@ -554,28 +606,59 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
                 tpp._PROGRAMS_PER_SM = pps
                 tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
-                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns) if live == m and m > 16 else default(d, m, e, live, lean))
+                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                    if live == m and m > 16
+                    else default(d, m, e, live, lean)
+                )
                 notes = {}
                 us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
-                print(json.dumps(dict(sweep="phase1", **head, block_n=bn, warps=nw, stages=ns, programs_per_sm=pps,
-                                      us=us and round(us, 2), notes=notes or None)), flush=True)
+                print(
+                    json.dumps(
+                        dict(
+                            sweep="phase1",
+                            **head,
+                            block_n=bn,
+                            warps=nw,
+                            stages=ns,
+                            programs_per_sm=pps,
+                            us=us and round(us, 2),
+                            notes=notes or None,
+                        )
+                    ),
+                    flush=True,
+                )
             tpp._launch_config, tpp._PROGRAMS_PER_SM = default, knobs[0]
             continue
         for bn, nw, ns in SWEEP if launch_configs else []:
             tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: dict(
-                BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                BLOCK_N=bn, num_warps=nw, num_stages=ns
+            )
             notes: dict[str, str] = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
-            print(json.dumps(dict(sweep="launch", **head, block_n=bn, warps=nw, stages=ns, us=us and round(us, 2),
-                                  notes=notes or None)), flush=True)
+            print(
+                json.dumps(
+                    dict(
+                        sweep="launch",
+                        **head,
+                        block_n=bn,
+                        warps=nw,
+                        stages=ns,
+                        us=us and round(us, 2),
+                        notes=notes or None,
+                    )
+                ),
+                flush=True,
+            )
         tpp._launch_config = default
         for deal in DEALS:
             for k, x in zip(_DEAL_KNOBS, deal):
                 setattr(tpp, k, x)
             notes = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
-            print(json.dumps(dict(sweep="deal", **head, deal=deal, us=us and round(us, 2), notes=notes or None)),
-                  flush=True)
+            print(
+                json.dumps(dict(sweep="deal", **head, deal=deal, us=us and round(us, 2), notes=notes or None)),
+                flush=True,
+            )
         for k, x in zip(_DEAL_KNOBS, knobs):
             setattr(tpp, k, x)
 
@@ -619,10 +702,12 @@ def warmup(cases: list[Case], c: int) -> None:
         case = Case("warmup", 4, hq, hkv, d, dtype, levels)
         batch = make_batch(case, c)
         notes: dict[str, str] = {}
-        for name, fn in [("ours", lambda: ours(case, batch, c, [batch.k], [batch.v])),
-                         ("fi_paged", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v])),
-                         ("fi_paged_tc", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v], True)),
-                         ("fi_cascade", lambda: flashinfer_cascade(case, batch, c, [batch.k], [batch.v]))]:
+        for name, fn in [
+            ("ours", lambda: ours(case, batch, c, [batch.k], [batch.v])),
+            ("fi_paged", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v])),
+            ("fi_paged_tc", lambda: flashinfer_paged(case, batch, c, [batch.k], [batch.v], True)),
+            ("fi_cascade", lambda: flashinfer_cascade(case, batch, c, [batch.k], [batch.v])),
+        ]:
             try:
                 fn()[0]()
             except Exception as e:  # noqa: BLE001
@@ -635,8 +720,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kernels.tools.bench", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     dec = sub.add_parser("decode", help="TPP decode vs FlashInfer paged / cascade, SDPA and the bound")
-    dec.add_argument("--grid", nargs="*", default=["paper", "gqa", "divergence", "batch", "tree"],
-                     choices=["paper", "gqa", "divergence", "batch", "tree"])
+    dec.add_argument(
+        "--grid",
+        nargs="*",
+        default=["paper", "gqa", "divergence", "batch", "tree"],
+        choices=["paper", "gqa", "divergence", "batch", "tree"],
+    )
     dec.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     dec.add_argument("--methods", nargs="*", default=list(METHODS), choices=METHODS)
     dec.add_argument("--warmup-only", action="store_true", help="only JIT-compile what the grid needs")
@@ -663,8 +752,17 @@ def main(argv: list[str] | None = None) -> None:
         warmup(all_cases(args.grid), args.chunk_size)
         return
     bw = copy_bandwidth()
-    print(json.dumps(dict(device=torch.cuda.get_device_name(), copy_bandwidth_tb_s=round(bw / 1e12, 3),
-                          torch=torch.__version__, chunk_size=args.chunk_size)), flush=True)
+    print(
+        json.dumps(
+            dict(
+                device=torch.cuda.get_device_name(),
+                copy_bandwidth_tb_s=round(bw / 1e12, 3),
+                torch=torch.__version__,
+                chunk_size=args.chunk_size,
+            )
+        ),
+        flush=True,
+    )
     rows = []
     for case in all_cases(args.grid):
         rows.append(run_case(case, args.chunk_size, bw, tuple(args.methods)))

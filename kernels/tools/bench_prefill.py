@@ -48,8 +48,9 @@ def _per_call(fn, calls: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: list[float], reps: int,
-             layers: int = 8) -> dict:
+def run_case(
+    context: int, piece: int, hq: int, hkv: int, c: int, densities: list[float], reps: int, layers: int = 8
+) -> dict:
     d, dtype, dev = 128, torch.bfloat16, torch.device("cuda")
     total = context + piece
     used = -(-total // c)
@@ -60,8 +61,9 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
     random.Random(context).shuffle(table)
     table = table[:used]
     q = torch.randn(piece, hq, d, device=dev, dtype=dtype)
-    fi = FlashInferPrefill(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev,
-                           sm_scale=d ** -0.5)
+    fi = FlashInferPrefill(
+        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev, sm_scale=d**-0.5
+    )
     fi.plan([(table, context, piece)])
     row = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
     row["dense_us"] = round(_per_call(lambda: fi.run(q, k, v), layers, reps), 1)
@@ -84,7 +86,7 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
 
         def agg():
             keys = block_union.block_keys_gpu(means, tab[:k0], bc, q.dtype)
-            return block_union.block_agg(q, keys, cfg.block, sub, d ** -0.5)
+            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5)
 
         def budget_layer():
             block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
@@ -95,8 +97,8 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
         # alpha's threshold: selection as the engine runs it, lists of that share at random
         # (random keys score flat), planned layer by layer
         keep = torch.rand(e, nb, generator=rng) < dens
-        keep[:, :cfg.sink] = True
-        keep[:, nb - cfg.window:] = True
+        keep[:, : cfg.sink] = True
+        keep[:, nb - cfg.window :] = True
         mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
 
         def alpha_layer():
@@ -110,13 +112,26 @@ def run_case(context: int, piece: int, hq: int, hkv: int, c: int, densities: lis
 
 def main(args) -> None:
     cfg = BlockUnion()
-    print(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, block=cfg.block,
-                          sink=cfg.sink, window=cfg.window, subgroup=cfg.subgroup)), flush=True)
+    print(
+        json.dumps(
+            dict(
+                device=torch.cuda.get_device_name(),
+                torch=torch.__version__,
+                block=cfg.block,
+                sink=cfg.sink,
+                window=cfg.window,
+                subgroup=cfg.subgroup,
+            )
+        ),
+        flush=True,
+    )
     for heads in args.heads:
         hq, hkv = (int(x) for x in heads.split("/"))
         for context in args.contexts:
-            print(json.dumps(run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps)),
-                  flush=True)
+            print(
+                json.dumps(run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps)),
+                flush=True,
+            )
 
 
 def add_parser(sub) -> None:

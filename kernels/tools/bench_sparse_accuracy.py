@@ -63,8 +63,7 @@ ANSWER_TOKENS, AGREE_TOKENS = 16, 32
 # ---------------------------------------------------------------------------------------------
 
 
-def chunk_mass(q: Tensor, k: Tensor, v: Tensor, context_len: int, c: int,
-               sm_scale: float) -> tuple[Tensor, Tensor]:
+def chunk_mass(q: Tensor, k: Tensor, v: Tensor, context_len: int, c: int, sm_scale: float) -> tuple[Tensor, Tensor]:
     """Dense causal attention of a piece, and where its weight falls. q: [T, Hq, D] at positions
     context_len.. ; k, v: [Hkv, total, D] (total = context_len + T) -> (out [T, Hq, D] as
     kernels.reference.prefill_attention_ref, M [Hq, ceil(total / c)] float32: each head's
@@ -110,8 +109,12 @@ def kept_mass(block_mass: Tensor, own: Tensor, keep: Tensor) -> dict[str, float]
     """Sums for one (piece, layer): the mass on kept context blocks, on all context blocks, in all
     (kept + own) and overall (every weight: the rows times the heads)."""
     ctx_kept = float((block_mass * keep).sum())
-    return {"ctx_kept": ctx_kept, "ctx": float(block_mass.sum()), "kept": ctx_kept + float(own.sum()),
-            "all": float(block_mass.sum() + own.sum())}
+    return {
+        "ctx_kept": ctx_kept,
+        "ctx": float(block_mass.sum()),
+        "kept": ctx_kept + float(own.sum()),
+        "all": float(block_mass.sum() + own.sum()),
+    }
 
 
 def select(q: Tensor, k_ctx: Tensor, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
@@ -131,8 +134,12 @@ def summarise(per_layer: dict[int, dict[str, float]], prefix: str = "") -> dict[
     whole = [s["kept"] / s["all"] for s in per_layer.values()]
     ctx = [s["ctx_kept"] / s["ctx"] for s in per_layer.values() if s["ctx"] > 0]
     r = lambda x: round(x, 4)
-    return {f"{prefix}mass": r(sum(whole) / len(whole)), f"{prefix}mass_worst": r(min(whole)),
-            f"{prefix}ctx_mass": r(sum(ctx) / len(ctx)), f"{prefix}ctx_mass_worst": r(min(ctx))}
+    return {
+        f"{prefix}mass": r(sum(whole) / len(whole)),
+        f"{prefix}mass_worst": r(min(whole)),
+        f"{prefix}ctx_mass": r(sum(ctx) / len(ctx)),
+        f"{prefix}ctx_mass_worst": r(min(ctx)),
+    }
 
 
 class MassProbe:
@@ -145,8 +152,9 @@ class MassProbe:
         self.engine, self.cfgs, self.start = engine, cfgs, start
         a = engine.attention
         self.c, self.scale, self.hkv = a.pool.chunk_size, a.sm_scale, a.pool.kv.shape[3]
-        self.subs = {name: block_union.subgroup_size(a.num_q_heads, self.hkv, cfg.subgroup)
-                     for name, cfg in cfgs.items()}
+        self.subs = {
+            name: block_union.subgroup_size(a.num_q_heads, self.hkv, cfg.subgroup) for name, cfg in cfgs.items()
+        }
         self.needle: tuple[int, int] | None = None  # the planted sentence's token span, for needle_lists
         self.sums: dict = {name: {"sel": {}, "oracle": {}} for name in cfgs}
         self.needle_hits: dict = {name: {"sel": [0, 0], "oracle": [0, 0]} for name in cfgs}
@@ -160,7 +168,7 @@ class MassProbe:
             if not cfg.applies(context_len, self.c):
                 continue
             sub, bc = self.subs[name], cfg.block // self.c
-            keep = select(q, k[:, :k0 * self.c], cfg, self.c, sub, self.scale)
+            keep = select(q, k[:, : k0 * self.c], cfg, self.c, sub, self.scale)
             bm, own = list_mass(mass, sub, k0, bc)
             picks = {"sel": keep, "oracle": oracle_keep(bm, keep.sum(1))}
             for kind, kp in picks.items():
@@ -204,14 +212,56 @@ class _ProbedStep:
 # ---------------------------------------------------------------------------------------------
 
 _WORDS = {
-    "subject": ["The old farmer", "A young teacher", "The river", "My neighbour", "The small boat", "The city council",
-                "A tired traveller", "The gardener", "The orchestra", "Our family", "The baker", "A grey cat"],
-    "verb": ["walked past", "looked at", "painted", "remembered", "carried", "followed", "repaired", "described",
-             "admired", "visited", "ignored", "cleaned"],
-    "object": ["the quiet harbour", "a wooden bridge", "the empty market", "an old church", "the morning train",
-               "the green hills", "a narrow street", "the village school", "the broken fence", "a field of wheat"],
-    "tail": ["before the rain came", "on a cold afternoon", "while the bells rang", "after a long winter",
-             "without saying a word", "as the sun went down", "in the early spring", "for the last time"],
+    "subject": [
+        "The old farmer",
+        "A young teacher",
+        "The river",
+        "My neighbour",
+        "The small boat",
+        "The city council",
+        "A tired traveller",
+        "The gardener",
+        "The orchestra",
+        "Our family",
+        "The baker",
+        "A grey cat",
+    ],
+    "verb": [
+        "walked past",
+        "looked at",
+        "painted",
+        "remembered",
+        "carried",
+        "followed",
+        "repaired",
+        "described",
+        "admired",
+        "visited",
+        "ignored",
+        "cleaned",
+    ],
+    "object": [
+        "the quiet harbour",
+        "a wooden bridge",
+        "the empty market",
+        "an old church",
+        "the morning train",
+        "the green hills",
+        "a narrow street",
+        "the village school",
+        "the broken fence",
+        "a field of wheat",
+    ],
+    "tail": [
+        "before the rain came",
+        "on a cold afternoon",
+        "while the bells rang",
+        "after a long winter",
+        "without saying a word",
+        "as the sun went down",
+        "in the early spring",
+        "for the last time",
+    ],
 }
 
 
@@ -219,19 +269,24 @@ def filler_text(kind: str = "auto", chars: int = 80_000) -> tuple[str, str]:
     """(text, its name): Newton's Opticks from apache-tvm-ffi's data, or generated sentences."""
     if kind in ("auto", "opticks"):
         spec = importlib.util.find_spec("tvm_ffi")
-        path = (Path(spec.origin).parent / "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt" if spec and spec.origin
-                else None)
+        path = (
+            Path(spec.origin).parent / "3rdparty/libbacktrace/Isaac.Newton-Opticks.txt"
+            if spec and spec.origin
+            else None
+        )
         if path is not None and path.is_file():
             text = path.read_text(encoding="utf-8", errors="replace")
             start = text.find("BOOK I.")  # past the title pages and contents
-            body = " ".join(text[max(0, start):].split())  # one paragraph: line breaks cost tokens
+            body = " ".join(text[max(0, start) :].split())  # one paragraph: line breaks cost tokens
             return body[:chars], "opticks"
         if kind == "opticks":
             raise ValueError("the Opticks text needs apache-tvm-ffi installed (or --filler generated)")
     rng, out, n = random.Random(0), [], 0
     while n < chars:
-        s = f"{rng.choice(_WORDS['subject'])} {rng.choice(_WORDS['verb'])} {rng.choice(_WORDS['object'])} " \
+        s = (
+            f"{rng.choice(_WORDS['subject'])} {rng.choice(_WORDS['verb'])} {rng.choice(_WORDS['object'])} "
             f"{rng.choice(_WORDS['tail'])}."
+        )
         out.append(s)
         n += len(s) + 1
     return " ".join(out), "generated"
@@ -286,8 +341,13 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     cfgs = {spec: parse_config(spec, args.piece) for spec in args.configs}
-    opts = {"device": "cpu", "dtype": "float32", "kv_cache_tokens": max(args.lengths) + 2 * AGREE_TOKENS + 64,
-            "max_num_batched_tokens": args.piece, "enable_prefix_sharing": False}
+    opts = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kv_cache_tokens": max(args.lengths) + 2 * AGREE_TOKENS + 64,
+        "max_num_batched_tokens": args.piece,
+        "enable_prefix_sharing": False,
+    }
     t0 = time.time()
     dense = LLMEngine.from_model(args.model, **opts)
     probe = MassProbe(dense, cfgs, args.piece)
@@ -310,8 +370,11 @@ def run(args) -> list[dict]:
         for i, depth in enumerate(depths):
             number = random.Random(length * 100 + i).randrange(1000, 10000)
             ids, span = needle_prompt(tok, filler_ids, length, depth, number)
-            params = SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True) if i == mid else \
-                SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
+            params = (
+                SamplingParams(max_tokens=AGREE_TOKENS, temperature=0, ignore_eos=True)
+                if i == mid
+                else SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
+            )
             probe.needle = span
             ref = dense.generate([ids], params)[0]
             dense_found.append(str(number) in tok.decode(ref[:ANSWER_TOKENS]))
@@ -327,10 +390,20 @@ def run(args) -> list[dict]:
                     agree[name] = leading_equal(got, ref)
                 log(f"len {length} depth {depth:.2f} {name}: {tok.decode(got[:ANSWER_TOKENS])!r}")
         for name, cfg in cfgs.items():
-            line = {"config": name, "block": cfg.block, "sink": cfg.sink, "window": cfg.window,
-                    "subgroup": cfg.subgroup, "alpha": None if cfg.budget is not None else cfg.alpha,
-                    "budget": cfg.budget, "length": length, "piece": args.piece, "min_context": cfg.min_context,
-                    "filler": filler, "depths": [round(d, 3) for d in depths]}
+            line = {
+                "config": name,
+                "block": cfg.block,
+                "sink": cfg.sink,
+                "window": cfg.window,
+                "subgroup": cfg.subgroup,
+                "alpha": None if cfg.budget is not None else cfg.alpha,
+                "budget": cfg.budget,
+                "length": length,
+                "piece": args.piece,
+                "min_context": cfg.min_context,
+                "filler": filler,
+                "depths": [round(d, 3) for d in depths],
+            }
             if probe.sums[name]["sel"]:
                 line.update(summarise(probe.sums[name]["sel"]))
                 line.update(summarise(probe.sums[name]["oracle"], "oracle_"))
@@ -338,10 +411,16 @@ def run(args) -> list[dict]:
                 hit, of = probe.needle_hits[name][kind]
                 line[key] = round(hit / of, 4) if of else None
             both = sum(d and s for d, s in zip(dense_found, found[name]))
-            line.update({"dense_found": sum(dense_found), "found": sum(found[name]),
-                         "found_where_dense": f"{both}/{sum(dense_found)}", "agree_32": agree.get(name),
-                         "pages_ratio": round(pages[name][0] / pages[name][1], 4) if pages[name][1] else None,
-                         "seconds_length": round(time.time() - t_len)})
+            line.update(
+                {
+                    "dense_found": sum(dense_found),
+                    "found": sum(found[name]),
+                    "found_where_dense": f"{both}/{sum(dense_found)}",
+                    "agree_32": agree.get(name),
+                    "pages_ratio": round(pages[name][0] / pages[name][1], 4) if pages[name][1] else None,
+                    "seconds_length": round(time.time() - t_len),
+                }
+            )
             print(json.dumps(line), flush=True)
             lines.append(line)
     log("done")

@@ -49,11 +49,21 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
     ptr, dot_t = _DTYPES[dtype]
     elem = 4 if dtype == "fp32" else 2
     cfg = tpp._launch_config(head_dim, block_m, elem, live)
-    const = dict(G=g, C=c, D=head_dim, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], DOT_T=dot_t,
-                 DOT_PREC="ieee" if dtype == "fp32" else "tf32", LAUNCH_NEXT=True, EARLY=True, TMA=tma,
-                 TAIL=live != block_m,  # phase 2 (live < block_m) folds, as tpp_decode launches it
-                 FOLD_P=triton.next_power_of_2(tpp._FOLD_MAX) if tpp._FOLD_VEC_MIN and live < block_m else 1,
-                 FOLD_VEC_MIN=tpp._FOLD_VEC_MIN)
+    const = dict(
+        G=g,
+        C=c,
+        D=head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_T=dot_t,
+        DOT_PREC="ieee" if dtype == "fp32" else "tf32",
+        LAUNCH_NEXT=True,
+        EARLY=True,
+        TMA=tma,
+        TAIL=live != block_m,  # phase 2 (live < block_m) folds, as tpp_decode launches it
+        FOLD_P=triton.next_power_of_2(tpp._FOLD_MAX) if tpp._FOLD_VEC_MIN and live < block_m else 1,
+        FOLD_VEC_MIN=tpp._FOLD_VEC_MIN,
+    )
     if not tma:
         const.update(Kd=None, Vd=None)
     params = list(inspect.signature(tpp._attend_kernel.fn).parameters)
@@ -74,23 +84,43 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
         else:
             sig[p] = "*i32"
     # as the JIT specialises them at run time: pointers 16-byte aligned, strides multiples of 16
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if sig[p].startswith("*") or
-             p.startswith("stride")}
-    src = ASTSource(fn=tpp._attend_kernel, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, p in enumerate(params)
+        if sig[p].startswith("*") or p.startswith("stride")
+    }
+    src = ASTSource(
+        fn=tpp._attend_kernel, signature=sig, constexprs={(params.index(k),): v for k, v in const.items()}, attrs=attrs
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    )
     shared = kernel.metadata.shared
     registers = _registers(kernel.asm["ptx"])
     # K and V tiles in shared memory: memdesc<N x BLOCK_N x D>, N buffers each
     tile = rf"memdesc<(\d+)x{cfg['BLOCK_N']}x{head_dim}x"
     buffers = [int(n) for n in re.findall(tile, kernel.asm["ttgir"])]
     threads = 32 * cfg["num_warps"]
-    fit = min(_SMEM_BYTES // max(1, shared + 1024),  # + the driver's 1 KB per program
-              _REGISTERS // (threads * _round_up(registers, 8)), _WARPS // cfg["num_warps"])
-    return dict(dtype=dtype, head_dim=head_dim, g=g, c=c, block_m=block_m, live=live, tma=tma, **cfg, shared_bytes=shared,
-                planned_shared_bytes=tpp._shared_bytes(head_dim, block_m, elem, cfg),  # what build_plan assumes
-                registers=registers, kv_buffers=min(buffers) if buffers else 0, programs_per_sm=fit)
+    fit = min(
+        _SMEM_BYTES // max(1, shared + 1024),  # + the driver's 1 KB per program
+        _REGISTERS // (threads * _round_up(registers, 8)),
+        _WARPS // cfg["num_warps"],
+    )
+    return dict(
+        dtype=dtype,
+        head_dim=head_dim,
+        g=g,
+        c=c,
+        block_m=block_m,
+        live=live,
+        tma=tma,
+        **cfg,
+        shared_bytes=shared,
+        planned_shared_bytes=tpp._shared_bytes(head_dim, block_m, elem, cfg),  # what build_plan assumes
+        registers=registers,
+        kv_buffers=min(buffers) if buffers else 0,
+        programs_per_sm=fit,
+    )
 
 
 def _round_up(x: int, m: int) -> int:
@@ -104,8 +134,12 @@ def _registers(ptx: str) -> int:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.o")],
-                             capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.o")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     found = re.search(r"Used (\d+) registers", out.stdout + out.stderr)
     if not found:
         raise RuntimeError(f"no register count in ptxas output: {(out.stdout + out.stderr)[-300:]}")

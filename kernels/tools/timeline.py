@@ -42,7 +42,7 @@ _STAMP = """    _sp = Stamps + ({index} * tl.num_programs(1) + kv) * 4
     tl.store(_sp + 2, _t2)
     tl.store(_sp + 3, _sm.to(tl.int64))
 """
-_HELPERS = '''@triton.jit
+_HELPERS = """@triton.jit
 def _gtime(x):
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [x], dtype=tl.int64, is_pure=False, pack=1)
 
@@ -55,39 +55,62 @@ def _smid(x):
 STAMPS = [None]  # int64 [items * Hkv * 4]: (start, streamed, end, sm) per (item, KV head)
 
 
-'''
+"""
 _START = "    _t0 = _gtime(kv)\n    _sm = _smid(kv)\n"
 _STREAMED = "    _t1 = _gtime(kv)\n"
 # (anchor in kernels/tpp.py, text put in its place): each anchor must occur exactly once
 _EDITS = [
     ("@triton.jit\ndef _step(", _HELPERS + "@triton.jit\ndef _step("),
-    ("def _attend_kernel(Q, K,", "def _attend_kernel(Stamps, Q, K,"),
-    ("def _attend_rows_kernel(Q, K,", "def _attend_rows_kernel(Stamps, Q, K,"),
+    ("def _attend_kernel(\n    Q,\n", "def _attend_kernel(\n    Stamps,\n    Q,\n"),
+    ("def _attend_rows_kernel(\n    Q,\n", "def _attend_rows_kernel(\n    Stamps,\n    Q,\n"),
     # _attend_kernel: start, streamed (before gdc_wait), end
-    ("    kv = tl.program_id(1)\n    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n",
-     "    kv = tl.program_id(1)\n" + _START + "    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n"),
-    ("    if EARLY:  # started before the launch before completed: past this point it has\n",
-     _STREAMED + "    if EARLY:  # started before the launch before completed: past this point it has\n"),
-    ("""        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
-""", """        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
-""" + _STAMP.format(index="(first + tl.program_id(0))")),
+    (
+        "    kv = tl.program_id(1)\n    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n",
+        "    kv = tl.program_id(1)\n" + _START + "    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n",
+    ),
+    (
+        "    if EARLY:  # started before the launch before completed: past this point it has\n",
+        _STREAMED + "    if EARLY:  # started before the launch before completed: past this point it has\n",
+    ),
+    (
+        """        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
+""",
+        """        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
+"""
+        + _STAMP.format(index="(first + tl.program_id(0))"),
+    ),
     # _attend_rows_kernel: the same, stamped at its first item
-    ("    kv = tl.program_id(1)\n    hq = G * tl.num_programs(1)\n    offs_t = tl.arange(0, ROWS)\n",
-     "    kv = tl.program_id(1)\n" + _START + "    hq = G * tl.num_programs(1)\n    offs_t = tl.arange(0, ROWS)\n"),
-    ("    if EARLY:  # started before phase 1 completed: past this point it has\n",
-     _STREAMED + "    if EARLY:  # started before phase 1 completed: past this point it has\n"),
-    ("""             o.to(Out.dtype.element_ty), mask=live[:, None])
+    (
+        "    kv = tl.program_id(1)\n    hq = G * tl.num_programs(1)\n    offs_t = tl.arange(0, ROWS)\n",
+        "    kv = tl.program_id(1)\n" + _START + "    hq = G * tl.num_programs(1)\n    offs_t = tl.arange(0, ROWS)\n",
+    ),
+    (
+        "    if EARLY:  # started before phase 1 completed: past this point it has\n",
+        _STREAMED + "    if EARLY:  # started before phase 1 completed: past this point it has\n",
+    ),
+    (
+        """        o.to(Out.dtype.element_ty),
+        mask=live[:, None],
+    )
 
 
 @triton.jit
-def _merge_kernel(""", """             o.to(Out.dtype.element_ty), mask=live[:, None])
-""" + _STAMP.format(index="(first + base)") + """
+def _merge_kernel(""",
+        """        o.to(Out.dtype.element_ty),
+        mask=live[:, None],
+    )
+"""
+        + _STAMP.format(index="(first + base)")
+        + """
 
 @triton.jit
-def _merge_kernel("""),
+def _merge_kernel(""",
+    ),
     # TppDecoder's launches: the attend kernels (kinds 0 and 1) take the stamps first
-    ("            launch(fn, grid, args, options, (key, spec))\n",
-     "            launch(fn, grid, (STAMPS[0], *args) if kind < 2 else args, options, (key, spec))\n"),
+    (
+        "            launch(fn, grid, args, options, (key, spec))\n",
+        "            launch(fn, grid, (STAMPS[0], *args) if kind < 2 else args, options, (key, spec))\n",
+    ),
 ]
 
 
@@ -136,17 +159,22 @@ def summarize(stamps: np.ndarray, phases: Sequence[int]) -> dict:
             continue
         s, e = start[sel], end[sel]
         out[f"phase{p}"] = dict(
-            programs=int(sel.sum()), end=[_q(e, f) for f in (0, .5, .9, 1)],
-            stream=[_q(streamed[sel] - s, f) for f in (0, .1, .5, .9, 1)], at=at,
-            running=[int(((s <= t) & (t < e)).sum()) for t in at], started=[int((s <= t).sum()) for t in at])
+            programs=int(sel.sum()),
+            end=[_q(e, f) for f in (0, 0.5, 0.9, 1)],
+            stream=[_q(streamed[sel] - s, f) for f in (0, 0.1, 0.5, 0.9, 1)],
+            at=at,
+            running=[int(((s <= t) & (t < e)).sum()) for t in at],
+            started=[int((s <= t).sum()) for t in at],
+        )
     # phase-2 ends by what ran on the program's multiprocessor over the step: "<phase-1>p1/<phase-2>p2"
     sm = st[:, 3]
     count = {p: {int(k): int(n) for k, n in zip(*np.unique(sm[phase == p], return_counts=True))} for p in (1, 2)}
     groups: dict[str, list[float]] = {}
     for k, e in zip(sm[phase == 2], end[phase == 2]):
         groups.setdefault(f"{count[1].get(int(k), 0)}p1/{count[2][int(k)]}p2", []).append(float(e))
-    out["phase2_end_by_sm"] = {g: [len(v), round(min(v), 1), round(sum(v) / len(v), 1), round(max(v), 1)]
-                               for g, v in sorted(groups.items())}
+    out["phase2_end_by_sm"] = {
+        g: [len(v), round(min(v), 1), round(sum(v) / len(v), 1), round(max(v), 1)] for g, v in sorted(groups.items())
+    }
     return out
 
 
@@ -169,8 +197,9 @@ def run_case(case: bench.Case, c: int, replays: int = 2) -> list[dict]:
     tpp = stamped_module()
     batch = bench.make_batch(case, c)
     ks, vs = bench._rotated_pools(batch)
-    plan = tpp.build_plan(batch.tables, batch.lens, c, "cuda", num_q_heads=case.hq, num_kv_heads=case.hkv,
-                          head_dim=case.head_dim)
+    plan = tpp.build_plan(
+        batch.tables, batch.lens, c, "cuda", num_q_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.head_dim
+    )
     stamps = torch.zeros(plan.items.shape[0] * case.hkv * 4, dtype=torch.int64, device="cuda")
     tpp.STAMPS[0] = stamps
     calls = [lambda k=k, v=v: tpp.tpp_decode(batch.q, k, v, plan) for k, v in zip(ks, vs)]
@@ -198,8 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m kernels.tools.timeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("cases", nargs="+", help="e.g. p1024_512 g1024_512 g2304_2048@128 p1024_512o")
     ap.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
-    ap.add_argument("--set", action="append", default=[], metavar="KNOB=VALUE",
-                    help="a kernels/tpp.py knob for the run, e.g. _ROWS=1 (VALUE a Python literal)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KNOB=VALUE",
+        help="a kernels/tpp.py knob for the run, e.g. _ROWS=1 (VALUE a Python literal)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("kernels.tools.timeline needs a CUDA device")

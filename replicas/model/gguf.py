@@ -52,13 +52,18 @@ _LAYER = re.compile(r"^blk\.(\d+)\.")
 # (llama-vocab.cpp's regex groups) and the models' own tokenizer.json files write it.
 _GPT2 = ("gpt-2", "gpt2", "default", "mpt", "olmo", "jais")
 _DIGITS = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")  # + GPT-2's regex
-_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_SPLITS = {**dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "pixtral", "dbrx"),
-                           _LLAMA3_SPLIT),
-           **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT)}
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {
+    **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "falcon3", "pixtral", "dbrx"), _LLAMA3_SPLIT),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT),
+}
 PRE_TOKENIZERS = (*_GPT2, *_DIGITS, *_SPLITS)
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
@@ -88,12 +93,15 @@ class GGUFCheckpoint:
         size = self.path.stat().st_size
         for t in self._reader.tensors:
             if t.data_offset + t.n_bytes > size:
-                raise ValueError(f"GGUF file {self.path} is truncated: tensor {t.name!r} ends at byte "
-                                 f"{t.data_offset + t.n_bytes}, the file has {size}")
+                raise ValueError(
+                    f"GGUF file {self.path} is truncated: tensor {t.name!r} ends at byte "
+                    f"{t.data_offset + t.n_bytes}, the file has {size}"
+                )
         arch = self.metadata("general.architecture")
         if arch not in ARCHITECTURES:
-            raise ValueError(f"GGUF file {self.path}: architecture {arch!r} is not supported; "
-                             f"supported: {', '.join(ARCHITECTURES)}")
+            raise ValueError(
+                f"GGUF file {self.path}: architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+            )
         self.arch = arch
         self._check_dequantizable()
         self.hf_config = self._hf_config()
@@ -114,8 +122,10 @@ class GGUFCheckpoint:
                 gguf.quants.dequantize(probe, qtype)
             except NotImplementedError:
                 names = [t.name for t in self._reader.tensors if t.tensor_type == qtype]
-                raise ValueError(f"GGUF file {self.path}: tensor {names[0]!r} is {qtype.name}, which gguf "
-                                 f"{_gguf_version()} cannot dequantize ({len(names)} tensors of that type)") from None
+                raise ValueError(
+                    f"GGUF file {self.path}: tensor {names[0]!r} is {qtype.name}, which gguf "
+                    f"{_gguf_version()} cannot dequantize ({len(names)} tensors of that type)"
+                ) from None
 
     def _hf_config(self) -> dict:
         a = self.arch
@@ -123,8 +133,10 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF file {self.path}: mixture-of-experts {a} models are not supported")
         names = {t.name for t in self._reader.tensors}
         if "rope_freqs.weight" in names:
-            raise ValueError(f"GGUF file {self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1's "
-                             "rope scaling) are not supported")
+            raise ValueError(
+                f"GGUF file {self.path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1's "
+                "rope scaling) are not supported"
+            )
         hidden = self._int(f"{a}.embedding_length")
         heads = self._int(f"{a}.attention.head_count")
         kv_heads = self._int(f"{a}.attention.head_count_kv", heads)
@@ -132,8 +144,10 @@ class GGUFCheckpoint:
         if self._int(f"{a}.attention.value_length", head_dim) != head_dim:
             raise ValueError(f"GGUF file {self.path}: key and value head sizes differ")
         if self._int(f"{a}.rope.dimension_count", head_dim) != head_dim:
-            raise ValueError(f"GGUF file {self.path}: partial rotary embeddings ({a}.rope.dimension_count "
-                             f"{self.metadata(f'{a}.rope.dimension_count')} of head size {head_dim}) are not supported")
+            raise ValueError(
+                f"GGUF file {self.path}: partial rotary embeddings ({a}.rope.dimension_count "
+                f"{self.metadata(f'{a}.rope.dimension_count')} of head size {head_dim}) are not supported"
+            )
         tokens = self._reader.fields.get("tokenizer.ggml.tokens")
         vocab = self._int(f"{a}.vocab_size", len(tokens.data) if tokens is not None else None)
         eos = [self.metadata(k) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")]
@@ -200,8 +214,10 @@ class GGUFCheckpoint:
             raise ValueError(f"GGUF file {self.path}: tokenizer model {kind!r} is not supported (gpt2: byte-level BPE)")
         pre = self.metadata("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
-            raise ValueError(f"GGUF file {self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
-                             f"supported: {', '.join(PRE_TOKENIZERS)}")
+            raise ValueError(
+                f"GGUF file {self.path}: pre-tokenizer {pre!r} (tokenizer.ggml.pre) is not supported; "
+                f"supported: {', '.join(PRE_TOKENIZERS)}"
+            )
         tokens: list[str] = self.metadata("tokenizer.ggml.tokens")
         types: list[int] = self.metadata("tokenizer.ggml.token_type") or [1] * len(tokens)
         merges = [tuple(m.split(" ")) for m in self.metadata("tokenizer.ggml.merges") or []]
@@ -219,10 +235,12 @@ class GGUFCheckpoint:
         backend = _Backend(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
         backend.pre_tokenizer = _pre_tokenizer(pre)
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                    for t, k in zip(tokens, types) if k == _CONTROL])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                            for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
+        )
 
         def token(key: str) -> tuple[str | None, int | None]:
             i = self.metadata(key)
@@ -241,16 +259,23 @@ class GGUFCheckpoint:
             template.append(f"{eos}:0")
             specials.append((eos, eos_id))
         if specials:
-            backend.post_processor = processors.TemplateProcessing(single=" ".join(template),
-                                                                   special_tokens=specials)
-        return Tokenizer(backend, bos_token=bos, eos_tokens=() if eos is None else (eos,),
-                         chat_template=self.metadata("tokenizer.chat_template"))
+            backend.post_processor = processors.TemplateProcessing(single=" ".join(template), special_tokens=specials)
+        return Tokenizer(
+            backend,
+            bos_token=bos,
+            eos_tokens=() if eos is None else (eos,),
+            chat_template=self.metadata("tokenizer.chat_template"),
+        )
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre in _SPLITS:
-        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)  # GPT-2's regex
     if pre in _DIGITS:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
@@ -271,4 +296,5 @@ def _unpermute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def _gguf_version() -> str:
     from importlib.metadata import version
+
     return version("gguf")

@@ -76,9 +76,16 @@ class Writer:
             self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.entry.name}.", dir=self.entry.parent))
             (self.tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
             tokenizer.backend.save(str(self.tmp / "tokenizer.json"))
-            (self.tmp / "tokenizer_config.json").write_text(json.dumps({
-                "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-                "chat_template": tokenizer.chat_template}, indent=2))
+            (self.tmp / "tokenizer_config.json").write_text(
+                json.dumps(
+                    {
+                        "bos_token": tokenizer.bos_token,
+                        "eos_token": tokenizer.eos_token,
+                        "chat_template": tokenizer.chat_template,
+                    },
+                    indent=2,
+                )
+            )
         except OSError:
             self.discard()
 

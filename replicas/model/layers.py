@@ -60,8 +60,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     the output splits into per-projection chunks of out_i/tp.
     """
 
-    def __init__(self, in_features: int, output_sizes: list[int], *, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self, in_features: int, output_sizes: list[int], *, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+    ):
         super().__init__(in_features, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
         self.local_sizes = [divide(o, tp_size, "output features") for o in output_sizes]
 
@@ -74,8 +75,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k, v projections in one matmul; heads split across ranks (shard ids "q", "k", "v")."""
 
-    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, *,
-                 bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+    ):
         divide(num_heads, tp_size, "num_heads")
         divide(num_kv_heads, tp_size, "num_kv_heads")
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
@@ -153,9 +163,17 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """rms_norm(x), or with a residual (norm(x + residual), x + residual). On CUDA rows [T, N]
         run as one Triton kernel (kernels/norm_rope.py)."""
-        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and (residual is None or (
-                residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)):
+        if (
+            x.is_cuda
+            and x.dim() == 2
+            and x.stride(-1) == 1
+            and (
+                residual is None
+                or (residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1)
+            )
+        ):
             from kernels.norm_rope import rmsnorm  # imports triton: the CPU path must not need it
+
             return rmsnorm(x, self.weight, self.eps, residual)
         return rms_norm(x, self.weight, self.eps, residual)
 
@@ -205,13 +223,21 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_qk(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """apply_rotary on q: [T, Hq, D] and k: [T, Hkv, D]; on CUDA one Triton kernel per tensor
     (kernels/norm_rope.py), the same bits."""
-    if (q.is_cuda and q.stride(-1) == 1 and k.stride(-1) == 1 and q.dtype == k.dtype == cos.dtype == sin.dtype
-            and cos.is_contiguous() and sin.is_contiguous()):
+    if (
+        q.is_cuda
+        and q.stride(-1) == 1
+        and k.stride(-1) == 1
+        and q.dtype == k.dtype == cos.dtype == sin.dtype
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+    ):
         from kernels.norm_rope import rope  # imports triton: the CPU path must not need it
+
         return rope(q, k, cos, sin)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 

@@ -34,10 +34,18 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.num_heads = divide(cfg.num_heads, tp_size, "num_heads")
         self.num_kv_heads = divide(cfg.num_kv_heads, tp_size, "num_kv_heads")
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.attention_bias, tp_rank=tp_rank, tp_size=tp_size)
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size,
-                                        bias=cfg.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size,
+            cfg.head_dim,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            bias=cfg.attention_bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -64,10 +72,12 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size,
-                                           bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, I/tp] in between
@@ -84,8 +94,9 @@ class LlamaDecoderLayer(nn.Module):
     # The residual stream h is carried beside the layer outputs so that each add fuses into the
     # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
     # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`.
-    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                         sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def before_attention(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         """-> (q, k, v, residual)."""
         if residual is None:  # the first layer: x is the embedding
             x, residual = self.input_layernorm(x), x
@@ -98,8 +109,9 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn.out(o), residual)
         return self.mlp(x), residual
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                attn) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attn
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
         return self.after_attention(attn.forward(self.self_attn.layer_idx, q, k, v), residual)
 

@@ -70,8 +70,9 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     return Tokenizer.byte()
 
 
-def _load_gguf(gguf_file: Path, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
-               ) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
+def _load_gguf(
+    gguf_file: Path, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
+) -> tuple[LlamaForCausalLM, ModelConfig, Tokenizer]:
     ckpt = GGUFCheckpoint(gguf_file)
     cfg = ModelConfig.from_hf(ckpt.hf_config)
     tokenizer = ckpt.tokenizer()
@@ -108,8 +109,10 @@ def _gguf_file(model: str) -> Path | None:
         raise ValueError(f"preset {model!r} needs the Python package {spec['package']!r}: {spec['install']}")
     path = Path(next(iter(found.submodule_search_locations))) / spec["file"]
     if not path.is_file():
-        raise ValueError(f"preset {model!r}: {path} is missing from the installed {spec['package']!r} "
-                         f"package (reinstall it: {spec['install']})")
+        raise ValueError(
+            f"preset {model!r}: {path} is missing from the installed {spec['package']!r} "
+            f"package (reinstall it: {spec['install']})"
+        )
     return path
 
 
@@ -122,8 +125,9 @@ def _resolve(model: str) -> tuple[ModelConfig, Path | None, float]:
     preset = PRESETS_DIR / f"{model}.json"
     if not preset.is_file():
         names = sorted(p.stem for p in PRESETS_DIR.glob("*.json"))
-        raise ValueError(f"{model!r} is neither a model directory nor a preset (nor a .gguf file; "
-                         f"presets: {', '.join(names)})")
+        raise ValueError(
+            f"{model!r} is neither a model directory nor a preset (nor a .gguf file; presets: {', '.join(names)})"
+        )
     hf = read_json(preset)
     cfg = ModelConfig.from_hf(hf)
     if hf.get("tokenizer") != "byte":
@@ -136,8 +140,9 @@ def _resolve(model: str) -> tuple[ModelConfig, Path | None, float]:
     return cfg, None, float(std)
 
 
-def _build(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
-           ) -> LlamaForCausalLM:
+def _build(
+    cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device, tp_rank: int, tp_size: int
+) -> LlamaForCausalLM:
     # Parameters are allocated empty, directly in `dtype` on `device` (no fp32 CPU copy of the model).
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -209,8 +214,9 @@ def _with_generation_eos(hf: dict, path: Path) -> dict:
     return {**hf, "eos_token_id": ids}
 
 
-def _random_tensors(cfg: ModelConfig, std: float, seed: int, dtype: torch.dtype, device: torch.device
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
+def _random_tensors(
+    cfg: ModelConfig, std: float, seed: int, dtype: torch.dtype, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
     """A preset's weights: norms 1, biases 0, everything else uniform with standard deviation `std`.
 
     Each value is a hash of (seed, tensor name, element index), computed on `device`: the same
@@ -242,8 +248,9 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _hash_uniform(shape: tuple[int, ...], std: float, key: int, dtype: torch.dtype, device: torch.device,
-                  chunk: int = 1 << 26) -> torch.Tensor:
+def _hash_uniform(
+    shape: tuple[int, ...], std: float, key: int, dtype: torch.dtype, device: torch.device, chunk: int = 1 << 26
+) -> torch.Tensor:
     n = math.prod(shape)
     if n > 1 << 32:
         raise ValueError(f"a {shape} tensor is too large for the preset initialiser (2^32 elements at most)")

@@ -31,7 +31,7 @@ BYTE_SPECIALS = ("<|bos|>", "<|eos|>", "<|system|>", "<|user|>", "<|assistant|>"
 BYTE_CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% if tools %}"
-    "<|system|>You may call these functions, each as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>:"
+    '<|system|>You may call these functions, each as <tool_call>{"name": ..., "arguments": {...}}</tool_call>:'
     "{% for t in tools %}{{ '\\n' }}{{ (t['function'] if t['function'] is defined else t) | tojson }}{% endfor %}<|end|>"
     "{% endif %}"
     "{% for m in messages %}"
@@ -56,8 +56,9 @@ class Tokenizer:
     """encode/decode/apply_chat_template over a `tokenizers` backend; `eos_token_ids` are the ids
     that end generation, `vocab_size` counts the ids it knows (a model's vocabulary may be larger)."""
 
-    def __init__(self, backend: _Backend, *, bos_token: str | None, eos_tokens: tuple[str, ...],
-                 chat_template: str | None):
+    def __init__(
+        self, backend: _Backend, *, bos_token: str | None, eos_tokens: tuple[str, ...], chat_template: str | None
+    ):
         self._backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_tokens[0] if eos_tokens else None
@@ -68,8 +69,9 @@ class Tokenizer:
         self._template = None if chat_template is None else _compile_template(chat_template)
         added = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, t in added.items() if t.special)  # (decode skips their text)
-        specials = sorted((t.content for t in added.values() if t.special),
-                          key=len, reverse=True)  # (longest first: the one matched where two start alike)
+        specials = sorted(
+            (t.content for t in added.values() if t.special), key=len, reverse=True
+        )  # (longest first: the one matched where two start alike)
         self._special_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._plain: _Backend | None = None  # the backend reading special tokens' text as text (_plain_backend)
         # the most characters one token stands for (a byte-level token's, in bytes: at least its characters)
@@ -104,8 +106,9 @@ class Tokenizer:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIALS])
-        backend.post_processor = processors.TemplateProcessing(single="<|bos|>:0 $A:0",
-                                                               special_tokens=[("<|bos|>", 256)])
+        backend.post_processor = processors.TemplateProcessing(
+            single="<|bos|>:0 $A:0", special_tokens=[("<|bos|>", 256)]
+        )
         return cls(backend, bos_token="<|bos|>", eos_tokens=("<|eos|>", "<|end|>"), chat_template=BYTE_CHAT_TEMPLATE)
 
     @property
@@ -122,8 +125,13 @@ class Tokenizer:
             return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
-                    plain_roles: tuple[str, ...] = PLAIN_TEXT_ROLES) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        plain_roles: tuple[str, ...] = PLAIN_TEXT_ROLES,
+    ) -> list[int]:
         """The chat's ids as its template renders it (BOS included: encoded with
         add_special_tokens=False). Special tokens' text inside the content of messages of
         plain_roles is tokenized as text, so a user who types `<|system|>` sends those characters,
@@ -133,17 +141,26 @@ class Tokenizer:
         markers removed, is encoded piece by piece: what lies between marked texts with special
         tokens (the tokenizer splits the text at special tokens anyway), the marked texts as text."""
         plain = lambda m: m.get("role") in plain_roles and isinstance(m.get("content"), str)  # noqa: E731
-        found = self._special_text is not None and sum(len(self._special_text.findall(m["content"]))
-                                                       for m in messages if plain(m))
+        found = self._special_text is not None and sum(
+            len(self._special_text.findall(m["content"])) for m in messages if plain(m)
+        )
         if not found:
-            return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False)
+            return self.encode(
+                self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False
+            )
         mark = f"\ue000{secrets.token_hex(8)}\ue001"  # (private-use characters: text no template changes)
-        marked = [{**m, "content": self._special_text.sub(lambda t: f"{mark}{t.group()}{mark}", m["content"])}
-                  if plain(m) else m for m in messages]
+        marked = [
+            {**m, "content": self._special_text.sub(lambda t: f"{mark}{t.group()}{mark}", m["content"])}
+            if plain(m)
+            else m
+            for m in messages
+        ]
         pieces = self.apply_chat_template(marked, add_generation_prompt, tools).split(mark)
         if len(pieces) != 2 * found + 1:  # the template rewrote the content (a filter, an escape)
-            raise ValueError("message content holds special tokens' text and this chat template transforms "
-                             "content, so it cannot be kept as text: remove it")
+            raise ValueError(
+                "message content holds special tokens' text and this chat template transforms "
+                "content, so it cannot be kept as text: remove it"
+            )
         ids: list[int] = []
         for i, piece in enumerate(pieces):  # even: the template's and the content's text; odd: a marked text
             if piece:
@@ -156,15 +173,21 @@ class Tokenizer:
             return self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)[0]
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
         """The chat as the template renders it; tools: OpenAI's tool objects, as transformers
         passes them (the template decides whether and how it shows them)."""
         if self._template is None:
             raise ValueError("this tokenizer has no chat template")
         try:
-            return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools)
+            return self._template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                tools=tools,
+            )
         except jinja2.TemplateError as e:
             raise ValueError(f"chat template failed: {e}") from e
 
@@ -236,8 +259,9 @@ def _compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"chat template does not parse: {e}") from e
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
-            sort_keys: bool = False) -> str:
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -247,4 +271,3 @@ def _raise_exception(message: str):
 
 def _token_str(token: Any) -> str | None:
     return token.get("content") if isinstance(token, dict) else token  # AddedToken dicts or plain strings
-

@@ -64,13 +64,25 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
     device = args.device
     if args.tp > 1 and device in ("auto", "cuda"):  # a GPU per rank, when there are GPUs
         device = f"cuda:{rank}" if torch.cuda.is_available() else "cpu"
-    return EngineConfig(model=args.model, device=device, dtype=args.dtype, chunk_size=args.chunk_size,
-                        kv_cache_tokens=args.kv_cache_tokens, attention_backend=backend,
-                        max_num_seqs=max(args.batch, 1), max_num_batched_tokens=args.max_num_batched_tokens,
-                        enforce_eager=args.enforce_eager, tp_size=args.tp, tp_rank=rank,
-                        async_scheduling=args.async_scheduling, flashinfer_prefill=args.flashinfer_prefill,
-                        sparse_prefill=_sparse(args), enable_prefix_sharing=args.prefix_sharing,
-                        piecewise_graphs=args.piecewise_graphs, decode_graphs=args.decode_graphs)
+    return EngineConfig(
+        model=args.model,
+        device=device,
+        dtype=args.dtype,
+        chunk_size=args.chunk_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        attention_backend=backend,
+        max_num_seqs=max(args.batch, 1),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        tp_size=args.tp,
+        tp_rank=rank,
+        async_scheduling=args.async_scheduling,
+        flashinfer_prefill=args.flashinfer_prefill,
+        sparse_prefill=_sparse(args),
+        enable_prefix_sharing=args.prefix_sharing,
+        piecewise_graphs=args.piecewise_graphs,
+        decode_graphs=args.decode_graphs,
+    )
 
 
 def _sparse(args: argparse.Namespace) -> BlockUnion | None:
@@ -82,9 +94,12 @@ def _sparse(args: argparse.Namespace) -> BlockUnion | None:
 
 # --guided: every row's output (or the first --guided-rows rows') kept inside one of these
 # (replicas.guided); the JSON rows' free string runs as long as the model keeps off the quote
-GUIDES = {"json": Guide("json", json.dumps({"type": "object", "properties": {"text": {"type": "string"}}})),
-          "json_object": Guide("json_object"), "regex": Guide("regex", r"([a-z]{1,8} ){1,64}"),
-          "choice": Guide("choice", ("red", "green", "blue"))}
+GUIDES = {
+    "json": Guide("json", json.dumps({"type": "object", "properties": {"text": {"type": "string"}}})),
+    "json_object": Guide("json_object"),
+    "regex": Guide("regex", r"([a-z]{1,8} ){1,64}"),
+    "choice": Guide("choice", ("red", "green", "blue")),
+}
 
 
 def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
@@ -97,11 +112,19 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     guided_rows = args.batch if args.guided_rows is None else args.guided_rows
     for i in range(args.batch):
         suffix = args.suffix + (7 * i % args.chunk_size if args.stagger else 0)
-        engine.add_request(str(i), prefix + [rng.randrange(256) for _ in range(suffix)],
-                           SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                          top_k=args.top_k, ignore_eos=True,
-                                          seed=i if args.seeded else None,
-                                          guided=GUIDES[args.guided] if args.guided and i < guided_rows else None))
+        engine.add_request(
+            str(i),
+            prefix + [rng.randrange(256) for _ in range(suffix)],
+            SamplingParams(
+                max_tokens=args.max_tokens,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+                ignore_eos=True,
+                seed=i if args.seeded else None,
+                guided=GUIDES[args.guided] if args.guided and i < guided_rows else None,
+            ),
+        )
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     sync()
     t0 = time.perf_counter()
@@ -121,28 +144,48 @@ def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
     t2 = time.perf_counter()
     s = engine.stats()
     graphs = engine.runner.graphs
-    return {"bench": "engine", "model": args.model, "backend": engine.attention.backend, "device": str(engine.device),
-            "tp": args.tp, "async_scheduling": engine.async_scheduling, "dtype": args.dtype, "batch": args.batch,
-            "prefix": args.prefix, "suffix": args.suffix,
-            "stagger": args.stagger,
-            "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-            "seeded": args.seeded, "guided": args.guided, "guided_rows": guided_rows if args.guided else 0,
-            "prefill_s": round(prefill_s, 3),
-            "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
-            "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
-            # of which the host's own time (the step less its wait for the sampled tokens): with
-            # async_scheduling it runs while the device runs the step before; without, the device
-            # waits for part of it
-            "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
-            "kv_pool_chunks": engine.pool.num_chunks, "kv_chunks_used_after_prefill": kv_used,
-            "cached_prompt_tokens": s["cached_prompt_tokens"], "preemptions": s["preemptions"],
-            "plan_builds": engine.attention.plan_builds, "prefill_plans": engine.attention.prefill_plans,
-            "steps": s["steps"],
-            "graph_captures": graphs.captures if graphs else 0, "graph_replays": graphs.replays if graphs else 0,
-            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
-            "piecewise_steps": engine.runner.pieces.replays if engine.runner.pieces else 0,
-            "sparse_budget": args.sparse_budget, "sparse_alpha": args.sparse_alpha,
-            **{k: v for k, v in s.items() if k.startswith("sparse_")}, **warmed}
+    return {
+        "bench": "engine",
+        "model": args.model,
+        "backend": engine.attention.backend,
+        "device": str(engine.device),
+        "tp": args.tp,
+        "async_scheduling": engine.async_scheduling,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "stagger": args.stagger,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "seeded": args.seeded,
+        "guided": args.guided,
+        "guided_rows": guided_rows if args.guided else 0,
+        "prefill_s": round(prefill_s, 3),
+        "decode_tok_per_s": round(decode_tokens / max(t2 - t1, 1e-9), 1),
+        "decode_step_ms": round(1e3 * (t2 - t1) / max(1, decode_steps), 2),
+        # of which the host's own time (the step less its wait for the sampled tokens): with
+        # async_scheduling it runs while the device runs the step before; without, the device
+        # waits for part of it
+        "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
+        "kv_pool_chunks": engine.pool.num_chunks,
+        "kv_chunks_used_after_prefill": kv_used,
+        "cached_prompt_tokens": s["cached_prompt_tokens"],
+        "preemptions": s["preemptions"],
+        "plan_builds": engine.attention.plan_builds,
+        "prefill_plans": engine.attention.prefill_plans,
+        "steps": s["steps"],
+        "graph_captures": graphs.captures if graphs else 0,
+        "graph_replays": graphs.replays if graphs else 0,
+        "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
+        "piecewise_steps": engine.runner.pieces.replays if engine.runner.pieces else 0,
+        "sparse_budget": args.sparse_budget,
+        "sparse_alpha": args.sparse_alpha,
+        **{k: v for k, v in s.items() if k.startswith("sparse_")},
+        **warmed,
+    }
 
 
 def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
@@ -157,8 +200,11 @@ def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:
 
 def _ms(name: str, xs: list[float]) -> dict:
     ms = np.asarray(xs, dtype=float) * 1e3 if xs else np.zeros(1)
-    return {f"mean_{name}_ms": round(float(ms.mean()), 2), f"median_{name}_ms": round(float(np.median(ms)), 2),
-            f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 2)}
+    return {
+        f"mean_{name}_ms": round(float(ms.mean()), 2),
+        f"median_{name}_ms": round(float(np.median(ms)), 2),
+        f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 2),
+    }
 
 
 def _first_launches() -> tuple[int, float]:
@@ -189,8 +235,9 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     order = [i % groups for i in range(args.requests)]
     random.Random(run_index).shuffle(order)
     prompts = [prefixes[g] + [rng.randrange(256) for _ in range(args.suffix)] for g in order]
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, ignore_eos=True
+    )
     offsets = poisson_offsets(args.requests, rate, args.seed)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     arrival, first, last, count = {}, {}, {}, {}
@@ -228,35 +275,56 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     s = engine.stats()
     graphs, pieces = engine.runner.graphs, engine.runner.pieces
     replays = graphs.replays if graphs else 0
-    return {"bench": "engine_poisson", "model": args.model, "backend": engine.attention.backend,
-            "device": str(engine.device), "async_scheduling": engine.async_scheduling, "request_rate": rate,
-            "requests": args.requests, "groups": groups, "prefix": args.prefix, "suffix": args.suffix,
-            "max_tokens": args.max_tokens, "duration": round(wall, 3),
-            "request_throughput": round(len(done) / wall, 3),
-            "output_throughput": round(sum(count.values()) / wall, 1), "total_output_tokens": sum(count.values()),
-            **_ms("ttft", ttft), **_ms("tpot", tpot), **_ms("norm_latency", norm),
-            "steps": s["steps"], "decode_steps": s["decode_steps"], "graph_replays": replays,
-            # decode-only steps that ran from a whole-step CUDA graph (a replay is one decode-only step)
-            "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
-            # decode-only steps that ran from CUDA graphs, whole-step or pieces (on the CPU the pieces are calls)
-            "decode_graph_fraction": round((replays + (pieces.decode_replays if pieces else 0))
-                                           / max(1, s["decode_steps"]), 3),
-            "graph_captures": graphs.captures if graphs else 0, "plan_builds": engine.attention.plan_builds,
-            "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
-            # kernels launched for the first time in this run (each may have compiled, on a request's path)
-            "kernel_first_launches": _first_launches()[0] - keys0,
-            "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
-            "kernel_first_launched": _first_launched(keys0),  # their kernels' names
-            # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
-            "piecewise_steps": pieces.replays if pieces else 0,
-            "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
-            "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
-            "p99_step_ms": _ms("step", steps_s)["p99_step_ms"], "max_step_ms": round(1e3 * max(steps_s, default=0), 2),
-            "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
-            "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
-            "max_decode_batch": s["max_decode_batch"], "cached_prompt_tokens": s["cached_prompt_tokens"],
-            "prompt_tokens": s["prompt_tokens"], "preemptions": s["preemptions"],
-            "prefix_sharing": engine.config.enable_prefix_sharing, "max_kv_chunks_used": s["max_kv_chunks_used"]}
+    return {
+        "bench": "engine_poisson",
+        "model": args.model,
+        "backend": engine.attention.backend,
+        "device": str(engine.device),
+        "async_scheduling": engine.async_scheduling,
+        "request_rate": rate,
+        "requests": args.requests,
+        "groups": groups,
+        "prefix": args.prefix,
+        "suffix": args.suffix,
+        "max_tokens": args.max_tokens,
+        "duration": round(wall, 3),
+        "request_throughput": round(len(done) / wall, 3),
+        "output_throughput": round(sum(count.values()) / wall, 1),
+        "total_output_tokens": sum(count.values()),
+        **_ms("ttft", ttft),
+        **_ms("tpot", tpot),
+        **_ms("norm_latency", norm),
+        "steps": s["steps"],
+        "decode_steps": s["decode_steps"],
+        "graph_replays": replays,
+        # decode-only steps that ran from a whole-step CUDA graph (a replay is one decode-only step)
+        "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
+        # decode-only steps that ran from CUDA graphs, whole-step or pieces (on the CPU the pieces are calls)
+        "decode_graph_fraction": round(
+            (replays + (pieces.decode_replays if pieces else 0)) / max(1, s["decode_steps"]), 3
+        ),
+        "graph_captures": graphs.captures if graphs else 0,
+        "plan_builds": engine.attention.plan_builds,
+        "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
+        # kernels launched for the first time in this run (each may have compiled, on a request's path)
+        "kernel_first_launches": _first_launches()[0] - keys0,
+        "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
+        "kernel_first_launched": _first_launched(keys0),  # their kernels' names
+        # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
+        "piecewise_steps": pieces.replays if pieces else 0,
+        "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
+        "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
+        "p99_step_ms": _ms("step", steps_s)["p99_step_ms"],
+        "max_step_ms": round(1e3 * max(steps_s, default=0), 2),
+        "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
+        "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
+        "max_decode_batch": s["max_decode_batch"],
+        "cached_prompt_tokens": s["cached_prompt_tokens"],
+        "prompt_tokens": s["prompt_tokens"],
+        "preemptions": s["preemptions"],
+        "prefix_sharing": engine.config.enable_prefix_sharing,
+        "max_kv_chunks_used": s["max_kv_chunks_used"],
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -264,8 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--backend", action="append", choices=["reference", "torch", "triton"],
-                    help="attention backend(s) to run (default: auto)")
+    ap.add_argument(
+        "--backend",
+        action="append",
+        choices=["reference", "torch", "triton"],
+        help="attention backend(s) to run (default: auto)",
+    )
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--suffix", type=int, default=64)
@@ -278,30 +350,66 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=-1)
-    ap.add_argument("--seeded", action="store_true", help="each request sampled with its own seed (else the engine keys it by arrival)")
-    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                    help="the host prepares each step while the device runs the one before (default: on CUDA)")
-    ap.add_argument("--flashinfer-prefill", action=argparse.BooleanOptionalAction, default=True,
-                    help="prefill through FlashInfer's paged prefill where it is installed (else the reference, span by span)")
-    ap.add_argument("--sparse-budget", type=float, default=None,
-                    help="block-union sparse prefill keeping this share of a long context's blocks")
-    ap.add_argument("--sparse-alpha", type=float, default=None,
-                    help="block-union sparse prefill keeping the blocks scoring alpha x the best (no budget)")
-    ap.add_argument("--sparse-min-context", type=int, default=BlockUnion.min_context,
-                    help="shorter contexts prefill dense")
-    ap.add_argument("--guided", choices=sorted(GUIDES), default=None,
-                    help="every row's output kept inside this guide (structured outputs; see GUIDES)")
+    ap.add_argument(
+        "--seeded",
+        action="store_true",
+        help="each request sampled with its own seed (else the engine keys it by arrival)",
+    )
+    ap.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the host prepares each step while the device runs the one before (default: on CUDA)",
+    )
+    ap.add_argument(
+        "--flashinfer-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="prefill through FlashInfer's paged prefill where it is installed (else the reference, span by span)",
+    )
+    ap.add_argument(
+        "--sparse-budget",
+        type=float,
+        default=None,
+        help="block-union sparse prefill keeping this share of a long context's blocks",
+    )
+    ap.add_argument(
+        "--sparse-alpha",
+        type=float,
+        default=None,
+        help="block-union sparse prefill keeping the blocks scoring alpha x the best (no budget)",
+    )
+    ap.add_argument(
+        "--sparse-min-context", type=int, default=BlockUnion.min_context, help="shorter contexts prefill dense"
+    )
+    ap.add_argument(
+        "--guided",
+        choices=sorted(GUIDES),
+        default=None,
+        help="every row's output kept inside this guide (structured outputs; see GUIDES)",
+    )
     ap.add_argument("--guided-rows", type=int, default=None, help="with --guided: only the first N rows guided")
     ap.add_argument("--warmup", action="store_true", help="replicas.warmup before each run (as a GPU replica starts)")
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
-    ap.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
-                    help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; "
-                    "default: on CUDA)")
-    ap.add_argument("--decode-graphs", action=argparse.BooleanOptionalAction, default=False,
-                    help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs, off by default)")
-    ap.add_argument("--prefix-sharing", action=argparse.BooleanOptionalAction, default=True,
-                    help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)")
+    ap.add_argument(
+        "--piecewise-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the forward between attentions as CUDA graphs (EngineConfig.piecewise_graphs; default: on CUDA)",
+    )
+    ap.add_argument(
+        "--decode-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs, off by default)",
+    )
+    ap.add_argument(
+        "--prefix-sharing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share prompts' common chunks in the prefix tree (EngineConfig.enable_prefix_sharing)",
+    )
     ap.add_argument("--request-rate", help="Poisson arrivals at these rates (comma-separated), see above")
     ap.add_argument("--requests", type=int, default=256, help="with --request-rate: requests per rate")
     ap.add_argument("--groups", type=int, default=1, help="with --request-rate: distinct shared prefixes")
@@ -345,7 +453,9 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
 
     backends = args.backend or ["auto"]
     device = _config(args, backends[0], rank).device
-    if device == "cpu":  # the cores shared out: ranks spinning on more threads than cores stall each other's collectives
+    if (
+        device == "cpu"
+    ):  # the cores shared out: ranks spinning on more threads than cores stall each other's collectives
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tp))
     init_group(rank, args.tp, "127.0.0.1", port, device)
     for backend in backends:

@@ -53,13 +53,25 @@ def main(argv: list[str] | None = None) -> None:
             for name, p in CASES.items():
                 # every row keyed, as the engine keys every sampling request
                 params, keys, counters = [p] * rows, list(range(rows)), [0] * rows
-                row = dict(bench="sampler", device=str(device), rows=rows, vocab=args.vocab, logits_scale=scale,
-                           case=name, batched_ms=round(_ms(lambda: sampler.sample(logits, params, keys, counters), device,
-                                                           args.reps), 3),
-                           kept_max=int((sampler._probs(params, logits) > 0).sum(-1).max()))
+                row = dict(
+                    bench="sampler",
+                    device=str(device),
+                    rows=rows,
+                    vocab=args.vocab,
+                    logits_scale=scale,
+                    case=name,
+                    batched_ms=round(_ms(lambda: sampler.sample(logits, params, keys, counters), device, args.reps), 3),
+                    kept_max=int((sampler._probs(params, logits) > 0).sum(-1).max()),
+                )
                 if args.reference:
-                    row["row_by_row_ms"] = round(_ms(lambda: [sampler.sample_row_ref(x, p, i, 0) for i, x in enumerate(logits)],
-                                                     device, max(1, args.reps // 5)), 3)
+                    row["row_by_row_ms"] = round(
+                        _ms(
+                            lambda: [sampler.sample_row_ref(x, p, i, 0) for i, x in enumerate(logits)],
+                            device,
+                            max(1, args.reps // 5),
+                        ),
+                        3,
+                    )
                 print(json.dumps(row), flush=True)
 
 

@@ -99,8 +99,9 @@ class Workload:
         return np.concatenate([system, self.questions[q]])
 
 
-def build_workload(name: str, replicas: int, requests: int | None = None, seed: int = 0,
-                   util: float = 0.75, cache_factor: float = 2.0) -> Workload:
+def build_workload(
+    name: str, replicas: int, requests: int | None = None, seed: int = 0, util: float = 0.75, cache_factor: float = 2.0
+) -> Workload:
     groups = -(-requests // PER_GROUP) if requests else max(GROUPS, GROUPS_PER_REPLICA * replicas)
     total = requests or groups * PER_GROUP
     rng = np.random.default_rng(seed)
@@ -140,9 +141,19 @@ def build_workload(name: str, replicas: int, requests: int | None = None, seed: 
     work = (total * prompt_len - cached + DECODE_WEIGHT * total * OUTPUT_LEN) / total
     rate = util * replicas * PREFILL_TPS / work
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=total)).tolist()
-    return Workload(name, replicas, groups, groups > GROUPS, cache_tokens, cached / (total * prompt_len), rate,
-                    tuple(Request(t, chain, prompt_len, OUTPUT_LEN, (g, q)) for t, (chain, g, q) in zip(arrivals, reqs)),
-                    systems, heads, questions)
+    return Workload(
+        name,
+        replicas,
+        groups,
+        groups > GROUPS,
+        cache_tokens,
+        cached / (total * prompt_len),
+        rate,
+        tuple(Request(t, chain, prompt_len, OUTPUT_LEN, (g, q)) for t, (chain, g, q) in zip(arrivals, reqs)),
+        systems,
+        heads,
+        questions,
+    )
 
 
 def _output_ids(q: int) -> tuple[int, ...]:
@@ -190,6 +201,7 @@ class _LRU:
 
 class _PrefixRouter:
     """Ours: router/policy.py, fed own decisions, completions and delayed digests."""
+
     uses_digests = True
 
     def __init__(self, ids: list[str], seed: int):
@@ -213,6 +225,7 @@ class _PrefixRouter:
 class _Pow2Router:
     """Serve's default PowerOfTwoChoicesRequestRouter: two replicas at random, the shorter queue
     (first on ties), queue lengths as this router tracks them."""
+
     uses_digests = False
 
     def __init__(self, ids: list[str], seed: int):
@@ -363,8 +376,7 @@ def cpu_ref_us() -> float:
     return round(min(timeit.repeat("sum(range(1000))", number=200, repeat=5)) / 200 * 1e6, 2)
 
 
-def simulate(wl: Workload, policy: str, seed: int = 0, digest_period: float = 1.0,
-             digest_delay: float = 0.5) -> dict:
+def simulate(wl: Workload, policy: str, seed: int = 0, digest_period: float = 1.0, digest_delay: float = 0.5) -> dict:
     # The simulator's own heap (every replica's cache) is large and cycle-free: with the cyclic
     # GC on, its pauses would be billed to whichever routing call happens to allocate.
     gc_was_enabled = gc.isenabled()
@@ -484,17 +496,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--policy", choices=POLICIES, default="prefix")
     ap.add_argument("--workload", choices=WORKLOADS, default="gsp")
     ap.add_argument("--replicas", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=None,
-                    help="default: 16 per group, max(64, 16 x replicas) groups")
+    ap.add_argument("--requests", type=int, default=None, help="default: 16 per group, max(64, 16 x replicas) groups")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--util", type=float, default=0.75, help="cluster utilisation at the oracle's hit rate")
-    ap.add_argument("--cache-factor", type=float, default=2.0,
-                    help="replica cache = this x its share of the distinct system prompts")
+    ap.add_argument(
+        "--cache-factor",
+        type=float,
+        default=2.0,
+        help="replica cache = this x its share of the distinct system prompts",
+    )
     ap.add_argument("--digest-period", type=float, default=1.0, help="seconds between a replica's digests")
     ap.add_argument("--digest-delay", type=float, default=0.5, help="seconds from snapshot to router")
-    ap.add_argument("--all", action="store_true",
-                    help=f"every policy x workload x replicas {GRID_REPLICAS}, plus decision_us at "
-                         f"{DECISION_REPLICAS} replicas; then a line of targets")
+    ap.add_argument(
+        "--all",
+        action="store_true",
+        help=f"every policy x workload x replicas {GRID_REPLICAS}, plus decision_us at "
+        f"{DECISION_REPLICAS} replicas; then a line of targets",
+    )
     args = ap.parse_args(argv)
 
     def run(workload: str, replicas: int, policies: Sequence[str], requests: int | None) -> list[dict]:
