@@ -14,6 +14,8 @@ from cluster.app import build_app
 from cluster.loadtest.cli import main
 from tests.serve_cluster import serve_on_local_cluster
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 APP = {
     "model": "tiny",
     "device": "cpu",

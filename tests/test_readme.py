@@ -18,6 +18,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = "http://127.0.0.1:8000"
 

@@ -27,6 +27,8 @@ from replicas.engine import LLMEngine, SamplingParams
 from replicas.guided import Guide
 from tests.serve_cluster import wait_until_serving
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local.yaml"
 SERVE = Path(sys.executable).parent / "serve"

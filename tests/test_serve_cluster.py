@@ -24,6 +24,8 @@ from cluster.ingress import REPLICA_HEADER
 from replicas.engine import LLMEngine, SamplingParams
 from tests.serve_cluster import serve_on_local_cluster
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024

@@ -41,6 +41,8 @@ from cluster.local import LocalCluster
 from replicas.distributed import free_port
 from tests.serve_cluster import wait_until_serving
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIG_FILES = ("configs/local.yaml", "configs/serve.yaml", "configs/llama3-8b.yaml")
 KUBERAY = REPO / "configs" / "kuberay" / "rayservice.yaml"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 import ray
 from ray import serve
 
@@ -23,6 +24,8 @@ from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas
+
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQS = 3  # per replica: the rest of its requests wait in its engine, with no token yet

@@ -27,6 +27,8 @@ from cluster.ingress import REPLICA_HEADER
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 MAX_MODEL_LEN = 2048
 HOSTILE = {
     "model": "tiny",

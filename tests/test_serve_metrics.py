@@ -21,6 +21,8 @@ from cluster.app import build_app
 from cluster.metrics import CACHE_S
 from tests.serve_cluster import serve_on_local_cluster
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 KEY = "metrics-key"
 APP = {
     "model": "tiny",

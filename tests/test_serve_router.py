@@ -14,6 +14,8 @@ from replicas.wire import GenerateRequest
 from router.hashing import chunk_hashes
 from tests.serve_cluster import serve_on_local_cluster
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 # -- the router class, no cluster ------------------------------------------------------------------
 
 C = 4  # chunk size of the unit tests

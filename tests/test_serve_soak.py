@@ -29,6 +29,8 @@ from replicas.engine import LLMEngine, SamplingParams
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas
 
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
 SOAK_S = float(os.environ.get("CHUNKSERVE_SOAK_S", 150))  # the mix's duration (CI: 150 s)
 WARM_S = min(30.0, SOAK_S / 5)  # the mix before the early RSS sample
 RATE = 6.0  # requests a second, sent on schedule (open loop) ...
