@@ -202,8 +202,8 @@ class MetricsText:
 
 # -- the text ---------------------------------------------------------------------------
 _REPLICA_COUNTERS = {
-    "prompt_tokens": "Prompt tokens of finished requests.",
-    "cached_prompt_tokens": "Prompt tokens of finished requests served from the prefix cache.",
+    "prompt_tokens": "Prompt tokens of finished requests (aborted ones once admitted).",
+    "cached_prompt_tokens": "Of those, prompt tokens served from the prefix cache.",
     "generated_tokens": "Tokens generated.",
     "finished_requests": "Requests the engine finished (aborted ones included).",
 }

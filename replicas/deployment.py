@@ -429,7 +429,7 @@ class _Metrics:
     cannot be read back in-process. Both see every update, so they agree."""
 
     _COUNTERS = {
-        "prompt_tokens": "prompt tokens of finished requests",
+        "prompt_tokens": "prompt tokens of finished requests (aborted ones once admitted)",
         "cached_prompt_tokens": "prompt tokens served from the prefix tree",
         "generated_tokens": "tokens generated",
         "finished_requests": "requests the engine finished (aborted ones included)",

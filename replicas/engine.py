@@ -325,14 +325,26 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request now and free its private chunks; False if it is unknown or finished."""
-        seq = self._seqs.pop(request_id, None)
+        seq = self._seqs.get(request_id)
         if seq is None:
             return False
-        self._keys.pop(request_id, None)
-        self._guided.discard(request_id)
-        self.runner.penalties.release(request_id)
-        self.scheduler.finish(seq, "abort")
+        self._retire(seq, "abort")
         return True
+
+    def _retire(self, seq: Sequence, reason: str) -> None:
+        """The one way a request leaves the engine (finished: stop or length; or aborted): its
+        chunks go back to the tree, its side tables are cleared, and it is counted, its prompt
+        tokens too once it was admitted (a request aborted while it waited reached no model)."""
+        self.scheduler.finish(seq, reason)
+        del self._seqs[seq.request_id]
+        self._keys.pop(seq.request_id, None)
+        self._guided.discard(seq.request_id)
+        self.runner.penalties.release(seq.request_id)
+        c = self._counters
+        c["finished_requests"] += 1
+        if seq.num_cached_prompt is not None:
+            c["prompt_tokens"] += len(seq.prompt_ids)
+            c["cached_prompt_tokens"] += seq.num_cached_prompt
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -430,15 +442,7 @@ class LLMEngine:
             reason = "length"  # (Scheduler.schedule skips rows this will end: keep the two alike)
         if reason is not None:
             del seq.output_ids[n:]
-            self.scheduler.finish(seq, reason)
-            del self._seqs[seq.request_id]
-            self._keys.pop(seq.request_id, None)
-            self._guided.discard(seq.request_id)
-            self.runner.penalties.release(seq.request_id)
-            c = self._counters
-            c["finished_requests"] += 1
-            c["prompt_tokens"] += len(seq.prompt_ids)
-            c["cached_prompt_tokens"] += seq.num_cached_prompt
+            self._retire(seq, reason)
         return RequestOutput(
             seq.request_id,
             [token],

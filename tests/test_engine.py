@@ -138,6 +138,26 @@ def test_a_cached_prompt_runs_only_its_last_token_and_counts_it():
     assert engine.stats()["cached_prompt_tokens"] == 48
 
 
+def test_aborted_requests_are_counted_with_their_prompts_once_admitted():
+    # an abort retires a request as a finish does: finished_requests counts it, and its prompt
+    # (and cached) tokens once it was admitted; one aborted while it waited reached no model
+    engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=4096, max_num_seqs=1)
+    prompt = [5 + i % 90 for i in range(40)]
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # its 2 chunks cached
+    before = engine.stats()
+    engine.add_request("running", prompt, params)
+    engine.add_request("waiting", prompt, params)  # max_num_seqs 1: it waits behind the first
+    engine.step()
+    assert engine.stats()["running"] == 1 and engine.stats()["waiting"] == 1
+    assert engine.abort("running") and engine.abort("waiting") and not engine.abort("waiting")
+    s = engine.stats()
+    assert s["finished_requests"] - before["finished_requests"] == 2
+    assert s["prompt_tokens"] - before["prompt_tokens"] == 40
+    assert s["cached_prompt_tokens"] - before["cached_prompt_tokens"] == 32
+    assert not engine.has_unfinished() and s["kv_chunks_used"] == 0
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_preemption_under_pressure_keeps_outputs_exact(async_scheduling):
     rng = random.Random(3)
