@@ -56,17 +56,18 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch | reference
     # triton backend, eager engines (enforce_eager): decode a batch with nothing shared through
     # FlashInfer's paged decode (GQA, 16-bit caches, flashinfer installed), measured a few percent
-    # faster there than TPP without a phase 1. Graphed engines decode it through TPP, whose plans
-    # the decode graphs cover (H200, llama3-8b b=64, 2112-token unshared prompts: 20.6 ms per step
-    # eager through FlashInfer, 15.9 graphed through TPP).
+    # faster there than TPP without a phase 1. Engines with CUDA graphs decode it through TPP
+    # (against whole-step graphs: H200, llama3-8b b=64, 2112-token unshared prompts, 20.6 ms a
+    # step eager through FlashInfer, 15.9 graphed through TPP; not yet measured against the
+    # piecewise graphs, between whose pieces either could run).
     flashinfer_fallback: bool = True
     # triton backend: a step's prefill spans through FlashInfer's paged prefill, one launch per
     # layer over the pool as it is (16-bit caches, head size 64/128/256, flashinfer installed;
     # kernels/paged_prefill.py), not the plain-torch reference span by span. H200, llama3-8b,
     # 256 prompts of 2048 shared + 64 own tokens: prefill 5.8 s -> 0.74 (replicas.tools.bench)
     flashinfer_prefill: bool = True
-    # CUDA: False runs a decode-only step's forward from a CUDA graph of its decode plan
-    # (replicas/cuda_graph.py); True launches every kernel from Python (vLLM's option of the name)
+    # CUDA: False runs steps' forwards from CUDA graphs (the piecewise graphs below; whole-step
+    # graphs too with decode_graphs); True launches every kernel from Python (vLLM's option)
     enforce_eager: bool = False
     # The forward's pieces between attentions as CUDA graphs per token-count bucket, for the steps
     # no whole-step graph runs (mixed steps, decode steps of a new plan): replicas/piecewise.py.

@@ -1,8 +1,8 @@
 """Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
 
-On CUDA a decode-only step's forward runs from a CUDA graph of its decode plan
-(`replicas.cuda_graph`) once the plan has lived a step, and every other step of a graphed token
-count from the pieces between its attentions (`replicas.piecewise`), unless the engine runs
+On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
+(`replicas.piecewise`), and with `decode_graphs` a decode-only step from a CUDA graph of its
+decode plan (`replicas.cuda_graph`) once the plan has lived a step, unless the engine runs
 eagerly (`enforce_eager`). `run` waits for the
 step's sampled tokens; `launch` queues the step and returns, and `collect` waits for them later
 (the engine's asynchronous scheduling)."""
