@@ -6,24 +6,36 @@ samples one more."""
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 import torch
 
 from replicas.kv_pool import KVPool
 from replicas.prefix_tree import PrefixTree
-from replicas.scheduler import Batch, Scheduler
+from replicas.scheduler import Batch, Scheduler, _sort_dfs
 from replicas.sequence import SamplingParams, Sequence, Status
 
 C = 4  # tokens a chunk
 
 
-def _scheduler(num_chunks: int = 64, *, budget: int = 64, max_num_seqs: int = 16, sharing: bool = True) -> Scheduler:
+def _scheduler(
+    num_chunks: int = 64,
+    *,
+    budget: int = 64,
+    max_num_seqs: int = 16,
+    sharing: bool = True,
+    max_model_len: int | None = None,
+) -> Scheduler:
     pool = KVPool(
         num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32, device="cpu"
     )
     return Scheduler(
-        PrefixTree(pool), max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_prefix_sharing=sharing
+        PrefixTree(pool),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        enable_prefix_sharing=sharing,
+        max_model_len=max_model_len,
     )
 
 
@@ -136,3 +148,108 @@ def test_out_of_chunks_the_newest_is_preempted_and_requeued_by_arrival(sharing):
     assert list(s.waiting) == [new, later]
     assert (s.tree.num_cached > 0) is sharing
     s.tree.check(s.running, s.last_decode_paths)  # every chunk owned once, refcounts as held
+
+
+def test_decode_rows_get_a_chunk_ahead_when_one_of_them_needs_a_chunk():
+    # three rows at staggered lengths: at a step where some row crosses into a new chunk, every
+    # decode row with less than a chunk of room past its next token gets one more, so the rows'
+    # tables (and the decode plan) change about once per chunk of tokens, not at every step
+    # where some row's tail fills
+    s = _scheduler()
+    rows = [_seq(f"r{i}", list(range(20, 25 + i))) for i in range(3)]  # prompts of 5, 6, 7 tokens
+    for seq in rows:
+        s.add(seq)
+    _step(s)  # the prompts, each in one piece
+    changed = 0
+    for _ in range(4 * C):
+        before = [q.num_chunks for q in rows]
+        batch = _step(s)
+        assert len(batch.decodes) == 3 and not batch.prefills
+        changed += before != [q.num_chunks for q in rows]
+    # the three tails cross chunk boundaries at 3 different steps of every 4: without reserving
+    # ahead the tables would change at 3 steps in 4 (12 of 16)
+    assert changed <= 6, changed
+    s.tree.check(s.running, s.last_decode_paths)
+
+
+def test_a_row_at_its_length_limit_runs_nothing_more():
+    # max_tokens reached, or the prompt and outputs at max_model_len: the row's last token is the
+    # one it ends on (still on the device, under asynchronous scheduling), so it is not scheduled
+    # again; the same rule as the engine's "length"
+    s = _scheduler(max_model_len=9)
+    limited, short = _seq("limited", list(range(6))), _seq("short", [40, 41], max_tokens=2)
+    for seq in (limited, short):
+        s.add(seq)
+    for _ in range(8):
+        _step(s)
+    assert len(limited.output_ids) == 3  # 6 + 3 = max_model_len
+    assert len(short.output_ids) == 2
+    assert _step(s).items == [] and limited.status is short.status is Status.RUNNING  # (the engine ends them)
+
+
+def test_decode_rows_sort_by_shared_path_then_arrival():
+    # random forests of shared runs (refs > 1) with private tails (ref 1): _sort_dfs orders the
+    # rows as the plain key (the path of the row's shared run, then arrival) does
+
+    class Node:  # a tree node as _sort_dfs reads it: its id, how many live sequences hold it
+        def __init__(self, ref):
+            self.id, self.ref = next(ids), ref
+
+    class Row:  # what _sort_dfs reads of a Sequence: nodes (id, ref), arrival, path_ids()
+        def __init__(self, nodes, arrival):
+            self.nodes, self.arrival = nodes, arrival
+
+        def path_ids(self):
+            return tuple(n.id for n in self.nodes)
+
+    rng = random.Random(0)
+    ids = iter(range(10**6))
+    for trial in range(30):
+        roots = [[Node(9)] for _ in range(rng.randint(1, 3))]
+        branches = [
+            r + [Node(5) for _ in range(rng.randint(0, 3))] for r in roots for _ in range(rng.randint(1, 3))
+        ] + [[]]
+        rows = [
+            Row(rng.choice(branches) + [Node(1) for _ in range(rng.randint(0, 2))], a)
+            for a in rng.sample(range(100), 40)
+        ]
+
+        def plain(row):
+            k = sum(n.ref > 1 for n in row.nodes)
+            return row.path_ids()[:k], row.arrival
+
+        want = sorted(rows, key=plain)
+        _sort_dfs(rows)
+        assert rows == want, trial
+
+
+@pytest.mark.parametrize("sharing", [True, False])
+def test_random_traffic_keeps_the_tree_and_pool_whole(sharing):
+    # arrivals, finishes and aborts at random under a small pool (preemptions included): the
+    # tree's invariants hold after every step, and every chunk comes back at the end
+    rng = random.Random(3)
+    s = _scheduler(num_chunks=12, budget=16, max_num_seqs=6, sharing=sharing)
+    prefixes = [[rng.randrange(50) for _ in range(8)] for _ in range(3)]
+    live = []
+    for _ in range(300):
+        if rng.random() < 0.3:
+            own = [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            seq = _seq(f"q{len(live)}", rng.choice(prefixes) + own, max_tokens=rng.randint(1, 16))
+            s.add(seq)
+            live.append(seq)
+        if live and rng.random() < 0.05:
+            seq = live[rng.randrange(len(live))]
+            if seq.status is not Status.FINISHED:
+                s.finish(seq, "abort")
+        _step(s)
+        for seq in list(s.running):
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                s.finish(seq, "length")
+        s.tree.check(s.running, s.last_decode_paths)
+    for seq in live:
+        if seq.status is not Status.FINISHED:
+            s.finish(seq, "abort")
+    s.tree.check([], [])
+    assert s.num_preemptions > 0  # (the pool was short)
+    s.tree.evict_all()
+    assert s.tree.pool.num_free == 12
