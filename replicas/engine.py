@@ -439,8 +439,8 @@ class LLMEngine:
             )
         if token in p.stop_token_set or (not p.ignore_eos and token in self.model_config.eos_token_ids):
             reason = "stop"
-        elif n >= p.max_tokens or len(seq.prompt_ids) + n >= self.max_model_len:
-            reason = "length"  # (Scheduler.schedule skips rows this will end: keep the two alike)
+        elif seq.ends_by_length(n, self.max_model_len):
+            reason = "length"  # (Scheduler.schedule skips the rows this will end, by the same rule)
         if reason is not None:
             del seq.output_ids[n:]
             self._retire(seq, reason)

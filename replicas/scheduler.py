@@ -137,10 +137,9 @@ class Scheduler:
         c, limit = self.c, self.max_model_len or 1 << 62
         for seq in self.running:  # (num_pending inlined: this loop and the next run per row per step)
             out = len(seq.output_ids)
-            if out >= seq.params.max_tokens or len(seq.prompt_ids) + out >= limit:
+            if seq.ends_by_length(out, limit):
                 # its last token is still on the device (the engine's asynchronous scheduling):
                 # the sequence ends on it by length once it arrives, so it runs nothing more
-                # (the same rule as LLMEngine._settle's "length", kept inline: per row per step)
                 continue
             pending = len(seq.prompt_ids) + out - seq.num_computed
             (decodes if pending == 1 else prefills).append(seq)

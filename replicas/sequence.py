@@ -178,6 +178,11 @@ class Sequence:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def ends_by_length(self, outputs: int, max_model_len: int) -> bool:
+        """The length rule: with `outputs` tokens generated the sequence is done, by max_tokens or
+        the context (the engine ends it with "length"; the scheduler runs it no further)."""
+        return outputs >= self.params.max_tokens or len(self.prompt_ids) + outputs >= max_model_len
+
     @property
     def num_pending(self) -> int:
         """Tokens still to run through the model before the next one can be sampled."""
