@@ -49,7 +49,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context, capped by the pool
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    dtype: str = "auto"  # auto (float32 on CPU, the checkpoint's 16-bit type on GPU) | float32 | float16 | bfloat16
+    # auto (float32 on CPU, bfloat16 on GPU, whatever the checkpoint) | float32 | float16 | bfloat16
+    dtype: str = "auto"
     seed: int = 0  # preset weights and requests' default sampling seeds
     tp_rank: int = 0
     tp_size: int = 1
