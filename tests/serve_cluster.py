@@ -14,7 +14,6 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
 
     from cluster.local import LocalCluster
 
-    port = free_port()
     # the dashboard on a free port: another cluster on this machine may hold the default one
     with LocalCluster(
         num_nodes=num_nodes,
@@ -24,11 +23,29 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
         dashboard_port=free_port() if include_dashboard else None,
     ) as c:
         ray.init(address=c.address)
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        port = _start_serve()
         try:
             yield f"http://127.0.0.1:{port}"
         finally:
             serve.shutdown()
+
+
+def _start_serve(tries: int = 3) -> int:
+    """serve.start with its proxy on a free port, picked once the cluster runs; the port it got.
+    Ray's processes take ports of their own as they start, so one picked free can be gone when
+    the proxy binds it: then Serve goes down and comes up again on another."""
+    from ray import serve
+
+    for attempt in range(tries):
+        port = free_port()
+        try:
+            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+            return port
+        except Exception as e:  # (a RayTaskError from the proxy's ready())
+            if "Failed to bind" not in str(e) or attempt == tries - 1:
+                raise
+            serve.shutdown()
+    raise AssertionError("unreachable")
 
 
 def wait_until_serving(base: str, timeout_s: float, proc=None, log_path=None) -> None:
