@@ -209,20 +209,22 @@ def _ms(name: str, xs: list[float]) -> dict:
 
 def _first_launches() -> tuple[int, float]:
     """kernels.launch.first_launches, or nothing launched where Triton is not installed."""
-    try:
-        from kernels.launch import first_launches
-    except ImportError:
-        return 0, 0.0
-    return first_launches()
+    launch = _launch_module()
+    return (0, 0.0) if launch is None else launch.first_launches()
 
 
 def _first_launched(since: int) -> list[str]:
     """kernels.launch.first_launched, or none where Triton is not installed."""
+    launch = _launch_module()
+    return [] if launch is None else launch.first_launched(since)
+
+
+def _launch_module():
     try:
-        from kernels.launch import first_launched
-    except ImportError:
-        return []
-    return first_launched(since)
+        from kernels import launch
+    except ImportError:  # (no Triton: nothing is launched through it)
+        return None
+    return launch
 
 
 def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -> dict:
