@@ -476,6 +476,22 @@ def test_bench_cli_prints_a_run_per_repeat():
         assert 0 < run["host_ms_per_step"] <= run["decode_step_ms"]
 
 
+def test_bench_cli_runs_each_batch_size_on_one_engine():
+    """--batch 2,4: a run per size in order on one engine, each counting only its own steps."""
+    argv = [sys.executable, "-m", "replicas.tools.bench", "--batch", "2,4", "--prefix", "64", "--suffix", "5"]
+    r = subprocess.run([*argv, "--max-tokens", "6"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    runs = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [run["batch"] for run in runs] == [2, 4]
+    # the first run's rows prefill in one step (none is cached yet); the second run's all find
+    # the first run's prefix chunk still in the tree
+    assert [run["cached_prompt_tokens"] for run in runs] == [0, 4 * 64]
+    for run in runs:
+        assert 6 <= run["steps"] <= 8 and run["preemptions"] == 0
+    bad = subprocess.run([*argv[:4], "2,x"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--batch takes row counts" in bad.stderr
+
+
 def test_bench_cli_warms_up_first_and_counts_only_the_run():
     r = subprocess.run(
         [

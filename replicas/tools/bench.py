@@ -5,6 +5,8 @@ on, KV chunks in use, decode plans built).
     python -m replicas.tools.bench --model llama3-8b --batch 64 --prefix 2048 --suffix 64 --max-tokens 64
     python -m replicas.tools.bench ... --stagger --repeat 2   # rows' tails at staggered offsets; the
                                                         # second run finds every kernel compiled
+    python -m replicas.tools.bench ... --batch 8,64,256       # a run per batch size on one engine
+                                                        # (sized for the largest), in this order
     python -m replicas.tools.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, replicas/parallel.py)
     python -m replicas.tools.bench ... --warmup               # replicas.warmup first, as a GPU replica
@@ -102,11 +104,13 @@ GUIDES = {
 }
 
 
-def run(args: argparse.Namespace, backend: str, engine=None) -> dict:
-    """One run on a fresh engine (or on `engine`: rank 0's TPEngine under --tp)."""
+def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) -> dict:
+    """One run of args.batch rows on a fresh engine (or on `engine`, idle: a previous run's, or rank
+    0's TPEngine under --tp); with args.warmup and `warm`, replicas.warmup first."""
     if engine is None:
         engine = LLMEngine(_config(args, backend))
-    warmed = warmup(engine) if args.warmup else {}  # (counters zeroed after it)
+    engine.reset_counters()  # a previous run's figures are not this run's
+    warmed = warmup(engine) if args.warmup and warm else {}  # (counters zeroed after it)
     rng = random.Random(0)
     prefix = [rng.randrange(256) for _ in range(args.prefix)]
     guided_rows = args.batch if args.guided_rows is None else args.guided_rows
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
         choices=["reference", "torch", "triton"],
         help="attention backend(s) to run (default: auto)",
     )
-    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--batch", default="32", help="rows a run (comma-separated: a run per size, one engine)")
     ap.add_argument("--prefix", type=int, default=1024)
     ap.add_argument("--suffix", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -417,6 +421,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--groups", type=int, default=1, help="with --request-rate: distinct shared prefixes")
     ap.add_argument("--seed", type=int, default=0, help="with --request-rate: the arrival times' seed")
     args = ap.parse_args(argv)
+    try:
+        batches = [int(b) for b in args.batch.split(",")]
+    except ValueError:
+        ap.error(f"--batch takes row counts, comma-separated, not {args.batch!r}")
+    if min(batches) < 1:
+        ap.error("--batch takes row counts >= 1")
+    args.batch = max(batches)  # the engine's max_num_seqs
     if args.request_rate is not None:
         rates = [float(r) for r in args.request_rate.split(",")]
         if not rates or min(rates) <= 0 or args.requests < 1 or args.tp != 1:
@@ -433,12 +444,20 @@ def main(argv: list[str] | None = None) -> None:
     if args.tp > 1:
         from replicas.distributed import free_port
 
-        mp.start_processes(_rank, args=(args, free_port()), nprocs=args.tp, start_method="spawn")
+        mp.start_processes(_rank, args=(args, free_port(), batches), nprocs=args.tp, start_method="spawn")
         return
     for backend in args.backend or ["auto"]:
         for k in range(args.repeat):
-            print(json.dumps(dict(run(args, backend), run=k)), flush=True)
+            engine = LLMEngine(_config(args, backend))
+            for i, b in enumerate(batches):
+                print(json.dumps(dict(run(_rows(args, b), backend, engine, warm=i == 0), run=k)), flush=True)
+            del engine
             _release()
+
+
+def _rows(args: argparse.Namespace, batch: int) -> argparse.Namespace:
+    """args for a run of `batch` rows (the engine's config keeps the largest)."""
+    return argparse.Namespace(**{**vars(args), "batch": batch})
 
 
 def _release() -> None:
@@ -448,7 +467,7 @@ def _release() -> None:
         torch.cuda.empty_cache()
 
 
-def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
+def _rank(rank: int, args: argparse.Namespace, port: int, batches: list[int]) -> None:
     """--tp: rank 0 makes each run through a TPEngine; the other ranks step with it until it closes."""
     from replicas.distributed import init_group
     from replicas.parallel import TPEngine, TPWorker
@@ -467,7 +486,8 @@ def _rank(rank: int, args: argparse.Namespace, port: int) -> None:
                 TPWorker(config).serve()
             else:
                 engine = TPEngine(LLMEngine(config))
-                print(json.dumps(dict(run(args, backend, engine), run=k)), flush=True)
+                for i, b in enumerate(batches):
+                    print(json.dumps(dict(run(_rows(args, b), backend, engine, warm=i == 0), run=k)), flush=True)
                 engine.close()
                 del engine
             _release()
