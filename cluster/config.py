@@ -72,6 +72,11 @@ class IngressOptions(_Strict):
     num_replicas: PositiveInt = 1
     max_ongoing_requests: PositiveInt = 1024
     num_cpus: float = Field(0, ge=0)
+    # each ingress replica also serves the API on this port of its node itself, all of a node's
+    # ingress replicas sharing it (cluster/front.py): no hop through Serve's HTTP proxy, which
+    # keeps http_options.port (a different port). None: through the proxy alone
+    http_port: int | None = Field(None, ge=1, le=65535)
+    http_host: str = "127.0.0.1"  # the front's address: 0.0.0.0 to take requests from other hosts
 
 
 class AppConfig(_Strict):

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster import metrics as cluster_metrics
 from cluster.config import AppConfig
+from cluster.front import HTTPFront
 from cluster.logprobs import TokenTexts, chat_logprobs, completion_logprobs, text_length
 from cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from cluster.metrics import CountResponses, MetricsText
@@ -72,6 +73,7 @@ from router.hashing import chunk_hashes
 
 logger = logging.getLogger("ray.serve")
 
+FRONT_DRAIN_S = 15.0  # a stopping replica's front finishes its open requests this long at most
 REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
 TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
 
@@ -148,6 +150,11 @@ async def _internal_error(_: Request, e: Exception) -> JSONResponse:
 def _request_id() -> str:
     """Serve's id of the HTTP request being answered: its `x-request-id` header, and Serve's log lines'."""
     return serve_context._get_serve_request_context().request_id or str(uuid.uuid4())
+
+
+def _proxy_port() -> int:
+    """The port of Serve's HTTP proxies (http_options.port), from Serve's controller."""
+    return serve_context._get_global_client().http_config.port
 
 
 def _server_error(e: BaseException, request_id: str | None = None) -> APIError:
@@ -629,6 +636,33 @@ class OpenAIIngress:
             ctx.replica_id.unique_id,
             lambda: (ctx.deployment, self.record_http()),
         )
+        # ingress.http_port: this replica answers HTTP on that port itself too, skipping Serve's
+        # proxy (cluster/front.py); a port another program holds fails the deployment here
+        opts = config.ingress
+        if opts.http_port is not None and opts.http_port == _proxy_port():
+            # (Serve's proxy binds its port with SO_REUSEPORT too: both would take connections)
+            raise ValueError(
+                f"ingress.http_port {opts.http_port} is Serve's own http_options.port: give one of them another port"
+            )
+        self._front = None if opts.http_port is None else HTTPFront(opts.http_host, opts.http_port)
+        if self._front is not None:
+            self._front.start(lambda: self.app, ctx.app_name)
+
+    def check_health(self) -> None:
+        """Serve's periodic health check: a front that stopped by itself fails it (Serve then
+        replaces the replica)."""
+        failed = self._front.failed() if self._front is not None else None
+        if failed is not None:
+            raise RuntimeError(f"the ingress's HTTP front on port {self._front.port} stopped: {failed!r}")
+
+    async def __del__(self) -> None:
+        """Serve's shutdown of the replica: the front stops taking connections and finishes the
+        open ones (within FRONT_DRAIN_S), then Serve's own shutdown of the app."""
+        if getattr(self, "_front", None) is not None:
+            await self._front.stop(FRONT_DRAIN_S)
+        parent = getattr(super(), "__del__", None)  # Serve's ingress wrapper's (the app's lifespan)
+        if parent is not None:
+            await parent()
 
     # -- endpoints --------------------------------------------------------------------------
     @app.get("/health")

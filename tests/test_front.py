@@ -1,0 +1,109 @@
+"""cluster.front.HTTPFront on its own: a shared port, the request context, draining, failures
+(real sockets, real HTTP through httpx; no Ray cluster: tests/test_serve_front.py has Serve's)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import httpx
+import pytest
+from ray.serve import context as serve_context
+
+from cluster.front import HTTPFront, bind
+from replicas.distributed import free_port
+
+
+async def _slow_app(scope, receive, send) -> None:
+    """Streams the request context's id, then 5 parts 0.1 s apart."""
+    assert scope["type"] == "http"
+    ctx = serve_context._get_serve_request_context()
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send(
+        {
+            "type": "http.response.body",
+            "body": f"{ctx.request_id} {ctx.route} {ctx.app_name}\n".encode(),
+            "more_body": True,
+        }
+    )
+    for i in range(5):
+        await asyncio.sleep(0.1)
+        await send({"type": "http.response.body", "body": f"{i}\n".encode(), "more_body": i < 4})
+
+
+def test_a_port_held_by_another_program_is_named():
+    port = free_port()
+    other = socket.socket()  # no SO_REUSEPORT: the port is not for sharing
+    other.bind(("127.0.0.1", port))
+    other.listen()
+    try:
+        with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+            bind("127.0.0.1", port)
+    finally:
+        other.close()
+
+
+def test_fronts_share_a_port_and_each_answers():
+    async def main():
+        port = free_port()
+        fronts = [HTTPFront("127.0.0.1", port) for _ in range(2)]  # both bind: SO_REUSEPORT
+        for f in fronts:
+            f.start(lambda: _slow_app, "app")
+        async with httpx.AsyncClient(timeout=10) as client:
+            r = await client.get(f"http://127.0.0.1:{port}/a/b", headers={"x-request-id": "given-id"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "given-id"
+            assert r.text.splitlines() == ["given-id /a/b app", "0", "1", "2", "3", "4"]
+            r = await client.get(f"http://127.0.0.1:{port}/")  # no id sent: one made for the request
+            rid = r.headers["x-request-id"]
+            assert len(rid) == 36 and r.text.startswith(f"{rid} / app")
+        # each front answers alone too: stop one, the other keeps the port
+        await fronts[0].stop(5)
+        async with httpx.AsyncClient(timeout=10) as client:
+            for _ in range(4):  # new connections each time: none lands on the stopped one
+                assert (
+                    await client.get(f"http://127.0.0.1:{port}/", headers={"connection": "close"})
+                ).status_code == 200
+        await fronts[1].stop(5)
+        assert fronts[0].failed() is None and fronts[1].failed() is None  # asked to stop: no failure
+        with pytest.raises(httpx.ConnectError):
+            await httpx.AsyncClient().get(f"http://127.0.0.1:{port}/")
+
+    asyncio.run(main())
+
+
+def test_stop_finishes_open_requests_and_takes_no_new_ones():
+    async def main():
+        port = free_port()
+        front = HTTPFront("127.0.0.1", port)
+        front.start(lambda: _slow_app, "app")
+        async with httpx.AsyncClient(timeout=10) as client:
+            await client.get(f"http://127.0.0.1:{port}/warm")
+            slow = asyncio.create_task(client.get(f"http://127.0.0.1:{port}/slow", headers={"connection": "close"}))
+            await asyncio.sleep(0.15)  # its response has begun
+            stopping = asyncio.create_task(front.stop(5))
+            await asyncio.sleep(0.05)
+            with pytest.raises(httpx.ConnectError):  # no new connection is taken while it drains
+                await httpx.AsyncClient().get(f"http://127.0.0.1:{port}/late")
+            r = await slow
+            assert r.status_code == 200 and r.text.splitlines()[1:] == ["0", "1", "2", "3", "4"]
+            await stopping
+
+    asyncio.run(main())
+
+
+def test_a_front_that_stops_by_itself_is_a_failure():
+    async def main():
+        front = HTTPFront("127.0.0.1", free_port())
+
+        def no_app():
+            raise RuntimeError("no app")
+
+        front.start(no_app, "app")
+        assert front.failed() is None  # still starting
+        await asyncio.sleep(0.05)
+        failed = front.failed()
+        assert isinstance(failed, RuntimeError) and "no app" in str(failed)
+        await front.stop(1)
+        assert front.failed() is None
+
+    asyncio.run(main())

@@ -1,0 +1,137 @@
+"""The ingress replicas' own HTTP front (ingress.http_port, cluster/front.py) in a Serve
+application on a local Ray cluster: the same API as through Serve's proxy, on a port two ingress
+replicas share; streams, disconnects, request ids; a port clash named at deploy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+from ray import serve
+
+from cluster.app import build_app
+from replicas.distributed import free_port
+from tests.serve_cluster import serve_on_local_cluster
+
+pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
+TIMEOUT = httpx.Timeout(300.0)
+KEY = "front-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _app(port: int, **over) -> dict:
+    return {
+        "model": "tiny",
+        "device": "cpu",
+        "num_replicas": 1,
+        "api_key": KEY,
+        "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "max_num_seqs": 16},
+        "ingress": {"num_replicas": 2, "http_port": port},
+        **over,
+    }
+
+
+@pytest.fixture(scope="module")
+def urls():
+    """(through Serve's proxy, through the front), one application."""
+    with serve_on_local_cluster(num_nodes=1) as base:
+        port = free_port()
+        serve.run(build_app(_app(port)), name="front", route_prefix="/front")
+        front = f"http://127.0.0.1:{port}"
+        # serve.run returned: the ingress replicas run, so their fronts listen already
+        assert httpx.get(f"{front}/health", timeout=TIMEOUT).status_code == 200
+        yield f"{base}/front", front, serve.get_deployment_handle("LLMReplica", app_name="front")
+
+
+def _completion(url: str, **body) -> httpx.Response:
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}
+    return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
+
+
+def test_the_front_serves_what_the_proxy_serves(urls):
+    proxy, front, _ = urls
+    a, b = _completion(proxy), _completion(front)
+    assert a.status_code == b.status_code == 200
+    assert a.json()["choices"][0]["text"] == b.json()["choices"][0]["text"]
+    assert b.json()["usage"] == a.json()["usage"]
+    assert httpx.get(f"{front}/v1/models", timeout=TIMEOUT).status_code == 401  # the key still holds
+    assert httpx.get(f"{front}/v1/models", headers=AUTH, timeout=TIMEOUT).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{front}/ready", timeout=TIMEOUT).status_code == 200
+    assert httpx.get(f"{front}/nowhere", timeout=TIMEOUT).json()["error"]["type"] == "not_found_error"
+
+
+def test_request_ids_and_timing_as_through_the_proxy(urls):
+    _, front, _ = urls
+    r = httpx.post(
+        f"{front}/v1/completions",
+        json={"prompt": "Hi", "max_tokens": 2},
+        headers={**AUTH, "x-request-id": "my-request-7"},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "my-request-7"
+    assert "replica;dur=" in r.headers["server-timing"]
+    bad = httpx.post(f"{front}/v1/completions", json={"prompt": "Hi", "max_tokens": -1}, headers=AUTH, timeout=TIMEOUT)
+    assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 36
+
+
+def test_streams_over_many_connections_to_two_replicas_sharing_the_port(urls):
+    _, front, _ = urls
+    status = serve.status().applications["front"].deployments["OpenAIIngress"]
+    assert status.replica_states.get("RUNNING") == 2  # both replicas listen on the one port
+
+    async def one(i: int) -> str:
+        body = {"prompt": f"story {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+        text = ""
+        # a connection each: the kernel spreads them over the replicas sharing the port
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async with client.stream("POST", f"{front}/v1/completions", json=body, headers=AUTH) as r:
+                assert r.status_code == 200
+                lines = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        for line in lines[:-1]:
+            text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(16)))
+
+    texts = asyncio.run(main())
+    assert texts == [
+        _completion(front, prompt=f"story {i}", max_tokens=12).json()["choices"][0]["text"] for i in range(16)
+    ]
+
+
+def test_a_disconnect_through_the_front_aborts_the_request(urls):
+    _, front, handle = urls
+    generated = handle.stats.remote().result(timeout_s=60)["generated_tokens"]
+
+    async def read_a_little():
+        body = {"prompt": "x" * 50, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async with client.stream("POST", f"{front}/v1/completions", json=body, headers=AUTH) as r:
+                lines = r.aiter_lines()
+                for _ in range(3):
+                    await anext(lines)
+        # leaving the block closes the connection mid-stream
+
+    asyncio.run(read_a_little())
+    deadline = time.monotonic() + 120
+    while (s := handle.stats.remote().result(timeout_s=60))["running"] or s["kv_chunks_used"]:
+        assert time.monotonic() < deadline, f"the aborted stream still runs: {s}"
+        time.sleep(0.2)
+    assert s["generated_tokens"] - generated < 900  # stopped, not run to its end
+
+
+def test_the_proxys_own_port_is_refused_naming_both(urls):
+    proxy, _, _ = urls
+    proxy_port = int(proxy.split(":")[2].split("/")[0])
+    app = build_app(_app(proxy_port, api_key=None))
+    with pytest.raises(RuntimeError, match="Deploying application clash failed"):
+        serve.run(app, name="clash", route_prefix="/clash")
+    message = serve.status().applications["clash"].deployments["OpenAIIngress"].message
+    assert f"ingress.http_port {proxy_port} is Serve's own http_options.port" in message
+    serve.delete("clash")
