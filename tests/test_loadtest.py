@@ -359,6 +359,18 @@ def test_stack_overrides_an_apps_args():
         apply_overrides(config, ["num_replicas"])
 
 
+def test_stack_load_tests_the_ingress_front_where_a_config_has_one():
+    from cluster.loadtest.stack import api_url
+
+    config = {"http_options": {"host": "0.0.0.0", "port": 8001}, "applications": [{"args": {"model": "tiny"}}]}
+    assert api_url(config) == "http://127.0.0.1:8001"  # Serve's proxy
+    config["applications"][0]["args"]["ingress"] = {"http_port": 8000}
+    assert api_url(config) == "http://127.0.0.1:8000"  # the ingress replicas' own port
+    config["applications"][0]["args"]["ingress"]["http_host"] = "10.1.2.3"
+    assert api_url(config) == "http://10.1.2.3:8000"
+    assert api_url({}) == "http://127.0.0.1:8000"  # Serve's defaults
+
+
 def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
     from pathlib import Path
 

@@ -56,6 +56,17 @@ def wait_ready(url: str, timeout: float, proc: subprocess.Popen) -> float:
     raise TimeoutError(f"{url} was not ready within {timeout:.0f} s")
 
 
+def api_url(config: dict) -> str:
+    """Where a Serve config's API answers: the ingress replicas' own port (ingress.http_port,
+    cluster/front.py) where the first application sets one, else Serve's proxy."""
+    http = config.get("http_options", {})
+    host, port = http.get("host", "127.0.0.1"), http.get("port", 8000)
+    ingress = (config.get("applications") or [{}])[0].get("args", {}).get("ingress", {})
+    if ingress.get("http_port") is not None:
+        host, port = ingress.get("http_host", "127.0.0.1"), ingress["http_port"]
+    return f"http://{host.replace('0.0.0.0', '127.0.0.1')}:{port}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -70,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         config = apply_overrides(config, args.set)
     except ValueError as e:
         ap.error(str(e))
-    http = config.get("http_options", {})
-    url = f"http://{http.get('host', '127.0.0.1').replace('0.0.0.0', '127.0.0.1')}:{http.get('port', 8000)}"
+    url = api_url(config)
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
