@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import threading
 from collections.abc import Sequence as Seq
@@ -354,38 +355,44 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule -> run the model -> append tokens, finish what is done.
-
-        With async_scheduling: schedule and launch this step, then collect the step launched
-        before (its tokens: what this returns) while the device runs this one. While guided
-        requests live, the collect comes inside the launch: once this step's forward is queued,
-        before its grammar masks are made, which need the tokens collected."""
+        With async_scheduling the tokens returned are the step launched before this one's."""
         batch = self.scheduler.schedule()
-        if not self.async_scheduling:
-            if not batch:
-                return []
-            sampled, logprobs = self.runner.run(batch, self._keys)
-            self.scheduler.advance(batch)
-            self._count_step(batch)
-            self._counters["generated_tokens"] += len(sampled)
-            return [self._append(seq, token, logprobs.get(seq)) for seq, token in sampled.items()]
+        return self._step_async(batch) if self.async_scheduling else self._step_sync(batch)
+
+    def _step_sync(self, batch) -> list[RequestOutput]:
+        """schedule -> run (launch and wait) -> advance -> append this step's tokens."""
+        if not batch:
+            return []
+        sampled, logprobs = self.runner.run(batch, self._keys)
+        self.scheduler.advance(batch)
+        self._count_step(batch)
+        self._counters["generated_tokens"] += len(sampled)
+        return [self._append(seq, token, logprobs.get(seq)) for seq, token in sampled.items()]
+
+    def _step_async(self, batch) -> list[RequestOutput]:
+        """schedule -> launch this step -> collect the step in flight (its tokens: what this
+        returns) while the device runs this one -> advance. While guided requests live, the
+        collect comes inside the launch: once this step's forward is queued, before its grammar
+        masks are made, which need the tokens collected."""
         outputs: list[RequestOutput] = []
-
-        def collect() -> None:  # the step in flight's tokens, once
-            if self._inflight is not None:
-                outputs.extend(self._collect(self._inflight))
-                self._inflight = None
-
-        launched = (
-            self.runner.launch(batch, self._keys, self._inflight, before_mask=collect if self._guided else None)
-            if batch
-            else None
-        )
+        collect = functools.partial(self._collect_inflight, outputs)
+        launched = None
+        if batch:
+            launched = self.runner.launch(
+                batch, self._keys, self._inflight, before_mask=collect if self._guided else None
+            )
         collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
             self.scheduler.advance(batch)
             self._count_step(batch)
         return outputs
+
+    def _collect_inflight(self, outputs: list[RequestOutput]) -> None:
+        """The step in flight's tokens into `outputs`, once (a second call finds none)."""
+        if self._inflight is not None:
+            outputs.extend(self._collect(self._inflight))
+            self._inflight = None
 
     def _collect(self, launched: Launched) -> list[RequestOutput]:
         """A launched step's tokens into their placeholders; a sequence that finished since
