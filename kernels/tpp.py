@@ -55,91 +55,58 @@ __all__ = ["TppDecoder", "TppPlan", "build_plan", "tpp_decode"]
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-# How the work is cut (an H200 sweep, `python -m kernels.tools.bench sweep`, picks these): pieces per
-# multiprocessor to aim at over all KV heads, and the least work worth a piece of its own.
+# The knobs below were picked on the H200 (`python -m kernels.tools.bench decode` / `sweep`); the
+# measurements behind each are in kernels/tools/records/README.md ("TPP tuning"). Tests set them.
+# How the work is cut: pieces per multiprocessor to aim at over all KV heads, and the least
+# work worth a piece of its own.
 _PROGRAMS_PER_SM = 2
 _MIN_PIECE_TOKENS = 256
-# Each phase in a launch of its own (phase-2 pieces then use a G-row tile, not phase 1's): on
-# the H200 faster for every mixed batch swept but short GQA ones, where one launch was on par.
+# Each phase in a launch of its own (phase-2 pieces then use a G-row tile, not phase 1's).
 _SPLIT_PHASES = True
 # Phase 1 beside a phase 2 (split launches): cut into about this many pieces per KV head, not
 # _PROGRAMS_PER_SM per multiprocessor, and no piece longer than phase 2's longest (build_plan).
 _P1_BESIDE_PIECES = 4
 # MHA (G = 1) phase 1 beside a phase 2 whose longest piece is at least as long as every segment:
-# one piece per row tile (the segment whole), so each row folds one phase-1 partial. H200, b = 32,
-# same call, 2 runs each: 1024 shared / 512 private 74.1 / 74.4 -> 69.7 / 70.3 us (2 pieces
-# before), 2048 / 1024 135.0 / 134.7 -> 131.2 / 131.4, 4096 / 2048 257.9 / 257.9 -> 253.1 / 253.3
-# (4 before). Measured slower, so left as before: two or three pieces per tile instead of four
-# (+1.4 to +4.9 us), one piece where a segment is longer than phase 2's pieces (+2.1 to +19: it
-# outlasts them), and GQA's two 64-vector tiles in one piece each (+2.3 to +13, 1024 / 512 to
-# 4096 / 2048).
+# one piece per row tile (the segment whole), so each row folds one phase-1 partial.
 _P1_BESIDE_WHOLE_MHA = True
 # Phase-1 query tile: rows * G up to this many query vectors per piece.
 _P1_MAX_M = 64
-# Phase 1 with no phase 2 beside it (every row's chunks shared, as in the fully shared benchmark
-# rows): a 32-vector tile launches as _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA
-# (64 rows a warpgroup), and a segment that one row tile reads is cut for
-# _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (fewer partials to merge). H200, fully
-# shared, b = 32, MHA fp16 (kernels.tools.bench decode): 4096 tokens 26.4 -> 25.0 us, 2048 17.1 -> 15.6,
-# 1024 12.2 -> 11.5; GQA b = 8 (32 vectors), 4096 tokens: 12.5 -> 11.8. Not for fewer live vectors
-# (MHA b = 8 / 16: the 64-tile measured 1.2 us slower; one program per SM 0.2 / 0.5 us faster,
-# kept), nor where an MHA segment has several tiles (b = 128, 2048 tokens: 20.2 -> 21.3 with one
-# program per SM), nor beside a phase 2 (a 64-tile, MHA 1024 / 512 and 4096 / 2048: 1.5-2 us
-# slower: it crowds phase-2 programs out). A GQA segment of several tiles is cut for one program
-# per SM too (b = 32, 4096 tokens: 14.04 / 13.8 -> 13.5 / 13.44 us; b = 64, 2048 tokens:
-# 13.3 -> 13.1; b = 32, 1024 tokens on par).
+# Phase 1 with no phase 2 beside it (every row's chunks shared): a 32-vector tile launches as
+# _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA (64 rows a warpgroup), and a
+# segment that one row tile reads is cut for _P1_ALONE_PROGRAMS_PER_SM programs per
+# multiprocessor (fewer partials to merge); not for fewer live vectors, nor beside a phase 2.
 _P1_ALONE_M = 64
 _P1_ALONE_PROGRAMS_PER_SM = 1
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
 # in the interpreter), see tpp_decode.
 _PDL = True
 # Phase 2 this many times phase 1's chunk reads or more: phase-1 tiles launch lean (see
-# TppPlan.lean_phase1; H200: GQA 2048/1024 and 4096/2048 read 16x, a 3-level tree and batch
-# scaling 2x, where lean measured slower).
+# TppPlan.lean_phase1).
 _LEAN_RATIO = 8
 # Whole K/V blocks loaded through TMA descriptors (sm90+), see _attend and _use_tma.
 _TMA = True
 # A row's one phase-2 piece folds in its phase-1 partials only if it has this many at most; a
 # row with more stores its own partial too and leaves them all to the merge launch, which loads
-# them in one vector where the fold takes one (an L2 round trip) at a time. H200, b = 32, 40- to
-# 256-token private tails after a 2048- or 4096-token shared prefix (8-16 partials): MHA 39.2 ->
-# 35.7 us, GQA 22.6 -> 19.6, divergence 2048 + 256 55.7 -> 52.4; rows with 2-4 partials as before
-# (2 at most: GQA rows with 3 or 4 partials 1 us slower).
+# them in one vector where the fold takes one (an L2 round trip) at a time.
 _FOLD_MAX = 4
 # MHA (G = 1): that piece loads its row's phase-1 partials, if it has this many at least, in one
-# [FOLD_P, D] block: one L2 round trip where a loop over them takes one each (0: always the loop).
-# H200, b = 32, rows with 4 partials (loop -> one load): 2048 shared / 1024 private 134.5 -> 133.3
-# us, 4096 / 2048 254.2 -> 253.4, 2048 / 1536 78.8 -> 77.5, 1024 + 40-token tails 23.8 -> 23.1;
-# rows with 2 (1024 / 512) measured 0.5 us slower with one load (it gathers vector 0's state
-# across the tile first), so they keep the loop.
+# [FOLD_P, D] block: one L2 round trip where a loop over them takes one each (0: always the
+# loop). Rows with 2 keep the loop (one load gathers vector 0's state across the tile first).
 _FOLD_VEC_MIN = 3
 # GQA (G > 1): the same, all the tile's vectors' partials in one [M, FOLD_P, D] load (each vector
 # keeps its own state, so nothing is gathered first), for rows with this many partials at least
-# (0: always the loop). H200, b = 32, same call, 2 runs each: 1024 shared + 40-token tails (4
-# partials) 11.3 -> 10.4 us, 2048 / 1536 and 4096 / 3072 (3) 0.3-0.4 us faster, 3-level trees on
-# par. With 2 (1024 / 512 to 4096 / 2048, 256 rows) 0.9-2.4 us slower, so they keep the loop.
-# Either fold is compiled in only where the plan has rows that take it (TppPlan.most_folds):
-# with the [M, FOLD_P, D] fold compiled in but not taken, 64- and 256-row steps ran 1.7-4.6 us slower.
+# (0: always the loop). Either fold is compiled in only where the plan has rows that take it
+# (TppPlan.most_folds): compiled in but not taken, it slows the step.
 _FOLD_VEC_MIN_GQA = 3
 # The fold loop of a phase-2 piece (rows with 2 partials, or GQA rows with fewer than
 # _FOLD_VEC_MIN_GQA) issues two partials' loads together per step: one L2 round trip for two.
-# H200, same call, 3 runs each: GQA b = 32 1024 / 512 23.80 -> 23.64 us, 2048 / 1024 39.93 ->
-# 39.82; elsewhere within the runs' spread (-0.3 .. +0.4). Only where some row folds 2 or more.
 _FOLD_PAIRS = True
 # Short private parts, many of them: a phase-2 program takes _ROWS rows, one after another in
 # one streaming loop (_attend_rows_kernel), where every phase-2 piece is a row's whole private
 # part of _ROWS_MAX_CHUNKS chunks at most that ends the row (no partials of its own), there are
 # _ROWS_MIN_PROGRAMS phase-2 programs (pieces * Hkv) or more, and the rows' G-vector groups fill
 # one 16-vector tile at most. Each program's start (its item, q, the first block's latency) is
-# paid once per _ROWS rows, and the pipeline runs on across row boundaries. H200, same call, 2
-# runs each (us, a row per program -> 4):
-# - MHA b = 32 (1024 programs): 1024 shared + 40-token tails 23.6 -> 17.3, 1024 / 768 (4
-#   chunks) 46.3 -> 42.6; 8 or 16 rows slower (19.5, 27.1 on the tails);
-# - GQA (G = 4, one full tile): 256 rows at 2304 / 2048 (4 chunks) 97.0 -> 95.4, 128 and 256
-#   rows at 2048 + 100 tokens 37.3 -> 35.4 and 60.3 -> 59.0; at 256 or 512 programs (b = 32,
-#   64) on par or up to 0.5 slower, hence _ROWS_MIN_PROGRAMS;
-# - 8-chunk private parts mixed (MHA 2048 / 1536 -1.7, 1024 / 512 +0.3 to +1.1), so they keep
-#   a row per program.
+# paid once per _ROWS rows, and the pipeline runs on across row boundaries.
 _ROWS = 4
 _ROWS_MAX_CHUNKS = 4
 _ROWS_MIN_PROGRAMS = 1024
@@ -327,10 +294,7 @@ def build_plan(
     if len(targets) == 2 and _P1_BESIDE_PIECES:
         # Beside phase 2, phase 1 streams in the slots phase 2 leaves. Cut as finely as alone,
         # its programs kept phase-2 programs out of their first wave, and each row folded more
-        # partials. A piece longer than phase 2's longest would outlast it. H200, b = 32, mixed
-        # 2-level rows, 2 to 16 pieces per KV head swept: 4 was best for MHA (32 KV heads) and
-        # GQA (8) alike. MHA 4096 / 2048: 8 -> 4 pieces, 259 -> 255 us. GQA 4096 / 3072: 24 -> 6
-        # (capped), 54 -> 44 us. GQA 2048 / 1024: 8 -> 4, 42.5 -> 40.7 us. 3-level tree: 29 -> 28.
+        # partials. A piece longer than phase 2's longest would outlast it (records: "TPP tuning").
         longest2 = max(n for *_, n in cut(groups[1][0], targets[2]))
         targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
         if g == 1 and _P1_BESIDE_WHOLE_MHA and all(whole[i][4] <= longest2 for i in groups[0][0]):
@@ -516,13 +480,8 @@ def _attend(
         if BLOCK_N <= C:
             # every block inside one chunk: one chunk id per block (the first came with the
             # item), the block one contiguous [BLOCK_N, D] run of the cache at the same offsets
-            # from the run's start every block. H200, against a chunk id per token (GQA phase 2):
-            # 2048 shared / 1024 private 41.0 -> 40.1 us, 1024 / 512 25.1 -> 23.9, a 3-level tree
-            # 28.2 -> 26.6, 256 rows 97.6 -> 96.6; MHA on par (-0.8 to +0.7 us). Registers (sm90
-            # ptxas): MHA and lean GQA phase 2 114 -> 106 / 105, GQA 118 -> 140 (shared memory
-            # bounds it at 3 programs per multiprocessor either way). Offsets built in the loop
-            # from the run's start instead took 140-144, and cost MHA and lean GQA a program per
-            # multiprocessor (4 -> 3) and up to 11.5 us.
+            # from the run's start every block (faster than a chunk id per token, and fewer
+            # registers than offsets built in the loop: records, "TPP tuning")
             offs_blk = offs_n[:, None] * D + offs_d[None, :]
             cid = cid0
             for start in range(0, n_tok, BLOCK_N):
@@ -924,16 +883,11 @@ def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int, lean
     if head_dim >= 256:
         cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
     else:
-        # One real query vector (MHA phase 2): a single K/V buffer and more programs per SM
-        # measured faster on the H200 than two buffers. Lean, on the H200:
-        # - a 64-vector phase-1 tile (82 instead of 115 KB of shared memory) lets two phase-2
-        #   programs start beside each phase-1 program: GQA 4096/2048 90 -> 77 us, where phase
-        #   1 is a small part of the step (a fully shared step loses 15 % by it);
-        # - a GQA phase-2 tile (5 instead of 3 programs per SM) after a phase 1, where its
-        #   programs would otherwise need a second wave: batch 64 / 128 / 256 at n_s = 2048
-        #   46 / 63 / 99 -> 38 / 59 / 98 us, the 128-row 3-level tree 69 -> 65 us (with one
-        #   wave it measured 0-12 % slower either way).
-        # The 32-vector MHA phase-1 tile leaves room beside it already (lean: no faster).
+        # One real query vector (MHA phase 2): a single K/V buffer and more programs per SM.
+        # Lean: a 64-vector phase-1 tile (82 instead of 115 KB of shared memory) lets two
+        # phase-2 programs start beside each phase-1 program; a GQA phase-2 tile (5 instead of 3
+        # programs per SM) after a phase 1 avoids a second wave. The 32-vector MHA phase-1 tile
+        # leaves room beside it already. (Records: "TPP tuning".)
         lean = lean and (live < block_m or block_m >= 64)
         cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 or lean else 3)
     # K and V tiles of every stage in shared memory: keep them under 128 KB (fp32 caches)
