@@ -1,7 +1,7 @@
 """Two-phase partition (TPP) decode attention over the chunked prefix-tree KV cache, in Triton.
 
 Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``; query head
-``h`` reads KV head ``h // G``. ``build_plan`` turns the decode batch (rows in prefix-tree DFS
+``h`` reads KV head ``h // G``. ``build_plan`` (kernels/tpp_plan.py) turns the decode batch (rows in prefix-tree DFS
 order) into flat device work lists once per tree shape; ``tpp_decode`` (an engine's
 ``TppDecoder``: the same, its launches kept per plan and run past Triton's dispatcher) runs two or
 three launches per layer (DESIGN §4, ChunkAttention):
@@ -32,14 +32,10 @@ All softmax arithmetic is in base 2: scores are pre-multiplied by ``sm_scale * l
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -47,49 +43,24 @@ from torch import Tensor
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels import tpp_plan
 from kernels.launch import aligned, launch
-from kernels.reference import TreePlan, build_tree_plan
+from kernels.tpp_plan import TppPlan, build_plan
 
 __all__ = ["TppDecoder", "TppPlan", "build_plan", "tpp_decode"]
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
-# The knobs below were picked on the H200 (`python -m kernels.tools.bench decode` / `sweep`); the
-# measurements behind each are in kernels/tools/records/README.md ("TPP tuning"). Tests set them.
-# How the work is cut: pieces per multiprocessor to aim at over all KV heads, and the least
-# work worth a piece of its own.
-_PROGRAMS_PER_SM = 2
-_MIN_PIECE_TOKENS = 256
-# Each phase in a launch of its own (phase-2 pieces then use a G-row tile, not phase 1's).
-_SPLIT_PHASES = True
-# Phase 1 beside a phase 2 (split launches): cut into about this many pieces per KV head, not
-# _PROGRAMS_PER_SM per multiprocessor, and no piece longer than phase 2's longest (build_plan).
-_P1_BESIDE_PIECES = 4
-# MHA (G = 1) phase 1 beside a phase 2 whose longest piece is at least as long as every segment:
-# one piece per row tile (the segment whole), so each row folds one phase-1 partial.
-_P1_BESIDE_WHOLE_MHA = True
-# Phase-1 query tile: rows * G up to this many query vectors per piece.
-_P1_MAX_M = 64
-# Phase 1 with no phase 2 beside it (every row's chunks shared): a 32-vector tile launches as
-# _P1_ALONE_M vectors, whose dots sm90 runs on warpgroup MMA (64 rows a warpgroup), and a
-# segment that one row tile reads is cut for _P1_ALONE_PROGRAMS_PER_SM programs per
-# multiprocessor (fewer partials to merge); not for fewer live vectors, nor beside a phase 2.
-_P1_ALONE_M = 64
-_P1_ALONE_PROGRAMS_PER_SM = 1
+# The launcher's knobs (the planner's are in kernels/tpp_plan.py, read from there at call time;
+# the measurements behind them in kernels/tools/records/README.md, "TPP tuning"). Tests set them.
 # Phase 2's launch starts while phase 1's runs, by programmatic dependent launch (sm90+, not
 # in the interpreter), see tpp_decode.
 _PDL = True
-# Phase 2 this many times phase 1's chunk reads or more: phase-1 tiles launch lean (see
-# TppPlan.lean_phase1).
-_LEAN_RATIO = 8
 # Whole K/V blocks loaded through TMA descriptors (sm90+), see _attend and _use_tma.
 _TMA = True
-# A row's one phase-2 piece folds in its phase-1 partials only if it has this many at most; a
-# row with more stores its own partial too and leaves them all to the merge launch, which loads
-# them in one vector where the fold takes one (an L2 round trip) at a time.
-_FOLD_MAX = 4
-# MHA (G = 1): that piece loads its row's phase-1 partials, if it has this many at least, in one
+# MHA (G = 1): a phase-2 piece that folds its row's phase-1 partials (at most
+# tpp_plan._FOLD_MAX) loads them, if it has this many at least, in one
 # [FOLD_P, D] block: one L2 round trip where a loop over them takes one each (0: always the
 # loop). Rows with 2 keep the loop (one load gathers vector 0's state across the tile first).
 _FOLD_VEC_MIN = 3
@@ -101,296 +72,8 @@ _FOLD_VEC_MIN_GQA = 3
 # The fold loop of a phase-2 piece (rows with 2 partials, or GQA rows with fewer than
 # _FOLD_VEC_MIN_GQA) issues two partials' loads together per step: one L2 round trip for two.
 _FOLD_PAIRS = True
-# Short private parts, many of them: a phase-2 program takes _ROWS rows, one after another in
-# one streaming loop (_attend_rows_kernel), where every phase-2 piece is a row's whole private
-# part of _ROWS_MAX_CHUNKS chunks at most that ends the row (no partials of its own), there are
-# _ROWS_MIN_PROGRAMS phase-2 programs (pieces * Hkv) or more, and the rows' G-vector groups fill
-# one 16-vector tile at most. Each program's start (its item, q, the first block's latency) is
-# paid once per _ROWS rows, and the pipeline runs on across row boundaries.
-_ROWS = 4
-_ROWS_MAX_CHUNKS = 4
-_ROWS_MIN_PROGRAMS = 1024
-_ROWS_CONFIG = dict(num_warps=4, num_stages=3)
+_ROWS_CONFIG = dict(num_warps=4, num_stages=3)  # _attend_rows_kernel's (tpp_plan._ROWS)
 _ROWS_BLOCK_BYTES = 16 << 10  # a chunk's [c, D] block of one head at most this (fp32 or D = 256: the plain kernel)
-
-# Item fields (int32 rows of the plan's piece list), in kernel argument order.
-_FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end, slot, fold0, nfold, chunks[chunk0]
-# phase 1: rows row0 .. row0 + nrows - 1 (end 0); phase 2: row row0 (nrows 1), tokens through
-# its last chunk `end` (masks the tail). The rows store partials to slots
-# slot_list[slot : slot + nrows], or (slot -1) their output directly, after folding in the
-# partials at slots fold0 .. fold0 + nfold - 1 (written by an earlier launch).
-_MERGE_FIELDS = 3  # row, first partial slot, number of partials
-
-
-@dataclass(frozen=True)
-class TppPlan:
-    """Device work lists for one decode batch; reused by every layer until the tree changes.
-
-    ``seq_lens: [B]`` int32 may be bumped in place between steps (``plan.seq_lens += 1``) as
-    long as every row's new tokens stay inside the private chunks the plan covers: its partial
-    tail chunk, and with ``build_plan(reserved=True)`` the reserved chunks of its table past its
-    length. Anything else (a row joins or leaves, grows past them) needs a new plan. The partial
-    buffers belong to the plan, so one plan serves one stream at a time.
-    """
-
-    tree: TreePlan
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    chunk_size: int
-    seq_lens: Tensor  # [B] int32
-    items: Tensor  # [I, 10] int32 pieces, one program each, see _FIELDS; the same for every KV head
-    # attend launches: (first item, items, query tile BLOCK_M, live query vectors per tile at
-    # most, phase of its pieces: 1, 2 or 0 for both)
-    launches: tuple[tuple[int, int, int, int, int], ...]
-    chunks: Tensor  # int32 chunk ids: each segment's run, then each row's private run
-    slot_list: Tensor  # int32 partial slots: a piece with slot s >= 0 stores its row r to slot_list[s + r]
-    merge_items: Tensor  # [R, 3] int32 rows whose output the merge writes (row, slot0, count)
-    block_p: int  # partials the merge folds per step (most a row has, a power of two <= 16)
-    # Tiles launched lean: one K/V buffer less, so more programs fit on a multiprocessor (see
-    # _launch_config). Phase 1 where phase 2 reads _LEAN_RATIO times its chunks or more (phase-2
-    # programs then fit beside phase 1's); phase 2 where, beside a phase 1, its programs would
-    # not fit in one wave otherwise.
-    lean_phase1: bool
-    lean_phase2: bool
-    most_folds: int  # phase-1 partials the most a phase-2 piece folds (picks the fold compiled)
-    # phase-2 rows per program (_attend_rows_kernel, see _ROWS) where > 1; tpp_decode still runs a
-    # row per program where a chunk's block passes _ROWS_BLOCK_BYTES (the dtype is known only there)
-    rows_per_program: int
-    part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
-    part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
-    # TppDecoder's launches for the plan, per kind of call (shapes, strides, dtypes, devices)
-    launch_cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.tree.seq_lens)
-
-    @property
-    def programs(self) -> int:
-        """Attend programs (pieces) per KV head, over all launches."""
-        return sum(launch[1] for launch in self.launches)
-
-    def phase_items(self, phase: int) -> int:
-        return int((self.items[:, 0] == phase).sum()) if self.items.numel() else 0
-
-
-def _rows_per_program(items: list[tuple], g: int, hkv: int) -> int:
-    """Phase-2 rows per program (see _ROWS): > 1 only where phases launch apart and every phase-2
-    piece is a whole row's private part of _ROWS_MAX_CHUNKS chunks at most that ends the row
-    (slot -1). Their chunk runs then lie back to back in row order, as one program reads them."""
-    two = [it for it in items if it[0] == 2]
-    if _ROWS < 2 or _ROWS * g > 16 or not _SPLIT_PHASES or len(two) * hkv < max(1, _ROWS_MIN_PROGRAMS):
-        return 1
-    if any(it[6] != -1 or it[4] > _ROWS_MAX_CHUNKS for it in two):
-        return 1
-    assert all(b[3] == a[3] + a[4] for a, b in zip(two, two[1:])), "phase-2 chunk runs back to back"
-    return _ROWS
-
-
-def _even(total: int, n: int) -> list[tuple[int, int]]:
-    """[0, total) cut into n near-equal (start, length) pieces."""
-    if n == 1:
-        return [(0, total)]
-    bounds = [total * i // n for i in range(n + 1)]
-    return [(a, b - a) for a, b in zip(bounds, bounds[1:])]
-
-
-def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
-    """[0, total) cut into ceil(total / piece) near-equal (start, length) pieces."""
-    return _even(total, max(1, -(-total // max(1, piece))))
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: a token parallelism so that small tests still split
-
-
-def build_plan(
-    chunk_tables: Sequence[Sequence[int]],
-    seq_lens: Sequence[int],
-    chunk_size: int,
-    device: torch.device | str,
-    *,
-    num_q_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    target_programs: int | None = None,
-    tree: TreePlan | None = None,
-    reserved: bool = False,
-) -> TppPlan:
-    """Plan TPP decode for a batch whose rows are in prefix-tree DFS order.
-
-    chunk_tables[r], seq_lens[r]: as in ``kernels.reference.build_tree_plan`` (which finds the
-    shared segments and raises ValueError on tables that do not form contiguous row ranges).
-    The heads fix the phase-1 row tiles (rows * G query vectors per tile); ``target_programs``
-    (default: ``_PROGRAMS_PER_SM`` per multiprocessor) is how many attend programs, over all KV
-    heads, the work is cut into at least, no piece shorter than ``_MIN_PIECE_TOKENS`` tokens
-    unless its whole item is. ``tree``: ``build_tree_plan`` of the same tables (and `reserved`),
-    if already at hand. `reserved`: the rows' table entries past their lengths are read too
-    (masked by ``seq_lens``), so the plan stays valid while the rows grow into them.
-    """
-    device = torch.device(device)
-    if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
-    if head_dim not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
-    if chunk_size not in (16, 32, 64, 128):
-        raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
-    if tree is None:
-        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size, reserved=reserved)
-    c, g, hkv = chunk_size, num_q_heads // num_kv_heads, num_kv_heads
-    b = len(tree.seq_lens)
-
-    # whole work items: each segment's row tiles (phase 1), each row's private chunks (phase 2)
-    max_rows = max((s.row_end - s.row_start for s in tree.segments), default=1)
-    block_m1 = max(16, min(triton.next_power_of_2(max_rows * g), max(_P1_MAX_M, triton.next_power_of_2(g))))
-    alone = not any(tree.private_chunks)  # phase 1 only (see _P1_ALONE_M)
-    one_tile = max_rows * g <= block_m1
-    if alone and block_m1 == 32:
-        block_m1 = _P1_ALONE_M
-    chunks: list[int] = []
-    whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
-    for seg in tree.segments:
-        whole += [
-            (1, seg.row_start + t0, nt, len(chunks), len(seg.chunk_ids), None)
-            for t0, nt in _pieces(seg.row_end - seg.row_start, max(1, block_m1 // g))
-        ]
-        chunks.extend(seg.chunk_ids)
-    for r, (ids, positions) in enumerate(zip(tree.private_chunks, tree.private_positions)):
-        if ids:
-            whole.append((2, r, 1, len(chunks), len(ids), positions))
-            chunks.extend(ids)
-
-    # cut them into pieces of about equal size, one program each: at least _PROGRAMS_PER_SM per
-    # multiprocessor over all KV heads, no piece under _MIN_PIECE_TOKENS unless its item is. Both
-    # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
-    pps = _P1_ALONE_PROGRAMS_PER_SM if alone and (one_tile or g > 1) else _PROGRAMS_PER_SM
-    per_head = max(1, (target_programs or pps * _num_sms(device)) // hkv)
-    block_m2 = max(16, triton.next_power_of_2(g))
-    if _SPLIT_PHASES:
-        groups = [
-            ([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
-            for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))
-        ]
-    else:
-        groups = [(list(range(len(whole))), *((block_m1, block_m1) if tree.segments else (block_m2, g)), 0)]
-    least = -(-_MIN_PIECE_TOKENS // c)
-
-    def cut(ids: list[int], target: int) -> list[tuple[int, int, int]]:
-        # round, not ceil: an item a bit over the target stays whole (cutting all of them in two
-        # doubles the programs, which can then need a second wave)
-        return [
-            (i, c0, n)
-            for i in ids
-            for c0, n in _even(whole[i][4], max(1, min(round(whole[i][4] / target), whole[i][4] // least)))
-        ]
-
-    targets = {phase: -(-sum(whole[i][4] for i in ids) // per_head) for ids, _, _, phase in groups if ids}
-    reads = {
-        p: sum(w[4] for w in whole if w[0] == p) for p in (1, 2)
-    }  # chunks each phase reads (phase 1: per row tile)
-    if len(targets) == 2 and _P1_BESIDE_PIECES:
-        # Beside phase 2, phase 1 streams in the slots phase 2 leaves. Cut as finely as alone,
-        # its programs kept phase-2 programs out of their first wave, and each row folded more
-        # partials. A piece longer than phase 2's longest would outlast it (records: "TPP tuning").
-        longest2 = max(n for *_, n in cut(groups[1][0], targets[2]))
-        targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
-        if g == 1 and _P1_BESIDE_WHOLE_MHA and all(whole[i][4] <= longest2 for i in groups[0][0]):
-            targets[1] = max(whole[i][4] for i in groups[0][0])  # see _P1_BESIDE_WHOLE_MHA
-    pieces, launches = [], []
-    for ids, block_m, live, phase in groups:
-        if ids:
-            got = cut(ids, targets[phase])
-            # a segment's row tiles read the same chunks: launch their pieces of one chunk run
-            # next to each other, so the later tiles find those chunks in L2
-            got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
-            launches.append((len(pieces), len(got), block_m, live, phase))
-            pieces += got
-
-    # partial slots, a row's contiguous. A row whose private part is one piece gets its output
-    # from that piece: directly when the row reads nothing else, or after folding in its phase-1
-    # partials (_FOLD_MAX at most) when phase 1 ran in an earlier launch. The merge kernel folds
-    # every other row's.
-    n1, n2 = [0] * b, [0] * b
-    for i, _, _ in pieces:
-        phase, r0, nrows = whole[i][:3]
-        for r in range(r0, r0 + nrows):
-            (n1 if phase == 1 else n2)[r] += 1
-    finish = [n2[r] == 1 and (n1[r] == 0 or _SPLIT_PHASES and n1[r] <= _FOLD_MAX) for r in range(b)]
-    base, merge_items, slots = [], [], 0
-    for r in range(b):
-        base.append(slots)
-        count = n1[r] + (0 if finish[r] else n2[r])
-        if not finish[r]:  # a row with nothing to read merges zero partials: its output is 0
-            merge_items.append((r, slots, count))
-        slots += count
-    nxt = list(base)
-    items, slot_list = [], []
-    for i, c0, n in pieces:
-        phase, r0, nrows, chunk0, _, positions = whole[i]
-        if phase == 1:
-            items.append((1, r0, nrows, chunk0 + c0, n, 0, len(slot_list), 0, 0, chunks[chunk0 + c0]))
-            slot_list += nxt[r0 : r0 + nrows]
-            for r in range(r0, r0 + nrows):
-                nxt[r] += 1
-            continue
-        end = (positions[c0 + n - 1] + 1) * c
-        if finish[r0]:
-            items.append((2, r0, 1, chunk0 + c0, n, end, -1, base[r0], n1[r0], chunks[chunk0 + c0]))
-        else:
-            items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0, chunks[chunk0 + c0]))
-            slot_list.append(nxt[r0])
-            nxt[r0] += 1
-
-    lens, items_t, chunks_t, slots_t, merge_t = _to_device(
-        device,
-        list(tree.seq_lens),
-        [x for it in items for x in it],
-        chunks,
-        slot_list,
-        [x for it in merge_items for x in it],
-    )
-    f32 = dict(dtype=torch.float32, device=device)
-    return TppPlan(
-        tree=tree,
-        num_q_heads=num_q_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        chunk_size=c,
-        seq_lens=lens,
-        items=items_t.view(-1, _FIELDS),
-        chunks=chunks_t,
-        slot_list=slots_t,
-        launches=tuple(launches),
-        merge_items=merge_t.view(-1, _MERGE_FIELDS),
-        block_p=min(16, triton.next_power_of_2(max([1] + [n for _, _, n in merge_items]))),
-        lean_phase1=reads[2] >= _LEAN_RATIO * reads[1] > 0,
-        lean_phase2=bool(reads[1])
-        and g > 1
-        and hkv * sum(whole[i][0] == 2 for i, _, _ in pieces)
-        > (_num_sms(device) * _programs_per_sm(head_dim, block_m2, 2, g)),
-        most_folds=max((it[8] for it in items if it[0] == 2), default=0),
-        rows_per_program=_rows_per_program(items, g, hkv),
-        part_o=torch.empty(slots, num_q_heads, head_dim, **f32),
-        part_lse=torch.empty(slots, num_q_heads, **f32),
-    )
-
-
-def _to_device(device: torch.device, *lists: list[int]) -> list[Tensor]:
-    """int32 lists as device tensors, by one copy that does not wait for the device: a plain copy
-    from pageable memory waits for every step queued before it, where the engine plans the next
-    step while the device runs this one. Each tensor starts 16 bytes into the buffer past the one
-    before: the pointer alignment the launches' keys take as given (kernels.launch)."""
-    sizes = [len(x) for x in lists]
-    starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes]).tolist()
-    host = np.zeros(starts[-1], dtype=np.int32)
-    for values, start, n in zip(lists, starts, sizes):
-        host[start : start + n] = values
-    buf = torch.from_numpy(host)
-    buf = buf.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else buf.to(device)
-    return [buf[start : start + n] for start, n in zip(starts, sizes)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,26 +559,6 @@ def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.conste
 # ---------------------------------------------------------------------------------------------
 
 
-def _launch_config(head_dim: int, block_m: int, elem_bytes: int, live: int, lean: bool = False) -> dict:
-    """BLOCK_N (keys per step), warps and pipeline stages of the attend kernel for a query tile of
-    block_m vectors, at most `live` of them real (``python -m kernels.tools.bench sweep`` compares others).
-    lean: one K/V buffer less where that helps more programs fit (``TppPlan.lean_phase1/2``)."""
-    if head_dim >= 256:
-        cfg = dict(BLOCK_N=32, num_warps=8 if block_m > 16 else 4, num_stages=2)
-    else:
-        # One real query vector (MHA phase 2): a single K/V buffer and more programs per SM.
-        # Lean: a 64-vector phase-1 tile (82 instead of 115 KB of shared memory) lets two
-        # phase-2 programs start beside each phase-1 program; a GQA phase-2 tile (5 instead of 3
-        # programs per SM) after a phase 1 avoids a second wave. The 32-vector MHA phase-1 tile
-        # leaves room beside it already. (Records: "TPP tuning".)
-        lean = lean and (live < block_m or block_m >= 64)
-        cfg = dict(BLOCK_N=64, num_warps=4, num_stages=2 if live == 1 or lean else 3)
-    # K and V tiles of every stage in shared memory: keep them under 128 KB (fp32 caches)
-    per_stage = 2 * cfg["BLOCK_N"] * head_dim * elem_bytes
-    cfg["num_stages"] = max(1, min(cfg["num_stages"], (128 << 10) // per_stage))
-    return cfg
-
-
 def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
     """Whether whole K/V blocks can come through TMA descriptors over the caches' [chunks * Hkv
     * c, D] row view: sm90+ (or the interpreter, for tests), the caches contiguous (the view
@@ -906,21 +569,6 @@ def _use_tma(q: Tensor, k_cache: Tensor, c: int, block_n: int) -> bool:
     if q.is_cuda:
         return _sm90_plus(q.device.index) and k_cache.data_ptr() % 16 == 0
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _shared_bytes(head_dim: int, block_m: int, elem_bytes: int, cfg: dict) -> int:
-    """Shared memory of a pointer-loop attend tile under launch config cfg: the K/V buffers
-    (num_stages - 1 of [BLOCK_N, D] each), the q and p tiles. Exact for the 16-row tiles
-    (tests/test_sm90_report.py compares it with the sm90 compile)."""
-    bn, stages = cfg["BLOCK_N"], cfg["num_stages"]
-    return (max(1, stages - 1) * 2 * bn * head_dim + block_m * head_dim + block_m * bn) * elem_bytes
-
-
-def _programs_per_sm(head_dim: int, block_m: int, elem_bytes: int, live: int) -> int:
-    """How many attend programs of this tile (its default config) fit on an sm90 multiprocessor
-    by shared memory: 227 KB, 1 KB of it per program for the driver."""
-    smem = _shared_bytes(head_dim, block_m, elem_bytes, _launch_config(head_dim, block_m, elem_bytes, live))
-    return max(1, (227 << 10) // (smem + 1024))
 
 
 @functools.cache
@@ -974,7 +622,7 @@ class TppDecoder:
             sm_scale,
             _PDL,
             _TMA,
-            _FOLD_MAX,
+            tpp_plan._FOLD_MAX,
             _FOLD_VEC_MIN,
             _FOLD_VEC_MIN_GQA,
             _FOLD_PAIRS,
@@ -1094,7 +742,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             )
             continue
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
-        cfg = _launch_config(d, block_m, q.element_size(), live, lean)
+        cfg = tpp_plan._launch_config(d, block_m, q.element_size(), live, lean)
         # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase
         # 2: MHA's one-buffer phase-2 tile measured 2-3 % slower (each copy's wait exposed), GQA's
         # on par.
@@ -1121,7 +769,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             pdl and i > 0,
             tma,
             phase != 1,  # TAIL: phase-1 pieces read whole chunks
-            triton.next_power_of_2(_FOLD_MAX) if vec_min and phase == 2 else 1,  # FOLD_P, see _FOLD_VEC_MIN
+            triton.next_power_of_2(tpp_plan._FOLD_MAX) if vec_min and phase == 2 else 1,  # FOLD_P, see _FOLD_VEC_MIN
             vec_min,
             _FOLD_PAIRS and phase == 2 and plan.most_folds > 1,
         )

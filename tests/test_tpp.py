@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from kernels import tpp
+from kernels import tpp, tpp_plan
 from kernels.reference import decode_attention_ref, tpp_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -121,7 +121,7 @@ def test_matches_reference_on_random_trees(dtype, head_dim, groups, c, rows, see
 
 def test_forced_split_k_in_both_phases(monkeypatch):
     # pieces of one chunk: every segment and every multi-chunk private part is cut
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1)
     q, k, v, tables, lens = make_case(11, torch.float32, 64, 4, 16, 8, depth=4)
     plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
     items = plan.items.tolist()
@@ -134,8 +134,8 @@ def test_forced_split_k_in_both_phases(monkeypatch):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_phases_in_one_or_two_launches(monkeypatch, split):
-    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp_plan, "_SPLIT_PHASES", split)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 16)
     q, k, v, tables, lens = make_case(15, torch.float16, 64, 4, 16, 12, depth=3)
     plan = plan_for(q, k, tables, lens, target_programs=64)
     assert [launch[2:] for launch in plan.launches] == ([(64, 64, 1), (16, 4, 2)] if split else [(64, 64, 0)])
@@ -148,7 +148,7 @@ def test_phases_in_one_or_two_launches(monkeypatch, split):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_phase1_row_tiles(monkeypatch, split):
-    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    monkeypatch.setattr(tpp_plan, "_SPLIT_PHASES", split)
     # 40 rows sharing one segment with G = 4: 160 query vectors, tiles of at most 64
     c, d, hkv, g = 16, 64, 1, 4
     gen = torch.Generator().manual_seed(12)
@@ -168,12 +168,12 @@ def test_phase1_row_tiles(monkeypatch, split):
 
 @pytest.mark.parametrize("fold_max", [0, 4])
 def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypatch, fold_max):
-    monkeypatch.setattr(tpp, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
+    monkeypatch.setattr(tpp_plan, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
     # 6 rows over a 5-chunk shared segment cut into 5 one-chunk phase-1 pieces (5 partials per
     # row) and one private chunk each: a row's phase-2 piece folds in at most _FOLD_MAX
     # partials; past that it stores its own partial and the merge launch folds all six
-    monkeypatch.setattr(tpp, "_FOLD_MAX", fold_max)
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp_plan, "_FOLD_MAX", fold_max)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1)
     c, d, hkv, g = 16, 64, 2, 2
     gen = torch.Generator().manual_seed(23)
     tables = [[0, 1, 2, 3, 4, 5 + r] for r in range(6)]
@@ -185,7 +185,7 @@ def test_rows_with_many_phase1_partials_merge_them_in_the_merge_launch(monkeypat
     folds = plan.items[plan.items[:, 0] == 2, 8].tolist()
     assert folds == [0] * 6 and plan.merge_items[:, 2].tolist() == [6] * 6
     check(q, k, v, tables, lens, plan)
-    monkeypatch.setattr(tpp, "_FOLD_MAX", 5)
+    monkeypatch.setattr(tpp_plan, "_FOLD_MAX", 5)
     plan = plan_for(q, k, tables, lens, target_programs=10)
     assert plan.items[plan.items[:, 0] == 2, 8].tolist() == [5] * 6 and plan.merge_items.shape[0] == 0
     check(q, k, v, tables, lens, plan)
@@ -198,8 +198,8 @@ def test_rows_fold_their_phase1_partials_in_one_load(monkeypatch, vec_min, g):
     # it has _FOLD_VEC_MIN (G = 1: [FOLD_P, D]) or _FOLD_VEC_MIN_GQA (G = 4: [M, FOLD_P, D]) of
     # them (3); otherwise (0: never, 4) the loop folds the same partials one at a time
     monkeypatch.setattr(tpp, "_FOLD_VEC_MIN" if g == 1 else "_FOLD_VEC_MIN_GQA", vec_min)
-    monkeypatch.setattr(tpp, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp_plan, "_ROWS", 1)  # a row per phase-2 program: the plain kernel's fold
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(29)
     tables = [[0, 1, 2, 3 + r] for r in range(5)]
@@ -228,13 +228,13 @@ def test_short_private_parts_take_several_rows_per_program(monkeypatch, dtype, h
     # every row's private part whole, at most _ROWS_MAX_CHUNKS chunks and ending the row, enough
     # of them: one phase-2 program streams _ROWS rows one after another, each folding its own
     # phase-1 partials (11 rows: the last program has fewer)
-    monkeypatch.setattr(tpp, "_FOLD_MAX", 16)
-    monkeypatch.setattr(tpp, "_ROWS_MAX_CHUNKS", 8)
-    monkeypatch.setattr(tpp, "_ROWS_MIN_PROGRAMS", 2)
+    monkeypatch.setattr(tpp_plan, "_FOLD_MAX", 16)
+    monkeypatch.setattr(tpp_plan, "_ROWS_MAX_CHUNKS", 8)
+    monkeypatch.setattr(tpp_plan, "_ROWS_MIN_PROGRAMS", 2)
     q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, 11, depth=3)
     plan = plan_for(q, k, tables, lens, target_programs=1 << 20)
     two = [it for it in plan.items.tolist() if it[0] == 2]
-    assert plan.rows_per_program == tpp._ROWS == 4
+    assert plan.rows_per_program == tpp_plan._ROWS == 4
     assert len(two) % plan.rows_per_program and max(it[8] for it in two) > 1  # a short program, folds
     assert c * head_dim * q.element_size() <= tpp._ROWS_BLOCK_BYTES  # so the rows kernel runs
     check(q, k, v, tables, lens, plan, sm_scale=0.35)
@@ -246,13 +246,13 @@ def test_short_private_parts_take_several_rows_per_program(monkeypatch, dtype, h
         ("_ROWS_MIN_PROGRAMS", len(two) * k.shape[1] + 1),
     ):
         with monkeypatch.context() as m:
-            m.setattr(tpp, name, value)
+            m.setattr(tpp_plan, name, value)
             assert plan_for(q, k, tables, lens, target_programs=1 << 20).rows_per_program == 1, name
 
 
 def test_items_a_little_over_the_target_stay_whole(monkeypatch):
     # four rows of 9 private chunks each, nothing shared: 36 chunks over the programs wanted
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1)
     c, d, g = 16, 64, 4
     gen = torch.Generator().manual_seed(16)
     tables = [list(range(9 * r, 9 * r + 9)) for r in range(4)]
@@ -279,8 +279,8 @@ def test_blocks_by_tma_or_by_pointers(monkeypatch, dtype, head_dim, c, split):
     # boxes per chunk when c > BLOCK_N) give what the masked pointer loads give: phase 1's whole
     # chunks, and with both phases in one launch also the rows' private runs (partial tail
     # blocks masked)
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1)
-    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1)
+    monkeypatch.setattr(tpp_plan, "_SPLIT_PHASES", split)
     q, k, v, tables, lens = make_case(17, dtype, head_dim, 4, c, 6, depth=3)
     assert any(n % c for n in lens)  # partial tails
     plan = plan_for(q, k, tables, lens, target_programs=16)
@@ -306,7 +306,7 @@ def test_slots_past_a_rows_length_are_never_read(monkeypatch, tma, split):
     # not see them (p = 0 times a NaN value is NaN, so V must be masked, not only the scores).
     # One launch for both phases: tails by TMA
     monkeypatch.setattr(tpp, "_TMA", tma)
-    monkeypatch.setattr(tpp, "_SPLIT_PHASES", split)
+    monkeypatch.setattr(tpp_plan, "_SPLIT_PHASES", split)
     q, k, v, tables, lens = make_case(18, torch.float16, 128, 4, 64, 6, depth=3)
     used = torch.zeros(k.shape[0], k.shape[2], dtype=torch.bool)
     for table, n in zip(tables, lens):
@@ -322,7 +322,7 @@ def test_slots_past_a_rows_length_are_never_read(monkeypatch, tma, split):
 def test_lean_tiles(monkeypatch):
     # 32 rows, G = 4, one shared segment: two 64-vector row tiles. Phase 2 reading 16x the
     # chunks phase 1 does makes phase 1's tiles lean (one K/V buffer less); 2x does not
-    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tpp_plan, "_num_sms", lambda device: 132)
 
     def plan(shared, private, rows=32):
         tables = [
@@ -334,15 +334,15 @@ def test_lean_tiles(monkeypatch):
 
     assert plan(8, 8).lean_phase1 and not plan(8, 1).lean_phase1 and not plan(8, 0).lean_phase1
     assert not plan(0, 8).lean_phase1  # nothing shared
-    full, lean = (tpp._launch_config(128, 64, 2, 64, lean) for lean in (False, True))
+    full, lean = (tpp_plan._launch_config(128, 64, 2, 64, lean) for lean in (False, True))
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
-    assert tpp._launch_config(128, 32, 2, 32, True)["num_stages"] == 3  # MHA's tile leaves room already
+    assert tpp_plan._launch_config(128, 32, 2, 32, True)["num_stages"] == 3  # MHA's tile leaves room already
     # phase 2 lean where, after a phase 1, its programs (rows x 8 KV heads) would not fit one
     # wave of 3 per multiprocessor: 64 rows do not, 32 do
-    assert tpp._programs_per_sm(128, 16, 2, 4) == 3
+    assert tpp_plan._programs_per_sm(128, 16, 2, 4) == 3
     assert plan(32, 4, rows=64).lean_phase2 and not plan(32, 4).lean_phase2
     assert not plan(0, 4, rows=64).lean_phase2  # without a phase 1: not measured, not lean
-    full, lean = (tpp._launch_config(128, 16, 2, 4, lean) for lean in (False, True))
+    full, lean = (tpp_plan._launch_config(128, 16, 2, 4, lean) for lean in (False, True))
     assert (full["num_stages"], lean["num_stages"]) == (3, 2)
 
 
@@ -367,7 +367,7 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     # multiprocessors. Alone, phase 1 is cut for 2 programs per multiprocessor (at least 4-chunk
     # pieces); beside a phase 2, into about _P1_BESIDE_PIECES per KV head, never longer than
     # phase 2's longest piece.
-    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tpp_plan, "_num_sms", lambda device: 132)
 
     def pieces1(shared, private):
         return _cut_of_two_levels(shared, private, 8)[:2]
@@ -376,7 +376,7 @@ def test_phase1_beside_phase2_is_cut_coarser(monkeypatch):
     assert pieces1(32, 32) == ([16] * 4, 32)  # beside 32-chunk rows: 4 pieces of 16
     assert pieces1(48, 16) == ([16] * 6, 16)  # 4 pieces would be 24 chunks, longer than phase 2's 16
     assert pieces1(32, 4) == ([4] * 16, 4)  # short rows (batch scaling, a decode tail): as alone
-    monkeypatch.setattr(tpp, "_P1_BESIDE_PIECES", 0)  # the rule off: cut as alone
+    monkeypatch.setattr(tpp_plan, "_P1_BESIDE_PIECES", 0)  # the rule off: cut as alone
     assert pieces1(32, 32) == ([4] * 16, 32)
 
 
@@ -384,7 +384,7 @@ def test_mha_phase1_beside_phase2_is_one_piece_per_row_tile(monkeypatch):
     # 32 rows, MHA (G = 1), 32 KV heads: one 32-vector row tile. Where phase 2's longest piece is at
     # least as long as the segment, the segment is one piece per KV head (_P1_BESIDE_WHOLE_MHA), and
     # each row folds that one partial; otherwise about _P1_BESIDE_PIECES per KV head, as for GQA.
-    monkeypatch.setattr(tpp, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(tpp_plan, "_num_sms", lambda device: 132)
 
     def pieces1(shared, private):
         return _cut_of_two_levels(shared, private, 32)
@@ -392,7 +392,7 @@ def test_mha_phase1_beside_phase2_is_one_piece_per_row_tile(monkeypatch):
     assert pieces1(8, 8) == ([8], 8, {1})  # 1024 shared / 512 private: 2 pieces of 4 before
     assert pieces1(32, 32) == ([32], 32, {1})  # 4096 / 2048: 4 of 8 before
     assert pieces1(32, 16) == ([8] * 4, 16, {4})  # segment longer than phase 2's pieces: 4 pieces
-    monkeypatch.setattr(tpp, "_P1_BESIDE_WHOLE_MHA", False)
+    monkeypatch.setattr(tpp_plan, "_P1_BESIDE_WHOLE_MHA", False)
     assert pieces1(32, 32) == ([8] * 4, 32, {4})
 
 
@@ -402,15 +402,15 @@ def test_phase1_alone_tile_and_cut(monkeypatch, rows):
     # _P1_ALONE_M vectors, and a segment read by one row tile is cut for
     # _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor. A private chunk in any row restores
     # the 32-vector tile and _PROGRAMS_PER_SM; 16 rows keep their 16-vector tile.
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
-    monkeypatch.setattr(tpp, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp_plan, "_num_sms", lambda device: 4)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(31)
     k, v = (torch.randn(8 + rows, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
     q = torch.randn(rows, hkv, d, generator=gen).to(DEVICE)
     shared = [list(range(8))] * rows
     plan = plan_for(q, k, shared, [8 * c] * rows)
-    per_head = 4 * tpp._P1_ALONE_PROGRAMS_PER_SM // hkv  # 4 multiprocessors
+    per_head = 4 * tpp_plan._P1_ALONE_PROGRAMS_PER_SM // hkv  # 4 multiprocessors
     assert plan.launches == ((0, per_head, 64 if rows == 32 else 16, 64 if rows == 32 else 16, 1),)
     assert plan.phase_items(1) == per_head == 2 and plan.merge_items.shape[0] == rows
     check(q, k, v, shared, [8 * c] * rows, plan)
@@ -424,8 +424,8 @@ def test_gqa_phase1_alone_over_several_tiles_cut_for_one_program_per_sm(monkeypa
     # rows whose chunks are all shared, 128 query vectors: their segment is read by 2 row tiles
     # of 64. GQA cuts it for _P1_ALONE_PROGRAMS_PER_SM programs per multiprocessor (4 here, over
     # 2 KV heads: one piece per tile), MHA for _PROGRAMS_PER_SM (two per tile)
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
-    monkeypatch.setattr(tpp, "_num_sms", lambda device: 4)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp_plan, "_num_sms", lambda device: 4)
     c, d, hkv = 16, 64, 2
     gen = torch.Generator().manual_seed(32)
     k, v = (torch.randn(8, hkv, c, d, generator=gen).to(DEVICE) for _ in range(2))
@@ -443,13 +443,13 @@ def test_reserved_chunks_plan_stays_valid_as_rows_grow(monkeypatch, tma, rows):
     # reserves one ahead): bumping the lengths across chunk boundaries needs no new plan; also
     # (rows) with several rows per phase-2 program, each row's whole private part in one piece
     monkeypatch.setattr(tpp, "_TMA", tma)
-    monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 16)
+    monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 16)
     if rows:
-        monkeypatch.setattr(tpp, "_MIN_PIECE_TOKENS", 1 << 20)  # no piece cut
-        monkeypatch.setattr(tpp, "_FOLD_MAX", 16)
-        monkeypatch.setattr(tpp, "_ROWS_MAX_CHUNKS", 16)
-        monkeypatch.setattr(tpp, "_ROWS_MIN_PROGRAMS", 1)
-        monkeypatch.setattr(tpp, "_ROWS", 2)  # G = 4: 2 rows of 4 vectors in the tile
+        monkeypatch.setattr(tpp_plan, "_MIN_PIECE_TOKENS", 1 << 20)  # no piece cut
+        monkeypatch.setattr(tpp_plan, "_FOLD_MAX", 16)
+        monkeypatch.setattr(tpp_plan, "_ROWS_MAX_CHUNKS", 16)
+        monkeypatch.setattr(tpp_plan, "_ROWS_MIN_PROGRAMS", 1)
+        monkeypatch.setattr(tpp_plan, "_ROWS", 2)  # G = 4: 2 rows of 4 vectors in the tile
     q, k, v, tables, lens = make_case(19, torch.float16, 64, 4, 16, 7, depth=3)
     spare = k.shape[0]
     tables = [t[: -(-n // 16)] + [spare + r] for r, (t, n) in enumerate(zip(tables, lens))]  # one reserved each

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels import tpp
+from kernels import tpp, tpp_plan
 from kernels.reference import decode_attention_ref
 from kernels.tools import bench_prefill
 
@@ -596,16 +596,16 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
     phase1, instead each PHASE1_SWEEP config on phase-1 tiles (rows * G query vectors, all live)
     only, under each PHASE1_PROGRAMS_PER_SM."""
     runs = _sweep_cases()
-    default = tpp._launch_config
-    knobs = tuple(getattr(tpp, k) for k in _DEAL_KNOBS)
+    default = tpp_plan._launch_config
+    knobs = tuple(getattr(tpp_plan, k) for k in _DEAL_KNOBS)
     for case in runs:
         batch = make_batch(case, c)
         ks, vs = _rotated_pools(batch)
         head = dict(b=case.batch, hkv=case.hkv, levels=case.levels)
         if phase1:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
-                tpp._PROGRAMS_PER_SM = pps
-                tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
+                tpp_plan._PROGRAMS_PER_SM = pps
+                tpp_plan._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
                     dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
                     if live == m and m > 16
                     else default(d, m, e, live, lean)
@@ -627,10 +627,10 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
                     ),
                     flush=True,
                 )
-            tpp._launch_config, tpp._PROGRAMS_PER_SM = default, knobs[0]
+            tpp_plan._launch_config, tpp_plan._PROGRAMS_PER_SM = default, knobs[0]
             continue
         for bn, nw, ns in SWEEP if launch_configs else []:
-            tpp._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: dict(
+            tpp_plan._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: dict(
                 BLOCK_N=bn, num_warps=nw, num_stages=ns
             )
             notes: dict[str, str] = {}
@@ -649,10 +649,10 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
                 ),
                 flush=True,
             )
-        tpp._launch_config = default
+        tpp_plan._launch_config = default
         for deal in DEALS:
             for k, x in zip(_DEAL_KNOBS, deal):
-                setattr(tpp, k, x)
+                setattr(tpp_plan, k, x)
             notes = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
             print(
@@ -660,7 +660,7 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
                 flush=True,
             )
         for k, x in zip(_DEAL_KNOBS, knobs):
-            setattr(tpp, k, x)
+            setattr(tpp_plan, k, x)
 
 
 def kernel_times(c: int) -> None:

@@ -2,7 +2,7 @@
 
     python -m kernels.tools.sm90_report        # one JSON line per query tile the plans launch
 
-For each tile (the launch config ``tpp._launch_config`` picks for it) Triton compiles the kernel
+For each tile (the launch config ``tpp_plan._launch_config`` picks for it) Triton compiles the kernel
 for sm90 on this machine's CPU; we report its shared memory, the registers ptxas gives it, how
 many K and V buffers Triton's pipeliner allocated, and how many programs of it fit on one
 multiprocessor. That is how we found the chunk-id load inside the streaming loop leaving K and
@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import tpp
+from kernels import tpp, tpp_plan
 
 # H100 / H200 per multiprocessor: shared memory usable by programs, registers, warps
 _SMEM_BYTES = 227 << 10
@@ -37,7 +37,7 @@ _DTYPES = {"fp16": ("*fp16", tl.float16), "bf16": ("*bf16", tl.bfloat16), "fp32"
 # grid; phase-1 tiles compiled with K/V by TMA where tpp._TMA (as on the H200) and without
 TILES = [
     ("mha_phase1", "fp16", 128, 1, 64, 32, 32),
-    ("mha_phase1_alone", "fp16", 128, 1, 64, 64, 64),  # nothing private: tpp._P1_ALONE_M
+    ("mha_phase1_alone", "fp16", 128, 1, 64, 64, 64),  # nothing private: tpp_plan._P1_ALONE_M
     ("mha_phase2", "fp16", 128, 1, 64, 16, 1),
     ("gqa_phase1", "bf16", 128, 4, 64, 64, 64),
     ("gqa_phase2", "bf16", 128, 4, 64, 16, 4),
@@ -48,7 +48,7 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
     """Compile one attend tile for sm90 and describe it (see the module docstring)."""
     ptr, dot_t = _DTYPES[dtype]
     elem = 4 if dtype == "fp32" else 2
-    cfg = tpp._launch_config(head_dim, block_m, elem, live)
+    cfg = tpp_plan._launch_config(head_dim, block_m, elem, live)
     const = dict(
         G=g,
         C=c,
@@ -61,7 +61,7 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
         EARLY=True,
         TMA=tma,
         TAIL=live != block_m,  # phase 2 (live < block_m) folds, as tpp_decode launches it
-        FOLD_P=triton.next_power_of_2(tpp._FOLD_MAX) if tpp._FOLD_VEC_MIN and live < block_m else 1,
+        FOLD_P=triton.next_power_of_2(tpp_plan._FOLD_MAX) if tpp._FOLD_VEC_MIN and live < block_m else 1,
         FOLD_VEC_MIN=tpp._FOLD_VEC_MIN,
     )
     if not tma:
@@ -116,7 +116,7 @@ def report(dtype: str, head_dim: int, g: int, c: int, block_m: int, live: int, t
         tma=tma,
         **cfg,
         shared_bytes=shared,
-        planned_shared_bytes=tpp._shared_bytes(head_dim, block_m, elem, cfg),  # what build_plan assumes
+        planned_shared_bytes=tpp_plan._shared_bytes(head_dim, block_m, elem, cfg),  # what build_plan assumes
         registers=registers,
         kv_buffers=min(buffers) if buffers else 0,
         programs_per_sm=fit,

@@ -4,7 +4,8 @@
 
 A case is `<p|g><n_p>_<n_s>[@b][o]`: the decode benchmark's paper grid (p: MHA, 32 heads, fp16) or
 GQA grid (g: 32 query / 8 KV heads, bf16), b = 32 rows unless `@b`, and `o` for the rows' private
-tokens only (the shared level dropped). `--set` changes a kernels/tpp.py knob for the run.
+tokens only (the shared level dropped). `--set` changes a knob of kernels/tpp.py or
+kernels/tpp_plan.py for the run.
 
 This builds a copy of kernels/tpp.py (``stamped_source``) whose two attend kernels record, per
 program, %globaltimer at its start, at the end of its streaming loop (before it waits for phase 1
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kernels import tpp_plan
 from kernels.tools import bench
 
 _TPP = pathlib.Path(__file__).parents[1] / "tpp.py"  # kernels/tpp.py
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         action="append",
         default=[],
         metavar="KNOB=VALUE",
-        help="a kernels/tpp.py knob for the run, e.g. _ROWS=1 (VALUE a Python literal)",
+        help="a kernels/tpp.py or tpp_plan.py knob for the run, e.g. _ROWS=1 (VALUE a Python literal)",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -240,9 +242,11 @@ def main(argv: list[str] | None = None) -> None:
     tpp = stamped_module()
     for knob in args.set:
         key, _, value = knob.partition("=")
-        if not hasattr(tpp, key):
-            raise SystemExit(f"kernels/tpp.py has no knob {key!r}")
-        setattr(tpp, key, ast.literal_eval(value))
+        # the planner's knobs are read from kernels/tpp_plan.py (the stamped copy plans through it)
+        owner = tpp_plan if hasattr(tpp_plan, key) else tpp
+        if not hasattr(owner, key):
+            raise SystemExit(f"kernels/tpp.py and kernels/tpp_plan.py have no knob {key!r}")
+        setattr(owner, key, ast.literal_eval(value))
     for name in args.cases:
         for i, summary in enumerate(run_case(parse_case(name), args.chunk_size)):
             print(json.dumps(dict(case=name, replay=i, set=args.set, **summary)), flush=True)
