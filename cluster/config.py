@@ -74,7 +74,8 @@ class IngressOptions(_Strict):
     num_cpus: float = Field(0, ge=0)
     # each ingress replica also serves the API on this port of its node itself, all of a node's
     # ingress replicas sharing it (cluster/front.py): no hop through Serve's HTTP proxy, which
-    # keeps http_options.port (a different port). None: through the proxy alone
+    # keeps http_options.port (a different port). The front serves the app at the root path
+    # (route_prefix is the proxy's). None: through the proxy alone
     http_port: int | None = Field(None, ge=1, le=65535)
     http_host: str = "127.0.0.1"  # the front's address: 0.0.0.0 to take requests from other hosts
 
