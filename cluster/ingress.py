@@ -280,14 +280,22 @@ class _Late(Exception):
 
 
 async def _first_output(gen: DeploymentResponseGenerator, deadline: float | None) -> GenerateOutput:
+    """gen's first output; _Late if it has none by `deadline` (perf_counter time). Late is "not
+    done when the wait ends", never a comparison of clocks: the replica's event loop (uvloop)
+    keeps a cached time, so its timers may fire a little before perf_counter reaches a deadline."""
     if deadline is None:
         return await gen.__anext__()
+    first = asyncio.ensure_future(gen.__anext__())
     try:
-        return await asyncio.wait_for(gen.__anext__(), max(0.0, deadline - time.perf_counter()))
-    except TimeoutError:
-        if time.perf_counter() < deadline:
-            raise  # (not the deadline's: the call's own)
-        raise _Late() from None
+        done, _ = await asyncio.wait((first,), timeout=max(0.0, deadline - time.perf_counter()))
+    except BaseException:  # (the request itself cancelled: the client went away)
+        first.cancel()
+        raise
+    if first in done:
+        return first.result()  # (the call's own errors raised as they are)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    raise _Late()
 
 
 def _unavailable(e: Exception) -> APIError:

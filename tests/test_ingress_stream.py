@@ -79,3 +79,53 @@ def test_server_timing_parser_takes_other_servers_headers():
     got = client.server_timing('cache;desc="hit", db;dur=53, app ; dur = "47.2" ;desc=x, bad;dur=fast')
     assert got == pytest.approx({"db": 0.053, "app": 0.0472})
     assert client.server_timing(None) is None and client.server_timing("") is None
+
+
+class _First:
+    """A replica call's __anext__: its first output after `delay` seconds, or `error` raised."""
+
+    def __init__(self, delay: float, error: BaseException | None = None):
+        self.delay, self.error, self.cancelled = delay, error, 0
+
+    async def __anext__(self):
+        try:
+            await asyncio.sleep(self.delay)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        if self.error is not None:
+            raise self.error
+        return "first"
+
+
+def test_first_output_past_its_deadline_is_late_on_a_loop_whose_timers_run_early():
+    """uvloop (Ray's event loops) keeps a cached millisecond clock, so a timer may fire before
+    perf_counter reaches the deadline: that must still be a late request (a 503), never an
+    error of the call's own (it was a 500, once in CI)."""
+    import time
+
+    import uvloop
+
+    from cluster.ingress import _first_output, _Late
+
+    async def main():
+        late = 0
+        for _ in range(200):
+            call = _First(delay=10)
+            try:
+                await _first_output(call, time.perf_counter() + 0.002)
+            except _Late:
+                late += 1
+            assert call.cancelled == 1  # the call is cancelled, not left running
+        assert late == 200
+        assert await _first_output(_First(0), time.perf_counter() + 5) == "first"
+        with pytest.raises(TimeoutError, match="its own"):  # the call's own error is not the deadline's
+            await _first_output(_First(0, TimeoutError("its own")), time.perf_counter() + 5)
+        with pytest.raises(_Late):  # no time left: late at once
+            await _first_output(_First(10), time.perf_counter() - 1)
+
+    loop = uvloop.new_event_loop()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
