@@ -215,7 +215,6 @@ class LLMEngine:
         )
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
-        self._keys: dict[str, int] = {}  # each sampling request's draw key (replicas.sampler)
         self._guides: Guides | None = None  # grammars of guided requests, made at the first one
         self._guides_lock = threading.Lock()
         self._guided: set[str] = set()  # the live guided requests (async_scheduling collects inside the launch)
@@ -293,9 +292,7 @@ class LLMEngine:
         if guided:
             self._guided.add(request_id)
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
-            self._keys[request_id] = (
-                params.seed if params.seed is not None else unseeded_key(self.config.seed, seq.arrival)
-            )
+            seq.draw_key = params.seed if params.seed is not None else unseeded_key(self.config.seed, seq.arrival)
         self._seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -340,7 +337,6 @@ class LLMEngine:
         tokens too once it was admitted (a request aborted while it waited reached no model)."""
         self.scheduler.finish(seq, reason)
         del self._seqs[seq.request_id]
-        self._keys.pop(seq.request_id, None)
         self._guided.discard(seq.request_id)
         self.runner.penalties.release(seq.request_id)
         c = self._counters
@@ -363,7 +359,7 @@ class LLMEngine:
         """schedule -> run (launch and wait) -> advance -> append this step's tokens."""
         if not batch:
             return []
-        sampled, logprobs = self.runner.run(batch, self._keys)
+        sampled, logprobs = self.runner.run(batch)
         self.scheduler.advance(batch)
         self._count_step(batch)
         self._counters["generated_tokens"] += len(sampled)
@@ -378,9 +374,7 @@ class LLMEngine:
         collect = functools.partial(self._collect_inflight, outputs)
         launched = None
         if batch:
-            launched = self.runner.launch(
-                batch, self._keys, self._inflight, before_mask=collect if self._guided else None
-            )
+            launched = self.runner.launch(batch, self._inflight, before_mask=collect if self._guided else None)
         collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected

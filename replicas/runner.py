@@ -101,11 +101,11 @@ class ModelRunner:
         # is the host's own time in it (replicas.tools.bench's host_ms_per_step)
         self.wait_s = 0.0
 
-    def run(self, batch: Batch, keys: dict[str, int]) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:
+    def run(self, batch: Batch) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill), and the logprobs
         (StepLogprobs.entries) of those that asked."""
-        samplers, tokens, logprobs = self._forward(batch, keys, None)
+        samplers, tokens, logprobs = self._forward(batch, None)
         if not samplers:
             return {}, {}
         t = time.perf_counter()
@@ -114,15 +114,13 @@ class ModelRunner:
         entries = {} if logprobs is None else logprobs.to_host(False).entries(samplers)
         return dict(zip(samplers, ids)), {samplers[i]: e for i, e in entries.items()}
 
-    def launch(
-        self, batch: Batch, keys: dict[str, int], prev: Launched | None, before_mask: Callable[[], None] | None = None
-    ) -> Launched:
+    def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
         """``run`` without waiting for the device: queue the step and return at once (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
         this step's inputs may hold. before_mask: called once the step's forward is queued,
         before its grammar masks are made (the engine collects prev there: guided rows' masks
         need its tokens); not called when nothing in the step samples."""
-        samplers, tokens, logprobs = self._forward(batch, keys, prev, before_mask)
+        samplers, tokens, logprobs = self._forward(batch, prev, before_mask)
         if not samplers:
             return Launched([], [], None, None, None)
         host, done = tokens, None
@@ -192,12 +190,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _forward(
-        self, batch: Batch, keys: dict[str, int], prev: Launched | None, before_mask: Callable[[], None] | None = None
+        self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None
     ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
         """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
         on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
         prompt whose logprobs were asked for: they are read back as it runs). before_mask: see
-        launch; what the sampler takes from the engine (keys, penalty slots, output counts) is
+        launch; what the sampler takes from the rows (draw keys, penalty slots, output counts) is
         read before it, as a row may finish there."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
@@ -231,7 +229,7 @@ class ModelRunner:
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
         penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
         counters = [len(s.output_ids) for s in samplers]
-        row_keys = [keys.get(s.request_id) for s in samplers]
+        row_keys = [s.draw_key for s in samplers]
         # rows short of their min_tokens: their stop tokens cannot be drawn yet
         banned = [
             (i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters)) if n < s.params.min_tokens

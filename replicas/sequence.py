@@ -168,6 +168,9 @@ class Sequence:
     # every output token so far (but a reasoning model's thinking: params.think)
     matcher: Any = field(default=None, repr=False)
     thinking: int = GUIDED  # GUIDED, MAY_THINK or THINKING (params.think)
+    # a sampling request's draw key (replicas.sampler): its seed, or one from the engine's seed
+    # and its arrival; None for greedy requests
+    draw_key: int | None = None
     finish_reason: str | None = None
 
     @property

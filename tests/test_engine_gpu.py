@@ -24,9 +24,9 @@ def record_logits(engine):
     seen, rows = defaultdict(list), []
     forward, compute = engine.runner._forward, engine.model.compute_logits
 
-    def forward_and_name_rows(batch, keys, prev, before_mask=None):  # (what both run and launch go through)
+    def forward_and_name_rows(batch, prev, before_mask=None):  # (what both run and launch go through)
         rows[:] = [s.request_id for s, n in batch.items if s.num_computed + n == s.num_tokens]
-        return forward(batch, keys, prev, before_mask)
+        return forward(batch, prev, before_mask)
 
     def compute_and_keep(hidden):
         logits = compute(hidden)
