@@ -128,13 +128,17 @@ class Attention:
                 raise ValueError("sparse prefill needs a pool that keeps its chunks' mean keys")
             self._sub = block_union.subgroup_size(num_q_heads, num_kv_heads, sparse.subgroup)
         # pages (chunk, KV head) that sparse pieces' layers read, and would have read dense
+        self.reset_counters()
+        self._signature: tuple | None = None
+        self._decode_plan = None
+
+    def reset_counters(self) -> None:
+        """What tests and benchmarks count here, zeroed (LLMEngine.reset_counters)."""
         self.sparse_pages = 0  # (counted on the host: the lists' lengths are there, or read back for the plan)
         self.dense_pages = 0
         self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
-        self._signature: tuple | None = None
-        self._decode_plan = None
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size

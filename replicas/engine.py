@@ -510,18 +510,12 @@ class LLMEngine:
 
     def reset_counters(self) -> None:
         """Zero what stats() and the benchmarks count (after replicas.warmup): requests, tokens,
-        steps, preemptions, decode plans built, graphs captured and replayed, host waits."""
+        steps, preemptions, decode and prefill plans built, graphs captured and replayed, host
+        waits (each part zeroes its own)."""
         self._counters = dict.fromkeys(self._counters, 0)
         self.scheduler.num_preemptions = 0
-        self.attention.plan_builds = 0
-        self.attention.sparse_pages = 0
-        self.attention.dense_pages = 0
-        self.runner.wait_s = 0.0
-        if self.runner.graphs is not None:
-            self.runner.graphs.captures = self.runner.graphs.replays = 0
-            self.runner.graphs.capture_s = 0.0
-        if self.runner.pieces is not None:
-            self.runner.pieces.replays = 0
+        self.attention.reset_counters()
+        self.runner.reset_counters()
 
     def cache_digest(self, model_name: str, route_chunks: int, limit: int = 4096) -> list[int]:
         """The chained chunk hashes (router.hashing, seeded by the served model name) of the

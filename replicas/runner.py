@@ -101,6 +101,16 @@ class ModelRunner:
         # is the host's own time in it (replicas.tools.bench's host_ms_per_step)
         self.wait_s = 0.0
 
+    def reset_counters(self) -> None:
+        """Host waits, graphs captured and replayed, zeroed (LLMEngine.reset_counters). The
+        piecewise graphs' capture time stays: they are captured once, when the engine is built."""
+        self.wait_s = 0.0
+        if self.graphs is not None:
+            self.graphs.captures = self.graphs.replays = 0
+            self.graphs.capture_s = 0.0
+        if self.pieces is not None:
+            self.pieces.replays = 0
+
     def run(self, batch: Batch) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:
         """Forward the batch's new tokens; returns the next token of every sequence whose pending
         tokens all ran this step (a decode, or the last piece of a prefill), and the logprobs

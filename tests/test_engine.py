@@ -521,3 +521,17 @@ def test_bench_cli_warms_up_first_and_counts_only_the_run():
     # the run's own figures: the warmup's requests are neither cached hits nor counted steps
     assert run["cached_prompt_tokens"] == 3 * 64 and run["preemptions"] == 0
     assert 6 <= run["steps"] <= 12
+
+
+def test_reset_counters_zeroes_every_parts_counts():
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096)
+    engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
+    a = engine.attention
+    a.prefill_plans, a.fallback_plans, a.sparse_pages, a.dense_pages = 5, 3, 2, 4
+    engine.runner.wait_s = 1.0
+    assert engine.stats()["steps"] > 0 and a.plan_builds > 0
+    engine.reset_counters()
+    assert (a.prefill_plans, a.fallback_plans, a.sparse_pages, a.dense_pages, a.plan_builds) == (0, 0, 0, 0, 0)
+    assert engine.runner.wait_s == 0.0
+    s = engine.stats()
+    assert s["steps"] == s["generated_tokens"] == s["finished_requests"] == s["preemptions"] == 0
