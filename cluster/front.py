@@ -5,8 +5,8 @@ body pulled from the proxy, each response chunk pushed back to it), a large shar
 request's time to first token when the engine is fast (DESIGN §15). With `ingress.http_port`
 set, every ingress replica also listens on that port itself (uvicorn on the replica's own event
 loop, the same app and handlers as through the proxy), all of a node's ingress replicas on one
-socket address (SO_REUSEPORT: the kernel spreads new connections over them). Serve's proxy keeps its own port
-(`http_options.port`) and serves the same API.
+socket address (SO_REUSEPORT: the kernel spreads new connections over them). Serve's proxy
+keeps its own port (`http_options.port`) and serves the same API.
 
 A request through the front gets what the proxy would give it: a Serve request context (its
 `x-request-id` header or a fresh id, the route, the application), so handle calls, logs and
