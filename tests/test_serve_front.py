@@ -135,3 +135,36 @@ def test_the_proxys_own_port_is_refused_naming_both(urls):
     message = serve.status().applications["clash"].deployments["OpenAIIngress"].message
     assert f"ingress.http_port {proxy_port} is Serve's own http_options.port" in message
     serve.delete("clash")
+
+
+def test_a_stream_through_the_front_finishes_when_its_app_goes_down(urls):
+    # Serve's graceful shutdown calls the ingress's __del__: its front takes no new connection
+    # and finishes the open ones (the model replica drains the stream's call meanwhile)
+    proxy, _, _ = urls
+    base = proxy.rsplit("/", 1)[0]
+    port = free_port()
+    serve.run(build_app(_app(port, api_key=None)), name="drain", route_prefix="/drain")
+    front = f"http://127.0.0.1:{port}"
+    body = {"prompt": "long", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+
+    async def main():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async with client.stream("POST", f"{front}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                events = [await anext(lines)]  # the stream has begun
+                deleting = asyncio.create_task(asyncio.to_thread(serve.delete, "drain"))
+                events += [line async for line in lines]
+            await deleting
+        return [e for e in events if e.startswith("data: ")]
+
+    events = asyncio.run(main())
+    assert events[-1] == "data: [DONE]"
+    assert not any('"error"' in e for e in events)
+    text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1])
+    want = httpx.post(
+        f"{base}/front/v1/completions", json={**body, "stream": False}, headers=AUTH, timeout=TIMEOUT
+    ).json()["choices"][0]["text"]
+    assert text == want  # the whole stream, not a cut one
+    with pytest.raises(httpx.ConnectError):  # its front is gone
+        httpx.get(f"{front}/health", timeout=10)
