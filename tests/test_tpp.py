@@ -10,6 +10,7 @@ import random
 
 import pytest
 import torch
+import triton
 
 from kernels import tpp, tpp_plan
 from kernels.reference import decode_attention_ref, tpp_decode_ref
@@ -678,3 +679,8 @@ def test_gpu_first_launches_count_each_key_once():
     assert set(launch.first_launched(before[0])) <= {"_attend_kernel", "_attend_rows_kernel", "_merge_kernel"}
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
     assert launch.first_launches() == (keys, seconds)
+
+
+def test_the_planners_powers_of_two_are_tritons():
+    # kernels/tpp_plan.py plans without importing Triton: its tile sizes must be the same
+    assert all(tpp_plan._next_pow2(n) == triton.next_power_of_2(n) for n in range(0, 4097))
