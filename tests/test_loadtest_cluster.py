@@ -88,8 +88,11 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
         assert r["error_kind"] is None and 0 < r["ttft"] <= r["e2el"]
         assert r["output_tokens"] == output_len  # ignore_eos: each runs to max_tokens
         assert len(r["itl"]) >= 1
-        gap = r["e2el"] - r["ttft"]
-        assert abs(sum(r["itl"]) - gap) <= 0.05 + 0.05 * gap  # the chunks' gaps add up to the stream after the first
+        # the chunks' gaps add up to the stream after the first, but for its tail: from the last
+        # chunk to [DONE] (the replica's end of stream, one more Ray hop: 70 ms once on CI's
+        # loaded 2 cores)
+        tail = r["e2el"] - r["ttft"] - sum(r["itl"])
+        assert -1e-6 <= tail <= 0.25, (tail, r["itl"])
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
         # the server's split of the time to first output lies inside the client's TTFT
         timing = r["server_timing"]
