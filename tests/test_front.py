@@ -46,9 +46,12 @@ def test_a_port_held_by_another_program_is_named():
 def test_fronts_share_a_port_and_each_answers():
     async def main():
         port = free_port()
-        fronts = [HTTPFront("127.0.0.1", port) for _ in range(2)]  # both bind: SO_REUSEPORT
-        for f in fronts:
-            f.start(lambda: _slow_app, "app")
+        fronts = [HTTPFront("127.0.0.1", port)]
+        fronts[0].start(lambda: _slow_app, "app")
+        async with httpx.AsyncClient(timeout=10) as client:  # the first answers alone
+            assert (await client.get(f"http://127.0.0.1:{port}/", headers={"connection": "close"})).status_code == 200
+        fronts.append(HTTPFront("127.0.0.1", port))  # the second binds the same port: SO_REUSEPORT
+        fronts[1].start(lambda: _slow_app, "app")
         async with httpx.AsyncClient(timeout=10) as client:
             r = await client.get(f"http://127.0.0.1:{port}/a/b", headers={"x-request-id": "given-id"})
             assert r.status_code == 200 and r.headers["x-request-id"] == "given-id"
@@ -56,7 +59,7 @@ def test_fronts_share_a_port_and_each_answers():
             r = await client.get(f"http://127.0.0.1:{port}/")  # no id sent: one made for the request
             rid = r.headers["x-request-id"]
             assert len(rid) == 36 and r.text.startswith(f"{rid} / app")
-        # each front answers alone too: stop one, the other keeps the port
+        # stop the first: the second keeps the port and answers alone
         await fronts[0].stop(5)
         async with httpx.AsyncClient(timeout=10) as client:
             for _ in range(4):  # new connections each time: none lands on the stopped one
