@@ -87,7 +87,9 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
     for r in records:
         assert r["error_kind"] is None and 0 < r["ttft"] <= r["e2el"]
         assert r["output_tokens"] == output_len  # ignore_eos: each runs to max_tokens
-        assert len(r["itl"]) >= 1
+        # a chunk per stream_interval_ms after the first; none after it when the first output
+        # already held every token (the replica's consumer behind its engine on CI's 2 cores)
+        assert len(r["itl"]) <= output_len - 1
         # the chunks' gaps add up to the stream after the first, but for its tail: from the last
         # chunk to [DONE] (the replica's end of stream, one more Ray hop: 70 ms once on CI's
         # loaded 2 cores)
@@ -99,6 +101,7 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
         assert timing.keys() == {"prepare", "first-output", "replica"}, timing
         assert 0 < timing["replica"] <= timing["first-output"] and timing["prepare"] > 0
         assert timing["prepare"] + timing["first-output"] <= r["ttft"]
+    assert sum(len(r["itl"]) for r in records) >= 1  # the streams did stream
     assert report["total_input_tokens"] == sum(r["prompt_tokens"] for r in records)
     assert report["total_cached_tokens"] == sum(r["cached_tokens"] for r in records)
     assert report["cached_fraction"] == pytest.approx(report["total_cached_tokens"] / report["total_input_tokens"])
