@@ -1,26 +1,31 @@
 """Block-union sparse KV selection for the prefill of long contexts (DESIGN §5; CompactAttention,
-with FlashPrefill's max-based threshold).
+with FlashPrefill's max-based threshold and Quest's key bounds).
 
 A prefill piece (T new tokens after context_len cached ones) whose context is long reads only
 the context blocks its queries are likely to attend:
 
 - Blocks: the context's chunks before the one holding the piece's first token, `block // c`
-  chunks a block. A block's key is the mean of its chunks' mean keys; the pool keeps the mean
-  key of every full chunk, per layer (replicas.attention), so a shared prefix's means are
-  computed once, when its chunks fill.
-- Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref`): for each query head and query
-  block (`block` rows of the piece), the mean over its rows of each row's softmax over the
-  blocks of q · key * sm_scale; normalised by their best and folded over the list's heads and
-  query blocks (`normalised`; the Triton `block_agg` does all of it in one launch).
+  chunks a block. A block's keys are summed up by their bounds, per dimension the max and the
+  min of its keys ([max | min], 2D wide): the bounds of its chunks' bounds, which the pool keeps
+  for every full chunk, per layer (replicas.attention), so a shared prefix's are computed once,
+  when its chunks fill. A query's bound score of a block, q⁺ · max + q⁻ · min (`bound_queries`:
+  q's positive and negative parts, [q⁺ | q⁻]), is the most q · k can be over the block's keys:
+  one key that matches (a fact planted in the text) lifts its block's score, where a mean key
+  dilutes it by the block's other keys.
+- Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref` of the bounded queries and the
+  blocks' bounds): for each query head and query block (`block` rows of the piece), the mean
+  over its rows of each row's softmax over the blocks of its bound scores * sm_scale; normalised
+  by their best and folded over the list's heads and query blocks (`normalised`; the Triton
+  `block_agg` does all of it in one launch).
 - Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
   its best; union over the piece's query blocks and over each sub-group of `subgroup` query
   heads of one KV head; plus the first `sink` and the last `window` blocks. Or, with a
-  `budget` (`budget_blocks`), each list keeps a fixed share of the blocks: the sink, the
-  window and the best of the rest by the same normalised score (its max over the list's heads
-  and query blocks). The threshold's lists differ in length layer by layer, and FlashInfer's
-  plan takes the lengths on the host: a wait for the device and a plan (~0.2 ms of host time on
-  the H200's host) per layer. A budget's lengths are known when the step is planned: one plan a
-  step, each layer only rewrites the page ids in place, and nothing waits.
+  `budget` (`budget_blocks`), each list keeps the sink, the window and a fixed share of the
+  context's blocks, the best of the rest by the same normalised score (its max over the list's
+  heads and query blocks). The threshold's lists differ in length layer by layer, and
+  FlashInfer's plan takes the lengths on the host: a wait for the device and a plan (~0.2 ms of
+  host time on the H200's host) per layer. A budget's lengths are known when the step is
+  planned: one plan a step, each layer only rewrites the page ids in place, and nothing waits.
 - Page lists (`chunk_mask`): per (KV head, sub-group), the kept blocks' chunks in order, then
   the piece's own chunks (from the one holding its first token; always kept). As pages
   `chunk * Hkv + kv_head` of the pool's view `[num_chunks * Hkv, 1, c, D]` these are what
@@ -44,12 +49,14 @@ __all__ = [
     "block_agg",
     "block_keys",
     "block_keys_gpu",
+    "bound_queries",
     "budget_blocks",
     "budget_free",
     "budget_list_len",
     "budget_lists",
     "budget_pages",
-    "chunk_key_means",
+    "chunk_key_bounds",
+    "chunk_key_bounds_ref",
     "chunk_mask",
     "normalised",
     "select_blocks",
@@ -68,8 +75,8 @@ class BlockUnion:
     sink: int = 1  # first blocks always kept
     window: int = 4  # blocks just before the piece always kept
     subgroup: int = 4  # query heads of one KV head that share a page list (capped by the group)
-    # None: alpha's threshold; else keep this share of the context's blocks (at least the sink
-    # and the window), the best by score: one FlashInfer plan per step instead of one per layer
+    # None: alpha's threshold; else keep the sink, the window and this share of the context's
+    # blocks, the best of the rest by score: one FlashInfer plan per step instead of one per layer
     budget: float | None = None
 
     def __post_init__(self):
@@ -109,42 +116,52 @@ def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
     return max(d for d in range(1, min(g, subgroup) + 1) if g % d == 0)
 
 
-def block_keys(chunk_means: Tensor, table: Tensor, block_chunks: int) -> Tensor:
-    """chunk_means: [..., num_chunks, Hkv, D] float32 (the pool's, a layer's or every layer's);
-    table: [k] the context's chunk ids (full chunks) -> [..., ceil(k / block_chunks), Hkv, D],
-    each block's mean key (a short last block the mean of its chunks)."""
+def block_keys(chunk_bounds: Tensor, table: Tensor, block_chunks: int) -> Tensor:
+    """chunk_bounds: [..., num_chunks, Hkv, 2D] (the pool's, a layer's or every layer's: per
+    chunk [max | min] of its keys); table: [k] the context's chunk ids (full chunks) ->
+    [..., ceil(k / block_chunks), Hkv, 2D], each block's bounds (a short last block's over its
+    chunks)."""
     k = table.numel()
     nb = -(-k // block_chunks)
-    means = chunk_means.index_select(-3, table)  # [..., k, Hkv, D]
-    lead, tail = means.shape[:-3], means.shape[-2:]
-    if nb * block_chunks > k:
-        pad = means.new_zeros(*lead, nb * block_chunks - k, *tail)
-        means = torch.cat([means, pad], dim=-3)
-    counts = torch.full((nb, 1, 1), float(block_chunks), device=means.device)
-    counts[-1] = k - (nb - 1) * block_chunks
-    return means.view(*lead, nb, block_chunks, *tail).sum(-3) / counts
+    bounds = chunk_bounds.index_select(-3, table)  # [..., k, Hkv, 2D]
+    if nb * block_chunks > k:  # the last chunk again: it changes no max or min
+        last = bounds.narrow(-3, k - 1, 1)
+        bounds = torch.cat([bounds, last.expand(*last.shape[:-3], nb * block_chunks - k, *last.shape[-2:])], dim=-3)
+    lead, (hkv, d2) = bounds.shape[:-3], bounds.shape[-2:]
+    per = bounds.reshape(*lead, nb, block_chunks, hkv, d2)
+    d = d2 // 2
+    return torch.cat([per[..., :d].amax(-3), per[..., d:].amin(-3)], dim=-1)
 
 
-def block_keys_gpu(chunk_means: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
-    """Triton `block_keys` for one layer, in one launch: chunk_means [num_chunks, Hkv, D] float32,
-    table [k] -> [ceil(k / block_chunks), Hkv, D] in dtype (the queries', for the scores)."""
+def bound_queries(q: Tensor) -> Tensor:
+    """q [T, Hq, D] -> [T, Hq, 2D] = [q⁺ | q⁻] (its positive and negative parts): its dot product
+    with a block's [max | min] is the most q · k can be over the block's keys."""
+    return torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+
+
+def block_keys_gpu(chunk_bounds: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
+    """Triton `block_keys` for one layer, in one launch: chunk_bounds [num_chunks, Hkv, 2D],
+    table [k] -> [ceil(k / block_chunks), Hkv, 2D] in dtype (the queries', for the scores)."""
     import triton
 
     k = table.numel()
-    _, hkv, d = chunk_means.shape
+    _, hkv, d2 = chunk_bounds.shape
     nb = -(-k // block_chunks)
-    out = torch.empty(nb, hkv, d, dtype=dtype, device=chunk_means.device)
-    if chunk_means.stride(2) != 1 or d & (d - 1):
-        raise ValueError(f"chunk means {tuple(chunk_means.shape)}: a power-of-two head dim, contiguous")
+    out = torch.empty(nb, hkv, d2, dtype=dtype, device=chunk_bounds.device)
+    d = d2 // 2
+    if chunk_bounds.stride(2) != 1 or d & (d - 1) or d2 != 2 * d:
+        raise ValueError(
+            f"chunk bounds {tuple(chunk_bounds.shape)}: [max | min] of a power-of-two head dim, contiguous"
+        )
     block_n = min(64, triton.next_power_of_2(nb))
     _kernels()[2][(triton.cdiv(nb, block_n), hkv)](
-        chunk_means,
+        chunk_bounds,
         table,
         out,
         k,
         nb,
-        chunk_means.stride(0),
-        chunk_means.stride(1),
+        chunk_bounds.stride(0),
+        chunk_bounds.stride(1),
         out.stride(0),
         out.stride(1),
         BC=block_chunks,
@@ -154,13 +171,22 @@ def block_keys_gpu(chunk_means: Tensor, table: Tensor, block_chunks: int, dtype:
     return out
 
 
-def chunk_key_means(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
-    """Triton: out[:, chunks] = k_pool[:, chunks].float().mean(chunk slots), every layer in one
-    launch and with no copy of the chunks. k_pool: [L, N, Hkv, c, D] (the pool's K, a view);
-    out: [L, N, Hkv, D] float32 (the pool's mean keys)."""
+def chunk_key_bounds(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
+    """Triton: out[:, chunks] = [max | min] of k_pool[:, chunks] over the chunk's slots, every
+    layer in one launch and with no copy of the chunks. k_pool: [L, N, Hkv, c, D] (the pool's K,
+    a view); out: [L, N, Hkv, 2D] (the pool's key bounds)."""
     num_layers, _, hkv, c, d = k_pool.shape
-    if k_pool.stride(4) != 1 or out.stride(3) != 1 or k_pool.stride(3) != d or c & (c - 1) or d & (d - 1):
-        raise ValueError(f"K pool {tuple(k_pool.shape)} / means {tuple(out.shape)}: contiguous chunks of powers of two")
+    if (
+        k_pool.stride(4) != 1
+        or out.stride(3) != 1
+        or out.shape[3] != 2 * d
+        or k_pool.stride(3) != d
+        or c & (c - 1)
+        or d & (d - 1)
+    ):
+        raise ValueError(
+            f"K pool {tuple(k_pool.shape)} / bounds {tuple(out.shape)}: contiguous chunks of powers of two"
+        )
     f = chunks.numel()
     if f:
         _kernels()[3][(num_layers * f, hkv)](
@@ -178,6 +204,11 @@ def chunk_key_means(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
             D=d,
             ROWS=min(c, max(1, 4096 // d)),
         )
+
+
+def chunk_key_bounds_ref(k_chunks: Tensor) -> Tensor:
+    """k_chunks [..., Hkv, c, D] (chunks' keys) -> [..., Hkv, 2D]: [max | min] over the slots."""
+    return torch.cat([k_chunks.amax(-2), k_chunks.amin(-2)], dim=-1)
 
 
 def normalised(scores: Tensor, sub: int) -> Tensor:
@@ -205,9 +236,10 @@ def select_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
 
 
 def budget_free(cfg: BlockUnion, nb: int) -> int:
-    """Blocks a budget list chooses by score among the nb - sink - window in between."""
-    keep = min(nb, max(cfg.sink + cfg.window, math.ceil(cfg.budget * nb)))
-    return max(0, keep - cfg.sink - cfg.window)
+    """Blocks a budget list chooses by score among the nb - sink - window in between: the
+    budget's share of all nb, besides the sink and window (counted in, they would take the
+    whole budget below (sink + window) / budget blocks and leave no block chosen by score)."""
+    return max(0, min(nb - cfg.sink - cfg.window, math.ceil(cfg.budget * nb)))
 
 
 def budget_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
@@ -298,7 +330,8 @@ def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | N
     """Triton ``normalised(kernels.reference.block_scores_ref(q, keys, block, sm_scale), sub)``
     in one launch: q [T, Hq, D] (last dim contiguous), keys [NB, Hkv, D] -> [Hq / sub, NB]
     float32. Scores in q's precision (a 16-bit q's dot products round the keys to its type),
-    accumulated in float32."""
+    accumulated in float32. The selection passes `bound_queries(q)` and the blocks' bounds (D
+    twice the head dim) with the model's sm_scale."""
     import triton
 
     t, hq, d = q.shape
@@ -441,7 +474,7 @@ def _kernels():
 
         @triton.jit
         def _block_keys_kernel(
-            Means,
+            Bounds,
             Table,
             Out,
             K,
@@ -454,27 +487,27 @@ def _kernels():
             D: tl.constexpr,
             BLOCK_N: tl.constexpr,
         ):
-            # one program per (BLOCK_N blocks, KV head): each block's chunks' means, averaged
+            # one program per (BLOCK_N blocks, KV head): the max of its chunks' maxima ([:D]) and
+            # the min of their minima ([D:])
             blocks = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
             kv = tl.program_id(1)
             offs_d = tl.arange(0, D)
-            acc = tl.zeros([BLOCK_N, D], tl.float32)
+            hi = tl.full([BLOCK_N, D], float("-inf"), tl.float32)
+            lo = tl.full([BLOCK_N, D], float("inf"), tl.float32)
             for j in range(BC):
                 chunk = blocks * BC + j
                 ok = chunk < K
                 cid = tl.load(Table + chunk, mask=ok, other=0).to(tl.int64)
-                acc += tl.load(
-                    Means + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :], mask=ok[:, None], other=0.0
-                )
-            count = tl.maximum(tl.minimum(K - blocks * BC, BC), 1).to(tl.float32)
-            tl.store(
-                Out + blocks[:, None] * stride_ob + kv * stride_oh + offs_d[None, :],
-                (acc / count[:, None]).to(Out.dtype.element_ty),
-                mask=(blocks < NB)[:, None],
-            )
+                base = Bounds + cid[:, None] * stride_mn + kv * stride_mh + offs_d[None, :]
+                hi = tl.maximum(hi, tl.load(base, mask=ok[:, None], other=float("-inf")).to(tl.float32))
+                lo = tl.minimum(lo, tl.load(base + D, mask=ok[:, None], other=float("inf")).to(tl.float32))
+            dst = Out + blocks[:, None] * stride_ob + kv * stride_oh + offs_d[None, :]
+            live = (blocks < NB)[:, None]
+            tl.store(dst, hi.to(Out.dtype.element_ty), mask=live)
+            tl.store(dst + D, lo.to(Out.dtype.element_ty), mask=live)
 
         @triton.jit
-        def _chunk_means_kernel(
+        def _chunk_bounds_kernel(
             KPool,
             Chunks,
             Out,
@@ -489,18 +522,23 @@ def _kernels():
             D: tl.constexpr,
             ROWS: tl.constexpr,
         ):
-            # one program per (layer, chunk, KV head): the mean of the chunk's C keys
+            # one program per (layer, chunk, KV head): the max and the min of the chunk's C keys
             # (offsets in int64: a layer's stride times the layers passes 2**31 in a large pool)
             layer, i = (tl.program_id(0) // F).to(tl.int64), tl.program_id(0) % F
             kv = tl.program_id(1)
             cid = tl.load(Chunks + i).to(tl.int64)
             offs_d = tl.arange(0, D)
             base = KPool + layer * stride_kl + cid * stride_kn + kv * stride_kh
-            acc = tl.zeros([D], tl.float32)
+            hi = tl.full([D], float("-inf"), tl.float32)
+            lo = tl.full([D], float("inf"), tl.float32)
             for r0 in range(0, C, ROWS):
                 rows = r0 + tl.arange(0, ROWS)
-                acc += tl.sum(tl.load(base + rows[:, None] * D + offs_d[None, :]).to(tl.float32), 0)
-            tl.store(Out + layer * stride_ol + cid * stride_on + kv * stride_oh + offs_d, acc / C)
+                k = tl.load(base + rows[:, None] * D + offs_d[None, :]).to(tl.float32)
+                hi = tl.maximum(hi, tl.max(k, 0))
+                lo = tl.minimum(lo, tl.min(k, 0))
+            dst = Out + layer * stride_ol + cid * stride_on + kv * stride_oh + offs_d
+            tl.store(dst, hi.to(Out.dtype.element_ty))
+            tl.store(dst + D, lo.to(Out.dtype.element_ty))
 
-        _KERNELS = (_agg_kernel, _pages_kernel, _block_keys_kernel, _chunk_means_kernel)
+        _KERNELS = (_agg_kernel, _pages_kernel, _block_keys_kernel, _chunk_bounds_kernel)
     return _KERNELS

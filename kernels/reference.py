@@ -459,7 +459,8 @@ def prefill_attention_ref(
 def block_scores_ref(q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None) -> Tensor:
     """Block-union's selection scores (kernels.block_union, DESIGN §5).
 
-    q: [T, Hq, D], a prefill piece's queries; keys: [NB, Hkv, D], each context block's mean key.
+    q: [T, Hq, D], a prefill piece's queries; keys: [NB, Hkv, D], one key per context block
+    (the selection passes the bounded queries and the blocks' [max | min] bounds: D = 2 x head dim).
     For query head h and query block b (rows [b * block, (b + 1) * block) of the piece, the last
     one possibly short): the mean over its rows of each row's softmax over the NB blocks of
     q · key * sm_scale. Returns [Hq, ceil(T / block), NB] float32 (each row sums to 1).

@@ -31,9 +31,9 @@ queries score high on, through FlashInfer's paged prefill over per-(KV head, sub
 lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer). With a
 budget the lists' lengths are known when the step is planned: FlashInfer plans them once, here,
 and each layer writes its chosen page ids into them; alpha's lists are planned layer by layer.
-The pool then keeps each full chunk's mean key per layer, updated after each step's forward
-(`StepAttention.keep_key_means`) for the chunks the step filled; each layer averages its
-context blocks' keys from them.
+The pool then keeps each full chunk's key bounds per layer ([max | min] of its keys), updated
+after each step's forward (`StepAttention.keep_key_bounds`) for the chunks the step filled;
+each layer bounds its context blocks' keys from them.
 """
 
 from __future__ import annotations
@@ -124,8 +124,8 @@ class Attention:
         self.sparse = sparse
         if sparse is not None:
             sparse.check_chunk_size(pool.chunk_size)
-            if pool.key_means is None:
-                raise ValueError("sparse prefill needs a pool that keeps its chunks' mean keys")
+            if pool.key_bounds is None:
+                raise ValueError("sparse prefill needs a pool that keeps its chunks' key bounds")
             self._sub = block_union.subgroup_size(num_q_heads, num_kv_heads, sparse.subgroup)
         # pages (chunk, KV head) that sparse pieces' layers read, and would have read dense
         self.reset_counters()
@@ -152,9 +152,9 @@ class Attention:
             positions.append(n)
             k, nodes = n // c, seq.nodes
             chunk_idx.append(nodes[k].chunk_id if k < len(nodes) else seq.private[k - len(nodes)])
-        filled: list[int] = []  # chunks this step fills (their mean keys are due: sparse prefill)
-        means = self.pool.key_means is not None
-        if means:
+        filled: list[int] = []  # chunks this step fills (their key bounds are due: sparse prefill)
+        bounds = self.pool.key_bounds is not None
+        if bounds:
             filled = [chunk_idx[i] for i, n in enumerate(positions) if n % c == c - 1]
         for seq, n in batch.prefills:
             start = seq.num_computed
@@ -163,7 +163,7 @@ class Attention:
             if self.sparse is not None and self.sparse.applies(start, c):
                 sparse = to_device(list(table[: -(-(start + n) // c)]), self.device)
             prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
-            if means:
+            if bounds:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
             while n:  # the run of positions in each chunk
@@ -305,15 +305,15 @@ class Attention:
         for i, s in enumerate(spans):
             rows = q[s.start : s.start + s.num_new]
             k0 = s.context_len // c  # chunks before the one holding the piece's first token
-            # the context blocks' mean keys, from the pool's chunk means (their chunks filled in
-            # earlier steps: queued before this)
-            means = self.pool.key_means[layer]
+            # the context blocks' key bounds, from the pool's chunk bounds (their chunks filled
+            # in earlier steps: queued before this), scored by the bounded queries
+            bounds = self.pool.key_bounds[layer]
             if self.backend == "triton":
-                keys = block_union.block_keys_gpu(means, s.table[:k0], bc, rows.dtype)
-                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale)
+                keys = block_union.block_keys_gpu(bounds, s.table[:k0], bc, rows.dtype)
+                agg = block_union.block_agg(block_union.bound_queries(rows), keys, cfg.block, self._sub, self.sm_scale)
             else:
-                keys = block_union.block_keys(means, s.table[:k0], bc)
-                scores = reference.block_scores_ref(rows, keys, cfg.block, self.sm_scale)
+                keys = block_union.block_keys(bounds, s.table[:k0], bc)
+                scores = reference.block_scores_ref(block_union.bound_queries(rows), keys, cfg.block, self.sm_scale)
                 agg = block_union.normalised(scores, self._sub)
             self.dense_pages += agg.shape[0] * s.table.numel()
             if budget is not None:
@@ -368,7 +368,7 @@ class StepAttention:
     dense_rows: torch.Tensor | None = (
         None  # their rows where sparse spans are among the spans (else they follow the decodes)
     )
-    filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps mean keys
+    filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps key bounds
     budget: tuple[torch.Tensor, ...] | None = (
         None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
     )
@@ -407,11 +407,11 @@ class StepAttention:
             a.sparse_prefill(layer, q, out, sparse, self.budget)
         return out
 
-    def keep_key_means(self) -> None:
-        """After the forward: the mean key of each chunk this step filled, every layer."""
+    def keep_key_bounds(self) -> None:
+        """After the forward: the key bounds of each chunk this step filled, every layer."""
         if self.filled is not None:
             pool = self.attention.pool
             if self.attention.backend == "triton":  # (no [L, F, Hkv, c, D] copy of the chunks)
-                block_union.chunk_key_means(pool.kv[:, 0], self.filled, pool.key_means)
+                block_union.chunk_key_bounds(pool.kv[:, 0], self.filled, pool.key_bounds)
             else:
-                pool.key_means[:, self.filled] = pool.kv[:, 0, self.filled].float().mean(3)
+                pool.key_bounds[:, self.filled] = block_union.chunk_key_bounds_ref(pool.kv[:, 0, self.filled])

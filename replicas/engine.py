@@ -96,8 +96,8 @@ class EngineConfig:
     # score high on (approximate attention: outputs change). None (default): every prefill is
     # dense, exact. A dict is taken as BlockUnion's fields; BlockUnion(budget=...) is planned once
     # a step (H200, llama3-8b, one 32768-token prompt in 2048-token pieces: prefill 1.35 s dense,
-    # 0.98 s with a budget of 0.1; replicas.tools.bench). The pool then keeps a float32 mean key per
-    # chunk and layer (1/c of K's size again, in float32).
+    # 0.98 s with a budget of 0.1; replicas.tools.bench). The pool then keeps each chunk's key
+    # bounds per layer ([max | min] per dimension, in K's dtype: 2/c of K's size again).
     sparse_prefill: BlockUnion | dict | None = None
 
     def __post_init__(self):
@@ -157,7 +157,9 @@ class LLMEngine:
         mc, c = self.model_config, config.chunk_size
         kv_heads = mc.num_kv_heads // config.tp_size if mc.num_kv_heads >= config.tp_size else 1
         sparse = config.sparse_prefill
-        per_chunk = KVPool.bytes_per_chunk(mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_means=sparse is not None)
+        per_chunk = KVPool.bytes_per_chunk(
+            mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_bounds=sparse is not None
+        )
         self.pool = KVPool(
             num_layers=mc.num_layers,
             num_chunks=self._num_chunks(per_chunk),
@@ -166,7 +168,7 @@ class LLMEngine:
             head_dim=mc.head_dim,
             dtype=dtype,
             device=self.device,
-            key_means=sparse is not None,
+            key_bounds=sparse is not None,
         )
         capacity = self.pool.num_chunks * c
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, capacity)

@@ -22,7 +22,7 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device | str,
-        key_means: bool = False,
+        key_bounds: bool = False,
     ):
         if num_chunks < 1:
             raise ValueError(f"KV pool needs at least one chunk, got {num_chunks}")
@@ -38,10 +38,13 @@ class KVPool:
         )
         # each layer's views, made once: every layer of every step asks for them
         self._k, self._v = [self.kv[i, 0] for i in range(num_layers)], [self.kv[i, 1] for i in range(num_layers)]
-        # key_means: [L, N, Hkv, D] float32, the mean key of each full chunk (block-union's
-        # selection, kernels.block_union), or None without sparse prefill
-        self.key_means = (
-            torch.zeros(num_layers, num_chunks, num_kv_heads, head_dim, device=device) if key_means else None
+        # key_bounds: [L, N, Hkv, 2D] in the keys' dtype (exact), per full chunk [max | min] of
+        # its keys per dimension (block-union's selection, kernels.block_union), or None without
+        # sparse prefill
+        self.key_bounds = (
+            torch.zeros(num_layers, num_chunks, num_kv_heads, 2 * head_dim, dtype=dtype, device=device)
+            if key_bounds
+            else None
         )
         # stack of free ids, lowest id on top so allocation order is deterministic
         self._free = list(range(num_chunks - 1, -1, -1))
@@ -85,8 +88,8 @@ class KVPool:
 
     @staticmethod
     def bytes_per_chunk(
-        num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int, dtype: torch.dtype, key_means: bool = False
+        num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int, dtype: torch.dtype, key_bounds: bool = False
     ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        means = num_layers * num_kv_heads * head_dim * 4 if key_means else 0
-        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + means
+        bounds = num_layers * num_kv_heads * 2 * head_dim * elem if key_bounds else 0
+        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + bounds

@@ -228,7 +228,7 @@ class ModelRunner:
             hidden = self.pieces.forward(input_ids, attn)
         if hidden is None:
             hidden = self.model(input_ids, attn.positions, attn)
-        attn.keep_key_means()  # (sparse prefill: the mean keys of the chunks this step filled)
+        attn.keep_key_bounds()  # (sparse prefill: the key bounds of the chunks this step filled)
         if prompt_rows:
             self._prompt_logprobs(hidden, prompt_rows)
         if not samplers:

@@ -82,12 +82,16 @@ def test_write_pages_is_budget_pages(e, hkv, free, bc):
     assert torch.equal(planned[:, 3 : 3 + free * bc], block_union.budget_pages(blocks, table, bc, hkv))
 
 
-def test_block_keys_are_the_mean_of_their_chunks():
-    means = torch.randn(10, 2, 8)
+def test_block_keys_bound_their_chunks_bounds():
+    bounds = torch.randn(10, 2, 8)  # [max | min] of 4 dims, per chunk and KV head
     table = torch.tensor([7, 2, 9, 0, 5])
-    got = block_keys(means, table, 2)  # blocks: (7, 2), (9, 0), (5,)
-    want = torch.stack([(means[7] + means[2]) / 2, (means[9] + means[0]) / 2, means[5]])
-    torch.testing.assert_close(got, want)
+    got = block_keys(bounds, table, 2)  # blocks: (7, 2), (9, 0), (5,)
+
+    def pair(a, b):
+        return torch.cat([torch.maximum(a[..., :4], b[..., :4]), torch.minimum(a[..., 4:], b[..., 4:])], -1)
+
+    want = torch.stack([pair(bounds[7], bounds[2]), pair(bounds[9], bounds[0]), bounds[5]])
+    assert torch.equal(got, want)
     layers = torch.randn(3, 10, 2, 8)
     torch.testing.assert_close(block_keys(layers, table, 2)[2], block_keys(layers[2], table, 2))
     torch.testing.assert_close(block_keys(layers, table[:4], 2)[0], block_keys(layers[0], table[:4], 2))
@@ -106,28 +110,45 @@ def test_block_keys_are_the_mean_of_their_chunks():
 def test_block_keys_kernel_is_block_keys(k, bc, dtype):
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(k)
-    means = torch.randn(200, 2, 32, generator=g).to(device)
+    bounds = torch.randn(200, 2, 32, generator=g).to(device=device, dtype=dtype)  # (the pool's: K's dtype)
     table = torch.randperm(200, generator=g)[:k].to(device)
-    got = block_union.block_keys_gpu(means, table, bc, dtype)
+    got = block_union.block_keys_gpu(bounds, table, bc, dtype)
     assert got.dtype == dtype
-    torch.testing.assert_close(got, block_keys(means, table, bc).to(dtype))
+    assert torch.equal(got, block_keys(bounds, table, bc))  # maxima and minima: exact
 
 
-@pytest.mark.parametrize("c, d", [(16, 16), (64, 32)])
-def test_chunk_key_means_kernel_is_the_mean_of_each_chunks_keys(c, d):
+@pytest.mark.parametrize("c, d, dtype", [(16, 16, torch.bfloat16), (64, 32, torch.bfloat16), (16, 32, torch.float32)])
+def test_chunk_key_bounds_kernel_is_each_chunks_max_and_min(c, d, dtype):
     device = "cuda" if CUDA else "cpu"
-    kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(
-        device=device, dtype=torch.bfloat16
-    )
-    means = torch.full((3, 40, 2, d), -9.0, device=device)
+    kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(device=device, dtype=dtype)
+    bounds = torch.full((3, 40, 2, 2 * d), -9.0, device=device, dtype=dtype)
     chunks = torch.tensor([7, 0, 39, 12], device=device)
-    block_union.chunk_key_means(kv[:, 0], chunks, means)
-    torch.testing.assert_close(means[:, chunks], kv[:, 0, chunks].float().mean(3))
+    block_union.chunk_key_bounds(kv[:, 0], chunks, bounds)
+    want = block_union.chunk_key_bounds_ref(kv[:, 0, chunks])
+    assert torch.equal(bounds[:, chunks], want)
+    assert torch.equal(want[..., :d], kv[:, 0, chunks].amax(3)) and torch.equal(want[..., d:], kv[:, 0, chunks].amin(3))
     others = [i for i in range(40) if i not in (7, 0, 39, 12)]
-    assert (means[:, others] == -9).all()
-    before = means.clone()
-    block_union.chunk_key_means(kv[:, 0], chunks[:0], means)  # nothing filled: nothing changes
-    assert torch.equal(means, before)
+    assert (bounds[:, others] == -9).all()
+    before = bounds.clone()
+    block_union.chunk_key_bounds(kv[:, 0], chunks[:0], bounds)  # nothing filled: nothing changes
+    assert torch.equal(bounds, before)
+
+
+def test_bound_scores_bound_every_key_of_the_block():
+    """A bounded query's dot product with a block's bounds is at least q . k for each of its keys,
+    and equal to it for a block of one key."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(6, 2, 64, 16, generator=g)  # 6 chunks, 2 KV heads, 64 slots, D 16
+    q = torch.randn(5, 2, 16, generator=g)  # 5 rows, one query head per KV head
+    bounds = block_keys(block_union.chunk_key_bounds_ref(keys), torch.arange(6), 3)  # [2, 2, 32]
+    ub = torch.einsum("thd,bhd->thb", block_union.bound_queries(q), bounds)
+    exact = torch.einsum("thd,bhnd->thbn", q, keys.view(2, 3, 2, 64, 16).transpose(1, 2).reshape(2, 2, 192, 16))
+    assert (ub[..., None] >= exact - 1e-5).all()
+    one = block_union.chunk_key_bounds_ref(keys[:1, :, :1])  # a block of one key: the bound is q . k
+    torch.testing.assert_close(
+        torch.einsum("thd,bhd->thb", block_union.bound_queries(q), one),
+        torch.einsum("thd,bhd->thb", q, keys[:1, :, 0]),
+    )
 
 
 def test_subgroup_size():
@@ -159,14 +180,14 @@ def test_selection_keeps_alpha_of_the_best_unions_and_adds_sink_and_window():
 
 
 def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
-    cfg = BlockUnion(budget=0.5, sink=1, window=2, subgroup=2)
+    cfg = BlockUnion(budget=0.2, sink=1, window=2, subgroup=2)
     nb = 10
     g = torch.Generator().manual_seed(0)
     scores = torch.rand(4, 3, nb, generator=g)  # Hq 4, 3 query blocks: 2 lists of 2 heads
     agg = normalised(scores, 2)
     assert agg.shape == (2, nb)
     torch.testing.assert_close(agg[1], (scores[2:] / scores[2:].amax(-1, keepdim=True)).amax(0).amax(0))
-    blocks = budget_blocks(agg, cfg)  # 5 kept: sink, window 2, and the 2 best of blocks 1..7
+    blocks = budget_blocks(agg, cfg)  # 5 kept: sink, window 2, and the 2 (0.2 x 10) best of blocks 1..7
     assert blocks.shape == (2, 2)
     for e in range(2):  # (blocks tie at 1.0, each some (head, query block)'s best)
         best = sorted((agg[e, b].item() for b in range(1, 8)), reverse=True)[:2]
@@ -174,9 +195,12 @@ def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
         assert len(set(blocks[e].tolist())) == 2 and all(1 <= b < 8 for b in blocks[e])
     keep = select_blocks(agg, cfg)
     assert (keep.sum(1) == 5).all() and keep[:, 0].all() and keep[:, 8:].all()
-    # a budget under the sink and window keeps just those; a whole budget keeps everything
-    assert budget_blocks(agg, BlockUnion(budget=0.1, sink=1, window=2)).shape == (2, 0)
-    assert select_blocks(agg, BlockUnion(budget=1.0, window=1)).all()
+    # the share counts apart from the sink and window: a budget under their share still picks
+    # ceil(budget x blocks) by score; past the blocks between them, all of those
+    assert budget_blocks(agg, BlockUnion(budget=0.1, sink=1, window=2)).shape == (2, 1)
+    assert budget_blocks(agg, BlockUnion(budget=0.5, sink=1, window=2)).shape == (2, 5)
+    assert budget_blocks(agg, BlockUnion(budget=0.8, sink=1, window=2)).shape == (2, 7)
+    assert select_blocks(agg, BlockUnion(budget=0.75, window=1)).all()
 
 
 @pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
@@ -331,7 +355,7 @@ def test_engine_with_a_whole_budget_gives_the_dense_tokens():
 
 
 @pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3)])
-def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys(sparse):
+def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_key_bounds(sparse):
     prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     engine = LLMEngine.from_model(
         "tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, sparse_prefill=dict(SPARSE, **sparse)
@@ -340,7 +364,7 @@ def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys(spars
     assert all(len(o) == 40 for o in outs)
     stats = engine.stats()
     assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]
-    # every full chunk the tree holds (prompts' and generated tokens') has its mean key
+    # every full chunk the tree holds (prompts' and generated tokens') has its key bounds
     pool, c, full = engine.pool, 16, []
     stack = list(engine.tree.root.children.values())
     while stack:
@@ -349,9 +373,9 @@ def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_mean_keys(spars
         if len(node.tokens) == c:
             full.append(node.chunk_id)
     assert len(full) > 30
-    want = pool.kv[:, 0, full].float().mean(3)
-    torch.testing.assert_close(pool.key_means[:, full], want, atol=1e-6, rtol=1e-6)
-    # a later prompt over the cached prefix reads the means its first prefill left
+    keys = pool.kv[:, 0, full]
+    assert torch.equal(pool.key_bounds[:, full], torch.cat([keys.amax(3), keys.amin(3)], -1))
+    # a later prompt over the cached prefix reads the bounds its first prefill left
     again = engine.generate([prompts[0][:290] + [1, 2, 3]], SamplingParams(max_tokens=2, temperature=0))
     assert len(again[0]) == 2 and engine.stats()["sparse_pages_read"] > stats["sparse_pages_read"]
 
@@ -362,18 +386,19 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     from replicas.attention import PrefillSpan
 
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6))
-    engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool and its means
+    engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool and its bounds
     attention, pool = engine.attention, engine.pool
     seq_table = [n.chunk_id for n in _path(engine.tree, 24)]
     context, new = 320, 64
     q = torch.randn(new, 4, 64, generator=torch.Generator().manual_seed(0)) * 30  # peaked scores
     out = torch.zeros_like(q)
     k0 = context // 16
-    keys = block_keys(pool.key_means, torch.tensor(seq_table[:k0]), 2)  # [L, NB, Hkv, D]
-    torch.testing.assert_close(keys[1], block_keys(pool.key_means[1], torch.tensor(seq_table[:k0]), 2))
+    keys = block_keys(pool.key_bounds, torch.tensor(seq_table[:k0]), 2)  # [L, NB, Hkv, 2D]
+    torch.testing.assert_close(keys[1], block_keys(pool.key_bounds[1], torch.tensor(seq_table[:k0]), 2))
     span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
     attention.sparse_prefill(1, q, out, [span])
-    keep = select_blocks(normalised(block_scores_ref(q, keys[1], 32, 64**-0.5), 2), engine.config.sparse_prefill)
+    scores = block_scores_ref(block_union.bound_queries(q), keys[1], 32, 64**-0.5)
+    keep = select_blocks(normalised(scores, 2), engine.config.sparse_prefill)
     mask = chunk_mask(keep, 2, k0, 24)
     assert not mask.all()
     want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64**-0.5)
@@ -487,8 +512,8 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
 
 def test_engine_sparse_prefill_through_the_triton_kernels():
     """The triton backend (under the interpreter on the CPU; float32 on a GPU, which FlashInfer
-    does not take: the reference attends): mean keys, block keys and scores from the Triton
-    kernels; with every block kept, the dense tokens; the pool's mean keys exact."""
+    does not take: the reference attends): key bounds, block bounds and scores from the Triton
+    kernels; with every block kept, the dense tokens; the pool's key bounds exact."""
     device = "cuda" if CUDA else "cpu"
     prompts, params = _prompts()[:2], SamplingParams(max_tokens=6, temperature=0)
     dense = LLMEngine.from_model(
@@ -507,4 +532,5 @@ def test_engine_sparse_prefill_through_the_triton_kernels():
     stats = engine.stats()
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
     full = [n.chunk_id for n in _path(engine.tree, 18)]
-    torch.testing.assert_close(engine.pool.key_means[:, full], engine.pool.kv[:, 0, full].float().mean(3))
+    keys = engine.pool.kv[:, 0, full]
+    assert torch.equal(engine.pool.key_bounds[:, full], torch.cat([keys.amax(3), keys.amin(3)], -1))

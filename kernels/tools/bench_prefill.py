@@ -68,7 +68,7 @@ def run_case(
     row = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
     row["dense_us"] = round(_per_call(lambda: fi.run(q, k, v), layers, reps), 1)
 
-    means = k.float().mean(2)  # [N, Hkv, D]: the pool's chunk means
+    bounds = block_union.chunk_key_bounds_ref(k)  # [N, Hkv, 2D]: the pool's chunk key bounds
     tab = torch.tensor(table, device=dev)
     k0 = context // c
     rng = torch.Generator(device="cpu").manual_seed(context)
@@ -85,8 +85,8 @@ def run_case(
         out = torch.empty_like(q)
 
         def agg():
-            keys = block_union.block_keys_gpu(means, tab[:k0], bc, q.dtype)
-            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5)
+            keys = block_union.block_keys_gpu(bounds, tab[:k0], bc, q.dtype)
+            return block_union.block_agg(block_union.bound_queries(q), keys, cfg.block, sub, d**-0.5)
 
         def budget_layer():
             block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)

@@ -120,12 +120,13 @@ def kept_mass(block_mass: Tensor, own: Tensor, keep: Tensor) -> dict[str, float]
 def select(q: Tensor, k_ctx: Tensor, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
     """The selector's blocks for a piece's queries q [T, Hq, D] given its context's keys
     k_ctx [Hkv, k0 * c, D] (the chunks before the piece's first): the engine's CPU path
-    (replicas.attention.Attention.sparse_prefill) from chunk means -> keep [E, NB] bool."""
+    (replicas.attention.Attention.sparse_prefill) from chunk key bounds -> keep [E, NB] bool."""
     hkv, n, d = k_ctx.shape
     k0, bc = n // c, cfg.block // c
-    means = k_ctx.float().view(hkv, k0, c, d).mean(2).transpose(0, 1)  # [k0, Hkv, D], the pool's key_means
-    keys = block_union.block_keys(means, torch.arange(k0), bc)
-    agg = block_union.normalised(reference.block_scores_ref(q, keys, cfg.block, sm_scale), sub)
+    chunks = k_ctx.view(hkv, k0, c, d).transpose(0, 1)  # [k0, Hkv, c, D]
+    keys = block_union.block_keys(block_union.chunk_key_bounds_ref(chunks), torch.arange(k0), bc)  # the pool's
+    scores = reference.block_scores_ref(block_union.bound_queries(q), keys, cfg.block, sm_scale)
+    agg = block_union.normalised(scores, sub)
     return block_union.select_blocks(agg, cfg)
 
 
