@@ -99,7 +99,8 @@ class FlashInferPrefill:
         """Plan for spans (chunk table, context_len, num_new), num_new >= 1, whose tables cover
         context_len + num_new tokens; -> the query rows planned (the spans' num_new summed)."""
         c = self.chunk_size
-        qo, kv, last, pages, lens = [0], [0], [], [], []
+        qo, kv, last, lens = [0], [0], [], []
+        pages: list[int] = []
         for table, context, new in spans:
             if new < 1 or context < 0:
                 raise ValueError(f"a prefill span needs new tokens and a context >= 0, got {context}, {new}")

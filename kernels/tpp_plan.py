@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -254,7 +255,8 @@ def build_plan(
         targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
         if g == 1 and _P1_BESIDE_WHOLE_MHA and all(whole[i][4] <= longest2 for i in groups[0][0]):
             targets[1] = max(whole[i][4] for i in groups[0][0])  # see _P1_BESIDE_WHOLE_MHA
-    pieces, launches = [], []
+    pieces: list[tuple[int, int, int]] = []  # (whole item, first chunk, chunks)
+    launches = []
     for ids, block_m, live, phase in groups:
         if ids:
             got = cut(ids, targets[phase])
@@ -282,7 +284,8 @@ def build_plan(
             merge_items.append((r, slots, count))
         slots += count
     nxt = list(base)
-    items, slot_list = [], []
+    items: list[tuple] = []
+    slot_list: list[int] = []
     for i, c0, n in pieces:
         phase, r0, nrows, chunk0, _, positions = whole[i]
         if phase == 1:
@@ -307,7 +310,7 @@ def build_plan(
         slot_list,
         [x for it in merge_items for x in it],
     )
-    f32 = dict(dtype=torch.float32, device=device)
+    f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
     return TppPlan(
         tree=tree,
         num_q_heads=num_q_heads,

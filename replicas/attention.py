@@ -203,7 +203,8 @@ class Attention:
         per span the [E, chosen pages] view of the planned page ids its layers rewrite."""
         c, hkv = self.pool.chunk_size, self.pool.kv.shape[3]
         e = self.num_q_heads // self._sub
-        pages, planned, places = [], [], []
+        pages: list[int] = []
+        planned, places = [], []
         for s in spans:
             total = s.context_len + s.num_new
             lists, per, chosen = block_union.budget_lists(

@@ -477,7 +477,7 @@ class LLMEngine:
             for rid in added:
                 self.abort(rid)
             raise
-        outputs = {rid: [] for rid in ids}
+        outputs: dict[str, list[int]] = {rid: [] for rid in ids}
         pending = set(ids)
         while pending:
             for out in self.step():

@@ -133,7 +133,8 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
-        decodes, prefills = [], []  # running order within each (one pass: this runs every step)
+        decodes: list[Sequence] = []  # running order within each (one pass: this runs every step)
+        prefills: list[tuple[Sequence, int]] = []
         c, limit = self.c, self.max_model_len or 1 << 62
         for seq in self.running:  # (num_pending inlined: this loop and the next run per row per step)
             out = len(seq.output_ids)

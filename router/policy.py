@@ -101,7 +101,7 @@ class Rendezvous:
 
     def sample(self, rng: random.Random, k: int) -> list[str]:
         """k distinct live replicas at random, O(k) expected (handles are dense: freed ones reused)."""
-        ids, out = self._ids, []
+        ids, out = self._ids, list[str]()
         while len(out) < min(k, len(self._handle)):
             r = ids[int(rng.random() * len(ids))]
             if r is not None and r not in out:

@@ -37,6 +37,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -293,10 +294,12 @@ def read_kv_tma(k: torch.Tensor, v: torch.Tensor, programs: int, box: int) -> to
     return out
 
 
-def readers(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> dict[str, list[Callable[[], object]]]:
+def readers(ks: list[torch.Tensor], vs: list[torch.Tensor]) -> dict[str, list[Callable[..., object]]]:
     """The read floor's kernels over the rotated pools (TMA only on sm90+): name -> calls."""
     sms = torch.cuda.get_device_properties(ks[0].device).multi_processor_count
-    out = {"read_pointer": [lambda k=k, v=v: read_kv(k, v, _READ_PROGRAMS_PER_SM * sms) for k, v in zip(ks, vs)]}
+    out: dict[str, list[Callable[..., object]]] = {
+        "read_pointer": [lambda k=k, v=v: read_kv(k, v, _READ_PROGRAMS_PER_SM * sms) for k, v in zip(ks, vs)]
+    }
     if torch.cuda.get_device_capability(ks[0].device)[0] >= 9:
         box = max(16, _READ_TMA_BOX_BYTES // (ks[0].shape[-1] * ks[0].element_size()))
         out["read_tma"] = [
@@ -389,7 +392,7 @@ def sdpa(case: Case, batch: Batch, c: int):
     return [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=case.hq != case.hkv) for k, v in kvs]
 
 
-def _try(fn: Callable[[], list], notes: dict, name: str):
+def _try(fn: Callable[[], list], notes: dict, name: str) -> float | None:
     try:
         us, mode = time_calls(fn())
         if mode != "graph":
@@ -420,7 +423,7 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
     rot = _rotations(unique)
     ks, vs = _copies(batch.k, rot), _copies(batch.v, rot)
     notes: dict[str, str] = {}
-    row = dict(
+    row: dict[str, Any] = dict(
         grid=case.grid,
         b=case.batch,
         hq=case.hq,
@@ -445,7 +448,7 @@ def run_case(case: Case, c: int, bw: float, methods: tuple[str, ...] = METHODS, 
         row[f"{name}_us"] = _try(runs[name], notes, name)
     row["bound_us"] = unique / bw * 1e6
     if own:
-        floors = {f"{name}_us": _try(lambda calls=calls: calls, notes, name) for name, calls in readers(ks, vs).items()}
+        floors = {f"{name}_us": _try(calls.copy, notes, name) for name, calls in readers(ks, vs).items()}
         row.update(floors)  # read_pointer_us, read_tma_us: the floor is the faster
         row["read_us"] = min((f for f in floors.values() if f), default=None)
     fi = [row[k] for k in ("fi_paged_us", "fi_paged_tc_us", "fi_cascade_us") if row.get(k)]
@@ -605,12 +608,14 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
         if phase1:
             for (bn, nw, ns), pps in itertools.product(PHASE1_SWEEP, PHASE1_PROGRAMS_PER_SM):
                 tpp_plan._PROGRAMS_PER_SM = pps
-                tpp_plan._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: (
-                    dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
-                    if live == m and m > 16
-                    else default(d, m, e, live, lean)
-                )
-                notes = {}
+
+                def phase1_config(d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns):
+                    if live == m and m > 16:
+                        return dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+                    return default(d, m, e, live, lean)
+
+                tpp_plan._launch_config = phase1_config
+                notes: dict[str, str] = {}
                 us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
                 print(
                     json.dumps(
@@ -630,10 +635,12 @@ def sweep(c: int, launch_configs: bool = True, phase1: bool = False) -> None:
             tpp_plan._launch_config, tpp_plan._PROGRAMS_PER_SM = default, knobs[0]
             continue
         for bn, nw, ns in SWEEP if launch_configs else []:
-            tpp_plan._launch_config = lambda d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns: dict(
-                BLOCK_N=bn, num_warps=nw, num_stages=ns
-            )
-            notes: dict[str, str] = {}
+
+            def fixed_config(d, m, e, live, lean=False, bn=bn, nw=nw, ns=ns):
+                return dict(BLOCK_N=bn, num_warps=nw, num_stages=ns)
+
+            tpp_plan._launch_config = fixed_config
+            notes = {}
             us = _try(lambda: ours(case, batch, c, ks, vs), notes, "ours")
             print(
                 json.dumps(

@@ -366,7 +366,7 @@ def run(args) -> list[dict]:
         for name in cfgs:
             probe.sums[name] = {"sel": {}, "oracle": {}}
             probe.needle_hits[name] = {"sel": [0, 0], "oracle": [0, 0]}
-        found = {name: [] for name in cfgs}
+        found: dict[str, list[bool]] = {name: [] for name in cfgs}
         dense_found, agree, pages = [], {}, {name: [0, 0] for name in cfgs}
         for i, depth in enumerate(depths):
             number = random.Random(length * 100 + i).randrange(1000, 10000)

@@ -149,9 +149,9 @@ def _registers(ptx: str) -> int:
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("run without TRITON_INTERPRET=1: the interpreter cannot compile kernels")
-    for name, *tile in TILES:
-        for tma in sorted({False, tpp._TMA and tile[-1] == tile[-2]}):  # phase-1 tiles by TMA
-            print(json.dumps(dict(tile=name, **report(*tile, tma))), flush=True)
+    for name, dtype, head_dim, g, c, block_m, live in TILES:
+        for tma in sorted({False, tpp._TMA and live == block_m}):  # phase-1 tiles by TMA
+            print(json.dumps(dict(tile=name, **report(dtype, head_dim, g, c, block_m, live, tma))), flush=True)
 
 
 if __name__ == "__main__":

@@ -196,8 +196,8 @@ class GGUFCheckpoint:
             if key not in _TENSOR_NAMES:
                 raise ValueError(f"GGUF file {self.path}: unexpected tensor {t.name!r} for {self.arch}")
             name = _TENSOR_NAMES[key].format(i=layer.group(1) if layer else "")
-            w = gguf.quants.dequantize(t.data, t.tensor_type)  # [rows, cols] (numpy order), fp32
-            w = torch.from_numpy(np.array(w, dtype=np.float32))  # a copy: the reader's memory map is read-only
+            raw = gguf.quants.dequantize(t.data, t.tensor_type)  # [rows, cols] (numpy order), fp32
+            w = torch.from_numpy(np.array(raw, dtype=np.float32))  # a copy: the reader's memory map is read-only
             if t.name.endswith(("attn_q.weight", "attn_q.bias")):
                 w = _unpermute(w, cfg["num_attention_heads"])
             elif t.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -227,7 +227,7 @@ class GGUFCheckpoint:
         # otherwise (raw text) is respelled so the BPE finds it.
         alphabet = _byte_to_unicode()
         spelled = set(alphabet.values())
-        vocab = {}
+        vocab: dict[str, int] = {}
         for i, (tok, token_type) in enumerate(zip(tokens, types)):
             if token_type not in (_CONTROL, _USER_DEFINED) and not set(tok) <= spelled:
                 tok = "".join(alphabet[b] for b in tok.encode())

@@ -66,7 +66,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
         self.local_sizes = [divide(o, tp_size, "output features") for o in output_sizes]
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:
+    # (a loader takes the shard id its module's packed_modules_mapping gives: not the base's signature)
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
         n = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
         param.data.narrow(0, offset, n).copy_(full.narrow(0, self.tp_rank * n, n))
@@ -91,7 +92,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
         super().__init__(hidden_size, sizes, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
 
-    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         super().weight_loader(param, full, "qkv".index(shard_id))
 
 

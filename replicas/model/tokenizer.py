@@ -141,9 +141,8 @@ class Tokenizer:
         markers removed, is encoded piece by piece: what lies between marked texts with special
         tokens (the tokenizer splits the text at special tokens anyway), the marked texts as text."""
         plain = lambda m: m.get("role") in plain_roles and isinstance(m.get("content"), str)  # noqa: E731
-        found = self._special_text is not None and sum(
-            len(self._special_text.findall(m["content"])) for m in messages if plain(m)
-        )
+        special = self._special_text
+        found = 0 if special is None else sum(len(special.findall(m["content"])) for m in messages if plain(m))
         if not found:
             return self.encode(
                 self.apply_chat_template(messages, add_generation_prompt, tools), add_special_tokens=False

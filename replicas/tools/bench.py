@@ -246,7 +246,10 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     )
     offsets = poisson_offsets(args.requests, rate, args.seed)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
-    arrival, first, last, count = {}, {}, {}, {}
+    arrival: dict[str, float] = {}
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    count: dict[str, int] = {}
     steps_s, batch_sizes = [], []
     sync()
     t0 = time.perf_counter()

@@ -47,6 +47,7 @@ import timeit
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -396,7 +397,7 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
     caches = [_LRU(wl.cache_tokens // CHUNK) for _ in range(n)]
     busy_until, area, last_t = [0.0] * n, [0.0] * n, [0.0] * n
     outstanding = [0] * n
-    events: list[tuple[float, int, int, object]] = []  # (time, unique seq, kind, payload)
+    events: list[tuple[float, int, int, Any]] = []  # (time, unique seq, kind, payload)
     seq = itertools.count()
     FINISH, SNAPSHOT, DELIVER = 0, 1, 2
     if router.uses_digests:
