@@ -534,3 +534,20 @@ def test_engine_sparse_prefill_through_the_triton_kernels():
     full = [n.chunk_id for n in _path(engine.tree, 18)]
     keys = engine.pool.kv[:, 0, full]
     assert torch.equal(engine.pool.key_bounds[:, full], torch.cat([keys.amax(3), keys.amin(3)], -1))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_block_with_one_matching_key_is_chosen_by_the_budget(seed):
+    """Among 16 blocks of 128 random keys, one key of block 9 matches the piece's queries (a
+    planted fact): its bound lifts block 9 above the others in every list, and the budget's 2
+    choices of the 13 between sink and window hold it."""
+    g = torch.Generator().manual_seed(seed)
+    hkv, c, d, nb, bc = 2, 64, 32, 16, 2
+    keys = torch.randn(nb * bc, hkv, c, d, generator=g)  # [chunks, Hkv, c, D]
+    fact = torch.randn(hkv, d, generator=g)
+    keys[9 * bc + 1, :, 17] = 3 * fact  # one slot of block 9, each KV head
+    q = fact.repeat_interleave(2, 0)[None] + 0.3 * torch.randn(64, 2 * hkv, d, generator=g)  # [T, Hq 4, D]
+    cfg = BlockUnion(budget=0.1, sink=1, window=2, block=bc * c, subgroup=2)
+    bounds = block_keys(block_union.chunk_key_bounds_ref(keys), torch.arange(nb * bc), bc)
+    agg = normalised(block_scores_ref(block_union.bound_queries(q), bounds, cfg.block, d**-0.5), 2)
+    assert (budget_blocks(agg, cfg) == 9).any(1).all()
