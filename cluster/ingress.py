@@ -33,6 +33,7 @@ from ray.serve._private.utils import generate_request_id
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from cluster import metrics as cluster_metrics
 from cluster.config import AppConfig
@@ -131,10 +132,11 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
     # (Starlette re-raises after answering, so Serve logs the traceback as well)
-    if isinstance(e, TaskCancelledError):
+    if isinstance(e, (TaskCancelledError, ClientDisconnect)):
         # Serve cancels the request's receive when its client disconnects (a stream the client
-        # closed: Starlette's disconnect listener raises this): no server error, and no one to
-        # answer; once logged and counted as an internal error (a 500) for every closed stream
+        # closed: Starlette's disconnect listener raises this), and Starlette raises
+        # ClientDisconnect where the client left before its body was read: no server error, and
+        # no one to answer; once logged and counted as an internal error (a 500) each time
         logger.info("request %s: the client disconnected", _request_id())
         return JSONResponse(
             ErrorResponse(

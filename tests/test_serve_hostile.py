@@ -13,6 +13,7 @@ import multiprocessing
 import os
 import re
 import signal
+import socket
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -453,3 +454,35 @@ def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
             time.sleep(0.3)
     finally:
         serve.delete("pair")
+
+
+def _http_errors(url: str) -> dict[str, float]:
+    """The ingress's error counts by labels (its /metrics)."""
+    text = httpx.get(f"{url}/metrics", timeout=TIMEOUT).text
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("chunkserve_http_errors_total{")
+    }
+
+
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_a_client_gone_before_its_body_is_read_is_no_server_error(url, path):
+    """A client that sends its headers and part of the body, then closes the connection: Starlette
+    raises ClientDisconnect while the ingress reads the body (the soak met it as a 500). Not a
+    server error, and the next request is served."""
+    where = httpx.URL(url)
+    before = {k: v for k, v in _http_errors(url).items() if 'status="5' in k}
+    for _ in range(4):
+        with socket.create_connection((where.host, where.port), timeout=30) as s:
+            head = (
+                f"POST {where.path}{path} HTTP/1.1\r\nHost: {where.host}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+            )
+            s.sendall(head.encode() + b'{"prompt": "a')
+            time.sleep(0.3)  # the ingress is reading the body when the client leaves
+    time.sleep(1.0)
+    after = {k: v for k, v in _http_errors(url).items() if 'status="5' in k}
+    assert after == before, after
+    r = httpx.post(f"{url}{path}", json=_body(path, "hello"), timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
