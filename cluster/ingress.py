@@ -79,7 +79,18 @@ REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
 TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
 
 app = FastAPI(title="chunkserve", summary="OpenAI-compatible LLM serving for prompts sharing long prefixes")
-app.add_middleware(CountResponses)  # chunkserve_http_responses_total: every response, by endpoint and status
+
+
+def _client_left(e: Exception) -> bool:
+    """Whether e is a client's disconnect, not a server error: Serve cancels the request's
+    receive when its client disconnects (a stream the client closed: Starlette's disconnect
+    listener raises TaskCancelledError), and Starlette raises ClientDisconnect where the client
+    left before its body was read."""
+    return isinstance(e, (TaskCancelledError, ClientDisconnect))
+
+
+# chunkserve_http_responses_total: every response, by endpoint and status (a client gone: 499)
+app.add_middleware(CountResponses, status_of=lambda e: 499 if _client_left(e) else 500)
 
 
 class APIError(Exception):
@@ -132,11 +143,7 @@ async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
 @app.exception_handler(Exception)
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:
     # (Starlette re-raises after answering, so Serve logs the traceback as well)
-    if isinstance(e, (TaskCancelledError, ClientDisconnect)):
-        # Serve cancels the request's receive when its client disconnects (a stream the client
-        # closed: Starlette's disconnect listener raises this), and Starlette raises
-        # ClientDisconnect where the client left before its body was read: no server error, and
-        # no one to answer; once logged and counted as an internal error (a 500) each time
+    if _client_left(e):  # no server error, and no one to answer (once a logged 500 each time)
         logger.info("request %s: the client disconnected", _request_id())
         return JSONResponse(
             ErrorResponse(

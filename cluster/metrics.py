@@ -91,10 +91,12 @@ class CountResponses:
     """ASGI middleware: counts every response by endpoint (the route's path, else "other", so a
     scan of random paths adds one series, not one per path) and status, when its start is sent.
     Pure ASGI, not Starlette's BaseHTTPMiddleware: a stream's messages pass straight through, and
-    a client's disconnect still reaches the endpoint as before."""
+    a client's disconnect still reaches the endpoint as before. An exception that escapes before
+    the response starts is counted with the status the app's outermost handler answers it with
+    (`status_of`, the ingress's: 499 for a client gone, else 500)."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, status_of=lambda e: 500):
+        self.app, self.status_of = app, status_of
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -110,9 +112,9 @@ class CountResponses:
 
         try:
             await self.app(scope, receive, counting_send)
-        except Exception:
-            if not started:  # Starlette's outermost middleware answers it with the 500 handler's body
-                HTTP.response(_endpoint(scope), 500)
+        except Exception as e:
+            if not started:  # Starlette's outermost middleware answers it with the catch-all handler
+                HTTP.response(_endpoint(scope), self.status_of(e))
             raise
 
 
