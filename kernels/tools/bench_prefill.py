@@ -9,9 +9,9 @@ Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K
 overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
   (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
-- per share d of the context's blocks kept (``kept@d``: the share of its chunks):
-  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the block keys from the
-  pool's chunk means and the normalised scores (Triton), the best blocks, their page ids
+- per budget d (``kept@d``: the share of the context's chunks kept, sink and window included):
+  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the block bounds from the
+  pool's chunk key bounds and the normalised scores (Triton), the best blocks, their page ids
   written into the lists planned once per step (not timed), FlashInfer over them;
   ``speedup@d`` = dense / budget;
   ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths

@@ -12,7 +12,7 @@ length), over the `--depths` prompts of that length (depths (i + 0.5) / n of the
 
 - attention mass, from the dense run: per layer and sparse piece, the dense softmax of the
   piece's queries over its keys, summed per chunk; the selector applied to those same queries
-  and the dense keys' block means keeps some blocks per page list. ``mass``: the share of the
+  and the dense keys' block bounds keeps some blocks per page list. ``mass``: the share of the
   dense mass on the kept blocks and the piece's own chunks (mean over layers, ``_worst`` the
   worst layer); ``ctx_mass``: the share of the mass on the context blocks that falls on kept
   ones. ``oracle_*``: the same for the oracle, which keeps as many blocks per list as the
