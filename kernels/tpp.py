@@ -45,9 +45,9 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import tpp_plan
 from kernels.launch import aligned, launch
-from kernels.tpp_plan import TppPlan, build_plan
+from kernels.tpp_plan import FixedPlans, TppPlan, build_fixed_plan, build_plan
 
-__all__ = ["TppDecoder", "TppPlan", "build_plan", "tpp_decode"]
+__all__ = ["FixedPlans", "TppDecoder", "TppPlan", "build_fixed_plan", "build_plan", "tpp_decode"]
 
 _LOG2E = 1.4426950408889634
 _TL_DTYPE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
@@ -297,6 +297,7 @@ def _attend_kernel(
     PartO,
     PartLse,
     first,
+    Count,
     Items,
     Chunks,
     SeqLens,
@@ -323,15 +324,29 @@ def _attend_kernel(
     FOLD_VEC_MIN: tl.constexpr,
     FOLD_PAIRS: tl.constexpr,
 ):
-    # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv. Both phases share one
-    # code path: query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows
-    # (a phase-2 piece is one row: its G heads). One piece per program, no loop around the
-    # streaming loop: nesting it in one measurably slowed the streaming on the H200.
+    # grid: (pieces, Hkv): piece `first + program_id(0)` for KV head kv; a fixed plan's launch
+    # (Count not None) (Hkv, capacity), heads inner: its first capacity - Count programs return
+    # at once, before any piece starts (kernels.tpp_plan.FixedPlans). Both phases share one code path:
+    # query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows (a phase-2
+    # piece is one row: its G heads). One piece per program, no loop around the streaming loop:
+    # nesting it in one measurably slowed the streaming on the H200.
     if LAUNCH_NEXT:  # the next launch may start once every program here is past this (tpp_decode)
         gdc_launch_dependents()
-    it = Items + (first + tl.program_id(0)) * 10
-    kv = tl.program_id(1)
-    hq = G * tl.num_programs(1)
+    if Count is not None:
+        n = tl.load(Count)
+        piece = tl.program_id(1) - (tl.num_programs(1) - n)
+        kv = tl.program_id(0)
+        hq = G * tl.num_programs(0)
+        if piece < 0:
+            if EARLY:  # no program here waits below, but the merge must follow phase 1
+                if n == 0:
+                    gdc_wait()
+            return
+    else:
+        piece = tl.program_id(0)
+        kv = tl.program_id(1)
+        hq = G * tl.num_programs(1)
+    it = Items + (first + piece) * 10
     row0 = tl.load(it + 1)
     nrows = tl.load(it + 2)
     chunk0 = tl.load(it + 3)
@@ -524,12 +539,20 @@ def _attend_rows_kernel(
 
 
 @triton.jit
-def _merge_kernel(Out, PartO, PartLse, Items, stride_ob, stride_oh, D: tl.constexpr, BLOCK_P: tl.constexpr):
-    # grid: (merge rows, Hq): fold the row's partials (o, lse) at slots slot0 .. slot0 + n - 1.
+def _merge_kernel(Out, PartO, PartLse, Count, Items, stride_ob, stride_oh, D: tl.constexpr, BLOCK_P: tl.constexpr):
+    # grid: (merge rows, Hq): fold the row's partials (o, lse) at slots slot0 .. slot0 + n - 1;
+    # a fixed plan's (Count not None) (Hq, rows), its programs past Count rows last, returning.
     # (Blocks of heads per program, as [BLOCK_P, heads, D] loads, measured slower on the H200.)
-    item = tl.program_id(0)
-    head = tl.program_id(1)
-    hq = tl.num_programs(1)
+    if Count is not None:
+        item = tl.program_id(1)
+        head = tl.program_id(0)
+        hq = tl.num_programs(0)
+        if item >= tl.load(Count):
+            return
+    else:
+        item = tl.program_id(0)
+        head = tl.program_id(1)
+        hq = tl.num_programs(1)
     row = tl.load(Items + item * 3 + 0)
     slot0 = tl.load(Items + item * 3 + 1)
     n = tl.load(Items + item * 3 + 2)
@@ -752,6 +775,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             plan.part_o,
             plan.part_lse,
             first,
+            None if plan.counts is None else plan.counts[4 * (phase - 1) :],
             plan.items,
             plan.chunks,
             plan.seq_lens,
@@ -777,24 +801,25 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
         launches.append(
             (
                 _attend_kernel,
-                (programs, hkv, 1),
+                (programs, hkv, 1) if plan.counts is None else (hkv, programs, 1),
                 (0, block_n if tma else 0),
                 tail,
                 options,
-                (q.dtype, tail[8:], tuple(options.items())),
+                (q.dtype, tail[9:], tuple(options.items()), plan.counts is None),
             )
         )
     if plan.merge_items.shape[0]:
-        tail = (plan.part_o, plan.part_lse, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
+        count = None if plan.counts is None else plan.counts[8:]
+        tail = (plan.part_o, plan.part_lse, count, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
         options = dict(num_warps=1)  # one warp: no cross-warp reduction (2x faster)
         launches.append(
             (
                 _merge_kernel,
-                (plan.merge_items.shape[0], hq, 1),
+                (plan.merge_items.shape[0], hq, 1) if count is None else (hq, plan.merge_items.shape[0], 1),
                 (2, 0),
                 tail,
                 options,
-                (q.dtype, tail[3:], tuple(options.items())),
+                (q.dtype, tail[4:], tuple(options.items()), count is None),
             )
         )
     return tuple(launches)
@@ -836,5 +861,7 @@ def _check(q: Tensor, k_cache: Tensor, v_cache: Tensor, plan: TppPlan, out: Tens
         )
     got = (b, hq, hkv, d, c)
     want = (plan.batch_size, plan.num_q_heads, plan.num_kv_heads, plan.head_dim, plan.chunk_size)
+    if plan.max_rows is not None and plan.batch_size <= b <= plan.max_rows:  # a fixed plan's padded rows
+        got = (plan.batch_size, *got[1:])
     if got != want:
         raise ValueError(f"(B, Hq, Hkv, D, c) = {got} does not match the plan's {want}")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from kernels.reference import TreePlan, build_tree_plan
 
-__all__ = ["TppPlan", "build_plan"]
+__all__ = ["FixedPlans", "FixedShape", "TppPlan", "build_fixed_plan", "build_plan"]
 
 # The knobs below were picked on the H200 (`python -m kernels.tools.bench decode` / `sweep`); the
 # measurements behind each are in kernels/tools/records/README.md ("TPP tuning"). Tests set them.
@@ -77,7 +77,7 @@ _MERGE_FIELDS = 3  # row, first partial slot, number of partials
 class TppPlan:
     """Device work lists for one decode batch; reused by every layer until the tree changes.
 
-    ``seq_lens: [B]`` int32 may be bumped in place between steps (``plan.seq_lens += 1``) as
+    ``seq_lens: [B]`` int32 (a fixed plan's: [max_rows], the rows past B unread) may be bumped in place between steps (``plan.seq_lens += 1``) as
     long as every row's new tokens stay inside the private chunks the plan covers: its partial
     tail chunk, and with ``build_plan(reserved=True)`` the reserved chunks of its table past its
     length. Anything else (a row joins or leaves, grows past them) needs a new plan. The partial
@@ -110,8 +110,13 @@ class TppPlan:
     rows_per_program: int
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
-    # TppDecoder's launches for the plan, per kind of call (shapes, strides, dtypes, devices)
-    launch_cache: dict = dataclasses.field(default_factory=dict, init=False, compare=False, repr=False)
+    # A fixed plan's (build_fixed_plan): [3] int32 counts, 16 bytes apart (phase-1 pieces, phase-2
+    # pieces, merge rows); each launch's grid is its capacity and programs past its count return
+    counts: Tensor | None = None
+    max_rows: int | None = None  # a fixed plan's padded batch: q may have up to this many rows
+    # TppDecoder's launches for the plan, per kind of call (shapes, strides, dtypes, devices);
+    # fixed plans of one padded batch share one (their launches are the same)
+    launch_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -163,6 +168,142 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: a token parallelism so that small tests still split
 
 
+@dataclass(frozen=True)
+class FixedShape:
+    """The launches of every fixed plan of one padded batch (`FixedPlans`): what a CUDA graph of
+    a decode step bakes in. Phase 1 and phase 2 launch apart, `cap1` and `cap2` programs per KV
+    head (each launch's programs past its plan's pieces return at once), the merge `rows`."""
+
+    rows: int  # padded batch: the rows' query tensor has this many
+    block_m1: int  # phase-1 query tile (vectors): as for a segment shared by every row
+    block_m2: int
+    cap1: int
+    cap2: int
+    lean_phase2: bool
+
+
+class FixedPlans:
+    """Device buffers that TPP plans of fixed launches are written into (`build_fixed_plan`):
+    one set per engine, for every padded batch size in `sizes` (a plan of B rows takes the least
+    size >= B). A CUDA graph captured over a decode step of one size replays for any plan of
+    that size (replicas/cuda_graph.py), as vLLM's graphs per padded batch do: the pieces, chunk
+    runs, partial slots, merge rows and counts are data in these buffers, rewritten by each
+    plan's one upload, while the grids, constexprs and pointers stay.
+
+    Capacities, tight (a launch's programs past its pieces cost a program's start each): phase
+    1 room for two levels of row tiles over every row and per_head pieces more, phase 2 a piece
+    per row and per_head / 2 more. An item of n chunks is cut into ``max(1, round(n / target))``
+    pieces at most, so ``target >= total / (capacity - items)`` fits: a plan whose pieces do not
+    is cut that much coarser, and one whose items alone do not fit (a deeper tree, tenants' own
+    prefixes past the room) is left to the plain planner (`build_fixed_plan` returns None).
+    The launches' grids are (Hkv, capacity), heads inner, a launch's idle programs first: they
+    return before its pieces start, so the launch after it (programmatic dependent launch) waits
+    for its pieces' start as for a plain plan's.
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        sizes: Sequence[int],
+        *,
+        num_q_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        chunk_size: int,
+        num_chunks: int,
+    ):
+        self.device = device = torch.device(device)
+        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
+        self.chunk_size = chunk_size
+        g = num_q_heads // num_kv_heads
+        self.per_head = max(1, _PROGRAMS_PER_SM * _num_sms(device) // num_kv_heads)
+        self.shapes: dict[int, FixedShape] = {}
+        for n in sorted(set(sizes)):
+            m1 = max(16, min(_next_pow2(n * g), max(_P1_MAX_M, _next_pow2(g))))
+            m2 = max(16, _next_pow2(g))
+            pps2 = _num_sms(device) * _programs_per_sm(head_dim, m2, 2, g)
+            self.shapes[n] = FixedShape(
+                n,
+                m1,
+                m2,
+                2 * -(-n // max(1, m1 // g)) + self.per_head,
+                n + self.per_head // 2,
+                g > 1 and num_kv_heads * n > pps2,
+            )
+        big = max(self.shapes.values(), key=lambda s: s.rows)
+        self.max_slots = max(s.cap1 * max(1, s.block_m1 // g) + s.cap2 for s in self.shapes.values())
+        # int32 regions, each 16-byte aligned (kernels.launch takes the alignment as given):
+        # counts (3, 16 bytes apart), seq_lens, merge rows, partial slots, items, chunk runs
+        sizes_ = (
+            12,
+            big.rows,
+            3 * big.rows,
+            self.max_slots,
+            10 * max(s.cap1 + s.cap2 for s in self.shapes.values()),
+            num_chunks,
+        )
+        self.starts = np.cumsum([0] + [-(-n // 4) * 4 for n in sizes_]).tolist()
+        self.buffer = torch.zeros(self.starts[-1], dtype=torch.int32, device=device)
+        f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
+        self.part_o = torch.empty(self.max_slots, num_q_heads, head_dim, **f32)
+        self.part_lse = torch.empty(self.max_slots, num_q_heads, **f32)
+        self.launch_caches: dict[int, dict] = {n: {} for n in self.shapes}
+
+    def size_for(self, rows: int) -> int | None:
+        """The least padded batch size holding `rows`, None past the largest."""
+        return next((n for n in self.shapes if n >= rows), None)
+
+    def region(self, i: int, n: int | None = None) -> Tensor:
+        start = self.starts[i]
+        return self.buffer[start : start + (self.starts[i + 1] - start if n is None else n)]
+
+    def idle(self, rows: int) -> TppPlan:
+        """A plan of padded batch `rows` with nothing to do (every count 0): what a graph is
+        captured over (its content is the next plan's, uploaded before each replay)."""
+        self.region(0).zero_()
+        return self._plan(self.shapes[rows], build_tree_plan([], [], self.chunk_size))
+
+    def upload(self, lists: list[list[int]]) -> None:
+        """Each region's values from its start, by one copy up to the last value (see _to_device)."""
+        end = self.starts[len(lists) - 1] + len(lists[-1])
+        host = np.zeros(end, dtype=np.int32)
+        for values, start in zip(lists, self.starts):
+            host[start : start + len(values)] = values
+        src = torch.from_numpy(host)
+        if self.device.type == "cuda":
+            src = src.pin_memory()
+        self.buffer[:end].copy_(src, non_blocking=self.device.type == "cuda")
+
+    def _plan(self, shape: FixedShape, tree: TreePlan) -> TppPlan:
+        items = self.region(4, 10 * (shape.cap1 + shape.cap2)).view(-1, _FIELDS)
+        return TppPlan(
+            tree=tree,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            chunk_size=self.chunk_size,
+            seq_lens=self.region(1, shape.rows),  # (rows past the batch's: never read)
+            items=items,
+            launches=(
+                (0, shape.cap1, shape.block_m1, shape.block_m1, 1),
+                (shape.cap1, shape.cap2, shape.block_m2, self.num_q_heads // self.num_kv_heads, 2),
+            ),
+            chunks=self.region(5),
+            slot_list=self.region(3),
+            merge_items=self.region(2, 3 * shape.rows).view(-1, _MERGE_FIELDS),
+            block_p=16,  # (the merge loops over more)
+            lean_phase1=False,
+            lean_phase2=shape.lean_phase2,
+            most_folds=_FOLD_MAX,
+            rows_per_program=1,
+            part_o=self.part_o,
+            part_lse=self.part_lse,
+            counts=self.region(0),
+            max_rows=shape.rows,
+            launch_cache=self.launch_caches[shape.rows],
+        )
+
+
 def build_plan(
     chunk_tables: Sequence[Sequence[int]],
     seq_lens: Sequence[int],
@@ -187,25 +328,71 @@ def build_plan(
     if already at hand. `reserved`: the rows' table entries past their lengths are read too
     (masked by ``seq_lens``), so the plan stays valid while the rows grow into them.
     """
-    device = torch.device(device)
+    _check_heads(num_q_heads, num_kv_heads, head_dim, chunk_size)
+    if tree is None:
+        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size, reserved=reserved)
+    plan = _build(tree, chunk_size, torch.device(device), num_q_heads, num_kv_heads, head_dim, target_programs)
+    assert plan is not None
+    return plan
+
+
+def build_fixed_plan(
+    chunk_tables: Sequence[Sequence[int]],
+    seq_lens: Sequence[int],
+    fixed: FixedPlans,
+    *,
+    tree: TreePlan | None = None,
+    reserved: bool = False,
+) -> TppPlan | None:
+    """``build_plan`` into `fixed`'s buffers, with the launches of the least padded batch size
+    holding the rows (`FixedPlans`); None where none holds them or the plan does not fit its
+    capacities. The plan uploaded replaces the buffers' last one (queued on the current stream,
+    after the work that read it)."""
+    if tree is None:
+        tree = build_tree_plan(chunk_tables, seq_lens, fixed.chunk_size, reserved=reserved)
+    size = fixed.size_for(len(tree.seq_lens))
+    if size is None:
+        return None
+    return _build(
+        tree, fixed.chunk_size, fixed.device, fixed.num_q_heads, fixed.num_kv_heads, fixed.head_dim, None, fixed, size
+    )
+
+
+def _check_heads(num_q_heads: int, num_kv_heads: int, head_dim: int, chunk_size: int) -> None:
     if num_q_heads <= 0 or num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads={num_q_heads} must be a positive multiple of num_kv_heads={num_kv_heads}")
     if head_dim not in (16, 32, 64, 128, 256):
         raise ValueError(f"head_dim must be a power of two in [16, 256], got {head_dim}")
     if chunk_size not in (16, 32, 64, 128):
         raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {chunk_size}")
-    if tree is None:
-        tree = build_tree_plan(chunk_tables, seq_lens, chunk_size, reserved=reserved)
-    c, g, hkv = chunk_size, num_q_heads // num_kv_heads, num_kv_heads
+
+
+def _build(
+    tree: TreePlan,
+    c: int,
+    device: torch.device,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    target_programs: int | None,
+    fixed: FixedPlans | None = None,
+    size: int = 0,
+) -> TppPlan | None:
+    """build_plan's work; with `fixed`, the launches of its padded batch `size` (None: no fit)."""
+    g, hkv = num_q_heads // num_kv_heads, num_kv_heads
     b = len(tree.seq_lens)
+    shape = fixed.shapes[size] if fixed is not None else None
+    split = _SPLIT_PHASES or shape is not None
 
     # whole work items: each segment's row tiles (phase 1), each row's private chunks (phase 2)
     max_rows = max((s.row_end - s.row_start for s in tree.segments), default=1)
     block_m1 = max(16, min(_next_pow2(max_rows * g), max(_P1_MAX_M, _next_pow2(g))))
-    alone = not any(tree.private_chunks)  # phase 1 only (see _P1_ALONE_M)
+    alone = not any(tree.private_chunks) and shape is None  # phase 1 only (see _P1_ALONE_M)
     one_tile = max_rows * g <= block_m1
     if alone and block_m1 == 32:
         block_m1 = _P1_ALONE_M
+    if shape is not None:
+        block_m1 = shape.block_m1
     chunks: list[int] = []
     whole = []  # (phase, row0, nrows, chunk0, nchunks, [position of each chunk] for phase 2)
     for seg in tree.segments:
@@ -223,9 +410,9 @@ def build_plan(
     # multiprocessor over all KV heads, no piece under _MIN_PIECE_TOKENS unless its item is. Both
     # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
     pps = _P1_ALONE_PROGRAMS_PER_SM if alone and (one_tile or g > 1) else _PROGRAMS_PER_SM
-    per_head = max(1, (target_programs or pps * _num_sms(device)) // hkv)
+    per_head = fixed.per_head if fixed is not None else max(1, (target_programs or pps * _num_sms(device)) // hkv)
     block_m2 = max(16, _next_pow2(g))
-    if _SPLIT_PHASES:
+    if split:
         groups = [
             ([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
             for p, m, live in ((1, block_m1, block_m1), (2, block_m2, g))
@@ -265,6 +452,20 @@ def build_plan(
             got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
             launches.append((len(pieces), len(got), block_m, live, phase))
             pieces += got
+    counts = {phase: n for _, n, _, _, phase in launches}
+    if shape is not None:  # cut coarser where a phase's pieces pass its capacity (see FixedPlans)
+        for ids, _, _, phase in groups:
+            cap = shape.cap1 if phase == 1 else shape.cap2
+            if counts.get(phase, 0) <= cap:
+                continue
+            if len(ids) > cap:
+                return None
+            first = counts.get(1, 0) if phase == 2 else 0
+            got = cut(ids, max(targets[phase], -(-reads[phase] // max(1, cap - len(ids)))))
+            got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
+            pieces[first : first + counts[phase]] = got
+            counts[phase] = len(got)
+    assert shape is None or (counts.get(1, 0) <= shape.cap1 and counts.get(2, 0) <= shape.cap2)
 
     # partial slots, a row's contiguous. A row whose private part is one piece gets its output
     # from that piece: directly when the row reads nothing else, or after folding in its phase-1
@@ -275,7 +476,7 @@ def build_plan(
         phase, r0, nrows = whole[i][:3]
         for r in range(r0, r0 + nrows):
             (n1 if phase == 1 else n2)[r] += 1
-    finish = [n2[r] == 1 and (n1[r] == 0 or _SPLIT_PHASES and n1[r] <= _FOLD_MAX) for r in range(b)]
+    finish = [n2[r] == 1 and (n1[r] == 0 or split and n1[r] <= _FOLD_MAX) for r in range(b)]
     base, merge_items, slots = [], [], 0
     for r in range(b):
         base.append(slots)
@@ -301,14 +502,18 @@ def build_plan(
             items.append((2, r0, 1, chunk0 + c0, n, end, len(slot_list), 0, 0, chunks[chunk0 + c0]))
             slot_list.append(nxt[r0])
             nxt[r0] += 1
-
+    flat_items = [x for it in items for x in it]
+    flat_merge = [x for it in merge_items for x in it]
+    if fixed is not None and shape is not None:
+        if slots > fixed.max_slots or len(chunks) > fixed.starts[6] - fixed.starts[5]:
+            return None
+        p1 = 10 * counts.get(1, 0)  # phase-2 pieces from item cap1 on
+        flat_items = flat_items[:p1] + [0] * (10 * shape.cap1 - p1) + flat_items[p1:]
+        head = [counts.get(1, 0), 0, 0, 0, counts.get(2, 0), 0, 0, 0, len(merge_items)]
+        fixed.upload([head, list(tree.seq_lens), flat_merge, slot_list, flat_items, chunks])
+        return fixed._plan(shape, tree)
     lens, items_t, chunks_t, slots_t, merge_t = _to_device(
-        device,
-        list(tree.seq_lens),
-        [x for it in items for x in it],
-        chunks,
-        slot_list,
-        [x for it in merge_items for x in it],
+        device, list(tree.seq_lens), flat_items, chunks, slot_list, flat_merge
     )
     f32: dict[str, Any] = dict(dtype=torch.float32, device=device)
     return TppPlan(

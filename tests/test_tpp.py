@@ -684,3 +684,81 @@ def test_gpu_first_launches_count_each_key_once():
 def test_the_planners_powers_of_two_are_tritons():
     # kernels/tpp_plan.py plans without importing Triton: its tile sizes must be the same
     assert all(tpp_plan._next_pow2(n) == triton.next_power_of_2(n) for n in range(0, 4097))
+
+
+def fixed_for(q, k, sizes, **kw):
+    return tpp_plan.FixedPlans(
+        q.device,
+        sizes,
+        num_q_heads=q.shape[1],
+        num_kv_heads=k.shape[1],
+        head_dim=q.shape[2],
+        chunk_size=k.shape[2],
+        num_chunks=k.shape[0],
+        **kw,
+    )
+
+
+FIXED_CASES = [  # (dtype, head_dim, groups, chunk_size, rows, seed, depth): both phases, folds, merges
+    (torch.float16, 64, 4, 16, 7, 81, 2),
+    (torch.bfloat16, 64, 1, 32, 12, 91, 3),
+    (torch.float32, 64, 2, 16, 3, 85, 3),
+    (torch.float16, 128, 4, 16, 6, 82, 3),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,groups,c,rows,seed,depth", FIXED_CASES)
+def test_fixed_plans_match_reference_and_leave_padded_rows(dtype, head_dim, groups, c, rows, seed, depth):
+    # a fixed plan over a padded batch: the real rows' outputs equal the reference; the rows
+    # past them (a graph's padding) are neither read nor written
+    q, k, v, tables, lens = make_case(seed, dtype, head_dim, groups, c, rows, depth=depth)
+    fixed = fixed_for(q, k, (4, 8, 16))
+    size = fixed.size_for(rows)
+    plan = tpp.build_fixed_plan(tables, lens, fixed)
+    assert plan is not None and plan.max_rows == size and plan.batch_size == rows
+    assert min(plan.counts[::4].tolist()) > 0  # phase-1 pieces, phase-2 pieces, merge rows
+    padded = torch.cat([q, torch.randn(size - rows, *q.shape[1:]).to(q)])
+    out = torch.full_like(padded, float("nan"))
+    tpp.tpp_decode(padded, k, v, plan, out=out)
+    want = decode_attention_ref(q, k, v, tables, lens)
+    torch.testing.assert_close(out[:rows].float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.isnan(out[rows:]).all()
+    assert plan.launches[0][1] == fixed.shapes[size].cap1 and plan.launches[1][1] == fixed.shapes[size].cap2
+    got = check(q, k, v, tables, lens, plan)  # unpadded too (a mixed step's decode rows)
+    torch.testing.assert_close(got[:rows], out[:rows])
+
+
+def test_fixed_plans_of_one_size_share_their_launches():
+    # plans of different trees, one padded batch size: one set of launches (a CUDA graph's),
+    # each plan's upload replacing the last one's data; rows grow in place (reserved chunks)
+    decoder = tpp.TppDecoder()
+    gen = torch.Generator().manual_seed(90)
+    k, v = (torch.randn(400, 2, 16, 64, generator=gen).half() for _ in range(2))
+    q = torch.randn(16, 8, 64, generator=gen).half()
+    fixed = fixed_for(q, k, (16,))
+    for seed in (81, 83, 87):
+        _, _, _, tables, lens = make_case(seed, torch.float16, 64, 4, 16, 7 + seed % 3, depth=2)
+        tables = [t[: -(-n // 16)] + [300 + r] for r, (t, n) in enumerate(zip(tables, lens))]
+        plan = tpp.build_fixed_plan(tables, lens, fixed, reserved=True)
+        assert plan is not None and plan.launch_cache is fixed.launch_caches[16]
+        for step in (0, 5, 17):
+            grown = [min(n + step, len(t) * 16) for t, n in zip(tables, lens)]
+            plan.seq_lens[: len(grown)].copy_(torch.tensor(grown, dtype=torch.int32))
+            out = decoder(q, k, v, plan, None, torch.empty_like(q))
+            want = decode_attention_ref(q[: len(tables)], k, v, tables, grown)
+            torch.testing.assert_close(out[: len(tables)].float(), want.float(), atol=2e-3, rtol=2e-3)
+    assert len(fixed.launch_caches[16]) == 1
+
+
+def test_fixed_plans_leave_what_does_not_fit_to_the_plain_planner(monkeypatch):
+    q, k, v, tables, lens = make_case(95, torch.float16, 64, 4, 16, 24, depth=5)
+    assert tpp.build_fixed_plan(tables, lens, fixed_for(q, k, (8, 16))) is None  # 24 rows: no size holds them
+    monkeypatch.setattr(tpp_plan, "_PROGRAMS_PER_SM", 1)  # one program a head (4 SMs, 2 heads: 2)
+    fixed = fixed_for(q, k, (32,))
+    plan = tpp.build_plan(tables, lens, 16, q.device, num_q_heads=8, num_kv_heads=2, head_dim=64, target_programs=4)
+    assert plan.phase_items(1) > fixed.shapes[32].cap1  # the deep tree's row tiles outnumber the capacity
+    assert tpp.build_fixed_plan(tables, lens, fixed) is None
+    idle = fixed.idle(32)  # what a graph is captured over: every program returns
+    out = torch.full((32, 8, 64), float("nan"), dtype=torch.float16)
+    tpp.tpp_decode(torch.zeros_like(out), k, v, idle, out=out)
+    assert torch.isnan(out).all()
