@@ -43,7 +43,7 @@ class EngineOptions(_Strict):
     seed: int = 0
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
     piecewise_graphs: bool | None = None  # the forward between attentions as CUDA graphs; None: on GPUs unless eager
-    decode_graphs: bool = False  # whole-step graphs per decode plan, captured as plans come (EngineConfig)
+    decode_graphs: bool | None = None  # whole-step graphs per padded batch size (EngineConfig; None: on CUDA)
     async_scheduling: bool | None = None  # each step prepared while the one before runs; None: on GPUs (EngineConfig)
     sparse_prefill: SparsePrefillOptions | None = None  # None: every prefill dense (exact)
 

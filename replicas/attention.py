@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import block_union, fi_decode, paged_prefill, reference, tpp_torch  # flashinfer imported only when used
+from kernels.tpp_plan import FixedPlans
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
 from replicas.transfer import to_device
@@ -131,6 +132,24 @@ class Attention:
         self.reset_counters()
         self._signature: tuple | None = None
         self._decode_plan = None
+        self.fixed: FixedPlans | None = None  # the fixed plans' buffers decode plans are built into (fix_plans)
+
+    def fix_plans(self, sizes: tuple[int, ...]) -> None:
+        """From now on build each decode plan of at most max(sizes) rows as a fixed plan of the
+        least size holding it, where it fits (kernels.tpp_plan.FixedPlans): what the decode
+        graphs (replicas/cuda_graph.py) replay. The triton backend only."""
+        if self.backend != "triton":
+            raise ValueError(f"fixed decode plans need the triton backend, not {self.backend!r}")
+        self.fixed = FixedPlans(
+            self.device,
+            sizes,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.pool.kv.shape[3],
+            head_dim=self.head_dim,
+            chunk_size=self.pool.chunk_size,
+            num_chunks=self.pool.kv.shape[2],
+        )
+        self._signature = self._decode_plan = None
 
     def reset_counters(self) -> None:
         """What tests and benchmarks count here, zeroed (LLMEngine.reset_counters)."""
@@ -139,6 +158,7 @@ class Attention:
         self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
+        self.unfixed_plans = 0  # of them, plain TPP plans where fixed ones are built (one did not fit)
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
@@ -234,16 +254,19 @@ class Attention:
             plan = self._fi.plan(tables, lens)
             self.fallback_plans += 1
         elif self.backend == "triton":
-            plan = self._tpp.build_plan(
-                tables,
-                lens,
-                c,
-                self.device,
-                num_q_heads=self.num_q_heads,
-                num_kv_heads=self.pool.kv.shape[3],
-                head_dim=self.head_dim,
-                tree=tree,
-            )
+            plan = None if self.fixed is None else self._tpp.build_fixed_plan(tables, lens, self.fixed, tree=tree)
+            self.unfixed_plans += self.fixed is not None and plan is None
+            if plan is None:
+                plan = self._tpp.build_plan(
+                    tables,
+                    lens,
+                    c,
+                    self.device,
+                    num_q_heads=self.num_q_heads,
+                    num_kv_heads=self.pool.kv.shape[3],
+                    head_dim=self.head_dim,
+                    tree=tree,
+                )
         elif self.backend == "torch":
             plan = tpp_torch.build_plan(tree, c, self.device)
         else:

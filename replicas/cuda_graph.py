@@ -1,104 +1,110 @@
-"""The decode step's forward as one CUDA graph, captured per TPP decode plan.
+"""The decode step's forward as one CUDA graph per padded batch size, valid for any TPP plan.
 
 An eager decode step launches every kernel from Python (about 40 per layer, counted from the
-ops), and the GPU idles between them. A graph replays them all in one launch (H200, llama3-8b
-b=64: 39.7 ms per step eager, 10.5 graphed). The graph bakes in
-every launch's grid and arguments, and the TPP plan's grids (its pieces and merge rows) are
-fixed for as long as the plan lives (`Attention` keeps it while the rows and their tables stay,
-about one chunk of tokens; a plain step only bumps the plan's device-side `seq_lens`). So one
-graph serves exactly one plan object:
+ops), and the GPU idles between them; the piecewise graphs (replicas/piecewise.py) still launch
+each layer's attention from Python. A graph replays a whole step in one launch. It bakes in
+every launch's grid, constexprs and pointers, which a TPP plan made per batch would change
+whenever a row joins, leaves or fills a tail: so, as vLLM's graphs per padded batch size, the
+decode plans of a graphed engine are fixed plans (kernels.tpp_plan.FixedPlans): the launches of
+their padded batch size, the pieces, chunk runs, slots and counts as data in fixed device
+buffers, which each new plan's one upload rewrites.
 
-- the plan's first step runs eagerly (it compiles any kernel variant the plan needs; capture
-  cannot compile);
-- from its `capture_after`-th step on, the forward runs from the graph, captured at the first
-  of them. Inputs (token ids, positions, the new tokens' slots) go through static buffers;
-- a new plan (a row joined or left, a table changed) drops the graph.
+For each size n (`sizes`, every decode batch up to the engine's max_num_seqs in one), one graph
+is captured when the engine is built, never on a user's request: a warm run first compiles its
+kernels (capture cannot), then the capture, over a plan with nothing to do. A decode-only step
+of B rows whose plan is fixed runs the graph of its plan's size n >= B: its ids, positions and
+the chunks of its new tokens' slots go into static buffers; rows B .. n - 1 keep their last ids
+and positions and write their K/V into the pool's scratch chunk, and no piece reads or writes
+them. Steps with prefill tokens, and decode steps whose plan did not fit a fixed one (a tree
+deeper than the capacities hold), run from the piecewise graphs.
 
-Under churn (rows joining and leaving every few steps) a capture may not pay for itself: it
-costs about one eager step (a Python pass over the model, then instantiation; H200, llama3-8b:
-23-30 ms, the eager step 27 ms) on top of the plan's eager first step. So a graph
-dropped after fewer than `min_replays` replays doubles the steps a plan must live before the
-next capture (up to 64); one that paid off resets it.
-
-Only decode-only steps of the Triton backend with a TPP plan use it (and only with
-EngineConfig.decode_graphs; the piecewise graphs, replicas/piecewise.py, run every other step). Steps with prefill tokens,
-FlashInfer plans and the torch and reference backends run eagerly. The logits are computed eagerly from
-the graph's hidden states, so a graph holds the model's forward only.
+The logits are computed eagerly from the graph's hidden states, so a graph holds the model's
+forward only. On the CPU (no graphs) the forward runs as plain calls over the same buffers and
+plan objects: the tests check the plumbing there against the plain forward.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from kernels.tpp import TppPlan
+from replicas.attention import Attention, StepAttention
+from replicas.piecewise import BUCKETS
+
+
+def batch_sizes(max_rows: int) -> tuple[int, ...]:
+    """The padded decode batch sizes graphed for batches of up to max_rows rows: the piecewise
+    graphs' token-count buckets (every batch up to 8 rows in one) up to the first >= max_rows."""
+    below = tuple(n for n in BUCKETS if n < max_rows)
+    return below + (next((n for n in BUCKETS if n >= max_rows), max_rows),)
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, chunk_size: int, capture_after: int = 2, min_replays: int = 4):
-        if capture_after < 2:
-            raise ValueError(f"capture_after must be >= 2 (a plan's first step compiles), got {capture_after}")
-        from kernels.tpp import TppPlan  # imports triton: only CUDA engines build DecodeGraphs
-
-        self._tpp_plan = TppPlan
-        self.model, self.chunk_size = model, chunk_size
-        self.capture_after, self.min_replays = capture_after, min_replays
-        self.after = capture_after  # the decode steps a plan must live before its capture, now
-        self.captures = 0  # graphs captured, replays, seconds spent capturing (tests and benchmarks)
-        self.replays = 0
-        self.capture_s = 0.0
-        self._replays_of_graph = 0
-        self._plan: TppPlan | None = None
-        self._steps = 0  # decode-only steps seen with self._plan
-        self._graph: torch.cuda.CUDAGraph | None = None
-        self._ids = self._positions = self._chunk_idx = self._hidden = None
-
-    def forward(self, input_ids: torch.Tensor, step) -> torch.Tensor | None:
-        """The hidden states [B, H] of a decode-only step from the graph of its plan, or None
-        where this step must run eagerly. input_ids: [B]; step: its `StepAttention`."""
-        plan = step.decode_plan
-        if not isinstance(plan, self._tpp_plan) or step.prefills or input_ids.shape[0] != plan.batch_size:
-            return None
-        if plan is not self._plan:
-            self._drop()
-            self._plan = plan
-        self._steps += 1
-        if self._steps < self.after:
-            return None
-        if self._graph is None:
-            self._capture(input_ids, step)
-        self._ids.copy_(input_ids)
-        self._positions.copy_(step.positions)
-        self._chunk_idx.copy_(step.chunk_idx)
-        self._graph.replay()
-        self.replays += 1
-        self._replays_of_graph += 1
-        return self._hidden
-
-    def _capture(self, input_ids: torch.Tensor, step) -> None:
+    def __init__(self, model: torch.nn.Module, attention: Attention, sizes: tuple[int, ...], *, graphs: bool = True):
+        """model: a LlamaForCausalLM over attention's pool; sizes: the padded batch sizes, the
+        same as `attention.fix_plans` was given; graphs: capture CUDA graphs (else plain calls)."""
+        fixed = attention.fixed
+        if fixed is None or set(fixed.shapes) != set(sizes):
+            raise ValueError("DecodeGraphs needs the attention's fixed plans of the same sizes (Attention.fix_plans)")
+        self.sizes = tuple(sorted(sizes))
+        pool = attention.pool
+        n, device = self.sizes[-1], pool.kv.device
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.chunk_idx = torch.full((n,), pool.scratch, dtype=torch.long, device=device)
+        self.offset = torch.zeros(n, dtype=torch.long, device=device)
+        self.scratch, self.chunk_size = pool.scratch, pool.chunk_size
+        self.hidden: dict[int, torch.Tensor] = {}  # per size: its forward's hidden states [n, H]
+        self.runs: dict[int, Callable[[], None]] = {}
+        self.replays = 0  # decode steps run from a graph (tests and benchmarks)
         t0 = time.perf_counter()
-        self._ids, self._positions, self._chunk_idx = (x.clone() for x in (input_ids, step.positions, step.chunk_idx))
-        graph = torch.cuda.CUDAGraph()
-        # A private memory pool per graph, released with it (a pool shared across graphs is gone
-        # once its last graph is: capturing into its handle then fails). thread_local: CUDA
-        # calls of other threads (a replica's event loop) cannot invalidate the capture.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            static = dataclasses.replace(
-                step, positions=self._positions, chunk_idx=self._chunk_idx, offset=self._positions % self.chunk_size
+        mempool = torch.cuda.graph_pool_handle() if graphs else None
+        for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
+            step = StepAttention(
+                attention,
+                self.positions[:size],
+                self.chunk_idx[:size],
+                self.offset[:size],
+                size,
+                fixed.idle(size),  # its launches are every plan's of this size; their data the buffers'
+                (),
             )
-            self._hidden = self.model(self._ids, self._positions, static)
-        self._graph = graph
-        self.captures += 1
-        self._replays_of_graph = 0
-        self.capture_s += time.perf_counter() - t0
+            self.runs[size] = self._capture(model, step, size, mempool) if graphs else self._call(model, step, size)
+        self.capture_s = time.perf_counter() - t0
 
-    def _drop(self) -> None:
-        if self._graph is not None:
-            paid = self._replays_of_graph >= self.min_replays
-            self.after = self.capture_after if paid else min(2 * self.after, 64)
-        self._graph = self._hidden = self._ids = self._positions = self._chunk_idx = None
-        self._plan, self._steps = None, 0
+    def _forward(self, model: torch.nn.Module, step: StepAttention, size: int) -> torch.Tensor:
+        torch.remainder(self.positions[:size], self.chunk_size, out=self.offset[:size])
+        return model(self.ids[:size], self.positions[:size], step)
+
+    def _call(self, model: torch.nn.Module, step: StepAttention, size: int) -> Callable[[], None]:
+        def run() -> None:
+            self.hidden[size] = self._forward(model, step, size)
+
+        return run
+
+    def _capture(self, model: torch.nn.Module, step: StepAttention, size: int, mempool) -> Callable[[], None]:
+        self._forward(model, step, size)  # compiles its kernels (capture cannot) and warms cuBLAS up
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (a replica's event loop) cannot invalidate the capture
+        with torch.cuda.graph(graph, pool=mempool, capture_error_mode="thread_local"):
+            self.hidden[size] = self._forward(model, step, size)
+        return graph.replay
+
+    def forward(self, input_ids: torch.Tensor, step: StepAttention) -> torch.Tensor | None:
+        """The hidden states [B, H] of a decode-only step whose plan is fixed (a view of a static
+        buffer, valid until the next step's forward), else None. input_ids: [B]."""
+        size = getattr(step.decode_plan, "max_rows", None)
+        if size is None or step.prefills:
+            return None
+        t = input_ids.shape[0]
+        self.ids[:t].copy_(input_ids)
+        self.positions[:t].copy_(step.positions)
+        self.chunk_idx[:t].copy_(step.chunk_idx)
+        if t < size:  # (the last step's rows there wrote into slots that sequences hold)
+            self.chunk_idx[t:size].fill_(self.scratch)
+        self.runs[size]()
+        self.replays += 1
+        return self.hidden[size][:t]

@@ -1,9 +1,8 @@
 """Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
 
 On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
-(`replicas.piecewise`), and with `decode_graphs` a decode-only step from a CUDA graph of its
-decode plan (`replicas.cuda_graph`) once the plan has lived a step, unless the engine runs
-eagerly (`enforce_eager`). `run` waits for the
+(`replicas.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
+padded batch size (`replicas.cuda_graph`), unless the engine runs eagerly (`enforce_eager`). `run` waits for the
 step's sampled tokens; `launch` queues the step and returns, and `collect` waits for them later
 (the engine's asynchronous scheduling)."""
 
@@ -16,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from replicas.attention import Attention
-from replicas.cuda_graph import DecodeGraphs
+from replicas.cuda_graph import DecodeGraphs, batch_sizes
 from replicas.distributed import broadcast_from_first
 from replicas.guided import allow, fill_bitmask, mask_logits
 from replicas.penalties import Penalties
@@ -81,17 +80,25 @@ class ModelRunner:
         eos_token_ids: tuple[int, ...] = (),
         max_num_batched_tokens: int = 2048,
         piecewise: bool | None = None,
-        decode_graphs: bool = False,
+        decode_graphs: bool | None = False,
+        max_num_seqs: int = 256,
     ):
         """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
-        pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per TPP plan
-        (replicas.cuda_graph) on CUDA unless enforce_eager."""
+        pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per padded batch
+        size up to max_num_seqs, over fixed TPP plans (replicas.cuda_graph), with the triton
+        backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls."""
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         cuda_graphs = device.type == "cuda" and not enforce_eager
-        self.graphs = DecodeGraphs(model, attention.pool.chunk_size) if cuda_graphs and decode_graphs else None
+        self.graphs = None
+        if decode_graphs is None:
+            decode_graphs = device.type == "cuda"
+        if decode_graphs and not enforce_eager and attention.backend == "triton":
+            sizes = batch_sizes(max_num_seqs)
+            attention.fix_plans(sizes)
+            self.graphs = DecodeGraphs(model, attention, sizes, graphs=cuda_graphs)
         if piecewise is None:
             piecewise = cuda_graphs and attention.backend == "triton"
         self.pieces = (
@@ -102,12 +109,11 @@ class ModelRunner:
         self.wait_s = 0.0
 
     def reset_counters(self) -> None:
-        """Host waits, graphs captured and replayed, zeroed (LLMEngine.reset_counters). The
-        piecewise graphs' capture time stays: they are captured once, when the engine is built."""
+        """Host waits and graph replays, zeroed (LLMEngine.reset_counters). The graphs' capture
+        times stay: they are captured once, when the engine is built."""
         self.wait_s = 0.0
         if self.graphs is not None:
-            self.graphs.captures = self.graphs.replays = 0
-            self.graphs.capture_s = 0.0
+            self.graphs.replays = 0
         if self.pieces is not None:
             self.pieces.replays = 0
 

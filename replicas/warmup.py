@@ -7,8 +7,7 @@ request waits on them. vLLM and SGLang do the same at startup (dummy runs, graph
 What it runs (all through add_request / step, so tensor-parallel ranks follow, TPEngine):
 - a batch of up to ``max_num_seqs`` rows sharing a two-chunk prefix, their own parts of 1 .. c
   tokens (tails at every fill), greedy, temperature, top-p and top-k-with-top-p rows side by side,
-  a few decode steps each (with decode_graphs, a plan's first step eager, then its graph captured
-  and replayed);
+  a few decode steps each (with decode_graphs, from the graphs captured when the engine was built);
 - a few rows sharing nothing, every sampling row with top-k and top-p;
 - batches of 1 .. 32 rows after a prefix of 8 and of 32 chunks (as the context and pool hold),
   greedy: the TPP variants of few rows after a long prefix, what live traffic decodes at low rates;

@@ -21,9 +21,9 @@ on, KV chunks in use, decode plans built).
     python -m replicas.tools.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
-    python -m replicas.tools.bench ... --decode-graphs        # whole-step graphs per decode plan
-                                                        # (EngineConfig.decode_graphs; off by
-                                                        # default: piecewise graphs only)
+    python -m replicas.tools.bench ... --no-decode-graphs     # no whole-step graphs per padded batch
+                                                        # size (EngineConfig.decode_graphs, on
+                                                        # by default on CUDA): piecewise only
 
 --stagger gives row i a suffix of suffix + (7 i mod chunk size) tokens, so the rows' tail chunks
 fill at different steps (as in a live batch) rather than all at once.
@@ -181,8 +181,9 @@ def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) 
         "plan_builds": engine.attention.plan_builds,
         "prefill_plans": engine.attention.prefill_plans,
         "steps": s["steps"],
-        "graph_captures": graphs.captures if graphs else 0,
+        "graph_sizes": len(graphs.sizes) if graphs else 0,
         "graph_replays": graphs.replays if graphs else 0,
+        "unfixed_plans": engine.attention.unfixed_plans,
         "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
         "piecewise_steps": engine.runner.pieces.replays if engine.runner.pieces else 0,
         "sparse_budget": args.sparse_budget,
@@ -312,8 +313,10 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         "decode_graph_fraction": round(
             (replays + (pieces.decode_replays if pieces else 0)) / max(1, s["decode_steps"]), 3
         ),
-        "graph_captures": graphs.captures if graphs else 0,
+        "graph_sizes": len(graphs.sizes) if graphs else 0,
         "plan_builds": engine.attention.plan_builds,
+        # decode plans built plain where fixed ones are (none fitted): their steps ran from the pieces
+        "unfixed_plans": engine.attention.unfixed_plans,
         "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
         # kernels launched for the first time in this run (each may have compiled, on a request's path)
         "kernel_first_launches": _first_launches()[0] - keys0,
@@ -410,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--decode-graphs",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="whole-step CUDA graphs per decode plan (EngineConfig.decode_graphs, off by default)",
+        default=None,
+        help="whole-step CUDA graphs per padded batch size (EngineConfig.decode_graphs; default: on CUDA)",
     )
     ap.add_argument(
         "--prefix-sharing",
