@@ -44,3 +44,7 @@ def test_poisson_mode_serves_every_request_and_reports_its_latencies(capsys):
         assert 0 < r["p99_step_ms"] <= r["max_step_ms"] and r["graph_capture_s"] == 0
         assert r["kernel_first_launches"] == 0 and r["kernel_first_launch_s"] == 0  # (CPU: no Triton launches)
         assert r["kernel_first_launched"] == [] and r["decode_graph_fraction"] == 0
+        # steps split by kind: every step is decode-only or mixed, each kind's host time within its time
+        assert r["mixed_steps"] == r["steps"] - r["decode_steps"] > 0
+        for kind in ("decode_only", "mixed"):
+            assert 0 < r[f"{kind}_host_ms"] <= r[f"{kind}_step_ms"]

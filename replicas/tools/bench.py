@@ -252,6 +252,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     last: dict[str, float] = {}
     count: dict[str, int] = {}
     steps_s, batch_sizes = [], []
+    kinds: dict[bool, list[float]] = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}  # decode-only?: steps, s, host s
     sync()
     t0 = time.perf_counter()
     wait0 = engine.runner.wait_s
@@ -267,11 +268,16 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         if not engine.has_unfinished():
             time.sleep(max(0.0, offsets[nxt] - (time.perf_counter() - t0)))
             continue
-        s0 = time.perf_counter()
+        s0, w0, d0 = time.perf_counter(), engine.runner.wait_s, engine.stats()["decode_steps"]
         outs = engine.step()
         t = time.perf_counter()
         steps_s.append(t - s0)
-        batch_sizes.append(engine.stats()["last_decode_batch"])
+        after = engine.stats()
+        batch_sizes.append(after["last_decode_batch"])
+        kind = kinds[after["decode_steps"] > d0]
+        kind[0] += 1
+        kind[1] += t - s0
+        kind[2] += t - s0 - (engine.runner.wait_s - w0)
         for out in outs:
             first.setdefault(out.request_id, t)
             last[out.request_id] = t
@@ -329,6 +335,14 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         "p99_step_ms": _ms("step", steps_s)["p99_step_ms"],
         "max_step_ms": round(1e3 * max(steps_s, default=0), 2),
         "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
+        # the same per kind of step launched: decode-only, or holding prefill tokens (mixed). With
+        # async_scheduling a step's time ends on the step before's tokens: its wait is that one's
+        **{
+            f"{name}_{key}": round(1e3 * kinds[k][i] / max(1, kinds[k][0]), 2)
+            for k, name in ((True, "decode_only"), (False, "mixed"))
+            for i, key in ((1, "step_ms"), (2, "host_ms"))
+        },
+        "mixed_steps": kinds[False][0],
         "mean_decode_batch": round(sum(batch_sizes) / max(1, len(batch_sizes)), 1),
         "max_decode_batch": s["max_decode_batch"],
         "cached_prompt_tokens": s["cached_prompt_tokens"],
