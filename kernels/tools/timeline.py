@@ -37,7 +37,7 @@ from kernels import tpp_plan
 from kernels.tools import bench
 
 _TPP = pathlib.Path(__file__).parents[1] / "tpp.py"  # kernels/tpp.py
-_STAMP = """    _sp = Stamps + ({index} * tl.num_programs(1) + kv) * 4
+_STAMP = """    _sp = Stamps + ({index} * (hq // G) + kv) * 4
     tl.store(_sp, _t0)
     tl.store(_sp + 1, _t1)
     _t2 = _gtime(kv)
@@ -67,8 +67,8 @@ _EDITS = [
     ("def _attend_rows_kernel(\n    Q,\n", "def _attend_rows_kernel(\n    Stamps,\n    Q,\n"),
     # _attend_kernel: start, streamed (before gdc_wait), end
     (
-        "    kv = tl.program_id(1)\n    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n",
-        "    kv = tl.program_id(1)\n" + _START + "    hq = G * tl.num_programs(1)\n    row0 = tl.load(it + 1)\n",
+        "    it = Items + (first + piece) * 10\n    row0 = tl.load(it + 1)\n",
+        "    it = Items + (first + piece) * 10\n" + _START + "    row0 = tl.load(it + 1)\n",
     ),
     (
         "    if EARLY:  # started before the launch before completed: past this point it has\n",
@@ -79,7 +79,7 @@ _EDITS = [
 """,
         """        tl.store(PartLse + part, tl.where(nonempty, m_i + tl.log2(l_safe), float("-inf")), mask=live)
 """
-        + _STAMP.format(index="(first + tl.program_id(0))"),
+        + _STAMP.format(index="(first + piece)"),
     ),
     # _attend_rows_kernel: the same, stamped at its first item
     (
