@@ -28,6 +28,7 @@ class SparsePrefillOptions(_Strict):
     sink: int = Field(1, ge=0)  # first blocks always kept
     window: int = Field(4, ge=0)  # blocks before the piece always kept (>= 1 with a budget)
     subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
+    dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
 class EngineOptions(_Strict):

@@ -78,13 +78,17 @@ class BlockUnion:
     # None: alpha's threshold; else keep the sink, the window and this share of the context's
     # blocks, the best of the rest by score: one FlashInfer plan per step instead of one per layer
     budget: float | None = None
+    # the prompt's last this many tokens (its question, where a task puts it) attend densely:
+    # their queries are the ones an answer reads from, and a selection scored over a whole piece's
+    # queries dilutes theirs (replicas.attention splits the prompt's last piece)
+    dense_tail: int = 128
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"sparse block must be a power of two >= 16, got {self.block}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"sparse alpha must be in [0, 1], got {self.alpha}")
-        for name in ("min_context", "sink", "window"):
+        for name in ("min_context", "sink", "window", "dense_tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
         if self.subgroup < 1:

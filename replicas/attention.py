@@ -31,6 +31,7 @@ queries score high on, through FlashInfer's paged prefill over per-(KV head, sub
 lists (the reference, `kernels.reference.sparse_prefill_ref`, without FlashInfer). With a
 budget the lists' lengths are known when the step is planned: FlashInfer plans them once, here,
 and each layer writes its chosen page ids into them; alpha's lists are planned layer by layer.
+The prompt's last piece keeps its last `dense_tail` tokens dense, a span of their own.
 The pool then keeps each full chunk's key bounds per layer ([max | min] of its keys), updated
 after each step's forward (`StepAttention.keep_key_bounds`) for the chunks the step filled;
 each layer bounds its context blocks' keys from them.
@@ -176,13 +177,21 @@ class Attention:
         bounds = self.pool.key_bounds is not None
         if bounds:
             filled = [chunk_idx[i] for i, n in enumerate(positions) if n % c == c - 1]
+        tail_chunks = 0  # chunks the dense tails of sparse pieces read (each layer, each page list)
         for seq, n in batch.prefills:
             start = seq.num_computed
             table = tuple(seq.chunk_table)
-            sparse = None
+            row = len(positions)
+            dense = n  # the piece's tokens that attend densely: all, or the prompt's tail
             if self.sparse is not None and self.sparse.applies(start, c):
-                sparse = to_device(list(table[: -(-(start + n) // c)]), self.device)
-            prefills.append(PrefillSpan(len(positions), n, start, table, sparse))
+                # the prompt's last piece keeps its last dense_tail tokens dense, a span of their own
+                dense = min(n, self.sparse.dense_tail) if start + n == seq.num_tokens else 0
+                if dense < n:
+                    used = to_device(list(table[: -(-(start + n - dense) // c)]), self.device)
+                    prefills.append(PrefillSpan(row, n - dense, start, table, used))
+                tail_chunks += -(-(start + n) // c) if dense else 0
+            if dense:
+                prefills.append(PrefillSpan(row + n - dense, dense, start + n - dense, table))
             if bounds:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
@@ -191,6 +200,10 @@ class Attention:
                 take = min(n, (k + 1) * c - start)
                 chunk_idx += [seq.chunk_at(k)] * take
                 start, n = start + take, n - take
+        if tail_chunks:  # (counted as read by sparse pieces: their share of the work kept)
+            pages = tail_chunks * self.pool.kv.shape[0] * (self.num_q_heads // self._sub)
+            self.sparse_pages += pages
+            self.dense_pages += pages
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
         dense = [s for s in prefills if not s.sparse]
         fused = self._prefill is not None and bool(dense)

@@ -405,6 +405,42 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     torch.testing.assert_close(out, want)
 
 
+@pytest.mark.parametrize("tail", [24, 0])
+def test_the_prompts_last_tokens_attend_densely(monkeypatch, tail):
+    # the prompt's last piece: its last dense_tail tokens a dense span of their own, their
+    # attention exactly dense; the rest of it, and the pieces before, sparse
+    from replicas.attention import StepAttention
+
+    seen = []
+    attend = StepAttention.attend
+
+    def spy(self, layer, q, out=None):
+        out = attend(self, layer, q, out)
+        if layer == 1 and self.prefills:
+            seen.append((self.prefills, q.clone(), out.clone()))
+        return out
+
+    monkeypatch.setattr(StepAttention, "attend", spy)
+    sparse = dict(SPARSE, alpha=1.0, dense_tail=tail)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, sparse_prefill=sparse)
+    prompt = [random.Random(5).randrange(256) for _ in range(300)]
+    assert len(engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]) == 3
+    kinds = [[(s.sparse, s.context_len, s.num_new) for s in spans] for spans, _, _ in seen]
+    # (a piece after 64 tokens runs dense: its 2 blocks are the sink and the window)
+    assert kinds[:-1] == [[(False, 0, 64)], [(False, 64, 64)], [(True, 128, 64)], [(True, 192, 64)]]
+    if not tail:
+        assert kinds[-1] == [(True, 256, 44)]
+        return
+    assert kinds[-1] == [(True, 256, 20), (False, 276, 24)]
+    spans, q, out = seen[-1]
+    rows = slice(spans[1].start, spans[1].start + 24)
+    want = prefill_attention_ref(q[rows], engine.pool.k(1), engine.pool.v(1), spans[1].chunk_ids, 276, 64**-0.5)
+    torch.testing.assert_close(out[rows], want)
+    # the tail's pages count as read, by every layer's page lists
+    stats = engine.stats()
+    assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]
+
+
 def _path(tree, n):
     node, path = tree.root, []
     while len(path) < n:
