@@ -182,16 +182,16 @@ class Attention:
             start = seq.num_computed
             table = tuple(seq.chunk_table)
             row = len(positions)
-            dense = n  # the piece's tokens that attend densely: all, or the prompt's tail
+            tail = n  # the piece's tokens that attend densely, at its end: all, or the prompt's tail
             if self.sparse is not None and self.sparse.applies(start, c):
                 # the prompt's last piece keeps its last dense_tail tokens dense, a span of their own
-                dense = min(n, self.sparse.dense_tail) if start + n == seq.num_tokens else 0
-                if dense < n:
-                    used = to_device(list(table[: -(-(start + n - dense) // c)]), self.device)
-                    prefills.append(PrefillSpan(row, n - dense, start, table, used))
-                tail_chunks += -(-(start + n) // c) if dense else 0
-            if dense:
-                prefills.append(PrefillSpan(row + n - dense, dense, start + n - dense, table))
+                tail = min(n, self.sparse.dense_tail) if start + n == seq.num_tokens else 0
+                if tail < n:
+                    used = to_device(list(table[: -(-(start + n - tail) // c)]), self.device)
+                    prefills.append(PrefillSpan(row, n - tail, start, table, used))
+                tail_chunks += -(-(start + n) // c) if tail else 0
+            if tail:
+                prefills.append(PrefillSpan(row + n - tail, tail, start + n - tail, table))
             if bounds:
                 filled += [seq.chunk_at(k) for k in range(start // c, (start + n) // c)]
             positions.extend(range(start, start + n))
