@@ -775,7 +775,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             plan.part_o,
             plan.part_lse,
             first,
-            None if plan.counts is None else plan.counts[4 * (phase - 1) :],
+            None if plan.counts is None else plan.count(phase - 1),
             plan.items,
             plan.chunks,
             plan.seq_lens,
@@ -809,7 +809,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             )
         )
     if plan.merge_items.shape[0]:
-        count = None if plan.counts is None else plan.counts[8:]
+        count = None if plan.counts is None else plan.count(2)
         tail = (plan.part_o, plan.part_lse, count, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
         options = dict(num_warps=1)  # one warp: no cross-warp reduction (2x faster)
         launches.append(

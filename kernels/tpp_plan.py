@@ -71,14 +71,17 @@ _FIELDS = 10  # phase (1 or 2), row0, nrows, chunk0 (into chunks), nchunks, end,
 # slot_list[slot : slot + nrows], or (slot -1) their output directly, after folding in the
 # partials at slots fold0 .. fold0 + nfold - 1 (written by an earlier launch).
 _MERGE_FIELDS = 3  # row, first partial slot, number of partials
+# A fixed plan's counts (phase-1 pieces, phase-2 pieces, merge rows) lie this many int32 apart:
+# each a 16-byte aligned pointer of its own (kernels.launch takes the alignment as given)
+_COUNTS_APART = 4
 
 
 @dataclass(frozen=True)
 class TppPlan:
     """Device work lists for one decode batch; reused by every layer until the tree changes.
 
-    ``seq_lens: [B]`` int32 (a fixed plan's: [max_rows], the rows past B unread) may be bumped in place between steps (``plan.seq_lens += 1``) as
-    long as every row's new tokens stay inside the private chunks the plan covers: its partial
+    ``seq_lens: [B]`` int32 (a fixed plan's: [max_rows], the rows past B unread) may be bumped
+    in place between steps (``plan.seq_lens += 1``) as long as every row's new tokens stay inside the private chunks the plan covers: its partial
     tail chunk, and with ``build_plan(reserved=True)`` the reserved chunks of its table past its
     length. Anything else (a row joins or leaves, grows past them) needs a new plan. The partial
     buffers belong to the plan, so one plan serves one stream at a time.
@@ -110,13 +113,20 @@ class TppPlan:
     rows_per_program: int
     part_o: Tensor  # [P, Hq, D] fp32 partial outputs (normalised); a row's slots are contiguous
     part_lse: Tensor  # [P, Hq] fp32 their log2-sum-exp2
-    # A fixed plan's (build_fixed_plan): [3] int32 counts, 16 bytes apart (phase-1 pieces, phase-2
-    # pieces, merge rows); each launch's grid is its capacity and programs past its count return
+    # A fixed plan's (build_fixed_plan): int32 counts, _COUNTS_APART apart (phase-1 pieces,
+    # phase-2 pieces, merge rows; see count); each launch's grid is its capacity and programs
+    # past its count return
     counts: Tensor | None = None
     max_rows: int | None = None  # a fixed plan's padded batch: q may have up to this many rows
     # TppDecoder's launches for the plan, per kind of call (shapes, strides, dtypes, devices);
     # fixed plans of one padded batch share one (their launches are the same)
     launch_cache: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def count(self, i: int) -> Tensor:
+        """A fixed plan's i-th count (0: phase-1 pieces, 1: phase-2 pieces, 2: merge rows), as the
+        pointer its launch reads."""
+        assert self.counts is not None
+        return self.counts[i * _COUNTS_APART :]
 
     @property
     def batch_size(self) -> int:
@@ -160,6 +170,16 @@ def _even(total: int, n: int) -> list[tuple[int, int]]:
 def _pieces(total: int, piece: int) -> list[tuple[int, int]]:
     """[0, total) cut into ceil(total / piece) near-equal (start, length) pieces."""
     return _even(total, max(1, -(-total // max(1, piece))))
+
+
+def _phase1_tile(rows: int, g: int) -> int:
+    """Phase-1 query tile (vectors) for a segment of `rows` rows: rows * G, 16 to _P1_MAX_M (G more)."""
+    return max(16, min(_next_pow2(rows * g), max(_P1_MAX_M, _next_pow2(g))))
+
+
+def _phase2_tile(g: int) -> int:
+    """Phase-2 query tile (vectors): one row's G heads, 16 at least."""
+    return max(16, _next_pow2(g))
 
 
 def _num_sms(device: torch.device) -> int:
@@ -212,6 +232,7 @@ class FixedPlans:
         chunk_size: int,
         num_chunks: int,
     ):
+        _check_heads(num_q_heads, num_kv_heads, head_dim, chunk_size)
         self.device = device = torch.device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
         self.chunk_size = chunk_size
@@ -219,8 +240,7 @@ class FixedPlans:
         self.per_head = max(1, _PROGRAMS_PER_SM * _num_sms(device) // num_kv_heads)
         self.shapes: dict[int, FixedShape] = {}
         for n in sorted(set(sizes)):
-            m1 = max(16, min(_next_pow2(n * g), max(_P1_MAX_M, _next_pow2(g))))
-            m2 = max(16, _next_pow2(g))
+            m1, m2 = _phase1_tile(n, g), _phase2_tile(g)
             pps2 = _num_sms(device) * _programs_per_sm(head_dim, m2, 2, g)
             self.shapes[n] = FixedShape(
                 n,
@@ -235,7 +255,7 @@ class FixedPlans:
         # int32 regions, each 16-byte aligned (kernels.launch takes the alignment as given):
         # counts (3, 16 bytes apart), seq_lens, merge rows, partial slots, items, chunk runs
         sizes_ = (
-            12,
+            3 * _COUNTS_APART,
             big.rows,
             3 * big.rows,
             self.max_slots,
@@ -386,7 +406,7 @@ def _build(
 
     # whole work items: each segment's row tiles (phase 1), each row's private chunks (phase 2)
     max_rows = max((s.row_end - s.row_start for s in tree.segments), default=1)
-    block_m1 = max(16, min(_next_pow2(max_rows * g), max(_P1_MAX_M, _next_pow2(g))))
+    block_m1 = _phase1_tile(max_rows, g)
     alone = not any(tree.private_chunks) and shape is None  # phase 1 only (see _P1_ALONE_M)
     one_tile = max_rows * g <= block_m1
     if alone and block_m1 == 32:
@@ -411,7 +431,7 @@ def _build(
     # phases in one launch (one query tile for both), or each phase in a launch of its own tile.
     pps = _P1_ALONE_PROGRAMS_PER_SM if alone and (one_tile or g > 1) else _PROGRAMS_PER_SM
     per_head = fixed.per_head if fixed is not None else max(1, (target_programs or pps * _num_sms(device)) // hkv)
-    block_m2 = max(16, _next_pow2(g))
+    block_m2 = _phase2_tile(g)
     if split:
         groups = [
             ([i for i, w in enumerate(whole) if w[0] == p], m, live, p)
@@ -442,14 +462,17 @@ def _build(
         targets[1] = max(targets[1], min(-(-reads[1] // _P1_BESIDE_PIECES), longest2))
         if g == 1 and _P1_BESIDE_WHOLE_MHA and all(whole[i][4] <= longest2 for i in groups[0][0]):
             targets[1] = max(whole[i][4] for i in groups[0][0])  # see _P1_BESIDE_WHOLE_MHA
+
+    def order(p: tuple[int, int, int]) -> tuple[int, int]:
+        # a segment's row tiles read the same chunks: launch their pieces of one chunk run next
+        # to each other, so the later tiles find those chunks in L2
+        return (1, whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0)
+
     pieces: list[tuple[int, int, int]] = []  # (whole item, first chunk, chunks)
     launches = []
     for ids, block_m, live, phase in groups:
         if ids:
-            got = cut(ids, targets[phase])
-            # a segment's row tiles read the same chunks: launch their pieces of one chunk run
-            # next to each other, so the later tiles find those chunks in L2
-            got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
+            got = sorted(cut(ids, targets[phase]), key=order)
             launches.append((len(pieces), len(got), block_m, live, phase))
             pieces += got
     counts = {phase: n for _, n, _, _, phase in launches}
@@ -461,8 +484,7 @@ def _build(
             if len(ids) > cap:
                 return None
             first = counts.get(1, 0) if phase == 2 else 0
-            got = cut(ids, max(targets[phase], -(-reads[phase] // max(1, cap - len(ids)))))
-            got.sort(key=lambda p: (whole[p[0]][0], whole[p[0]][3] + p[1]) if whole[p[0]][0] == 1 else (2, 0))
+            got = sorted(cut(ids, max(targets[phase], -(-reads[phase] // max(1, cap - len(ids))))), key=order)
             pieces[first : first + counts[phase]] = got
             counts[phase] = len(got)
     assert shape is None or (counts.get(1, 0) <= shape.cap1 and counts.get(2, 0) <= shape.cap2)
@@ -509,7 +531,8 @@ def _build(
             return None
         p1 = 10 * counts.get(1, 0)  # phase-2 pieces from item cap1 on
         flat_items = flat_items[:p1] + [0] * (10 * shape.cap1 - p1) + flat_items[p1:]
-        head = [counts.get(1, 0), 0, 0, 0, counts.get(2, 0), 0, 0, 0, len(merge_items)]
+        head = [0] * (2 * _COUNTS_APART + 1)
+        head[::_COUNTS_APART] = counts.get(1, 0), counts.get(2, 0), len(merge_items)
         fixed.upload([head, list(tree.seq_lens), flat_merge, slot_list, flat_items, chunks])
         return fixed._plan(shape, tree)
     lens, items_t, chunks_t, slots_t, merge_t = _to_device(
