@@ -81,8 +81,7 @@ class EngineConfig:
     # replicas/cuda_graph.py); decode steps whose plan does not fit one, and mixed steps, run
     # from the piecewise graphs. None: on CUDA with the triton backend unless enforce_eager;
     # True on the CPU (triton backend) runs the same path as plain calls (tests); False: every
-    # step from the piecewise graphs. H200, llama3-8b, Poisson 8 / 24 / 64 req/s: TPOT p50
-    # 5.77 / 6.84 / 9.37 -> 5.67 / 6.38 / 8.93 ms, every decode-only step from a graph.
+    # step from the piecewise graphs (figures: cluster/loadtest/records/README.md, call N).
     decode_graphs: bool | None = None
     # Prepare and queue each step while the device runs the one before, collecting that one's
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
