@@ -45,6 +45,7 @@ class EngineOptions(_Strict):
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (GPU replicas)
     piecewise_graphs: bool | None = None  # the forward between attentions as CUDA graphs; None: on GPUs unless eager
     decode_graphs: bool | None = None  # whole-step graphs per padded batch size (EngineConfig; None: on CUDA)
+    graph_mixed_steps: bool = True  # with decode_graphs, mixed steps too where they fit (EngineConfig)
     async_scheduling: bool | None = None  # each step prepared while the one before runs; None: on GPUs (EngineConfig)
     sparse_prefill: SparsePrefillOptions | None = None  # None: every prefill dense (exact)
 

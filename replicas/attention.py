@@ -20,6 +20,10 @@ joining or leaving, or a table that grew or changed (a filled chunk deduplicated
 rebuilds it. FlashInfer's plans list only the chunks in use, so they are also rebuilt when a
 row's tail fills.
 
+With fixed plans and `plan_rows` (the engine's graph_mixed_steps) a step holding prefill
+tokens is planned as decode rows where it fits (`_plan_rows`, DESIGN §11): the decode graphs
+replay it, FlashInfer's prefill is not launched.
+
 Prefill (DESIGN §5, the dense path): with the triton backend, a 16-bit pool and flashinfer
 installed, every prefill span of a step goes through FlashInfer's paged prefill in one launch
 per layer (``kernels.paged_prefill``, planned once per step); otherwise span by span through
@@ -134,6 +138,7 @@ class Attention:
         self._signature: tuple | None = None
         self._decode_plan = None
         self.fixed: FixedPlans | None = None  # the fixed plans' buffers decode plans are built into (fix_plans)
+        self.plan_rows = False  # with fixed plans: mixed steps as decode rows where they fit (_plan_rows)
 
     def fix_plans(self, sizes: tuple[int, ...]) -> None:
         """From now on build each decode plan of at most max(sizes) rows as a fixed plan of the
@@ -160,6 +165,7 @@ class Attention:
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
         self.unfixed_plans = 0  # of them, plain TPP plans where fixed ones are built (one did not fit)
+        self.row_plans = 0  # mixed steps planned as decode rows (_plan_rows)
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
@@ -205,6 +211,10 @@ class Attention:
             self.sparse_pages += pages
             self.dense_pages += pages
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
+        rows = self._plan_rows(batch) if batch.prefills and self.plan_rows and not tail_chunks else None
+        if rows is not None:  # every token a decode row: the decode graph of its size runs the step
+            filled_ = to_device(filled, self.device) if filled else None
+            return StepAttention(self, new[0], new[1], new[0] % c, len(positions), rows, (), filled=filled_, mixed=True)
         dense = [s for s in prefills if not s.sparse]
         fused = self._prefill is not None and bool(dense)
         dense_rows = None  # the dense spans' rows, where sparse spans are among them
@@ -249,6 +259,36 @@ class Attention:
         ids = to_device(pages, self.device, torch.int32)
         self._prefill.plan_sparse(ids, planned)
         return tuple(ids[o : o + e * per].view(e, per)[:, chosen] for o, per, chosen in places)
+
+    def _plan_rows(self, batch: Batch):
+        """A mixed step as one fixed decode plan (the decode graphs replay it), each prefill
+        token a row of its causal length: row p of a piece starting at s reads the sequence's
+        first s + p + 1 tokens, its own K/V (written before the attention) included. The tokens
+        after the decode rows keep the tree's DFS order where the scheduler put the rows sharing
+        the first piece's prefix last (Scheduler.prefill_rows_last); None where they do not, a
+        piece is sparse, or the rows do not fit the fixed plans (then the step's prefill runs
+        as a prefill)."""
+        c = self.pool.chunk_size
+        if batch.num_tokens > max(self.fixed.shapes) or (
+            self.sparse is not None and any(self.sparse.applies(s.num_computed, c) for s, _ in batch.prefills)
+        ):
+            return None
+        tables = [s.chunk_table for s in batch.decodes]
+        lens = [s.num_computed + 1 for s in batch.decodes]
+        for seq, n in batch.prefills:
+            table = seq.chunk_table
+            for length in range(seq.num_computed + 1, seq.num_computed + n + 1):
+                tables.append(table[: -(-length // c)])
+                lens.append(length)
+        try:
+            tree = reference.build_tree_plan(tables, lens, c, reserved=True)
+        except ValueError:  # the rows holding some chunk are not contiguous (another piece's prefix)
+            return None
+        plan = self._tpp.build_fixed_plan(tables, lens, self.fixed, tree=tree)
+        if plan is not None:  # (it took the fixed buffers: the next decode step plans anew)
+            self._signature = self._decode_plan = None
+            self.row_plans += 1
+        return plan
 
     def _plan_decode(self, batch: Batch):
         if not batch.decodes:
@@ -409,6 +449,7 @@ class StepAttention:
     budget: tuple[torch.Tensor, ...] | None = (
         None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
     )
+    mixed: bool = False  # prefill tokens among the decode rows (Attention._plan_rows)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None

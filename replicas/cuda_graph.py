@@ -15,8 +15,10 @@ kernels (capture cannot), then the capture, over a plan with nothing to do. A de
 of B rows whose plan is fixed runs the graph of its plan's size n >= B: its ids, positions and
 the chunks of its new tokens' slots go into static buffers; rows B .. n - 1 keep their last ids
 and positions and write their K/V into the pool's scratch chunk, and no piece reads or writes
-them. Steps with prefill tokens, and decode steps whose plan did not fit a fixed one (a tree
-deeper than the capacities hold), run from the piecewise graphs.
+them. A step with prefill tokens replays them too where its tokens fit a size: each token is
+then a decode row of the plan, of its causal length (Attention._plan_rows). Other mixed steps,
+and decode steps whose plan did not fit a fixed one (a tree deeper than the capacities hold),
+run from the piecewise graphs.
 
 The logits are computed eagerly from the graph's hidden states, so a graph holds the model's
 forward only. On the CPU (no graphs) the forward runs as plain calls over the same buffers and
@@ -58,7 +60,8 @@ class DecodeGraphs:
         self.scratch, self.chunk_size = pool.scratch, pool.chunk_size
         self.hidden: dict[int, torch.Tensor] = {}  # per size: its forward's hidden states [n, H]
         self.runs: dict[int, Callable[[], None]] = {}
-        self.replays = 0  # decode steps run from a graph (tests and benchmarks)
+        self.replays = 0  # decode-only steps run from a graph (tests and benchmarks)
+        self.mixed_replays = 0  # steps with prefill tokens run from a graph (their tokens as decode rows)
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
@@ -94,8 +97,8 @@ class DecodeGraphs:
         return graph.replay
 
     def forward(self, input_ids: torch.Tensor, step: StepAttention) -> torch.Tensor | None:
-        """The hidden states [B, H] of a decode-only step whose plan is fixed (a view of a static
-        buffer, valid until the next step's forward), else None. input_ids: [B]."""
+        """The hidden states [B, H] of a step of decode rows only whose plan is fixed (a view of
+        a static buffer, valid until the next step's forward), else None. input_ids: [B]."""
         size = getattr(step.decode_plan, "max_rows", None)
         if size is None or step.prefills:
             return None
@@ -106,5 +109,6 @@ class DecodeGraphs:
         if t < size:  # (the last step's rows there wrote into slots that sequences hold)
             self.chunk_idx[t:size].fill_(self.scratch)
         self.runs[size]()
-        self.replays += 1
+        self.replays += not step.mixed
+        self.mixed_replays += step.mixed
         return self.hidden[size][:t]

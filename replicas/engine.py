@@ -83,6 +83,11 @@ class EngineConfig:
     # True on the CPU (triton backend) runs the same path as plain calls (tests); False: every
     # step from the piecewise graphs (figures: cluster/loadtest/records/README.md, call N).
     decode_graphs: bool | None = None
+    # With decode_graphs, a step holding prefill tokens replays the decode graph of its token
+    # count too where it fits (at most max_num_seqs tokens, dense pieces): each prefill token a
+    # decode row of the TPP plan, of its causal length, FlashInfer's prefill not launched
+    # (Attention._plan_rows). False: such steps run from the piecewise graphs.
+    graph_mixed_steps: bool = True
     # Prepare and queue each step while the device runs the one before, collecting that one's
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
@@ -214,6 +219,8 @@ class LLMEngine:
             decode_graphs=config.decode_graphs,
             max_num_seqs=config.max_num_seqs,
         )
+        if config.graph_mixed_steps and self.attention.fixed is not None:
+            self.attention.plan_rows = self.scheduler.prefill_rows_last = True
         self.async_scheduling = (
             self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
         )

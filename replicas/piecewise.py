@@ -137,5 +137,5 @@ class PiecewiseGraphs:
             step.attend(layer, self.q[:t], out=self.o[:t])
             run()
         self.replays += 1
-        self.decode_replays += not step.prefills
+        self.decode_replays += not step.prefills and not step.mixed
         return self.hidden[:t]

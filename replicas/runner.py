@@ -113,7 +113,7 @@ class ModelRunner:
         times stay: they are captured once, when the engine is built."""
         self.wait_s = 0.0
         if self.graphs is not None:
-            self.graphs.replays = 0
+            self.graphs.replays = self.graphs.mixed_replays = 0
         if self.pieces is not None:
             self.pieces.replays = 0
 

@@ -4,11 +4,14 @@ the same buffers and plan objects (the plumbing); on CUDA as graphs."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 from replicas.cuda_graph import batch_sizes
 from replicas.engine import LLMEngine
+from replicas.sequence import SamplingParams
 from tests.test_piecewise import DEVICES, _live_traffic
 
 
@@ -49,3 +52,51 @@ def test_batch_sizes_cover_max_num_seqs():
 def test_decode_graphs_need_the_triton_backend():
     engine = LLMEngine.from_model("tiny", device="cpu", decode_graphs=True)  # torch backend: no fixed plans
     assert engine.attention.backend == "torch" and engine.runner.graphs is None
+
+
+def _tenants(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
+    """Two tenants' prompts (a 150-token prefix each, and 1-40 own tokens) joining while the
+    other tenant's rows decode: mixed steps whose decode rows hold either prefix."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(150)] for _ in range(2)]
+    arrivals = {0: 2, 1: 1, 3: 2, 6: 1, 8: 2, 11: 1, 15: 2}
+    out: dict[str, list[int]] = {}
+    step = n = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for _ in range(arrivals.get(step, 0)):
+            own = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+            params = SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0, ignore_eos=True)
+            engine.add_request(f"r{n}", prefixes[n % 2] + own, params)
+            n += 1
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        step += 1
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_steps_replay_the_decode_graphs_with_the_plain_forwards_tokens(device):
+    # a step's prefill tokens as decode rows of its fixed plan (each of its causal length),
+    # after the decode rows holding their prefix (the scheduler orders them last), for either
+    # tenant: the step replays its size's graph and gives the plain forward's tokens
+    opts = dict(
+        device=device,
+        dtype="float32",
+        kv_cache_tokens=16384,
+        max_num_batched_tokens=64,
+        max_num_seqs=64,
+        attention_backend="triton",
+    )
+    plain = LLMEngine.from_model("tiny", decode_graphs=False, **opts)
+    graphed = LLMEngine.from_model("tiny", decode_graphs=True, **opts)
+    assert graphed.runner.graphs is not None and graphed.attention.plan_rows
+    want, got = _tenants(plain), _tenants(graphed)
+    assert got == want and len(got) == 11
+    graphs, s = graphed.runner.graphs, graphed.stats()
+    mixed = s["steps"] - s["decode_steps"]
+    # most mixed steps: the others hold both tenants' pieces (only one prefix can come last)
+    assert graphs.mixed_replays == graphed.attention.row_plans > mixed // 2 > 4
+    assert graphs.replays == s["decode_steps"]
+    graphed.check()
+    off = LLMEngine.from_model("tiny", decode_graphs=True, graph_mixed_steps=False, **opts)
+    assert _tenants(off) == want and off.runner.graphs.mixed_replays == 0 and not off.attention.plan_rows

@@ -214,13 +214,14 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
 
 def test_prefill_through_flashinfer_within_bf16_error():
     """Chunked prefill (pieces of 96 tokens: spans with a context, several a step, partial chunks)
-    of prompts sharing a prefix, bf16: FlashInfer's paged prefill gives logits as close to an
-    fp32 run as the reference prefill does, at every step."""
+    of prompts sharing a prefix, bf16: FlashInfer's paged prefill (mixed steps from the piecewise
+    graphs), and the prefill tokens as decode rows of the TPP plan (mixed steps from the decode
+    graphs), give logits as close to an fp32 run as the reference prefill does, at every step."""
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
     prompts = shared_prompts(n=8, prefix_len=300, seed=3)
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
-    def run(dtype, fused=True, backend="triton", weights=None):
+    def run(dtype, fused=True, backend="triton", weights=None, rows=False):
         return tiny_run(
             prompts,
             params,
@@ -229,19 +230,24 @@ def test_prefill_through_flashinfer_within_bf16_error():
             attention_backend=backend,
             max_num_batched_tokens=96,
             flashinfer_prefill=fused,
+            graph_mixed_steps=rows,
         )
 
     fi_engine, fi_out, fi = run("bfloat16")
     ref_engine, ref_out, ref = run("bfloat16", fused=False)
+    rows_engine, rows_out, rows = run("bfloat16", rows=True, weights=fi_engine)
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
     assert fi_engine.attention.prefill_plans >= 8 and ref_engine.attention.prefill_plans == 0
     assert fi_engine.stats()["cached_prompt_tokens"] > 0
-    err_fi, err_ref = logit_errors(exact_out, exact, [(fi_out, fi), (ref_out, ref)], 12)
+    assert rows_engine.attention.row_plans >= 8 and rows_engine.runner.graphs.mixed_replays >= 8
+    runs = [(fi_out, fi), (ref_out, ref), (rows_out, rows)]
+    err_fi, err_ref, err_rows = logit_errors(exact_out, exact, runs, 12)
     assert len(err_fi) >= 48, f"only {len(err_fi)} comparable tokens"
-    assert max(err_fi) <= 2 * max(err_ref) + 1e-2, f"flashinfer off by {max(err_fi)}, reference by {max(err_ref)}"
+    for name, err in (("flashinfer", err_fi), ("TPP rows", err_rows)):
+        assert max(err) <= 2 * max(err_ref) + 1e-2, f"{name} prefill off by {max(err)}, reference by {max(err_ref)}"
     print(
         f"compared {len(err_fi)} tokens: max |logit error| flashinfer prefill {max(err_fi):.4f}, "
-        f"reference {max(err_ref):.4f}"
+        f"TPP rows {max(err_rows):.4f}, reference {max(err_ref):.4f}"
     )
 
 

@@ -221,6 +221,16 @@ def test_decode_rows_sort_by_shared_path_then_arrival():
         want = sorted(rows, key=plain)
         _sort_dfs(rows)
         assert rows == want, trial
+        # with a sequence to follow them (a mixed step's first prefill): still a DFS order, and
+        # the rows holding any node of its path are the last ones
+        last = Row(rng.choice(branches) + [Node(1)], 100)
+        rng.shuffle(rows)
+        _sort_dfs(rows, last)
+        for node in {id(n): n for r in rows for n in r.nodes if n.ref > 1}.values():
+            held = [i for i, r in enumerate(rows) if node in r.nodes]
+            assert held == list(range(held[0], held[0] + len(held))), trial
+            if node in last.nodes:
+                assert held[-1] == len(rows) - 1, trial
 
 
 @pytest.mark.parametrize("sharing", [True, False])

@@ -84,6 +84,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
         enable_prefix_sharing=args.prefix_sharing,
         piecewise_graphs=args.piecewise_graphs,
         decode_graphs=args.decode_graphs,
+        graph_mixed_steps=args.graph_mixed_steps,
     )
 
 
@@ -181,6 +182,8 @@ def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) 
         "plan_builds": engine.attention.plan_builds,
         "prefill_plans": engine.attention.prefill_plans,
         "steps": s["steps"],
+        # steps with prefill tokens that ran from a whole-step graph (their tokens as decode rows)
+        "mixed_graph_replays": graphs.mixed_replays if graphs else 0,
         "graph_sizes": len(graphs.sizes) if graphs else 0,
         "graph_replays": graphs.replays if graphs else 0,
         "unfixed_plans": engine.attention.unfixed_plans,
@@ -320,6 +323,8 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         "decode_graph_fraction": round(
             (replays + (pieces.decode_replays if pieces else 0)) / max(1, s["decode_steps"]), 3
         ),
+        # steps with prefill tokens that ran from a whole-step graph (their tokens as decode rows)
+        "mixed_graph_replays": graphs.mixed_replays if graphs else 0,
         "graph_sizes": len(graphs.sizes) if graphs else 0,
         "plan_builds": engine.attention.plan_builds,
         # decode plans built plain where fixed ones are (none fitted): their steps ran from the pieces
@@ -430,6 +435,12 @@ def main(argv: list[str] | None = None) -> None:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="whole-step CUDA graphs per padded batch size (EngineConfig.decode_graphs; default: on CUDA)",
+    )
+    ap.add_argument(
+        "--graph-mixed-steps",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="steps with prefill tokens from the decode graphs where they fit (EngineConfig.graph_mixed_steps)",
     )
     ap.add_argument(
         "--prefix-sharing",
