@@ -239,8 +239,11 @@ class ModelRunner:
             self._prompt_logprobs(hidden, prompt_rows)
         if not samplers:
             return [], None, None
-        # [S, V] float32; a decode-only step samples every row (no gather)
-        logits = self.model.compute_logits(hidden if len(last_rows) == row else hidden[last_rows])
+        # [S, V] float32; a decode-only step samples every row (no gather). (Indexing by the list
+        # itself would copy it from pageable memory: the host would wait for the steps queued.)
+        logits = self.model.compute_logits(
+            hidden if len(last_rows) == row else hidden.index_select(0, to_device(last_rows, self.device))
+        )
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
         penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
