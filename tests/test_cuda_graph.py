@@ -30,7 +30,7 @@ def test_decode_graphs_give_the_plain_forwards_tokens_under_live_traffic(device,
         attention_backend="triton",
         async_scheduling=async_scheduling,
     )
-    plain = LLMEngine.from_model("tiny", **opts)
+    plain = LLMEngine.from_model("tiny", decode_graphs=False, **opts)
     graphed = LLMEngine.from_model("tiny", decode_graphs=True, **opts)
     graphs = graphed.runner.graphs
     assert plain.runner.graphs is None and graphs is not None and graphs.sizes == (8, 16)
