@@ -361,26 +361,12 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> run the model -> append tokens, finish what is done.
-        With async_scheduling the tokens returned are the step launched before this one's."""
+        """One iteration: schedule -> launch -> collect -> advance. With async_scheduling the
+        tokens collected (returned) are the step launched before, while the device runs this
+        one; else this step's own, after its advance. While guided requests live, the collect
+        comes inside the launch: once this step's forward is queued, before its grammar masks
+        are made, which need the tokens collected."""
         batch = self.scheduler.schedule()
-        return self._step_async(batch) if self.async_scheduling else self._step_sync(batch)
-
-    def _step_sync(self, batch) -> list[RequestOutput]:
-        """schedule -> run (launch and wait) -> advance -> append this step's tokens."""
-        if not batch:
-            return []
-        sampled, logprobs = self.runner.run(batch)
-        self.scheduler.advance(batch)
-        self._count_step(batch)
-        self._counters["generated_tokens"] += len(sampled)
-        return [self._append(seq, token, logprobs.get(seq)) for seq, token in sampled.items()]
-
-    def _step_async(self, batch) -> list[RequestOutput]:
-        """schedule -> launch this step -> collect the step in flight (its tokens: what this
-        returns) while the device runs this one -> advance. While guided requests live, the
-        collect comes inside the launch: once this step's forward is queued, before its grammar
-        masks are made, which need the tokens collected."""
         outputs: list[RequestOutput] = []
         collect = functools.partial(self._collect_inflight, outputs)
         launched = None
@@ -391,6 +377,8 @@ class LLMEngine:
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
             self.scheduler.advance(batch)
             self._count_step(batch)
+        if not self.async_scheduling:
+            collect()  # this step's own tokens
         return outputs
 
     def _collect_inflight(self, outputs: list[RequestOutput]) -> None:
@@ -431,10 +419,6 @@ class LLMEngine:
                 continue
             start = seq.num_computed - n
             c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
-
-    def _append(self, seq: Sequence, token: int, logprobs: tuple | None = None) -> RequestOutput:
-        seq.output_ids.append(token)
-        return self._settle(seq, token, len(seq.output_ids), logprobs)
 
     def _settle(self, seq: Sequence, token: int, n: int, logprobs: tuple | None = None) -> RequestOutput:
         """The output of `token`, the sequence's n-th; finishes the sequence if it ends there

@@ -2,9 +2,9 @@
 
 On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
 (`replicas.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
-padded batch size (`replicas.cuda_graph`), unless the engine runs eagerly (`enforce_eager`). `run` waits for the
-step's sampled tokens; `launch` queues the step and returns, and `collect` waits for them later
-(the engine's asynchronous scheduling)."""
+padded batch size (`replicas.cuda_graph`), unless the engine runs eagerly (`enforce_eager`).
+`launch` queues the step and returns; `collect` waits for its sampled tokens (at once, or after
+the next step's launch: the engine's asynchronous scheduling)."""
 
 from __future__ import annotations
 
@@ -117,21 +117,8 @@ class ModelRunner:
         if self.pieces is not None:
             self.pieces.replays = 0
 
-    def run(self, batch: Batch) -> tuple[dict[Sequence, int], dict[Sequence, tuple]]:
-        """Forward the batch's new tokens; returns the next token of every sequence whose pending
-        tokens all ran this step (a decode, or the last piece of a prefill), and the logprobs
-        (StepLogprobs.entries) of those that asked."""
-        samplers, tokens, logprobs = self._forward(batch, None)
-        if not samplers:
-            return {}, {}
-        t = time.perf_counter()
-        ids = tokens.tolist()  # waits for the device
-        self.wait_s += time.perf_counter() - t
-        entries = {} if logprobs is None else logprobs.to_host(False).entries(samplers)
-        return dict(zip(samplers, ids)), {samplers[i]: e for i, e in entries.items()}
-
     def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
-        """``run`` without waiting for the device: queue the step and return at once (see
+        """Queue the step (forward and sampling) and return at once, nothing waited for (see
         Launched). prev: the step launched before, not collected yet, whose placeholder tokens
         this step's inputs may hold. before_mask: called once the step's forward is queued,
         before its grammar masks are made (the engine collects prev there: guided rows' masks

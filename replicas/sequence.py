@@ -91,7 +91,7 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens!r}], got {self.min_tokens!r}"
             )
-        # membership at every generated token (LLMEngine._append): a set, not a scan of the tuple
+        # membership at every generated token (LLMEngine._settle): a set, not a scan of the tuple
         object.__setattr__(self, "stop_token_set", frozenset(self.stop_token_ids))
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
