@@ -517,6 +517,7 @@ def _build(
             for r in range(r0, r0 + nrows):
                 nxt[r] += 1
             continue
+        assert positions is not None  # (a phase-2 piece's: its chunks' places)
         end = (positions[c0 + n - 1] + 1) * c
         if finish[r0]:
             items.append((2, r0, 1, chunk0 + c0, n, end, -1, base[r0], n1[r0], chunks[chunk0 + c0]))

@@ -29,11 +29,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from replicas.attention import Attention, StepAttention
 from replicas.piecewise import BUCKETS
+
+if TYPE_CHECKING:
+    from replicas.model.llama import LlamaForCausalLM
 
 
 def batch_sizes(max_rows: int) -> tuple[int, ...]:
@@ -44,7 +48,7 @@ def batch_sizes(max_rows: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, attention: Attention, sizes: tuple[int, ...], *, graphs: bool = True):
+    def __init__(self, model: LlamaForCausalLM, attention: Attention, sizes: tuple[int, ...], *, graphs: bool = True):
         """model: a LlamaForCausalLM over attention's pool; sizes: the padded batch sizes, the
         same as `attention.fix_plans` was given; graphs: capture CUDA graphs (else plain calls)."""
         fixed = attention.fixed
@@ -77,17 +81,17 @@ class DecodeGraphs:
             self.runs[size] = self._capture(model, step, size, mempool) if graphs else self._call(model, step, size)
         self.capture_s = time.perf_counter() - t0
 
-    def _forward(self, model: torch.nn.Module, step: StepAttention, size: int) -> torch.Tensor:
+    def _forward(self, model: LlamaForCausalLM, step: StepAttention, size: int) -> torch.Tensor:
         torch.remainder(self.positions[:size], self.chunk_size, out=self.offset[:size])
         return model(self.ids[:size], self.positions[:size], step)
 
-    def _call(self, model: torch.nn.Module, step: StepAttention, size: int) -> Callable[[], None]:
+    def _call(self, model: LlamaForCausalLM, step: StepAttention, size: int) -> Callable[[], None]:
         def run() -> None:
             self.hidden[size] = self._forward(model, step, size)
 
         return run
 
-    def _capture(self, model: torch.nn.Module, step: StepAttention, size: int, mempool) -> Callable[[], None]:
+    def _capture(self, model: LlamaForCausalLM, step: StepAttention, size: int, mempool) -> Callable[[], None]:
         self._forward(model, step, size)  # compiles its kernels (capture cannot) and warms cuBLAS up
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from replicas.kv_pool import KVPool
+
+if TYPE_CHECKING:
+    from replicas.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # token counts graphed: every decode batch up to 8 rows in one, then steps of 16 to 128, of 32
 # to 256, of 64 to 512, of 128 to 1024
@@ -43,7 +47,7 @@ BUCKETS = (8, *range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *
 class PiecewiseGraphs:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         pool: KVPool,
         max_tokens: int,
         *,
@@ -54,12 +58,13 @@ class PiecewiseGraphs:
         (larger buckets are not made); graphs: capture CUDA graphs (else the pieces run as
         calls: the CPU)."""
         self.model, self.pool = model.model, pool
+        self.layers: list[LlamaDecoderLayer] = list(self.model.layers)
         self.sizes = tuple(sorted(n for n in sizes if n <= max(max_tokens, sizes[0])))
         w = self.model.embed_tokens.weight
-        attn = self.model.layers[0].self_attn
+        attn = self.layers[0].self_attn
         n, hq, d = self.sizes[-1], attn.num_heads, attn.head_dim
         h = w.shape[1]
-        new = dict(dtype=w.dtype, device=w.device)
+        new: dict[str, Any] = dict(dtype=w.dtype, device=w.device)
         self.ids = torch.zeros(n, dtype=torch.long, device=w.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=w.device)
         self.cos, self.sin = torch.zeros(n, d, **new), torch.zeros(n, d, **new)
@@ -74,7 +79,7 @@ class PiecewiseGraphs:
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
-            pieces = [self._piece(i, size) for i in range(len(self.model.layers) + 1)]
+            pieces = [self._piece(i, size) for i in range(len(self.layers) + 1)]
             self.runs[size] = [self._capture(p, pool) for p in pieces] if graphs else pieces
         self.capture_s = time.perf_counter() - t0
 
@@ -89,7 +94,7 @@ class PiecewiseGraphs:
         return graph.replay
 
     def _piece(self, i: int, n: int) -> Callable[[], None]:
-        m, last = self.model, len(self.model.layers)
+        m, layers, last = self.model, self.layers, len(self.layers)
         cos, sin = self.cos[:n], self.sin[:n]
         chunk_idx, offset = self.chunk_idx[:n], self.offset[:n]
 
@@ -103,14 +108,14 @@ class PiecewiseGraphs:
             cos.copy_(c)
             sin.copy_(s)
             torch.remainder(self.positions[:n], self.pool.chunk_size, out=offset)
-            keep(0, *m.layers[0].before_attention(x, None, cos, sin))
+            keep(0, *layers[0].before_attention(x, None, cos, sin))
 
         def middle() -> None:
-            x, residual = m.layers[i - 1].after_attention(self.o[:n], self.residual[:n])
-            keep(i, *m.layers[i].before_attention(x, residual, cos, sin))
+            x, residual = layers[i - 1].after_attention(self.o[:n], self.residual[:n])
+            keep(i, *layers[i].before_attention(x, residual, cos, sin))
 
         def final() -> None:
-            x, residual = m.layers[last - 1].after_attention(self.o[:n], self.residual[:n])
+            x, residual = layers[last - 1].after_attention(self.o[:n], self.residual[:n])
             self.hidden[:n].copy_(m.norm(x, residual)[0])
 
         return first if i == 0 else final if i == last else middle

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,6 +24,9 @@ from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
 from replicas.sequence import MAY_THINK, THINKING, Sequence, Status
 from replicas.transfer import to_device
+
+if TYPE_CHECKING:
+    from replicas.model.llama import LlamaForCausalLM
 
 
 class Launched(NamedTuple):
@@ -70,7 +73,7 @@ class StepLogprobs(NamedTuple):
 class ModelRunner:
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: LlamaForCausalLM,
         attention: Attention,
         device: torch.device,
         *,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from typing import Any
 
 import torch
 
@@ -65,7 +66,7 @@ def run_case(
         num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev, sm_scale=d**-0.5
     )
     fi.plan([(table, context, piece)])
-    row = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
+    row: dict[str, Any] = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
     row["dense_us"] = round(_per_call(lambda: fi.run(q, k, v), layers, reps), 1)
 
     bounds = block_union.chunk_key_bounds_ref(k)  # [N, Hkv, 2D]: the pool's chunk key bounds

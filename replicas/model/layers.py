@@ -203,6 +203,8 @@ class RotaryEmbedding(nn.Module):
     forward(positions) gives cos/sin for one batch, shared by all layers; apply_rotary uses them.
     """
 
+    inv_freq: torch.Tensor  # [D/2], a buffer
+
     def __init__(self, head_dim: int, base: float, scaling: dict | None = None):
         super().__init__()
         # Computed on the CPU in fp32 like HF, so the frequencies are identical on every device.

@@ -116,7 +116,10 @@ def build_workload(
         group_of = np.full(total, -1)
     else:
         raise ValueError(f"unknown workload {name!r}")
-    tokens = lambda *shape: rng.integers(0, VOCAB, shape, dtype=np.uint16)  # noqa: E731
+
+    def tokens(*shape: int) -> np.ndarray:
+        return rng.integers(0, VOCAB, shape, dtype=np.uint16)
+
     if name == "unique":  # a random first chunk per prompt: no two share any prefix (the rest is filler)
         systems, heads = tokens(1, SYSTEM_LEN - CHUNK), tokens(total, CHUNK)
     else:
