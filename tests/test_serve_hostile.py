@@ -325,20 +325,24 @@ def test_no_request_stalls_the_event_loop(url):
     started, ended = asyncio.Event(), asyncio.Event()
 
     async def stream(client: httpx.AsyncClient, gaps: list[float]) -> None:
+        # one stream after another until the load is over (a fast machine ends one within it);
+        # the gaps are within a stream
         body = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True, "temperature": 0}
-        chunks, last = 0, None
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            async for line in r.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                now = time.monotonic()
-                chunks += 1
-                if chunks == 8:
-                    started.set()  # the stream runs: the hostile requests may go
-                if last is not None and started.is_set() and not ended.is_set():
-                    gaps.append(now - last)
-                last = now
+        chunks = 0
+        while not ended.is_set():
+            last = None
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    now = time.monotonic()
+                    chunks += 1
+                    if chunks == 8:
+                        started.set()  # the stream runs: the hostile requests may go
+                    if last is not None and started.is_set() and not ended.is_set():
+                        gaps.append(now - last)
+                    last = now
 
     async def health(client: httpx.AsyncClient, waits: list[float]) -> None:
         while not ended.is_set():
@@ -363,12 +367,14 @@ def test_no_request_stalls_the_event_loop(url):
                 )
                 took = time.monotonic() - t
             ended.set()
-            outlived = not streaming.done()
+            alive = not streaming.done()  # (else it failed: its error is raised below)
             await polling
             streaming.cancel()
-            return answers, gaps, waits, took, outlived
+            if not alive:
+                await streaming
+            return answers, gaps, waits, took
 
-    answers, gaps, waits, took, outlived = asyncio.run(main())
+    answers, gaps, waits, took = asyncio.run(main())
     print(
         f"\n{len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
         f"{max(gaps) * 1e3:.0f} ms over {len(gaps)} chunks (median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms); "
@@ -384,7 +390,6 @@ def test_no_request_stalls_the_event_loop(url):
     # loop); /health 0.26-0.51 s. Before, the schemas' grammars parsed on the event loop (2 s each)
     # and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
     assert max(gaps) < 3.0 and max(waits) < 1.5
-    assert outlived, "the stream ended before the hostile requests did: the gaps after it were not measured"
 
 
 def _replicas(app: str) -> dict[str, int]:
