@@ -12,7 +12,7 @@ import torch
 from replicas.cuda_graph import batch_sizes
 from replicas.engine import LLMEngine
 from replicas.sequence import SamplingParams
-from tests.test_piecewise import DEVICES, _live_traffic
+from tests.test_piecewise import DEVICES, _live_traffic, drive
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -59,19 +59,12 @@ def _tenants(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
     other tenant's rows decode: mixed steps whose decode rows hold either prefix."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(256) for _ in range(150)] for _ in range(2)]
-    arrivals = {0: 2, 1: 1, 3: 2, 6: 1, 8: 2, 11: 1, 15: 2}
-    out: dict[str, list[int]] = {}
-    step = n = 0
-    while step <= max(arrivals) or engine.has_unfinished():
-        for _ in range(arrivals.get(step, 0)):
-            own = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
-            params = SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0, ignore_eos=True)
-            engine.add_request(f"r{n}", prefixes[n % 2] + own, params)
-            n += 1
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        step += 1
-    return out
+
+    def request(n: int) -> tuple[list[int], SamplingParams]:
+        own = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+        return prefixes[n % 2] + own, SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0, ignore_eos=True)
+
+    return drive(engine, {0: 2, 1: 1, 3: 2, 6: 1, 8: 2, 11: 1, 15: 2}, request)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -4,6 +4,7 @@ as plain calls over the same static buffers and buckets (the plumbing); on CUDA 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -24,17 +25,26 @@ def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
     some leaving early: steps of many token counts, decode-only and mixed."""
     rng = random.Random(seed)
     prefix = [rng.randrange(256) for _ in range(150)]
-    arrivals = {0: 3, 2: 2, 5: 4, 9: 1, 14: 3, 20: 2}
+
+    def request(n: int) -> tuple[list[int], SamplingParams]:
+        own = [rng.randrange(256) for _ in range(rng.randrange(1, 90))]
+        return (prefix if n % 2 else []) + own, SamplingParams(
+            max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True
+        )
+
+    return drive(engine, {0: 3, 2: 2, 5: 4, 9: 1, 14: 3, 20: 2}, request)
+
+
+def drive(
+    engine: LLMEngine, arrivals: dict[int, int], request: Callable[[int], tuple[list[int], SamplingParams]]
+) -> dict[str, list[int]]:
+    """Step the engine until every request finished, adding arrivals[k] requests before step k
+    (request n "r{n}": request(n) gives its prompt and params); each request's tokens."""
     out: dict[str, list[int]] = {}
     step = n = 0
     while step <= max(arrivals) or engine.has_unfinished():
         for _ in range(arrivals.get(step, 0)):
-            own = [rng.randrange(256) for _ in range(rng.randrange(1, 90))]
-            engine.add_request(
-                f"r{n}",
-                (prefix if n % 2 else []) + own,
-                SamplingParams(max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True),
-            )
+            engine.add_request(f"r{n}", *request(n))
             n += 1
         for o in engine.step():
             out.setdefault(o.request_id, []).extend(o.new_token_ids)
