@@ -165,7 +165,6 @@ class Attention:
         self.plan_builds = 0  # decode plans built (not bumped): tests count them
         self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
         self.unfixed_plans = 0  # of them, plain TPP plans where fixed ones are built (one did not fit)
-        self.row_plans = 0  # mixed steps planned as decode rows (_plan_rows)
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
@@ -211,10 +210,12 @@ class Attention:
             self.sparse_pages += pages
             self.dense_pages += pages
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
+        filled_ids = to_device(filled, self.device) if filled else None
         rows = self._plan_rows(batch) if batch.prefills and self.plan_rows and not tail_chunks else None
         if rows is not None:  # every token a decode row: the decode graph of its size runs the step
-            filled_ = to_device(filled, self.device) if filled else None
-            return StepAttention(self, new[0], new[1], new[0] % c, len(positions), rows, (), filled=filled_, mixed=True)
+            return StepAttention(
+                self, new[0], new[1], new[0] % c, len(positions), rows, (), filled=filled_ids, mixed=True
+            )
         dense = [s for s in prefills if not s.sparse]
         fused = self._prefill is not None and bool(dense)
         dense_rows = None  # the dense spans' rows, where sparse spans are among them
@@ -237,7 +238,7 @@ class Attention:
             tuple(prefills),
             fused,
             dense_rows,
-            to_device(filled, self.device) if filled else None,
+            filled_ids,
             budget,
         )
 
@@ -287,7 +288,6 @@ class Attention:
         plan = self._tpp.build_fixed_plan(tables, lens, self.fixed, tree=tree)
         if plan is not None:  # (it took the fixed buffers: the next decode step plans anew)
             self._signature = self._decode_plan = None
-            self.row_plans += 1
         return plan
 
     def _plan_decode(self, batch: Batch):

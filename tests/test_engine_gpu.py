@@ -239,7 +239,7 @@ def test_prefill_through_flashinfer_within_bf16_error():
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
     assert fi_engine.attention.prefill_plans >= 8 and ref_engine.attention.prefill_plans == 0
     assert fi_engine.stats()["cached_prompt_tokens"] > 0
-    assert rows_engine.attention.row_plans >= 8 and rows_engine.runner.graphs.mixed_replays >= 8
+    assert rows_engine.runner.graphs.mixed_replays >= 8
     runs = [(fi_out, fi), (ref_out, ref), (rows_out, rows)]
     err_fi, err_ref, err_rows = logit_errors(exact_out, exact, runs, 12)
     assert len(err_fi) >= 48, f"only {len(err_fi)} comparable tokens"
