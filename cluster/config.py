@@ -66,6 +66,11 @@ class RouterOptions(_Strict):
     # prefix: router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
     policy: Literal["prefix", "pow2"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and digest
+    # the ingress sends a request to the replica the policy chose over a connection of its own and
+    # reads its outputs back there, not through Serve's handle calls (replicas/direct_stream.py);
+    # Serve takes the requests a full replica refuses. None: on with policy prefix and a fixed
+    # replica count (Serve's autoscaling counts only the requests it routed itself)
+    direct_stream: bool | None = None
 
 
 class IngressOptions(_Strict):
@@ -138,6 +143,11 @@ class AppConfig(_Strict):
             raise ValueError("set num_replicas or autoscaling_config, not both")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
+        if self.router.direct_stream and (self.router.policy != "prefix" or self.autoscaling_config is not None):
+            raise ValueError(
+                "router.direct_stream needs router.policy prefix and a fixed num_replicas (Serve's "
+                "autoscaling counts only the requests Serve routed)"
+            )
         tp = self.tensor_parallel_size
         if tp > 1 and self.num_gpus_per_replica not in (None, tp):
             raise ValueError(
@@ -145,6 +155,13 @@ class AppConfig(_Strict):
                 f"{tp} or unset, got {self.num_gpus_per_replica}"
             )
         return self
+
+    @property
+    def direct_stream(self) -> bool:
+        """router.direct_stream resolved (see RouterOptions)."""
+        if self.router.direct_stream is not None:
+            return self.router.direct_stream
+        return self.router.policy == "prefix" and self.autoscaling_config is None
 
     @property
     def model_name(self) -> str:

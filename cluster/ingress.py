@@ -66,10 +66,12 @@ from cluster.protocol import (
 )
 from cluster.reasoning import ReasoningSplit, think_tags
 from cluster.tool_calls import ToolOutput
+from replicas.direct_stream import Address, DirectStream, ReplicaFull, StreamClient, StreamLost
 from replicas.engine_process import EngineDied
 from replicas.model import load_tokenizer
 from replicas.model.tokenizer import PLAIN_TEXT_ROLES
 from replicas.wire import GenerateOutput, GenerateRequest
+from router import direct as direct_routes
 from router.hashing import chunk_hashes
 
 logger = logging.getLogger("ray.serve")
@@ -170,7 +172,7 @@ def _server_error(e: BaseException, request_id: str | None = None) -> APIError:
     """e logged here with the request's id; the client's error names that id and nothing else of
     e (a replica's death carries actor ids, pids, node addresses and Ray's advice)."""
     rid = request_id or _request_id()
-    replica = isinstance(e, (RayActorError, RayTaskError, EngineDied))
+    replica = isinstance(e, (RayActorError, RayTaskError, EngineDied, StreamLost))
     logger.error("request %s failed (%s)", rid, "a model replica failed" if replica else "internal error", exc_info=e)
     if replica:
         return APIError(
@@ -288,7 +290,10 @@ class _Late(Exception):
     """No first output by the request's deadline."""
 
 
-async def _first_output(gen: DeploymentResponseGenerator, deadline: float | None) -> GenerateOutput:
+Outputs = DeploymentResponseGenerator | DirectStream  # a choice's outputs: through Serve, or direct
+
+
+async def _first_output(gen: Outputs, deadline: float | None) -> GenerateOutput:
     """gen's first output; _Late if it has none by `deadline` (perf_counter time). Late is "not
     done when the wait ends", never a comparison of clocks: the replica's event loop (uvloop)
     keeps a cached time, so its timers may fire a little before perf_counter reaches a deadline."""
@@ -516,7 +521,7 @@ def _exclude(token_ids: bool, usage: bool) -> dict:
     return exclude
 
 
-Started = tuple[GenerateOutput, DeploymentResponseGenerator]  # a choice's first output and the rest
+Started = tuple[GenerateOutput, Outputs]  # a choice's first output and the rest
 
 
 def _own_serve_request_id() -> None:
@@ -536,7 +541,7 @@ def _cancel(started: list[Started]) -> None:
 
 
 async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[str, str]) -> JSONResponse:
-    async def outputs(first: GenerateOutput, rest: DeploymentResponseGenerator) -> list[GenerateOutput]:
+    async def outputs(first: GenerateOutput, rest: Outputs) -> list[GenerateOutput]:
         return [first] + [out async for out in rest]
 
     try:
@@ -578,7 +583,7 @@ def _sse(
         lasts = [first for first, _ in started]
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, rest: DeploymentResponseGenerator) -> None:  # choice i's outputs, then None
+        async def pump(i: int, rest: Outputs) -> None:  # choice i's outputs, then None
             try:
                 async for out in rest:
                     await queue.put((i, out))
@@ -641,6 +646,8 @@ class OpenAIIngress:
         self._grammars = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chunkserve-grammar")
         self._llm = llm
         self._stream = llm.options(stream=True)
+        # router.direct_stream: requests go to the chosen replica over connections of this replica's own
+        self._direct = StreamClient() if config.direct_stream else None
         self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
         self._created = int(time.time())
         self._states: tuple[float, dict[str, int]] = (-math.inf, {})  # (when, _replica_states)
@@ -677,6 +684,8 @@ class OpenAIIngress:
         open ones (within FRONT_DRAIN_S), then Serve's own shutdown of the app."""
         if getattr(self, "_front", None) is not None:
             await self._front.stop(FRONT_DRAIN_S)
+        if getattr(self, "_direct", None) is not None:
+            self._direct.close()
         parent = getattr(super(), "__del__", None)  # Serve's ingress wrapper's (the app's lifespan)
         if parent is not None:
             await parent()
@@ -1110,14 +1119,24 @@ class OpenAIIngress:
 
     async def _start(
         self, req: GenerateRequest, own_id: bool = False, deadline: float | None = None
-    ) -> tuple[GenerateOutput, DeploymentResponseGenerator]:
+    ) -> tuple[GenerateOutput, Outputs]:
         """Send the request to a replica and wait for its first output (so errors get a status code).
         own_id: the call gets a Serve request id of its own (one of n choices, see _own_serve_request_id).
-        A replica that fails before the first output (nothing was sent) is retried once: Serve's
-        router has dropped a replica whose actor died, so the retry goes to another. deadline
-        (perf_counter time): past it without a first output, the call is cancelled (the replica
-        aborts the sequence, or Serve drops it from its queue) and the request refused."""
+        With direct streams the policy's replica gets it over this ingress's connection to it
+        (_start_direct); through Serve when that cannot be (no route yet, the replica full).
+        A replica that fails before the first output (nothing was sent) is retried once, through
+        Serve: its router has dropped a replica whose actor died, so the retry goes to another.
+        deadline (perf_counter time): past it without a first output, the call is cancelled (the
+        replica aborts the sequence, or Serve drops it from its queue) and the request refused."""
         retried = False
+        if self._direct is not None:
+            try:
+                started = await self._start_direct(req, deadline)
+            except (StreamLost, EngineDied) as e:
+                self._log_retry(e)
+                started, retried = None, True
+            if started is not None:
+                return started
         while True:
             if own_id or retried:  # (a retry is a new call to Serve: an id of its own too)
                 _own_serve_request_id()
@@ -1131,18 +1150,57 @@ class OpenAIIngress:
                 raise _unavailable(e) from None
             except Exception as e:
                 gen.cancel()
-                refused = _request_refused(e)
-                if refused is not None:  # the engine refused the request (the checks above should have)
-                    raise APIError(400, str(refused)) from None
+                self._raise_if_refused(e)
                 if not retried and isinstance(e, (RayActorError, EngineDied)):
-                    logger.warning(
-                        "request %s: its replica failed before its first output (%s); retrying once",
-                        _request_id(),
-                        type(e).__name__,
-                    )
+                    self._log_retry(e)
                     retried = True
                     continue
                 raise _server_error(e) from None
             except BaseException:
                 gen.cancel()  # the client went away while waiting
                 raise
+
+    async def _start_direct(self, req: GenerateRequest, deadline: float | None) -> Started | None:
+        """The request on a direct stream to the policy's replica and its first output; None when
+        it goes through Serve instead (no route: the router has not started, or the replica
+        publishes no address; or the replica is full). StreamLost / EngineDied: the replica failed
+        before its first output."""
+        assert self._direct is not None
+        route = await direct_routes.route_direct(self._llm.app_name, self._llm.deployment_name, req)
+        address = None if route is None else Address.from_tuple(route.address)
+        if route is None or address is None:
+            if route is not None:
+                route.release()
+            return None
+        stream = await self._direct.open(address, req, route.release)
+        try:
+            return await _first_output(stream, deadline), stream
+        except ReplicaFull:
+            return None
+        except _Late:
+            stream.cancel()
+            raise self._deadline_exceeded() from None
+        except (StreamLost, EngineDied):
+            stream.cancel()
+            raise
+        except Exception as e:
+            stream.cancel()
+            self._raise_if_refused(e)
+            raise _server_error(e) from None
+        except BaseException:
+            stream.cancel()  # the client went away while waiting
+            raise
+
+    @staticmethod
+    def _raise_if_refused(e: Exception) -> None:
+        refused = _request_refused(e)
+        if refused is not None:  # the engine refused the request (the checks before should have)
+            raise APIError(400, str(refused)) from None
+
+    @staticmethod
+    def _log_retry(e: Exception) -> None:
+        logger.warning(
+            "request %s: its replica failed before its first output (%s); retrying once",
+            _request_id(),
+            type(e).__name__,
+        )

@@ -208,6 +208,7 @@ _REPLICA_COUNTERS = {
     "cached_prompt_tokens": "Of those, prompt tokens served from the prefix cache.",
     "generated_tokens": "Tokens generated.",
     "finished_requests": "Requests the engine finished (aborted ones included).",
+    "direct_requests": "Requests an ingress sent on a direct stream (router.direct_stream), not through Serve.",
 }
 _REPLICA_GAUGES = {
     "running_requests": "Requests in the running batch.",

@@ -26,7 +26,7 @@ import asyncio
 import bisect
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import ray
@@ -34,6 +34,7 @@ from ray import serve
 from ray.serve import metrics
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from replicas.direct_stream import StreamServer
 from replicas.distributed import free_port, init_group
 from replicas.engine import EngineConfig, RequestOutput
 from replicas.engine_process import EngineDied, EngineProcess
@@ -63,11 +64,13 @@ class LLMReplica:
         cpus_per_rank: float = 1,
         warm_up: bool = False,
         stream_interval_ms: float = 0,
+        direct_streams: int | None = None,
     ):
         """stream_interval_ms: a stream's outputs after its first are sent at most this often, the
         steps between gathered into one (each send is a Ray message, and one more at the ingress
         to the proxy: per token, the ingress and proxy bound the stack's tokens per second); 0:
-        one a step."""
+        one a step. direct_streams: take ingresses' direct streams (replicas/direct_stream.py)
+        while the replica holds fewer requests than this (its max_ongoing_requests); None: none."""
         self._stream_interval_s = stream_interval_ms / 1000
         self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
         rendezvous, check = None, None
@@ -93,10 +96,18 @@ class LLMReplica:
         self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
         self._digest, self._digest_at = info["digest"]
         self._metrics = _Metrics(self._stats)
-        self.core.start_receiving(asyncio.get_running_loop(), self._on_step, self._on_death)
+        loop = asyncio.get_running_loop()
+        self.core.start_receiving(loop, self._on_step, self._on_death)
+        self._direct: StreamServer | None = None
+        if direct_streams is not None:
+            limit = direct_streams
+            self._direct = StreamServer(
+                ray.util.get_node_ip_address(), self._generate_direct, lambda: len(self._streams) < limit
+            )
+            loop.create_task(self._direct.start())
 
     # -- requests ---------------------------------------------------------------------------
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+    async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """Stream one request: each output holds what is new since the previous one."""
         entered = time.perf_counter()
         self._raise_if_dead()
@@ -164,6 +175,11 @@ class LLMReplica:
                 except EngineDied:  # (it died meanwhile: nothing left to abort)
                     pass
 
+    def _generate_direct(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
+        """generate for a request an ingress sent on a direct stream (replicas/direct_stream.py)."""
+        self._metrics.count_direct()
+        return self.generate(request)
+
     # -- the engine's messages (on the event loop) ------------------------------------------
     def _on_step(
         self,
@@ -223,6 +239,7 @@ class LLMReplica:
             "digest": self._digest,
             "as_of": self._digest_at,
             "metrics": self._metrics.snapshot(s),
+            **({"stream_address": self._direct.address.as_tuple()} if self._direct is not None else {}),
         }
 
     async def stats(self) -> dict[str, int]:
@@ -234,6 +251,9 @@ class LLMReplica:
         return dict(self._model_info)
 
     def __del__(self) -> None:
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            direct.close()
         core = getattr(self, "core", None)
         if core is not None:
             core.close()
@@ -452,7 +472,13 @@ class _Metrics:
         self.time_per_output_token = _Histogram(
             "chunkserve_time_per_output_token_seconds", "decode time per token after the first", self.LATENCY_BUCKETS
         )
+        self._direct = metrics.Counter("chunkserve_direct_requests", description="requests taken on direct streams")
+        self._direct_requests = 0
         self.update(stats)
+
+    def count_direct(self) -> None:
+        self._direct.inc()
+        self._direct_requests += 1
 
     def update(self, stats: dict[str, int]) -> None:
         for k, counter in self._counters.items():
@@ -466,7 +492,7 @@ class _Metrics:
         """Plain numbers (picklable, no Ray types): the engine's counters since it started (warmup
         excluded), the gauges as of its last step, and both histograms' buckets."""
         return {
-            "counters": {k: stats[k] for k in self._COUNTERS},
+            "counters": {**{k: stats[k] for k in self._COUNTERS}, "direct_requests": self._direct_requests},
             "gauges": {name: stats[k] for k, (name, _) in self._GAUGES.items()},
             "histograms": {h.name: h.snapshot() for h in (self.time_to_first_token, self.time_per_output_token)},
         }

@@ -34,6 +34,13 @@ callbacks:
                       replica's load either way. Without a digest the policy relies on its own
                       recent decisions (router/index.py).
 
+route_direct        the ingress's direct stream (replicas/direct_stream.py): the same choice made
+                      for a request that will not go through Serve (the first rank only, if its
+                      routing stats publish a `stream_address`; else None and the request takes
+                      Serve's path), with the ticket the ingress releases when the stream ends.
+                      The ingress finds its process's router through router/direct.py (Serve
+                      pickles this module by value: its globals are not the ingress's).
+
 Load units: the policy counts outstanding work in prefill tokens; a replica reports requests
 (running + waiting), converted with the mean work of the requests this router routed lately.
 """
@@ -44,10 +51,13 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from router import direct
+from router.direct import DirectRoute
 from router.policy import PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView, Ticket
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log files
@@ -55,6 +65,13 @@ logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log fil
 # Joins above this many replicas at once build the rendezvous table off the event loop (a join
 # costs O(SLOTS) vectorised per replica: ~1 ms each; building for 1024 replicas takes seconds).
 INLINE_JOIN_LIMIT = 16
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the router's loop is closed: nothing keeps its loads any more
+        pass
 
 
 def _generate_request(pending_request: PendingRequest | None) -> Any:
@@ -89,10 +106,17 @@ class PrefixAffinityRouter(RequestRouter):
         self._mean_cost = 0.0  # EWMA of routed requests' work: replica-reported requests -> work
         self._building: asyncio.Task | None = None  # an off-loop rendezvous build in progress
         self._policy_ids: set[str] = set()
+        self._home: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
 
     # -- membership and routing stats ---------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        if self._home is None:  # (Serve calls this on the router's loop: direct routes go there)
+            try:
+                self._home = asyncio.get_running_loop()
+                direct.register(self._deployment_id.app_name, self._deployment_id.name, self, self._home)
+            except RuntimeError:
+                pass
         self._by_uid = {r.replica_id.unique_id: r for r in replicas}
         self._sync_membership()
         self._apply_routing_stats(replicas)
@@ -213,15 +237,33 @@ class PrefixAffinityRouter(RequestRouter):
             out += [r for r in candidates if r.replica_id not in exclude and r not in out][: k - len(out)]
         return out
 
+    def route_direct(self, req: Any) -> DirectRoute | None:
+        """See route_direct (on this router's event loop)."""
+        if not self._policy_ids:
+            return None
+        now = time.monotonic()
+        ranked = self._policy.choose(req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        replica = self._by_uid.get(ranked[0]) if ranked else None
+        address = (replica.routing_stats or {}).get("stream_address") if replica is not None else None
+        if address is None:
+            return None
+        uid = replica.replica_id.unique_id
+        ticket = self._routed(uid, req, now)
+        loop = self._home
+        assert loop is not None
+        return DirectRoute(uid, address, lambda: _call_soon(loop, self._policy.on_finished, ticket))
+
+    def _routed(self, uid: str, req: Any, now: float) -> Ticket:
+        ticket = self._policy.on_routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
+        return ticket
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = _generate_request(pending_request)
         uid = replica_id.unique_id
         if req is None or uid not in self._policy_ids:
             return
-        ticket = self._policy.on_routed(
-            uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic()
-        )
-        self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
+        ticket = self._routed(uid, req, time.monotonic())
         request_id = pending_request.metadata.internal_request_id
         self._tickets[request_id] = ticket
         if result is not None:
