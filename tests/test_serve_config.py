@@ -47,11 +47,20 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"budget": 0.2, "window": 0}}},
         {"engine": {"sparse_prefill": {"alpha": 1.5}}},
         {"engine": {"sparse_prefill": {"budget": 0}}},
+        {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
+        {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
     ],
 )
 def test_bad_values_are_errors(args):
     with pytest.raises(ValidationError):
         AppConfig.model_validate(args)
+
+
+def test_direct_stream_default_follows_the_router_and_the_replica_count():
+    assert AppConfig().direct_stream
+    assert not AppConfig(router={"policy": "pow2"}).direct_stream
+    assert not AppConfig(autoscaling_config={"max_replicas": 4}).direct_stream
+    assert not AppConfig(router={"direct_stream": False}).direct_stream
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -86,7 +95,8 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
     assert llm.backpressure_config.retry_after_s == 2
     assert llm.ray_actor_options["num_gpus"] == 0
-    engine_config, served_name, route_chunks, cpus_per_rank, warm_up, stream_interval_ms = llm.init_args
+    engine_config, served_name, route_chunks, cpus_per_rank, warm_up, stream_interval_ms, direct = llm.init_args
+    assert direct == 8  # direct streams (prefix router, fixed replicas): taken up to max_ongoing_requests
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
     assert stream_interval_ms == 50  # the default: a stream's steps gathered per 50 ms
     assert warm_up is False  # warmup: None, on GPUs only
@@ -108,6 +118,7 @@ def test_build_app_tensor_parallel_bundles_and_autoscaling():
     )
     assert llm._replica_config.placement_group_bundles == [{"CPU": 4, "GPU": 1}] * 2
     assert llm._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert llm.init_args[-1] is None  # autoscaling: no direct streams (Serve counts only its own calls)
     assert llm.ray_actor_options == {"num_cpus": 4, "num_gpus": 1}
     assert llm._deployment_config.autoscaling_config.max_replicas == 6
     assert llm.init_args[0].device == "cuda" and llm.init_args[0].tp_size == 2
