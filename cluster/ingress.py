@@ -5,7 +5,8 @@
 
 It checks the key, parses and validates the body, tokenizes (chat through the model's chat
 template), and checks the context length, so bad input is answered here and never reaches a
-replica. It then streams GenerateOutputs from one LLMReplica and formats them as OpenAI responses.
+replica. It then streams GenerateOutputs from one LLMReplica (on a direct stream to the replica
+the router chose, or through Serve's handle) and formats them as OpenAI responses.
 Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 """
 
@@ -1163,12 +1164,12 @@ class OpenAIIngress:
     async def _start_direct(self, req: GenerateRequest, deadline: float | None) -> Started | None:
         """The request on a direct stream to the policy's replica and its first output; None when
         it goes through Serve instead (no route: the router has not started, or the replica
-        publishes no address; or the replica is full). StreamLost / EngineDied: the replica failed
-        before its first output."""
+        publishes no address or could not be connected to lately; or the replica is full).
+        StreamLost / EngineDied: the replica failed before its first output."""
         assert self._direct is not None
         route = await direct_routes.route_direct(self._llm.app_name, self._llm.deployment_name, req)
         address = None if route is None else Address.from_tuple(route.address)
-        if route is None or address is None:
+        if route is None or address is None or not self._direct.reachable(address):
             if route is not None:
                 route.release()
             return None

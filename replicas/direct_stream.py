@@ -277,10 +277,23 @@ class StreamClient:
     request to it, on the event loop that opened it)."""
 
     CONNECT_TIMEOUT_S = 2.0
+    UNREACHABLE_S = 30.0  # a replica that could not be connected to is not tried again for this long
 
     def __init__(self) -> None:
         self._conns: dict[Address, asyncio.Task[_Connection]] = {}
+        self._unreachable: dict[Address, float] = {}  # address -> until when (loop time)
         self._next_sid = 0
+
+    def reachable(self, address: Address) -> bool:
+        """False for a while after connecting to address failed (a firewall, a replica gone):
+        its requests go through Serve meanwhile rather than each waiting on a connect."""
+        until = self._unreachable.get(address)
+        if until is None:
+            return True
+        if asyncio.get_running_loop().time() < until:
+            return False
+        del self._unreachable[address]
+        return True
 
     async def open(self, address: Address, request: GenerateRequest, on_close: Callable[[], None]) -> DirectStream:
         """Send request to the replica at address; its outputs come through the DirectStream.
@@ -308,6 +321,16 @@ class StreamClient:
         try:
             return await asyncio.shield(task)
         except (OSError, asyncio.TimeoutError) as e:
+            if address not in self._unreachable:
+                logger.warning(
+                    "direct stream: cannot connect to the replica at %s:%d (%s); its requests go through "
+                    "Serve for %g s",
+                    address.host,
+                    address.port,
+                    type(e).__name__,
+                    self.UNREACHABLE_S,
+                )
+            self._unreachable[address] = asyncio.get_running_loop().time() + self.UNREACHABLE_S
             raise StreamLost(
                 f"cannot reach the replica at {address.host}:{address.port} ({type(e).__name__})"
             ) from None

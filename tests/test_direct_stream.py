@@ -158,8 +158,12 @@ def test_dropped_connection_ends_streams_on_both_sides():
         with pytest.raises(StreamLost):
             await stream.__anext__()
         assert closed == [1] and not client._conns  # the lost connection is forgotten
+        assert client.reachable(server.address)
         with pytest.raises(StreamLost, match="cannot reach"):
             await client.open(server.address, _request("c"), lambda: None)
+        assert not client.reachable(server.address)  # its requests take Serve's path for a while
+        client._unreachable[server.address] = asyncio.get_running_loop().time()  # (the while is over)
+        assert client.reachable(server.address)
         client.close()
 
     asyncio.run(run())
