@@ -52,4 +52,15 @@ async def route_direct(app_name: str, deployment_name: str, request: Any) -> Dir
     async def on_router_loop() -> DirectRoute | None:
         return router.route_direct(request)
 
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_router_loop(), loop))
+    # shielded: a cancel would reach the router's task too late to stop its choice, only its result
+    chosen = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_router_loop(), loop))
+    try:
+        return await asyncio.shield(chosen)
+    except asyncio.CancelledError:  # (the client went): the route chosen meanwhile is released
+        chosen.add_done_callback(_release_chosen)
+        raise
+
+
+def _release_chosen(chosen: Any) -> None:
+    if not chosen.cancelled() and chosen.exception() is None and chosen.result() is not None:
+        chosen.result().release()
