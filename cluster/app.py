@@ -38,7 +38,7 @@ def build_app(args: dict[str, Any]) -> Application:
         config.num_cpus_per_replica,
         use_gpu if config.warmup is None else config.warmup,
         config.stream_interval_ms,
-        config.max_ongoing_requests if config.direct_stream else None,
+        config.max_ongoing_requests if config.router.direct_stream else None,
     )
     ingress = OpenAIIngress.options(
         name="OpenAIIngress",

@@ -68,9 +68,11 @@ class RouterOptions(_Strict):
     routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and digest
     # the ingress sends a request to the replica the policy chose over a connection of its own and
     # reads its outputs back there, not through Serve's handle calls (replicas/direct_stream.py);
-    # Serve takes the requests a full replica refuses. None: on with policy prefix and a fixed
-    # replica count (Serve's autoscaling counts only the requests it routed itself)
-    direct_stream: bool | None = None
+    # Serve takes the requests a full replica refuses. Needs policy prefix and a fixed replica
+    # count (Serve's autoscaling counts only the requests it routed itself). Serve's queue then
+    # sees only its own calls: a replica holding max_ongoing_requests lets Serve's next ones wait
+    # inside it (up to max_ongoing_requests more) before Serve queues (max_queued_requests)
+    direct_stream: bool = False
 
 
 class IngressOptions(_Strict):
@@ -155,13 +157,6 @@ class AppConfig(_Strict):
                 f"{tp} or unset, got {self.num_gpus_per_replica}"
             )
         return self
-
-    @property
-    def direct_stream(self) -> bool:
-        """router.direct_stream resolved (see RouterOptions)."""
-        if self.router.direct_stream is not None:
-            return self.router.direct_stream
-        return self.router.policy == "prefix" and self.autoscaling_config is None
 
     @property
     def model_name(self) -> str:

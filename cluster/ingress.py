@@ -648,7 +648,7 @@ class OpenAIIngress:
         self._llm = llm
         self._stream = llm.options(stream=True)
         # router.direct_stream: requests go to the chosen replica over connections of this replica's own
-        self._direct = StreamClient() if config.direct_stream else None
+        self._direct = StreamClient() if config.router.direct_stream else None
         self._info: dict | None = None  # the replicas' max_model_len and vocab_size, fetched once
         self._created = int(time.time())
         self._states: tuple[float, dict[str, int]] = (-math.inf, {})  # (when, _replica_states)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import collections
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -99,11 +100,13 @@ class LLMReplica:
         loop = asyncio.get_running_loop()
         self.core.start_receiving(loop, self._on_step, self._on_death)
         self._direct: StreamServer | None = None
+        self._slots: _Slots | None = None
         if direct_streams is not None:
-            limit = direct_streams
-            self._direct = StreamServer(
-                ray.util.get_node_ip_address(), self._generate_direct, lambda: len(self._streams) < limit
-            )
+            # Serve counts only its own calls against max_ongoing_requests: with direct streams
+            # the replica bounds the requests in its engine itself, from both paths; Serve's calls
+            # past it wait here in order, a direct one past it goes through Serve instead
+            self._slots = slots = _Slots(direct_streams)
+            self._direct = StreamServer(ray.util.get_node_ip_address(), self._generate_direct, slots.free)
             loop.create_task(self._direct.start())
 
     # -- requests ---------------------------------------------------------------------------
@@ -124,6 +127,8 @@ class LLMReplica:
             # compiled in the engine process off its step loop (seconds for a large schema and
             # vocabulary): its add then finds it cached (a ValueError for a bad guide reaches the caller)
             await self.core.compile(request.params.guided)
+        if self._slots is not None:
+            await self._slots.take()  # (direct streams beside Serve's calls: one bound for both)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
         arrival = time.perf_counter()
         first_token_at = None
@@ -169,6 +174,8 @@ class LLMReplica:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
             del self._streams[rid]
+            if self._slots is not None:
+                self._slots.release()
             if not engine_done and self.core.error is None:  # cancelled, failed, or stopped by a stop string
                 try:
                     self.core.abort(rid)
@@ -330,6 +337,40 @@ def _start_tp_ranks(
         ray.get(done)  # (a start that returned is fine; a serve that returned this early raised)
 
     return config, ranks, (addr, port), check
+
+
+class _Slots:
+    """At most `limit` requests in the engine; the rest wait for a slot in arrival order."""
+
+    def __init__(self, limit: int):
+        self.limit, self.used = limit, 0
+        self._waiting: collections.deque[asyncio.Future] = collections.deque()
+
+    def free(self) -> bool:
+        return self.used < self.limit and not self._waiting
+
+    async def take(self) -> None:
+        if self.free():
+            self.used += 1
+            return
+        slot = asyncio.get_running_loop().create_future()
+        self._waiting.append(slot)
+        try:
+            await slot  # (release hands its slot over: used stays)
+        except asyncio.CancelledError:
+            if slot.done() and not slot.cancelled():
+                self.release()  # handed over just as the caller left
+            else:
+                self._waiting.remove(slot)
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            slot = self._waiting.popleft()
+            if not slot.done():
+                slot.set_result(None)
+                return
+        self.used -= 1
 
 
 @dataclass(frozen=True)

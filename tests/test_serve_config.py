@@ -56,11 +56,9 @@ def test_bad_values_are_errors(args):
         AppConfig.model_validate(args)
 
 
-def test_direct_stream_default_follows_the_router_and_the_replica_count():
-    assert AppConfig().direct_stream
-    assert not AppConfig(router={"policy": "pow2"}).direct_stream
-    assert not AppConfig(autoscaling_config={"max_replicas": 4}).direct_stream
-    assert not AppConfig(router={"direct_stream": False}).direct_stream
+def test_direct_streams_bind_the_replicas_bound():
+    _, llm = _replica(build_app({"device": "cpu", "max_ongoing_requests": 8, "router": {"direct_stream": True}}))
+    assert llm.init_args[-1] == 8  # the replica bounds its engine's requests from both paths at this
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -96,7 +94,7 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.backpressure_config.retry_after_s == 2
     assert llm.ray_actor_options["num_gpus"] == 0
     engine_config, served_name, route_chunks, cpus_per_rank, warm_up, stream_interval_ms, direct = llm.init_args
-    assert direct == 8  # direct streams (prefix router, fixed replicas): taken up to max_ongoing_requests
+    assert direct is None  # no direct streams unless router.direct_stream
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
     assert stream_interval_ms == 50  # the default: a stream's steps gathered per 50 ms
     assert warm_up is False  # warmup: None, on GPUs only
@@ -118,7 +116,7 @@ def test_build_app_tensor_parallel_bundles_and_autoscaling():
     )
     assert llm._replica_config.placement_group_bundles == [{"CPU": 4, "GPU": 1}] * 2
     assert llm._replica_config.placement_group_strategy == "STRICT_PACK"
-    assert llm.init_args[-1] is None  # autoscaling: no direct streams (Serve counts only its own calls)
+    assert llm.init_args[-1] is None
     assert llm.ray_actor_options == {"num_cpus": 4, "num_gpus": 1}
     assert llm._deployment_config.autoscaling_config.max_replicas == 6
     assert llm.init_args[0].device == "cuda" and llm.init_args[0].tp_size == 2

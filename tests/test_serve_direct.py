@@ -1,7 +1,6 @@
 """Direct streams on a local Ray cluster, real HTTP (router.direct_stream, replicas/direct_stream.py).
 
-App "direct" (one tiny replica, direct streams on, the default) and app "serve" (the same with
-`router.direct_stream: false`): once the replica's routing stats publish its address, the
+App "direct" (one tiny replica, `router.direct_stream: true`) and app "serve" (the same without): once the replica's routing stats publish its address, the
 ingress's requests go on its own connection to the replica (the replica counts them), with the
 tokens, text and usage the Serve path gives, streamed or whole, n choices included; a replica
 holding max_ongoing_requests already passes the rest to Serve's queue; a client that goes away
@@ -30,7 +29,7 @@ BASE = {
     "num_cpus_per_replica": 0.5,
     "max_ongoing_requests": 4,
     "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024},
-    "router": {"routing_stats_period_s": 0.2},
+    "router": {"routing_stats_period_s": 0.2, "direct_stream": True},
 }
 TIMEOUT = httpx.Timeout(300.0)
 PROMPT = "the direct stream carries " * 6
@@ -142,7 +141,10 @@ def test_a_full_replica_passes_requests_to_serve(apps):
     outs = asyncio.run(run())
     assert all(o["usage"]["completion_tokens"] == 24 for o in outs)
     took = _direct(direct) - before
-    assert 1 <= took < n  # some direct, the ones past the replica's room through Serve's queue
+    assert 1 <= took < n  # some direct, the ones past the replica's room through Serve
+    # and the engine never held more than max_ongoing_requests of them (Serve's calls past the
+    # replica's bound waited in it: Serve counts only its own calls)
+    assert direct.stats.remote().result(timeout_s=60)["max_decode_batch"] <= BASE["max_ongoing_requests"]
 
 
 def test_a_client_leaving_mid_stream_aborts_in_the_engine(apps):
