@@ -360,7 +360,7 @@ class _Slots:
         except asyncio.CancelledError:
             if slot.done() and not slot.cancelled():
                 self.release()  # handed over just as the caller left
-            else:
+            elif slot in self._waiting:  # (a release meanwhile may have dropped it, cancelled)
                 self._waiting.remove(slot)
             raise
 
