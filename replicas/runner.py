@@ -118,7 +118,7 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.replays = self.graphs.mixed_replays = 0
         if self.pieces is not None:
-            self.pieces.replays = 0
+            self.pieces.replays = self.pieces.decode_replays = 0
 
     def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
         """Queue the step (forward and sampling) and return at once, nothing waited for (see
