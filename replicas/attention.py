@@ -52,6 +52,7 @@ from kernels import block_union, fi_decode, paged_prefill, reference, tpp_torch 
 from kernels.tpp_plan import FixedPlans
 from replicas.kv_pool import KVPool
 from replicas.scheduler import Batch
+from replicas.stats import EngineStats
 from replicas.transfer import to_device
 
 BACKENDS = ("auto", "reference", "torch", "triton")
@@ -84,7 +85,10 @@ class Attention:
         flashinfer_fallback: bool = True,
         flashinfer_prefill: bool = True,
         sparse: block_union.BlockUnion | None = None,
+        counters: EngineStats | None = None,
     ):
+        """counters: the engine's, where plans built and sparse pages read are counted (None: one
+        of its own)."""
         if backend not in BACKENDS:
             raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
@@ -133,8 +137,7 @@ class Attention:
             if pool.key_bounds is None:
                 raise ValueError("sparse prefill needs a pool that keeps its chunks' key bounds")
             self._sub = block_union.subgroup_size(num_q_heads, num_kv_heads, sparse.subgroup)
-        # pages (chunk, KV head) that sparse pieces' layers read, and would have read dense
-        self.reset_counters()
+        self.counters = EngineStats() if counters is None else counters
         self._signature: tuple | None = None
         self._decode_plan = None
         self.fixed: FixedPlans | None = None  # the fixed plans' buffers decode plans are built into (fix_plans)
@@ -156,15 +159,6 @@ class Attention:
             num_chunks=self.pool.kv.shape[2],
         )
         self._signature = self._decode_plan = None
-
-    def reset_counters(self) -> None:
-        """What tests and benchmarks count here, zeroed (LLMEngine.reset_counters)."""
-        self.sparse_pages = 0  # (counted on the host: the lists' lengths are there, or read back for the plan)
-        self.dense_pages = 0
-        self.prefill_plans = 0  # steps whose prefill spans FlashInfer planned
-        self.plan_builds = 0  # decode plans built (not bumped): tests count them
-        self.fallback_plans = 0  # of them, FlashInfer plans (nothing shared)
-        self.unfixed_plans = 0  # of them, plain TPP plans where fixed ones are built (one did not fit)
 
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
@@ -207,8 +201,8 @@ class Attention:
                 start, n = start + take, n - take
         if tail_chunks:  # (counted as read by sparse pieces: their share of the work kept)
             pages = tail_chunks * self.pool.kv.shape[0] * (self.num_q_heads // self._sub)
-            self.sparse_pages += pages
-            self.dense_pages += pages
+            self.counters.sparse_pages_read += pages
+            self.counters.sparse_pages_dense += pages
         new = to_device(positions + chunk_idx, self.device).view(2, -1)  # [2, T], not waited for
         filled_ids = to_device(filled, self.device) if filled else None
         rows = self._plan_rows(batch) if batch.prefills and self.plan_rows and not tail_chunks else None
@@ -221,7 +215,7 @@ class Attention:
         dense_rows = None  # the dense spans' rows, where sparse spans are among them
         if fused:
             self._prefill.plan([(s.chunk_ids, s.context_len, s.num_new) for s in dense])
-            self.prefill_plans += 1
+            self.counters.prefill_plans += 1
             if len(dense) < len(prefills):
                 dense_rows = to_device([r for s in dense for r in range(s.start, s.start + s.num_new)], self.device)
         sparse = [s for s in prefills if s.sparse]
@@ -305,10 +299,10 @@ class Attention:
         tree = reference.build_tree_plan(tables, lens, c, reserved=True)
         if self._fi is not None and not tree.segments:  # nothing shared: FlashInfer's paged decode
             plan = self._fi.plan(tables, lens)
-            self.fallback_plans += 1
+            self.counters.fallback_plans += 1
         elif self.backend == "triton":
             plan = None if self.fixed is None else self._tpp.build_fixed_plan(tables, lens, self.fixed, tree=tree)
-            self.unfixed_plans += self.fixed is not None and plan is None
+            self.counters.unfixed_plans += self.fixed is not None and plan is None
             if plan is None:
                 plan = self._tpp.build_plan(
                     tables,
@@ -326,7 +320,7 @@ class Attention:
             plan = tree
         self._signature = self._signature_of(batch.decodes, isinstance(plan, fi_decode.FiPlan))
         self._decode_plan = plan
-        self.plan_builds += 1
+        self.counters.plan_builds += 1
         return plan
 
     def _signature_of(self, decodes, fi: bool) -> tuple:
@@ -392,23 +386,23 @@ class Attention:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
                 scores = reference.block_scores_ref(block_union.bound_queries(rows), keys, cfg.block, self.sm_scale)
                 agg = block_union.normalised(scores, self._sub)
-            self.dense_pages += agg.shape[0] * s.table.numel()
+            self.counters.sparse_pages_dense += agg.shape[0] * s.table.numel()
             if budget is not None:
                 block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
-                self.sparse_pages += agg.shape[0] * block_union.budget_list_len(
+                self.counters.sparse_pages_read += agg.shape[0] * block_union.budget_list_len(
                     cfg, s.context_len, s.context_len + s.num_new, c
                 )
                 continue
             mask = block_union.chunk_mask(block_union.select_blocks(agg, cfg), bc, k0, s.table.numel())
             if self._prefill is None:  # (the reference path; FlashInfer's counts its pages as it plans)
-                self.sparse_pages += int(mask.sum())
+                self.counters.sparse_pages_read += int(mask.sum())
             pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
         outs = [out[s.start : s.start + s.num_new] for s in spans]
         if budget is not None:
             self._prefill.run_planned_sparse([q[s.start : s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
-            self.sparse_pages += self._prefill.sparse_pages_planned
+            self.counters.sparse_pages_read += self._prefill.sparse_pages_planned
         else:
             for s, p, o in zip(spans, pieces, outs):
                 o.copy_(

@@ -35,6 +35,7 @@ import torch
 
 from replicas.attention import Attention, StepAttention
 from replicas.piecewise import BUCKETS
+from replicas.stats import EngineStats
 
 if TYPE_CHECKING:
     from replicas.model.llama import LlamaForCausalLM
@@ -48,9 +49,18 @@ def batch_sizes(max_rows: int) -> tuple[int, ...]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, attention: Attention, sizes: tuple[int, ...], *, graphs: bool = True):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attention: Attention,
+        sizes: tuple[int, ...],
+        *,
+        graphs: bool = True,
+        counters: EngineStats | None = None,
+    ):
         """model: a LlamaForCausalLM over attention's pool; sizes: the padded batch sizes, the
-        same as `attention.fix_plans` was given; graphs: capture CUDA graphs (else plain calls)."""
+        same as `attention.fix_plans` was given; graphs: capture CUDA graphs (else plain calls);
+        counters: the engine's, where replays are counted (None: one of its own)."""
         fixed = attention.fixed
         if fixed is None or set(fixed.shapes) != set(sizes):
             raise ValueError("DecodeGraphs needs the attention's fixed plans of the same sizes (Attention.fix_plans)")
@@ -64,8 +74,7 @@ class DecodeGraphs:
         self.scratch, self.chunk_size = pool.scratch, pool.chunk_size
         self.hidden: dict[int, torch.Tensor] = {}  # per size: its forward's hidden states [n, H]
         self.runs: dict[int, Callable[[], None]] = {}
-        self.replays = 0  # decode-only steps run from a graph (tests and benchmarks)
-        self.mixed_replays = 0  # steps with prefill tokens run from a graph (their tokens as decode rows)
+        self.counters = EngineStats() if counters is None else counters
         t0 = time.perf_counter()
         mempool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
@@ -79,7 +88,7 @@ class DecodeGraphs:
                 (),
             )
             self.runs[size] = self._capture(model, step, size, mempool) if graphs else self._call(model, step, size)
-        self.capture_s = time.perf_counter() - t0
+        self.capture_s = time.perf_counter() - t0  # (measured once: not among the counters)
 
     def _forward(self, model: LlamaForCausalLM, step: StepAttention, size: int) -> torch.Tensor:
         torch.remainder(self.positions[:size], self.chunk_size, out=self.offset[:size])
@@ -113,6 +122,6 @@ class DecodeGraphs:
         if t < size:  # (the last step's rows there wrote into slots that sequences hold)
             self.chunk_idx[t:size].fill_(self.scratch)
         self.runs[size]()
-        self.replays += not step.mixed
-        self.mixed_replays += step.mixed
+        self.counters.graph_replays += not step.mixed
+        self.counters.mixed_graph_replays += step.mixed
         return self.hidden[size][:t]

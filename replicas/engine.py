@@ -32,6 +32,7 @@ from replicas.runner import Launched, ModelRunner
 from replicas.sampler import unseeded_key
 from replicas.scheduler import Scheduler
 from replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status
+from replicas.stats import EngineStats
 from router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
@@ -189,12 +190,15 @@ class LLMEngine:
                 f"({mc.max_position_embeddings} positions)"
             )
         self.tree = PrefixTree(self.pool)
+        # every count the engine and its parts keep (stats(), the benchmarks), one object they share
+        self.counters = EngineStats()
         self.scheduler = Scheduler(
             self.tree,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_prefix_sharing=config.enable_prefix_sharing,
             max_model_len=self.max_model_len,
+            counters=self.counters,
         )
         self.attention = Attention(
             self.pool,
@@ -205,6 +209,7 @@ class LLMEngine:
             flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
             flashinfer_prefill=config.flashinfer_prefill,
             sparse=sparse,
+            counters=self.counters,
         )
         self.runner = ModelRunner(
             self.model,
@@ -218,6 +223,7 @@ class LLMEngine:
             piecewise=config.piecewise_graphs,
             decode_graphs=config.decode_graphs,
             max_num_seqs=config.max_num_seqs,
+            counters=self.counters,
         )
         if config.graph_mixed_steps and self.attention.fixed is not None:
             self.attention.plan_rows = self.scheduler.prefill_rows_last = True
@@ -230,21 +236,6 @@ class LLMEngine:
         self._guides_lock = threading.Lock()
         self._guided: set[str] = set()  # the live guided requests (async_scheduling collects inside the launch)
         self._arrivals = itertools.count()
-        self._counters = dict.fromkeys(
-            (
-                "prompt_tokens",
-                "cached_prompt_tokens",
-                "computed_prompt_tokens",
-                "generated_tokens",
-                "finished_requests",
-                "steps",
-                "decode_steps",
-                "max_decode_batch",
-                "last_decode_batch",
-                "max_kv_chunks_used",
-            ),
-            0,
-        )
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -350,11 +341,11 @@ class LLMEngine:
         del self._seqs[seq.request_id]
         self._guided.discard(seq.request_id)
         self.runner.penalties.release(seq.request_id)
-        c = self._counters
-        c["finished_requests"] += 1
+        c = self.counters
+        c.finished_requests += 1
         if seq.num_cached_prompt is not None:
-            c["prompt_tokens"] += len(seq.prompt_ids)
-            c["cached_prompt_tokens"] += seq.num_cached_prompt
+            c.prompt_tokens += len(seq.prompt_ids)
+            c.cached_prompt_tokens += seq.num_cached_prompt
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -396,29 +387,29 @@ class LLMEngine:
             if seq.status is not finished:
                 seq.output_ids[slot] = token
                 outputs.append(self._settle(seq, token, slot + 1, logprobs.get(i)))
-        self._counters["generated_tokens"] += len(outputs)
+        self.counters.generated_tokens += len(outputs)
         return outputs
 
     def _count_step(self, batch) -> None:
-        c = self._counters
-        c["steps"] += 1
-        c["decode_steps"] += not batch.prefills  # decode-only steps: the ones a CUDA graph may run
-        c["last_decode_batch"] = len(batch.decodes)
-        c["max_decode_batch"] = max(c["max_decode_batch"], len(batch.decodes))
+        c = self.counters
+        c.steps += 1
+        c.decode_steps += not batch.prefills  # decode-only steps: the ones a CUDA graph may run
+        c.last_decode_batch = len(batch.decodes)
+        c.max_decode_batch = max(c.max_decode_batch, len(batch.decodes))
         used = self.pool.num_chunks - self.pool.num_free - self.tree.num_cached  # held by live sequences
-        c["max_kv_chunks_used"] = max(c["max_kv_chunks_used"], used)
+        c.max_kv_chunks_used = max(c.max_kv_chunks_used, used)
         # prompt positions among the tokens that just ran: a decode row's one token is the
         # prompt's last when the row had nothing but it left to compute (its first output)
         # (a row that finished while the step ran, async_scheduling, computed no prompt token)
         running = Status.RUNNING
-        c["computed_prompt_tokens"] += sum(
+        c.computed_prompt_tokens += sum(
             seq.num_computed <= len(seq.prompt_ids) and seq.status is running for seq in batch.decodes
         )
         for seq, n in batch.prefills:
             if seq.status is not running:
                 continue
             start = seq.num_computed - n
-            c["computed_prompt_tokens"] += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
+            c.computed_prompt_tokens += max(0, min(seq.num_computed, len(seq.prompt_ids)) - start)
 
     def _settle(self, seq: Sequence, token: int, n: int, logprobs: tuple | None = None) -> RequestOutput:
         """The output of `token`, the sequence's n-th; finishes the sequence if it ends there
@@ -482,35 +473,39 @@ class LLMEngine:
 
     # -- observability ----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        free, cached = self.pool.num_free, self.tree.num_cached
-        return {
+        """The pool's use and the queues now, and the engine's counts (replicas.stats): requests,
+        tokens, steps; with sparse_prefill, the pages its pieces read and would have read dense.
+        The replica sends it every step."""
+        free, cached, c = self.pool.num_free, self.tree.num_cached, self.counters
+        stats = {
             "kv_chunks_total": self.pool.num_chunks,
             "kv_chunks_used": self.pool.num_chunks - free - cached,  # held by live sequences
             "kv_chunks_cached": cached,  # finished sequences' chunks kept as prefix cache
             "kv_chunks_free": free,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
-            "preemptions": self.scheduler.num_preemptions,
-            **self._counters,
-            **self._sparse_stats(),
+            "preemptions": c.preemptions,
+            "prompt_tokens": c.prompt_tokens,
+            "cached_prompt_tokens": c.cached_prompt_tokens,
+            "computed_prompt_tokens": c.computed_prompt_tokens,
+            "generated_tokens": c.generated_tokens,
+            "finished_requests": c.finished_requests,
+            "steps": c.steps,
+            "decode_steps": c.decode_steps,
+            "max_decode_batch": c.max_decode_batch,
+            "last_decode_batch": c.last_decode_batch,
+            "max_kv_chunks_used": c.max_kv_chunks_used,
         }
-
-    def _sparse_stats(self) -> dict[str, int]:
-        """Sparse prefill: the (chunk, KV head) pages its pieces' layers read, and would have
-        read dense (empty without sparse_prefill)."""
-        a = self.attention
-        if a.sparse is None:
-            return {}
-        return {"sparse_pages_read": a.sparse_pages, "sparse_pages_dense": a.dense_pages}
+        if self.attention.sparse is not None:
+            stats["sparse_pages_read"] = c.sparse_pages_read
+            stats["sparse_pages_dense"] = c.sparse_pages_dense
+        return stats
 
     def reset_counters(self) -> None:
         """Zero what stats() and the benchmarks count (after replicas.warmup): requests, tokens,
-        steps, preemptions, decode and prefill plans built, graphs captured and replayed, host
-        waits (each part zeroes its own)."""
-        self._counters = dict.fromkeys(self._counters, 0)
-        self.scheduler.num_preemptions = 0
-        self.attention.reset_counters()
-        self.runner.reset_counters()
+        steps, preemptions, decode and prefill plans built, graphs replayed, host waits (the
+        graphs' capture times stay: they are measured once, when the engine is built)."""
+        self.counters.reset()
 
     def cache_digest(self, model_name: str, route_chunks: int, limit: int = 4096) -> list[int]:
         """The chained chunk hashes (router.hashing, seeded by the served model name) of the

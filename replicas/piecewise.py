@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from replicas.kv_pool import KVPool
+from replicas.stats import EngineStats
 
 if TYPE_CHECKING:
     from replicas.model.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -53,10 +54,11 @@ class PiecewiseGraphs:
         *,
         graphs: bool = True,
         sizes: tuple[int, ...] = BUCKETS,
+        counters: EngineStats | None = None,
     ):
         """model: a LlamaForCausalLM; pool: its K/V pool; max_tokens: a step's tokens at most
         (larger buckets are not made); graphs: capture CUDA graphs (else the pieces run as
-        calls: the CPU)."""
+        calls: the CPU); counters: the engine's, where replays are counted (None: one of its own)."""
         self.model, self.pool = model.model, pool
         self.layers: list[LlamaDecoderLayer] = list(self.model.layers)
         self.sizes = tuple(sorted(n for n in sizes if n <= max(max_tokens, sizes[0])))
@@ -74,14 +76,13 @@ class PiecewiseGraphs:
         self.q, self.o = torch.zeros(n, hq, d, **new), torch.zeros(n, hq, d, **new)
         self.residual, self.hidden = torch.zeros(n, h, **new), torch.zeros(n, h, **new)
         self.runs: dict[int, list[Callable[[], None]]] = {}  # per bucket: its pieces' replays (or calls)
-        self.replays = 0  # steps run from the pieces (tests and benchmarks)
-        self.decode_replays = 0  # of them decode-only steps
+        self.counters = EngineStats() if counters is None else counters
         t0 = time.perf_counter()
         pool = torch.cuda.graph_pool_handle() if graphs else None
         for size in reversed(self.sizes):  # the largest first: the smaller ones' temporaries fit in its memory
             pieces = [self._piece(i, size) for i in range(len(self.layers) + 1)]
             self.runs[size] = [self._capture(p, pool) for p in pieces] if graphs else pieces
-        self.capture_s = time.perf_counter() - t0
+        self.capture_s = time.perf_counter() - t0  # (measured once: not among the counters)
 
     @staticmethod
     def _capture(piece: Callable[[], None], pool) -> Callable[[], None]:
@@ -141,6 +142,6 @@ class PiecewiseGraphs:
         for layer, run in enumerate(runs[1:]):
             step.attend(layer, self.q[:t], out=self.o[:t])
             run()
-        self.replays += 1
-        self.decode_replays += not step.prefills and not step.mixed
+        self.counters.piecewise_replays += 1
+        self.counters.piecewise_decode_replays += not step.prefills and not step.mixed
         return self.hidden[:t]

@@ -23,6 +23,7 @@ from replicas.piecewise import PiecewiseGraphs
 from replicas.sampler import sample_ids, token_logprobs
 from replicas.scheduler import Batch
 from replicas.sequence import MAY_THINK, THINKING, Sequence, Status
+from replicas.stats import EngineStats
 from replicas.transfer import to_device
 
 if TYPE_CHECKING:
@@ -85,14 +86,18 @@ class ModelRunner:
         piecewise: bool | None = None,
         decode_graphs: bool | None = False,
         max_num_seqs: int = 256,
+        counters: EngineStats | None = None,
     ):
         """piecewise: the forward's pieces between attentions as CUDA graphs (replicas.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
         pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per padded batch
         size up to max_num_seqs, over fixed TPP plans (replicas.cuda_graph), with the triton
-        backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls."""
+        backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls.
+        counters: the engine's, where host waits and graph replays are counted (None: one of its
+        own)."""
         self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
         self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        self.counters = EngineStats() if counters is None else counters
         self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
         cuda_graphs = device.type == "cuda" and not enforce_eager
         self.graphs = None
@@ -101,24 +106,14 @@ class ModelRunner:
         if decode_graphs and not enforce_eager and attention.backend == "triton":
             sizes = batch_sizes(max_num_seqs)
             attention.fix_plans(sizes)
-            self.graphs = DecodeGraphs(model, attention, sizes, graphs=cuda_graphs)
+            self.graphs = DecodeGraphs(model, attention, sizes, graphs=cuda_graphs, counters=self.counters)
         if piecewise is None:
             piecewise = cuda_graphs and attention.backend == "triton"
         self.pieces = (
-            PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs) if piecewise else None
+            PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs, counters=self.counters)
+            if piecewise
+            else None
         )
-        # seconds the host spent waiting for the device's sampled tokens: a step's time less this
-        # is the host's own time in it (replicas.tools.bench's host_ms_per_step)
-        self.wait_s = 0.0
-
-    def reset_counters(self) -> None:
-        """Host waits and graph replays, zeroed (LLMEngine.reset_counters). The graphs' capture
-        times stay: they are captured once, when the engine is built."""
-        self.wait_s = 0.0
-        if self.graphs is not None:
-            self.graphs.replays = self.graphs.mixed_replays = 0
-        if self.pieces is not None:
-            self.pieces.replays = self.pieces.decode_replays = 0
 
     def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
         """Queue the step (forward and sampling) and return at once, nothing waited for (see
@@ -191,7 +186,7 @@ class ModelRunner:
         if launched.done is not None:
             launched.done.synchronize()
         ids = launched.host.tolist()
-        self.wait_s += time.perf_counter() - t
+        self.counters.wait_s += time.perf_counter() - t  # (a step's time less these: the host's own)
         return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
 
     @torch.inference_mode()

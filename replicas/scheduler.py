@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from replicas.prefix_tree import PrefixTree
 from replicas.sequence import Sequence, Status
+from replicas.stats import EngineStats
 
 
 @dataclass
@@ -49,10 +50,12 @@ class Scheduler:
         enable_prefix_sharing: bool,
         max_model_len: int | None = None,
         prefill_rows_last: bool = False,
+        counters: EngineStats | None = None,
     ):
         """prefill_rows_last: order a mixed step's decode rows so that those sharing its first
         prefill's prefix come last (see _sort_dfs): the prefill's tokens, after them, then
-        extend the same DFS order (replicas/attention.py plans them as decode rows)."""
+        extend the same DFS order (replicas/attention.py plans them as decode rows).
+        counters: the engine's, where preemptions are counted (None: one of its own)."""
         self.tree = tree
         self.prefill_rows_last = prefill_rows_last
         self.max_model_len = max_model_len
@@ -63,7 +66,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()  # arrival order
         self.running: list[Sequence] = []  # arrival order
         self.now = 0  # step counter: the tree's LRU clock
-        self.num_preemptions = 0
+        self.counters = EngineStats() if counters is None else counters
         self.last_decode_paths: list[tuple[int, ...]] = []
 
     # -- queue management -------------------------------------------------------------------
@@ -94,7 +97,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
             i += 1
         self.waiting.insert(i, seq)
-        self.num_preemptions += 1
+        self.counters.preemptions += 1
 
     # -- chunks -----------------------------------------------------------------------------
     def _coverable(self, seq: Sequence, keep: int) -> int:
@@ -136,7 +139,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         self.now += 1
         budget = self.max_num_batched_tokens
-        preemptions_before = self.num_preemptions
+        preemptions_before = self.counters.preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
         grew = False  # some decode row needed a new chunk this step
         decodes: list[Sequence] = []  # running order within each (one pass: this runs every step)
@@ -174,7 +177,7 @@ class Scheduler:
         if grew:
             self._reserve_ahead([s for s, n in planned.items() if s.num_pending == 1 and n == 1])
         # after a preemption the pool is short: admitting now would only thrash
-        admit = self.num_preemptions == preemptions_before
+        admit = self.counters.preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)

@@ -22,7 +22,7 @@ def test_decode_plan_is_rebuilt_only_when_the_tree_changes():
     # needs a fourth chunk: every row gets it and a fifth (reserved), so plans are built at 37
     # and 48, and bumped in the 27 other steps (the tail filling at 64 included)
     assert engine.stats()["steps"] == 30
-    assert engine.attention.plan_builds == 2
+    assert engine.counters.plan_builds == 2
 
 
 def test_staggered_rows_rebuild_about_once_per_chunk_of_tokens():
@@ -34,7 +34,7 @@ def test_staggered_rows_rebuild_about_once_per_chunk_of_tokens():
     steps = engine.stats()["steps"]
     fills = sum(len(range(len(p) // 16 + 1, (len(p) + 63) // 16 + 1)) for p in ps)  # tail fills while decoding
     assert fills >= 24
-    assert engine.attention.plan_builds <= 2 + steps // 12, (engine.attention.plan_builds, steps)
+    assert engine.counters.plan_builds <= 2 + steps // 12, (engine.counters.plan_builds, steps)
 
 
 def test_triton_backend_matches_reference_backend():
@@ -47,7 +47,7 @@ def test_triton_backend_matches_reference_backend():
     ps = prompts() + [[7] * 11, SHARED + [3] * 20]  # plus a row sharing nothing, a deeper branch
     assert tri.generate(ps, params) == ref.generate(ps, params)
     assert tri.attention.backend == "triton"
-    assert tri.attention.plan_builds < tri.stats()["steps"] // 2
+    assert tri.counters.plan_builds < tri.stats()["steps"] // 2
 
 
 def test_torch_backend_is_the_cpu_default_and_matches_reference_backend():
@@ -60,4 +60,4 @@ def test_torch_backend_is_the_cpu_default_and_matches_reference_backend():
     assert auto.attention.backend == "torch"
     ps = [SHARED + [i] * (3 + 2 * i) for i in range(6)] + [[7] * 11, SHARED + [3] * 20]
     assert auto.generate(ps, params) == ref.generate(ps, params)
-    assert auto.attention.plan_builds == ref.attention.plan_builds < auto.stats()["steps"] // 2
+    assert auto.counters.plan_builds == ref.counters.plan_builds < auto.stats()["steps"] // 2

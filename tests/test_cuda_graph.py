@@ -36,8 +36,8 @@ def test_decode_graphs_give_the_plain_forwards_tokens_under_live_traffic(device,
     assert plain.runner.graphs is None and graphs is not None and graphs.sizes == (8, 16)
     assert _live_traffic(graphed) == _live_traffic(plain)
     s = graphed.stats()
-    assert graphed.attention.plan_builds >= 10 and graphed.attention.unfixed_plans == 0
-    assert graphs.replays == s["decode_steps"] > 10  # every decode-only step from its graph
+    assert graphed.counters.plan_builds >= 10 and graphed.counters.unfixed_plans == 0
+    assert graphed.counters.graph_replays == s["decode_steps"] > 10  # every decode-only step from its graph
     # (float32 rounding apart: padded matrix products and other piece cuts sum in another order)
     scratch = graphed.pool.scratch
     torch.testing.assert_close(graphed.pool.kv[:, :, :scratch], plain.pool.kv[:, :, :scratch], rtol=1e-3, atol=1e-4)
@@ -85,11 +85,12 @@ def test_mixed_steps_replay_the_decode_graphs_with_the_plain_forwards_tokens(dev
     assert graphed.runner.graphs is not None and graphed.attention.plan_rows
     want, got = _tenants(plain), _tenants(graphed)
     assert got == want and len(got) == 11
-    graphs, s = graphed.runner.graphs, graphed.stats()
+    c, s = graphed.counters, graphed.stats()
     mixed = s["steps"] - s["decode_steps"]
     # most mixed steps: the others hold both tenants' pieces (only one prefix can come last)
-    assert graphs.mixed_replays > mixed // 2 > 4
-    assert graphs.replays == s["decode_steps"]
+    assert c.mixed_graph_replays > mixed // 2 > 4
+    assert c.graph_replays == s["decode_steps"]
     graphed.check()
     off = LLMEngine.from_model("tiny", decode_graphs=True, graph_mixed_steps=False, **opts)
-    assert _tenants(off) == want and off.runner.graphs.mixed_replays == 0 and not off.attention.plan_rows
+    assert off.runner.graphs is not None and not off.attention.plan_rows
+    assert _tenants(off) == want and off.counters.mixed_graph_replays == 0

@@ -1,6 +1,7 @@
 """LLMEngine end to end on the CPU: exact greedy output vs transformers, memory sharing, retention,
 preemption under pressure, randomised add/step/abort with invariants, bad input."""
 
+import dataclasses
 import json
 import random
 import subprocess
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from replicas.stats import EngineStats
 from tests.hf_checkpoints import make_hf_checkpoint
 
 # stops at EOS like transformers does (no ignore_eos: that would let the engine pick EOS where
@@ -524,14 +526,17 @@ def test_bench_cli_warms_up_first_and_counts_only_the_run():
 
 
 def test_reset_counters_zeroes_every_parts_counts():
-    engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096)
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096, piecewise_graphs=True)
+    c, runner = engine.counters, engine.runner
+    # one object, which every part counts into
+    parts = (engine.scheduler, engine.attention, runner, runner.pieces)
+    assert all(part.counters is c for part in parts)
     engine.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0))
-    a = engine.attention
-    a.prefill_plans, a.fallback_plans, a.sparse_pages, a.dense_pages = 5, 3, 2, 4
-    engine.runner.wait_s = 1.0
-    assert engine.stats()["steps"] > 0 and a.plan_builds > 0
+    assert engine.stats()["steps"] > 0 and c.plan_builds > 0 and c.piecewise_replays > 0
+    fields = dataclasses.fields(EngineStats)
+    for i, f in enumerate(fields):  # every count set, those no CPU step reaches too
+        setattr(c, f.name, type(f.default)(i + 1))
     engine.reset_counters()
-    assert (a.prefill_plans, a.fallback_plans, a.sparse_pages, a.dense_pages, a.plan_builds) == (0, 0, 0, 0, 0)
-    assert engine.runner.wait_s == 0.0
+    assert engine.counters is c and all(getattr(c, f.name) == 0 for f in fields)
     s = engine.stats()
     assert s["steps"] == s["generated_tokens"] == s["finished_requests"] == s["preemptions"] == 0

@@ -81,12 +81,12 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     assert tri.attention.backend == "triton" and eager.runner.graphs is None
     assert ahead.async_scheduling and not tri.async_scheduling
     assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
-    assert ahead.generate(prompts, params) == cpu and ahead.runner.graphs.replays >= 16
+    assert ahead.generate(prompts, params) == cpu and ahead.counters.graph_replays >= 16
     assert tri.stats()["cached_prompt_tokens"] > 0
-    assert tri.attention.plan_builds < tri.stats()["steps"] // 2
+    assert tri.counters.plan_builds < tri.stats()["steps"] // 2
     # every decode-only step ran from the graph of its padded batch size
-    assert tri.runner.graphs.replays == tri.stats()["decode_steps"] >= 16
-    assert tri.attention.unfixed_plans == 0
+    assert tri.counters.graph_replays == tri.stats()["decode_steps"] >= 16
+    assert tri.counters.unfixed_plans == 0
 
 
 def test_cuda_graphs_under_churn_replay_every_decode_step_and_keep_tokens():
@@ -98,8 +98,8 @@ def test_cuda_graphs_under_churn_replay_every_decode_step_and_keep_tokens():
     eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, **opts).generate(prompts, params)
     engine = LLMEngine.from_model("tiny", device="cuda", decode_graphs=True, **opts)
     assert engine.generate(prompts, params) == eager
-    assert engine.attention.plan_builds >= 10 and engine.attention.unfixed_plans == 0
-    assert engine.runner.graphs.replays == engine.stats()["decode_steps"] > 30
+    assert engine.counters.plan_builds >= 10 and engine.counters.unfixed_plans == 0
+    assert engine.counters.graph_replays == engine.stats()["decode_steps"] > 30
 
 
 def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
@@ -161,8 +161,8 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
     tri_engine, tri_out, tri = run("triton", "bfloat16")
     assert tri_engine.attention.backend == "triton" and all(len(o) == 16 for o in tri_out)
     # the prompts' prefill through FlashInfer's paged prefill, where flashinfer is installed
-    assert (tri_engine.attention.prefill_plans > 0) == paged_prefill.available()
-    assert tri_engine.runner.graphs.replays >= 8  # the logits below came through CUDA graphs
+    assert (tri_engine.counters.prefill_plans > 0) == paged_prefill.available()
+    assert tri_engine.counters.graph_replays >= 8  # the logits below came through CUDA graphs
     err_ref, err_tri = logit_errors(exact_out, exact, [(ref_out, ref), (tri_out, tri)], 16)
     assert len(err_tri) >= 64, f"only {len(err_tri)} comparable tokens"
     assert max(err_tri) <= 2 * max(err_ref) + 1e-2, f"triton off by {max(err_tri)}, bf16 reference by {max(err_ref)}"
@@ -198,11 +198,11 @@ def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     fi_engine, fi_out, fi = run("bfloat16")
     tri_engine, tri_out, tri = run("bfloat16", fallback=False)
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
-    assert fi_engine.attention.fallback_plans == fi_engine.attention.plan_builds > 0
-    assert tri_engine.attention.fallback_plans == 0
+    assert fi_engine.counters.fallback_plans == fi_engine.counters.plan_builds > 0
+    assert tri_engine.counters.fallback_plans == 0
     # TPP from CUDA graphs (padded batches: their matrix products may round otherwise)
     graphed, graphed_out, graphed_logits = run("bfloat16", fallback=True, graphs=True)
-    assert graphed.attention.fallback_plans == 0 and graphed.runner.graphs.replays > 0
+    assert graphed.counters.fallback_plans == 0 and graphed.counters.graph_replays > 0
     err_fi, err_tri, err_graphed = logit_errors(
         exact_out, exact, [(fi_out, fi), (tri_out, tri), (graphed_out, graphed_logits)], 24
     )
@@ -237,9 +237,9 @@ def test_prefill_through_flashinfer_within_bf16_error():
     ref_engine, ref_out, ref = run("bfloat16", fused=False)
     rows_engine, rows_out, rows = run("bfloat16", rows=True, weights=fi_engine)
     _, exact_out, exact = run("float32", backend="reference", weights=fi_engine)
-    assert fi_engine.attention.prefill_plans >= 8 and ref_engine.attention.prefill_plans == 0
+    assert fi_engine.counters.prefill_plans >= 8 and ref_engine.counters.prefill_plans == 0
     assert fi_engine.stats()["cached_prompt_tokens"] > 0
-    assert rows_engine.runner.graphs.mixed_replays >= 8
+    assert rows_engine.counters.mixed_graph_replays >= 8
     runs = [(fi_out, fi), (ref_out, ref), (rows_out, rows)]
     err_fi, err_ref, err_rows = logit_errors(exact_out, exact, runs, 12)
     assert len(err_fi) >= 48, f"only {len(err_fi)} comparable tokens"

@@ -69,11 +69,11 @@ def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, 
     want, got = _live_traffic(plain), _live_traffic(pieces)
     assert got == want and len(got) == 15
     steps = pieces.stats()["steps"]
-    runs = pieces.runner.pieces.replays
-    full = pieces.runner.graphs.replays if pieces.runner.graphs is not None else 0
+    runs = pieces.counters.piecewise_replays
+    full = pieces.counters.graph_replays
     assert steps / 2 < runs + full < steps  # most steps from the pieces, some eagerly
     if full == 0:  # every decode-only step (15 rows at most) fits a bucket: all from the pieces
-        assert pieces.runner.pieces.decode_replays == pieces.stats()["decode_steps"] > 0
+        assert pieces.counters.piecewise_decode_replays == pieces.stats()["decode_steps"] > 0
     pieces.check()
 
 
@@ -110,7 +110,7 @@ def test_padding_rows_write_only_the_scratch_chunk():
         pieces.step()
         torch.testing.assert_close(pieces.pool.kv[:, :, :scratch], plain.pool.kv[:, :, :scratch], rtol=1e-5, atol=1e-5)
         padded += bool(pieces.pool.kv[:, :, scratch].abs().sum())
-    assert not pieces.has_unfinished() and pieces.runner.pieces.replays > 5
+    assert not pieces.has_unfinished() and pieces.counters.piecewise_replays > 5
     assert padded  # some step had padding rows, and they wrote the scratch chunk
     assert not plain.pool.kv[:, :, scratch].any()  # the eager forward never writes it
 
@@ -125,5 +125,5 @@ def test_without_decode_graphs_every_step_runs_from_the_pieces():
     pieces = LLMEngine.from_model("tiny", decode_graphs=False, **opts)
     assert pieces.runner.graphs is None and pieces.runner.pieces is not None
     assert _live_traffic(pieces) == _live_traffic(plain)
-    assert pieces.runner.pieces.replays == pieces.stats()["steps"]
+    assert pieces.counters.piecewise_replays == pieces.stats()["steps"]
     pieces.check()

@@ -139,9 +139,9 @@ def test_out_of_chunks_the_newest_is_preempted_and_requeued_by_arrival(sharing):
         s.add(seq)
     for _ in range(40):
         batch = _step(s)
-        if s.num_preemptions:
+        if s.counters.preemptions:
             break
-    assert s.num_preemptions == 1
+    assert s.counters.preemptions == 1
     assert [q.request_id for q in batch.decodes] == ["old"] and not batch.prefills  # no admission
     assert old.status is Status.RUNNING and new.status is Status.WAITING
     assert not new.nodes and not new.private and new.num_computed == 0
@@ -260,6 +260,6 @@ def test_random_traffic_keeps_the_tree_and_pool_whole(sharing):
         if seq.status is not Status.FINISHED:
             s.finish(seq, "abort")
     s.tree.check([], [])
-    assert s.num_preemptions > 0  # (the pool was short)
+    assert s.counters.preemptions > 0  # (the pool was short)
     s.tree.evict_all()
     assert s.tree.pool.num_free == 12

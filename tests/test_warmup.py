@@ -36,7 +36,7 @@ def test_a_warmed_engine_is_idle_counts_nothing_and_generates_as_a_fresh_one(asy
         "preemptions",
     )
     assert {k: s[k] for k in counted} == dict.fromkeys(counted, 0)
-    assert engine.attention.plan_builds == 0
+    assert engine.counters.plan_builds == 0
     engine.check()
     fresh = LLMEngine.from_model("tiny", async_scheduling=async_scheduling, **OPTS)
     assert engine.generate(PROMPTS, PARAMS) == fresh.generate(PROMPTS, PARAMS)

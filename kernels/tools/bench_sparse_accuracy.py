@@ -24,7 +24,7 @@ length), over the `--depths` prompts of that length (depths (i + 0.5) / n of the
 - ``agree_32``: equal leading tokens of the first 32 greedy tokens (EOS ignored), sparse against
   dense, on the middle-depth prompt of the length.
 - ``pages_ratio``: (chunk, KV head) pages the sparse pieces' layers read over those they would
-  read dense (replicas.attention's sparse_pages / dense_pages): the attention's work kept.
+  read dense (the engine's sparse_pages_read / sparse_pages_dense): the attention's work kept.
 
 The filler: Newton's Opticks (public domain), which apache-tvm-ffi ships as a test text
 (tvm_ffi/3rdparty/libbacktrace/Isaac.Newton-Opticks.txt), from its first chapter on; without it
@@ -381,11 +381,11 @@ def run(args) -> list[dict]:
             dense_found.append(str(number) in tok.decode(ref[:ANSWER_TOKENS]))
             log(f"len {length} depth {depth:.2f} dense: {tok.decode(ref[:ANSWER_TOKENS])!r}")
             for name, eng in engines.items():
-                a = eng.attention
-                before = a.sparse_pages, a.dense_pages
+                c = eng.counters
+                before = c.sparse_pages_read, c.sparse_pages_dense
                 got = eng.generate([ids], params)[0]
-                pages[name][0] += a.sparse_pages - before[0]
-                pages[name][1] += a.dense_pages - before[1]
+                pages[name][0] += c.sparse_pages_read - before[0]
+                pages[name][1] += c.sparse_pages_dense - before[1]
                 found[name].append(str(number) in tok.decode(got[:ANSWER_TOKENS]))
                 if i == mid:
                     agree[name] = leading_equal(got, ref)

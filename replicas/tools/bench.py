@@ -140,7 +140,8 @@ def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) 
     kv_used = engine.stats()["kv_chunks_used"]
     engine.step()  # the first decode step, untimed: it JIT-compiles the decode kernels on a cold cache
     sync()
-    t1, wait0 = time.perf_counter(), engine.runner.wait_s
+    c = engine.counters  # (reset_counters zeroes it in place: the same object throughout)
+    t1, wait0 = time.perf_counter(), c.wait_s
     decode_tokens = decode_steps = 0
     while engine.has_unfinished():
         decode_tokens += len(engine.step())
@@ -174,21 +175,21 @@ def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) 
         # of which the host's own time (the step less its wait for the sampled tokens): with
         # async_scheduling it runs while the device runs the step before; without, the device
         # waits for part of it
-        "host_ms_per_step": round(1e3 * (t2 - t1 - (engine.runner.wait_s - wait0)) / max(1, decode_steps), 2),
+        "host_ms_per_step": round(1e3 * (t2 - t1 - (c.wait_s - wait0)) / max(1, decode_steps), 2),
         "kv_pool_chunks": engine.pool.num_chunks,
         "kv_chunks_used_after_prefill": kv_used,
         "cached_prompt_tokens": s["cached_prompt_tokens"],
         "preemptions": s["preemptions"],
-        "plan_builds": engine.attention.plan_builds,
-        "prefill_plans": engine.attention.prefill_plans,
+        "plan_builds": c.plan_builds,
+        "prefill_plans": c.prefill_plans,
         "steps": s["steps"],
         # steps with prefill tokens that ran from a whole-step graph (their tokens as decode rows)
-        "mixed_graph_replays": graphs.mixed_replays if graphs else 0,
+        "mixed_graph_replays": c.mixed_graph_replays,
         "graph_sizes": len(graphs.sizes) if graphs else 0,
-        "graph_replays": graphs.replays if graphs else 0,
-        "unfixed_plans": engine.attention.unfixed_plans,
+        "graph_replays": c.graph_replays,
+        "unfixed_plans": c.unfixed_plans,
         "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
-        "piecewise_steps": engine.runner.pieces.replays if engine.runner.pieces else 0,
+        "piecewise_steps": c.piecewise_replays,
         "sparse_budget": args.sparse_budget,
         "sparse_alpha": args.sparse_alpha,
         **{k: v for k, v in s.items() if k.startswith("sparse_")},
@@ -258,7 +259,8 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     kinds: dict[bool, list[float]] = {True: [0, 0.0, 0.0], False: [0, 0.0, 0.0]}  # decode-only?: steps, s, host s
     sync()
     t0 = time.perf_counter()
-    wait0 = engine.runner.wait_s
+    c = engine.counters  # (zeroed in place above: the same object throughout)
+    wait0 = c.wait_s
     keys0, first_s0 = _first_launches()
     nxt = 0
     while nxt < args.requests or engine.has_unfinished():
@@ -271,7 +273,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         if not engine.has_unfinished():
             time.sleep(max(0.0, offsets[nxt] - (time.perf_counter() - t0)))
             continue
-        d0, w0 = engine.stats()["decode_steps"], engine.runner.wait_s  # (read before the step's clock starts)
+        d0, w0 = engine.stats()["decode_steps"], c.wait_s  # (read before the step's clock starts)
         s0 = time.perf_counter()
         outs = engine.step()
         t = time.perf_counter()
@@ -281,7 +283,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         kind = kinds[after["decode_steps"] > d0]
         kind[0] += 1
         kind[1] += t - s0
-        kind[2] += t - s0 - (engine.runner.wait_s - w0)
+        kind[2] += t - s0 - (c.wait_s - w0)
         for out in outs:
             first.setdefault(out.request_id, t)
             last[out.request_id] = t
@@ -294,7 +296,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
     norm = [(last[r] - arrival[r]) / count[r] for r in done]
     s = engine.stats()
     graphs, pieces = engine.runner.graphs, engine.runner.pieces
-    replays = graphs.replays if graphs else 0
+    replays = c.graph_replays
     return {
         "bench": "engine_poisson",
         "model": args.model,
@@ -320,27 +322,25 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         # decode-only steps that ran from a whole-step CUDA graph (a replay is one decode-only step)
         "graph_fraction": round(replays / max(1, s["decode_steps"]), 3),
         # decode-only steps that ran from CUDA graphs, whole-step or pieces (on the CPU the pieces are calls)
-        "decode_graph_fraction": round(
-            (replays + (pieces.decode_replays if pieces else 0)) / max(1, s["decode_steps"]), 3
-        ),
+        "decode_graph_fraction": round((replays + c.piecewise_decode_replays) / max(1, s["decode_steps"]), 3),
         # steps with prefill tokens that ran from a whole-step graph (their tokens as decode rows)
-        "mixed_graph_replays": graphs.mixed_replays if graphs else 0,
+        "mixed_graph_replays": c.mixed_graph_replays,
         "graph_sizes": len(graphs.sizes) if graphs else 0,
-        "plan_builds": engine.attention.plan_builds,
+        "plan_builds": c.plan_builds,
         # decode plans built plain where fixed ones are (none fitted): their steps ran from the pieces
-        "unfixed_plans": engine.attention.unfixed_plans,
+        "unfixed_plans": c.unfixed_plans,
         "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
         # kernels launched for the first time in this run (each may have compiled, on a request's path)
         "kernel_first_launches": _first_launches()[0] - keys0,
         "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
         "kernel_first_launched": _first_launched(keys0),  # their kernels' names
         # steps that ran from the pieces between attentions (replicas/piecewise.py), of all steps
-        "piecewise_steps": pieces.replays if pieces else 0,
+        "piecewise_steps": c.piecewise_replays,
         "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
         "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
         "p99_step_ms": _ms("step", steps_s)["p99_step_ms"],
         "max_step_ms": round(1e3 * max(steps_s, default=0), 2),
-        "host_ms_per_step": round(1e3 * (sum(steps_s) - (engine.runner.wait_s - wait0)) / max(1, len(steps_s)), 2),
+        "host_ms_per_step": round(1e3 * (sum(steps_s) - (c.wait_s - wait0)) / max(1, len(steps_s)), 2),
         # the same per kind of step launched: decode-only, or holding prefill tokens (mixed). With
         # async_scheduling a step's time ends on the step before's tokens: its wait is that one's
         **{
