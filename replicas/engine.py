@@ -234,7 +234,8 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._guides: Guides | None = None  # grammars of guided requests, made at the first one
         self._guides_lock = threading.Lock()
-        self._guided: set[str] = set()  # the live guided requests (async_scheduling collects inside the launch)
+        # live guided requests (Sequence.guided): while any, the collect goes inside the launch (step)
+        self._num_guided = 0
         self._arrivals = itertools.count()
 
     @classmethod
@@ -280,7 +281,8 @@ class LLMEngine:
         if params.think is not None and any(t is not None and t >= vocab for t in params.think):
             raise ValueError(f"think names tokens {params.think}: token ids are in [0, {vocab})")
         # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
-        # the others keep the request's id, to collect each step where rank 0 does: inside the next launch)
+        # the others count the request as guided, to collect each step where rank 0 does: inside
+        # the next launch)
         guided = params.guided is not None
         matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
         seq = Sequence(
@@ -291,8 +293,7 @@ class LLMEngine:
             matcher=matcher,
             thinking=GUIDED if params.think is None else THINKING if params.think[0] is None else MAY_THINK,
         )
-        if guided:
-            self._guided.add(request_id)
+        self._num_guided += guided
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival
             seq.draw_key = params.seed if params.seed is not None else unseeded_key(self.config.seed, seq.arrival)
         self._seqs[request_id] = seq
@@ -335,12 +336,13 @@ class LLMEngine:
 
     def _retire(self, seq: Sequence, reason: str) -> None:
         """The one way a request leaves the engine (finished: stop or length; or aborted): its
-        chunks go back to the tree, its side tables are cleared, and it is counted, its prompt
-        tokens too once it was admitted (a request aborted while it waited reached no model)."""
+        chunks go back to the tree, what it held of the engine's goes (its id, its place among
+        the guided, its penalty slot), and it is counted, its prompt tokens too once it was
+        admitted (a request aborted while it waited reached no model)."""
         self.scheduler.finish(seq, reason)
         del self._seqs[seq.request_id]
-        self._guided.discard(seq.request_id)
-        self.runner.penalties.release(seq.request_id)
+        self._num_guided -= seq.guided
+        self.runner.penalties.release(seq)
         c = self.counters
         c.finished_requests += 1
         if seq.num_cached_prompt is not None:
@@ -362,7 +364,7 @@ class LLMEngine:
         collect = functools.partial(self._collect_inflight, outputs)
         launched = None
         if batch:
-            launched = self.runner.launch(batch, self._inflight, before_mask=collect if self._guided else None)
+            launched = self.runner.launch(batch, self._inflight, before_mask=collect if self._num_guided else None)
         collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected

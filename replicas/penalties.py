@@ -1,7 +1,7 @@
 """The token counts that presence, frequency and repetition penalties read, kept on the device.
 
-A penalized request (``SamplingParams.penalized``) gets a slot the first time it samples: a row
-of ``counts`` ([slots, V] int32: how often it has generated each token) and of ``prompt`` ([slots,
+A penalized request (``SamplingParams.penalized``) gets a slot (``Sequence.penalty_slot``) the
+first time it samples: a row of ``counts`` ([slots, V] int32: how often it has generated each token) and of ``prompt`` ([slots,
 V] bool: its prompt's tokens). Each step gathers the sampling rows' slots for the sampler and
 then adds each row's sampled token to its counts, on the device, from the step's token tensor:
 nothing waits for the tokens, so under asynchronous scheduling the counts already hold the token
@@ -33,8 +33,7 @@ class Gathered(NamedTuple):
 class Penalties:
     def __init__(self, vocab: int, device: torch.device):
         self.vocab, self.device = vocab, device
-        self._slot: dict[str, int] = {}
-        self._free: list[int] = []
+        self._free: list[int] = []  # the slots no sequence holds (the others: their penalty_slot)
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
         self.prompt = torch.zeros(0, vocab, dtype=torch.bool, device=device)
 
@@ -51,23 +50,24 @@ class Penalties:
         picked = tokens[to_device(gathered.rows, self.device)]
         self.counts.index_put_((gathered.slots, picked), torch.ones_like(picked, dtype=torch.int32), accumulate=True)
 
-    def release(self, request_id: str) -> None:
-        slot = self._slot.pop(request_id, None)
-        if slot is not None:
-            self._free.append(slot)
+    def release(self, seq: Sequence) -> None:
+        """The sequence's slot, if it holds one, back to the free ones (it leaves the engine)."""
+        if seq.penalty_slot is not None:
+            self._free.append(seq.penalty_slot)
+            seq.penalty_slot = None
 
     @property
     def in_use(self) -> int:
-        return len(self._slot)
+        """Slots that sequences hold."""
+        return self.counts.shape[0] - len(self._free)
 
     def _slot_of(self, seq: Sequence) -> int:
-        slot = self._slot.get(seq.request_id)
+        slot = seq.penalty_slot
         if slot is not None:
             return slot
         if not self._free:
             self._grow()
-        slot = self._free.pop()
-        self._slot[seq.request_id] = slot
+        slot = seq.penalty_slot = self._free.pop()
         self.counts[slot].zero_()
         self.prompt[slot].zero_()
         self.prompt[slot, to_device(seq.prompt_ids, self.device)] = True

@@ -171,7 +171,16 @@ class Sequence:
     # a sampling request's draw key (replicas.sampler): its seed, or one from the engine's seed
     # and its arrival; None for greedy requests
     draw_key: int | None = None
+    # a penalized request's row of the penalties' token counts (replicas.penalties: taken at its
+    # first sampling step, given back when it leaves the engine); None: it holds none
+    penalty_slot: int | None = None
     finish_reason: str | None = None
+
+    @property
+    def guided(self) -> bool:
+        """Whether the request is guided (params.guided), on every tensor-parallel rank: only
+        rank 0 holds its matcher."""
+        return self.params.guided is not None
 
     @property
     def token_ids(self) -> list[int]:

@@ -232,7 +232,7 @@ def test_guided_rows_beside_free_rows_sync_and_async(async_scheduling):
     assert _text(engine, mixed["choice"]) in CHOICES
     if async_scheduling:  # (the sync run would repeat itself)
         assert dict(mixed) == dict(run(True, False)[1])
-    assert not engine._guided  # every guided request gone with its end
+    assert engine._num_guided == 0  # every guided request gone with its end
 
 
 def test_async_guided_steps_keep_a_step_in_flight():
@@ -252,7 +252,7 @@ def test_async_guided_steps_keep_a_step_in_flight():
     seq = engine._seqs["json"]
     outs, steps = defaultdict(list), []
     while engine.has_unfinished():
-        guided_alive, start = bool(engine._guided), len(events)
+        guided_alive, start = engine._num_guided > 0, len(events)
         for out in engine.step():
             outs[out.request_id] += out.new_token_ids
         if guided_alive:  # (the step's events, a step in flight after it)
@@ -296,15 +296,15 @@ def test_the_engine_refuses_a_bad_guide_and_keeps_nothing(engine):
     before = engine.stats()
     with pytest.raises(ValueError, match="guided regex"):
         engine.add_request("bad", [1, 2, 3], SamplingParams(guided=Guide("regex", "(")))
-    assert not engine.has_unfinished() and engine.stats() == before and not engine._guided
+    assert not engine.has_unfinished() and engine.stats() == before and engine._num_guided == 0
 
 
 def test_abort_drops_the_guided_request(engine):
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, guided=Guide("json_object")))
     engine.step()
-    assert engine._guided == {"a"}
+    assert engine._num_guided == 1 and engine._seqs["a"].guided
     assert engine.abort("a")
-    assert not engine._guided and not engine.has_unfinished()
+    assert engine._num_guided == 0 and not engine.has_unfinished()
 
 
 def test_a_model_without_a_tokenizer_cannot_guide():

@@ -130,8 +130,9 @@ def test_an_aborted_request_gives_its_slot_back_and_bad_bias_is_refused():
     engine = LLMEngine.from_model("tiny", kv_cache_tokens=4096)
     engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=50, presence_penalty=1, temperature=0))
     engine.step()
-    assert engine.runner.penalties.in_use == 1
-    assert engine.abort("a") and engine.runner.penalties.in_use == 0
+    seq = engine._seqs["a"]
+    assert engine.runner.penalties.in_use == 1 and seq.penalty_slot is not None
+    assert engine.abort("a") and engine.runner.penalties.in_use == 0 and seq.penalty_slot is None
     vocab = engine.model_config.vocab_size
     with pytest.raises(ValueError, match="logit_bias"):
         engine.add_request("b", [1, 2, 3], SamplingParams(logit_bias={vocab: 1.0}))
