@@ -26,6 +26,7 @@ from ray import serve
 
 from cluster.app import build_app
 from cluster.ingress import REPLICA_HEADER
+from replicas.distributed import free_port
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 
@@ -43,10 +44,18 @@ ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 @pytest.fixture(scope="module")
-def url():
+def urls():
+    """The app through Serve's proxy and through the ingress's own front (ingress.http_port, the
+    path configs/local.yaml serves its API on)."""
     with serve_on_local_cluster(num_nodes=1) as base:
-        serve.run(build_app(HOSTILE), name="hostile", route_prefix="/hostile")
-        yield f"{base}/hostile"
+        port = free_port()
+        serve.run(build_app({**HOSTILE, "ingress": {"http_port": port}}), name="hostile", route_prefix="/hostile")
+        yield {"proxy": f"{base}/hostile", "front": f"http://127.0.0.1:{port}"}
+
+
+@pytest.fixture(scope="module")
+def url(urls):
+    return urls["proxy"]
 
 
 def _body(path: str, text: str) -> dict:
@@ -291,12 +300,16 @@ def _chain(depth: int) -> dict:
     return schema
 
 
-def test_no_request_stalls_the_event_loop(url):
+@pytest.mark.parametrize("path", ["front", "proxy"])
+def test_no_request_stalls_the_event_loop(urls, path):
     """While a 9.9 MB text prompt, a 9.9 MB chat message, 270-object schemas (such a grammar took
     2 s to parse, on the event loop) and a burst of 1000 small invalid requests are in flight (sent
     from another process), a stream already running and /health polled meanwhile never wait
     long: the worst gap between the stream's chunks and the slowest /health are printed and
-    bounded. The big ones are 400s naming their field, refused before the heavy work."""
+    bounded. The big ones are 400s naming their field, refused before the heavy work. Through the
+    ingress's own front (what configs/local.yaml serves) and through Serve's proxy, whose every
+    request's body travels by an actor call back to the proxy (Serve's `receive_asgi_messages`)."""
+    url = urls[path]
     huge = "ab c" * (9_900_000 // 4)
     hostile = [  # (path, body, the param its 400 names)
         ("/v1/completions", {"prompt": huge, "max_tokens": 2}, "prompt"),
@@ -376,7 +389,7 @@ def test_no_request_stalls_the_event_loop(url):
 
     answers, gaps, waits, took = asyncio.run(main())
     print(
-        f"\n{len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
+        f"\n{path}: {len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
         f"{max(gaps) * 1e3:.0f} ms over {len(gaps)} chunks (median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms); "
         f"/health's slowest {max(waits) * 1e3:.0f} ms over {len(waits)} polls"
     )
@@ -384,12 +397,12 @@ def test_no_request_stalls_the_event_loop(url):
     assert answers[: len(hostile)] == [(400, param) for _, _, param in hostile]
     assert answers[len(hostile) :] == [(400, "temperature")] * burst
     assert len(gaps) > 20 and len(waits) > 5
-    # Generous: on a 2-core CPU shared with other test suites the worst gap was 0.1 s without the
-    # burst and 0.45-0.8 s with it (its requests' CPU: Serve's proxy, the ingress, this client),
-    # once 1.8 s while /health's slowest was 0.47 s (the engine's process starved, not the event
-    # loop); /health 0.26-0.51 s. Before, the schemas' grammars parsed on the event loop (2 s each)
-    # and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
-    assert max(gaps) < 3.0 and max(waits) < 1.5
+    # Generous: a 2-core CPU shares its cores between the load's client, the ingress, Serve's
+    # proxy and the engine, so the figures there are CPU shares, not a blocked loop (records:
+    # commit bodies and the README). Through the proxy a burst's bodies wait on actor calls to it:
+    # /health took up to 1.4 s there. Before, the schemas' grammars parsed on the event loop (2 s
+    # each) and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
+    assert max(gaps) < 3.0 and max(waits) < (1.5 if path == "front" else 3.0)
 
 
 def _replicas(app: str) -> dict[str, int]:
