@@ -23,8 +23,8 @@ the context blocks its queries are likely to attend:
   `budget` (`budget_blocks`), each list keeps the sink, the window and a fixed share of the
   context's blocks, the best of the rest by the same normalised score (its max over the list's
   heads and query blocks). The threshold's lists differ in length layer by layer, and
-  FlashInfer's plan takes the lengths on the host: a wait for the device and a plan (~0.2 ms of
-  host time on the H200's host) per layer. A budget's lengths are known when the step is
+  FlashInfer's plan takes the lengths on the host: a wait for the device and a plan's host time
+  per layer. A budget's lengths are known when the step is
   planned: one plan a step, each layer only rewrites the page ids in place, and nothing waits.
 - Page lists (`chunk_mask`): per (KV head, sub-group), the kept blocks' chunks in order, then
   the piece's own chunks (from the one holding its first token; always kept). As pages

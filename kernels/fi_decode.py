@@ -1,8 +1,8 @@
 """FlashInfer's paged decode over our chunk pool: the engine's decode fallback when nothing is shared.
 
-With no shared chunk in the decode batch, TPP has no phase 1 and is a plain paged decode; on
-the H200 FlashInfer's tensor-core paged decode is then a few percent faster for grouped-query
-heads (``python -m kernels.tools.bench decode``, n_s = 0 rows of the GQA grid), so the engine uses it
+With no shared chunk in the decode batch, TPP has no phase 1 and is a plain paged decode;
+FlashInfer's tensor-core paged decode is then faster for grouped-query heads (figures:
+kernels/tools/records/README.md, 'Figures behind the code'), so the engine uses it
 there when flashinfer is installed (``EngineConfig.flashinfer_fallback``). Our per-layer cache
 ``[num_chunks, Hkv, c, D]`` is FlashInfer's "HND" paged layout with page size c as it is: the
 chunk tables are the page tables, nothing is copied.

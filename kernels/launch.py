@@ -3,9 +3,9 @@
 Every call of ``kernel[grid](...)`` runs Triton's dispatcher (``JITFunction.run``): it binds the
 arguments, specializes each one (its dtype; 16-byte alignment of a pointer; an int equal to 1,
 divisible by 16, or past 32 bits), turns that into a cache key and looks the compiled kernel up.
-On the H200's host TPP's merge kernel (8 arguments) took 13.4 us a launch so, 5.4 by its compiled
-launcher; the attend kernels take 30. A decode step makes ~100 such launches between its graph
-pieces (replicas/piecewise.py).
+That host work more than doubles a launch's cost, the more so the more arguments a kernel takes,
+and a decode step makes ~100 such launches between its graph pieces (replicas/piecewise.py;
+figures: kernels/tools/records/README.md, 'Figures behind the code').
 
 ``launch`` takes from the caller a key that tells apart exactly what the dispatcher would: the
 constexprs and launch options, and what specializes each runtime argument (the caller knows

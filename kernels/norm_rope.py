@@ -2,9 +2,9 @@
 
 Eager torch runs RMSNorm as eight elementwise kernels and RoPE as five per tensor: about 830
 launches per decode step of a 32-layer model (counted from the ops). These do each in one
-launch (H200, llama3-8b b=64, CUDA-graphed decode: 10.5 -> 8.5 ms per step), rounding as torch
-does so that the results match the plain-torch references, which are the model's own ops in
-`replicas.model.layers`:
+launch, which shortens even a CUDA-graphed decode step (figures: kernels/tools/records/README.md,
+'Figures behind the code'), rounding as torch does so that the results match the plain-torch
+references, which are the model's own ops in `replicas.model.layers`:
 
 - `rmsnorm(x, weight, eps, residual=None)` against `layers.rms_norm`: with a residual, h = x +
   residual rounded to x's dtype first (returned too, the next residual); then y = weight * (hf *

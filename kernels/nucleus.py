@@ -16,8 +16,8 @@ each pass then sums its chunk's masses over those, and from the second pass on p
 still inside (lo, hi] forward again, carrying the mass of those now above hi (every threshold
 counts it). The next pass's programs add the chunks' masses up in one fixed order (so all of a
 row's agree, and the cut is deterministic) and narrow. A sort of the rows (torch.sort,
-segmented radix) costs more: H200, 256 rows of 128256, top-p 0.9: 5.2 ms a step for the
-sampler with it. (One program per row, looping over it 8 times, took 5.9 ms: latency-bound.)
+segmented radix) costs more, and so does one program per row looping over it 8 times
+(latency-bound; figures: kernels/tools/records/README.md, 'Figures behind the code').
 """
 
 from __future__ import annotations
@@ -33,12 +33,8 @@ _WAYS = 16  # thresholds a pass evaluates (the last is the current hi)
 _PASSES = 8  # 16**8 = 2**32 keys
 # Tokens a program takes per step, chunks per row at most, and programs per launch to aim at
 # over all rows (fewer chunks a row where there are many rows: a pass over the few tokens left
-# is latency-bound, program by program). H200, GPU time in a CUDA graph, 256 rows of 128256,
-# top-p 0.9, logits N(0, s^2) for s = 10 / 3.75 / 1.25 (peaked to flat): 2048 programs with
-# 128-token blocks 0.30 / 0.44 / 0.96 ms; 8192 (32 chunks a row) 0.57 / 0.67 / 1.15; 1024 0.32
-# / 0.51 / 1.12; 256-token blocks 0.36 / 0.58 / 1.38. 64 rows: 0.19 / 0.22 / 0.35 (1024
-# programs: 0.16 / 0.20 / 0.36). Before the filter and the packing (8 passes over whole rows,
-# [BLOCK, WAYS] accumulators): 1.9 ms at 256 rows, peaked or flat.
+# is latency-bound, program by program): the fastest of those swept, peaked rows to flat (figures:
+# kernels/tools/records/README.md, 'Figures behind the code').
 _BLOCK = 128
 _CHUNKS = 32
 _PROGRAMS = 2048
@@ -170,7 +166,7 @@ def _pass_kernel(
     offs = tl.arange(0, BLOCK)
     # [WAYS, BLOCK]: a thread's ways side by side, summed across the block once at the end (a
     # reduction per block, cross-thread float64 shuffles, made the pass compute-bound; ways
-    # across threads, [BLOCK, WAYS], measured 10-20 % slower over whole rows)
+    # across threads, [BLOCK, WAYS], were slower over whole rows: records)
     acc = tl.zeros([WAYS, BLOCK], dtype=tl.float64)
     above = tl.zeros([BLOCK], dtype=tl.float64)
     w = 0
@@ -233,8 +229,7 @@ def nucleus_floor(logits: Tensor, probs: Tensor, top_p: Tensor) -> Tensor:
     # room for rounding, and those at or under plo (the row's lowest values, probabilities rising
     # with the logits) hold under (mass - top_p) / 2: the mass above them still reaches top_p,
     # so leaving them out moves no threshold of the search across top_p. With peaked rows most
-    # of the vocabulary drops out here (H200, 256 rows of 128256, logits N(0, 10^2): about 0.3 %
-    # left).
+    # of the vocabulary drops out here (records: 'Figures behind the code').
     # (The row's mass summed in float32, its error far under the 1e-4 taken off.)
     mass = probs.sum(-1).double()
     plo = ((mass * (1 - 1e-4) - top_p[:, 0]).clamp(min=0.0) * (0.5 / n)).float()

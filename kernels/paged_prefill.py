@@ -9,13 +9,11 @@ Our per-layer cache ``[num_chunks, Hkv, c, D]`` is FlashInfer's "HND" layout wit
 nothing is gathered or copied. The plan is made once per step (host work) and serves every layer.
 
 The engine's prefill ran ``prefill_attention_ref`` span by span before: per layer about ten torch
-ops per span, so a burst of short prompts after a shared prefix cost seconds. H200, llama3-8b,
-``python -m replicas.tools.bench --model llama3-8b --backend triton [--no-flashinfer-prefill]``, warm
-runs, prefill seconds: 256 prompts of a 2048-token shared prefix + 64 own tokens 5.82-5.84 ->
-0.74; 32 prompts of 1024 shared + 1024 own 2.78 -> 1.00.
+ops per span, so a burst of short prompts after a shared prefix took several times as long as
+one launch per layer does (figures: kernels/tools/records/README.md, 'Figures behind the code').
 
-FlashInfer compiles its prefill module for a dtype and head size on first use: 106-127 s on a
-fresh H200 (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica's warmup
+FlashInfer compiles its prefill module for a dtype and head size on first use, for minutes on a
+fresh machine (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica's warmup
 (replicas/warmup.py) runs a prefill, so the compile happens before the replica reports ready.
 """
 

@@ -329,7 +329,7 @@ def _attend_kernel(
     # at once, before any piece starts (kernels.tpp_plan.FixedPlans). Both phases share one code path:
     # query vector m is row row0 + m // G, head kv * G + m % G, live for rows < nrows (a phase-2
     # piece is one row: its G heads). One piece per program, no loop around the streaming loop:
-    # nesting it in one measurably slowed the streaming on the H200.
+    # nesting it in one slowed the streaming (records: 'Figures behind the code').
     if LAUNCH_NEXT:  # the next launch may start once every program here is past this (tpp_decode)
         gdc_launch_dependents()
     if Count is not None:
@@ -542,7 +542,7 @@ def _attend_rows_kernel(
 def _merge_kernel(Out, PartO, PartLse, Count, Items, stride_ob, stride_oh, D: tl.constexpr, BLOCK_P: tl.constexpr):
     # grid: (merge rows, Hq): fold the row's partials (o, lse) at slots slot0 .. slot0 + n - 1;
     # a fixed plan's (Count not None) (Hq, rows), its programs past Count rows last, returning.
-    # (Blocks of heads per program, as [BLOCK_P, heads, D] loads, measured slower on the H200.)
+    # (One head per program: blocks of heads, as [BLOCK_P, heads, D] loads, were slower; records.)
     if Count is not None:
         item = tl.program_id(1)
         head = tl.program_id(0)
@@ -722,7 +722,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
     # program has, so the two phases stream side by side. A phase-2 program waits for phase 1
     # to complete (gdc_wait) after its own streaming, before it folds phase-1 partials; all of
     # them wait, so phase 2 completes after phase 1 and the merge (and whatever follows),
-    # launched plainly, after both. (The merge launched early too measured slower.)
+    # launched plainly, after both. (The merge launched early too was slower; records.)
     pdl = _PDL and q.is_cuda and _sm90_plus(q.device.index)
     n = len(plan.launches)
     vec_min = _FOLD_VEC_MIN if g == 1 else _FOLD_VEC_MIN_GQA
@@ -766,9 +766,9 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
             continue
         lean = plan.lean_phase1 if phase == 1 else plan.lean_phase2 if phase == 2 else False
         cfg = tpp_plan._launch_config(d, block_m, q.element_size(), live, lean)
-        # K/V blocks by TMA (sm90+), see _attend: phase 1 streams 7-20 % faster by it. Not phase
-        # 2: MHA's one-buffer phase-2 tile measured 2-3 % slower (each copy's wait exposed), GQA's
-        # on par.
+        # K/V blocks by TMA (sm90+), see _attend: phase 1 streams faster by it. Not phase 2: MHA's
+        # one-buffer phase-2 tile is slower by it (each copy's wait exposed), GQA's on par (figures:
+        # kernels/tools/records/README.md, 'Figures behind the code').
         tma = phase != 2 and _use_tma(q, k_cache, c, cfg["BLOCK_N"])
         block_n = cfg.pop("BLOCK_N")
         tail = (
@@ -811,7 +811,7 @@ def _plan_launches(q: Tensor, k_cache: Tensor, out: Tensor, plan: TppPlan, sm_sc
     if plan.merge_items.shape[0]:
         count = None if plan.counts is None else plan.count(2)
         tail = (plan.part_o, plan.part_lse, count, plan.merge_items, out.stride(0), out.stride(1), d, plan.block_p)
-        options = dict(num_warps=1)  # one warp: no cross-warp reduction (2x faster)
+        options = dict(num_warps=1)  # one warp: no cross-warp reduction (faster; records)
         launches.append(
             (
                 _merge_kernel,

@@ -58,16 +58,16 @@ class EngineConfig:
     tp_size: int = 1
     attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch | reference
     # triton backend, eager engines (enforce_eager): decode a batch with nothing shared through
-    # FlashInfer's paged decode (GQA, 16-bit caches, flashinfer installed), measured a few percent
-    # faster there than TPP without a phase 1. Engines with CUDA graphs decode it through TPP
-    # (against whole-step graphs: H200, llama3-8b b=64, 2112-token unshared prompts, 20.6 ms a
-    # step eager through FlashInfer, 15.9 graphed through TPP; not yet measured against the
-    # piecewise graphs, between whose pieces either could run).
+    # FlashInfer's paged decode (GQA, 16-bit caches, flashinfer installed), faster there than TPP
+    # without a phase 1. Engines with CUDA graphs decode it through TPP: a whole-step graph through
+    # TPP beats an eager step through FlashInfer (not yet compared under the piecewise graphs,
+    # between whose pieces either could run; figures: cluster/loadtest/records/README.md,
+    # 'Figures behind the code').
     flashinfer_fallback: bool = True
     # triton backend: a step's prefill spans through FlashInfer's paged prefill, one launch per
     # layer over the pool as it is (16-bit caches, head size 64/128/256, flashinfer installed;
-    # kernels/paged_prefill.py), not the plain-torch reference span by span. H200, llama3-8b,
-    # 256 prompts of 2048 shared + 64 own tokens: prefill 5.8 s -> 0.74 (replicas.tools.bench)
+    # kernels/paged_prefill.py), not the plain-torch reference span by span, which takes several
+    # times as long (figures: cluster/loadtest/records/README.md, 'Figures behind the code')
     flashinfer_prefill: bool = True
     # CUDA: False runs steps' forwards from CUDA graphs (the piecewise graphs below; whole-step
     # graphs too with decode_graphs); True launches every kernel from Python (vLLM's option)
@@ -93,18 +93,17 @@ class EngineConfig:
     # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
     # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
     # last token is known: one that ends on a stop token has run one token more, which is
-    # dropped (never emitted or counted); one that ends by length does not. H200, llama3-8b, 256
-    # rows after a 2048-token shared prefix (replicas.tools.bench, ms a step, sync -> async, one
-    # machine): greedy 13.0 -> 12.9, top-p 0.9 18.4 -> 15.7, top-k 50 and top-p 0.9 15.1 -> 13.9;
-    # temperature 0.8 13.4 -> 12.3 on another; 32 rows after 1024 shared, greedy 6.7-6.9 -> 6.5-6.7.
+    # dropped (never emitted or counted); one that ends by length does not. A step's host work
+    # then hides behind the device's, most where it is longest, sampling rows (figures:
+    # cluster/loadtest/records/README.md, 'Figures behind the code').
     async_scheduling: bool | None = None
     # Block-union sparse prefill (DESIGN §5, kernels/block_union.py): a prefill piece after at
     # least sparse_prefill.min_context cached tokens attends only the context blocks its queries
     # score high on (approximate attention: outputs change). None (default): every prefill is
     # dense, exact. A dict is taken as BlockUnion's fields; BlockUnion(budget=...) is planned once
-    # a step (H200, llama3-8b, one 32768-token prompt in 2048-token pieces: prefill 1.35 s dense,
-    # 0.98 s with a budget of 0.1; replicas.tools.bench). The pool then keeps each chunk's key
-    # bounds per layer ([max | min] per dimension, in K's dtype: 2/c of K's size again).
+    # a step, and prefills a long prompt faster than dense (figures:
+    # cluster/loadtest/records/README.md, 'Figures behind the code'). The pool then keeps each
+    # chunk's key bounds per layer ([max | min] per dimension, in K's dtype: 2/c of K's size again).
     sparse_prefill: BlockUnion | dict | None = None
 
     def __post_init__(self):
@@ -129,8 +128,9 @@ class RequestOutput(NamedTuple):
     """What one request produced in one step (or its end).
 
     Immutable as a named tuple rather than a frozen dataclass: the engine makes one per row per
-    step, and a frozen dataclass's __init__ (a guarded setattr per field) took 2.3 us against
-    0.7 (CPU, Python 3.11): about 0.4 ms of a 256-row decode step's host time."""
+    step, and a frozen dataclass's __init__ (a guarded setattr per field) is several times slower
+    to build: a visible share of a large decode step's host time (figures:
+    cluster/loadtest/records/README.md, 'Figures behind the code')."""
 
     request_id: str
     new_token_ids: list[int]

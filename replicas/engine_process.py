@@ -2,10 +2,11 @@
 
 A replica's engine step is mostly host work (Python, kernel launches). Run in a thread of the
 Serve replica's process, every other thing that process does (Serve's request plumbing, each
-streamed output's serialization, the event loop, metrics) took the interpreter lock from it:
-H200, llama3-8b, 8 requests/s of 2048 shared + 64 own tokens, TPOT 42 ms through Serve against
-22 ms for the engine alone. As vLLM v1 (EngineCore) and SGLang (the scheduler process) do, the
-engine runs in its own process and steps back to back; the replica keeps only the front:
+streamed output's serialization, the event loop, metrics) took the interpreter lock from it,
+and decoding through Serve ran far slower than the engine alone (figures:
+cluster/loadtest/records/README.md, 'Figures behind the code'). As vLLM v1 (EngineCore) and
+SGLang (the scheduler process) do, the engine runs in its own process and steps back to back;
+the replica keeps only the front:
 
     replica process (Serve, asyncio)                 engine process (python -m replicas.engine_process)
     EngineProcess.add / abort / compile ──pipe──▶    commands applied between two steps

@@ -22,10 +22,9 @@ hang at the next step.
 Two process groups: the default one for the model's collectives (NCCL between GPUs, gloo between
 CPU ranks), and a gloo control group for the ops and hashes (a worker waits in it while the
 replica is idle, so it has no timeout). Per step it carries two 8-byte collectives, and the
-pickled ops only in a step that has some. Two H200s, CUDA-graphed decode steps (scratch runs, not
-a benchmark): pickled objects both ways (broadcast_object_list / gather_object) took tiny b = 8
-2.79 ms and llama3-8b b = 32 (1024 shared + 64 own tokens) 6.92 ms a step; these collectives 1.37
-and 5.77 ms, where one GPU alone took 0.74 and 5.77. No Ray here: the replica
+pickled ops only in a step that has some: pickled objects both ways every step
+(broadcast_object_list / gather_object) slowed the CUDA-graphed decode steps, small ones most
+(figures: cluster/loadtest/records/README.md, 'Figures behind the code'). No Ray here: the replica
 (replicas/deployment.py) starts the workers as Ray actors running TPWorker.serve.
 """
 

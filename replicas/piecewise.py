@@ -2,10 +2,11 @@
 
 A whole decode step replays from one graph (replicas/cuda_graph.py) only while its TPP plan
 lives: under live traffic rows join, leave and fill tails every few steps, and steps with prefill
-tokens never had one, so most steps launched every kernel from Python (about 40 a layer; H200,
-llama3-8b, Poisson arrivals: 25-54 ms a step, nearly all of it host time). Everything but the
-attention depends on the token count alone, so, as vLLM's piecewise graphs, each layer's halves
-are graphed per token-count bucket and the attention runs eagerly between them, whatever its plan:
+tokens never had one, so most steps launched every kernel from Python (about 40 a layer), their
+time nearly all host time (figures: cluster/loadtest/records/README.md, 'Figures behind the
+code'). Everything but the attention depends on the token count alone, so, as vLLM's piecewise
+graphs, each layer's halves are graphed per token-count bucket and the attention runs eagerly
+between them, whatever its plan:
 
     piece 0:     embed, rotary, layer 0 before its attention, its K/V into the pool -> q, residual
     attention 0  (eager: TPP decode, FlashInfer prefill; the step's own plans)

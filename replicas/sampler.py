@@ -1,7 +1,6 @@
 """Next-token sampling: greedy rows in one argmax, the others with temperature, top-k and top-p
 applied to all of them together, and every draw in one launch: a few batched ops per step, not
-about ten per row (H200, 256 rows at temperature 0.8, V = 128256: 64.9 ms per step row by row,
-1.1 batched).
+about ten per row (figures: cluster/loadtest/records/README.md, 'Figures behind the code').
 
 Each sampling row draws with its own 64-bit key and counter (the engine: the request's seed, or
 one made from the engine's seed and the request's arrival, and the index of the token drawn):
@@ -9,8 +8,8 @@ its token is the argmax of probs / -log(u) (an exponential race, what torch.mult
 one token by) with u the row's counter-based uniforms (``kernels.philox``). A row's token so
 depends only on its probabilities, key and counter, not on the rest of the batch: what
 ``sample_row_ref`` gives for that row alone. (Per-row torch generators cost a few launches per
-row per step: 256 rows at temperature 0.8 took 37-41 ms a step on the H200 against 10.6-12.5
-greedy, llama3-8b, replicas.tools.bench.)
+row per step, which made a large batch's sampled decode steps several times as long as greedy
+ones.)
 
 Every row's logits first get its logit_bias, then its penalties (repetition, frequency, presence:
 vLLM's order, greedy rows too), from the token counts the engine keeps on the device
@@ -21,11 +20,8 @@ tokens stay or go together, and the most likely token always stays. On CUDA the 
 for without a sort (``kernels.nucleus``): among the k + 1 largest logits where every top-p row
 has top-k, over the whole vocabulary otherwise. Elsewhere a row with top-k finds its cut among
 its k + 1 largest logits unless ties of its k-th value reach past them (a host sync, free on the
-CPU), and other top-p rows are sorted whole. H200, V = 128256, ``python -m
-replicas.tools.bench_sampler`` (ms a call, 256 rows): top-p 0.9 5.2 sorted -> 3.9 (the first search)
--> 1.8 peaked / 2.4 flat (the search over the tokens that can matter, no row copies); top-k 50
-and top-p 0.9 2.5 (candidates and a sync) -> 1.9-2.3 (none); temperature alone 0.74-0.77; 64
-rows: 1.0-1.3, 1.5-1.7 and 0.3-0.4.
+CPU), and other top-p rows are sorted whole. On CUDA the search beats the sort, and top-k rows
+skip the candidates' host sync.
 
 Nothing here waits for the device on CUDA: row indices, keys and parameters go through pinned
 memory.

@@ -1,7 +1,7 @@
 """Warm an engine up before it serves: run a few synthetic batches through the normal path, so
-that the kernels they use are compiled (Triton JIT-compiles each variant at its first launch,
-about a second apiece; FlashInfer's prefill module, kernels/paged_prefill.py, about two minutes
-on a fresh H200, then cached on disk) and the CUDA caches and graphs set up, before a user's
+that the kernels they use are compiled (Triton JIT-compiles each variant at its first launch;
+FlashInfer's prefill module, kernels/paged_prefill.py, compiles at its first use, for minutes on
+a fresh machine, then cached on disk) and the CUDA caches and graphs set up, before a user's
 request waits on them. vLLM and SGLang do the same at startup (dummy runs, graph captures).
 
 What it runs (all through add_request / step, so tensor-parallel ranks follow, TPEngine):
@@ -17,12 +17,9 @@ Then it zeroes the engine's counters. Its chunks stay in the prefix cache like a
 request's (evicted first, being oldest): evicting them on rank 0 alone would part its pool from
 the other ranks'.
 
-H200, llama3-8b, 256 rows after a 2048-token shared prefix, each run with an empty Triton cache
-(``TRITON_CACHE_DIR``, as on a fresh node), ``python -m replicas.tools.bench --model llama3-8b --batch
-256 --prefix 2048 --suffix 64 --max-tokens 64 --backend triton [--warmup]``: without it the first
-run's decode steps took 21.2 ms (13.5 of them the host's, compiling) and its prefill 11.5 s; after
-a 14.5 s warmup (264 requests) 12.2 ms and 7.0 s, where warm runs take 11.9-13.0 ms and 3.9-6.2 s.
-(Those prefills ran through the plain-torch reference, before kernels/paged_prefill.py.)
+Without it a fresh node's first requests wait on those compiles (its first decode steps mostly
+host time); after it, the first decode steps run as fast as warm ones (figures:
+cluster/loadtest/records/README.md, 'Figures behind the code').
 """
 
 from __future__ import annotations
