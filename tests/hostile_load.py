@@ -8,10 +8,20 @@ import json
 
 import httpx
 
+_prepared: list[tuple[str, str]] = []  # this process's hostile requests, handed over before they are sent
 
-def send(url: str, hostile: list[tuple[str, str]], burst: int, concurrency: int = 64) -> list[tuple[int, str | None]]:
-    """POST each of `hostile` (path, JSON body) and `burst` small invalid completions at once (at most
+
+def prepare(hostile: list[tuple[str, str]]) -> int:
+    """Keep `hostile` (path, JSON body) in this process for `send`: the measuring process hands
+    the large bodies over (encoding and pickling them) before its measured window, not in it."""
+    _prepared[:] = hostile
+    return len(_prepared)
+
+
+def send(url: str, burst: int, concurrency: int = 64) -> list[tuple[int, str | None]]:
+    """POST each prepared hostile request and `burst` small invalid completions at once (at most
     `concurrency` of the burst in flight); -> each response's (status, its error's param)."""
+    hostile = list(_prepared)
 
     async def post(client: httpx.AsyncClient, path: str, body: str) -> tuple[int, str | None]:
         r = await client.post(f"{url}{path}", content=body.encode(), headers={"Content-Type": "application/json"})
