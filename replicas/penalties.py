@@ -1,8 +1,8 @@
 """The token counts that presence, frequency and repetition penalties read, kept on the device.
 
 A penalized request (``SamplingParams.penalized``) gets a slot (``Sequence.penalty_slot``) the
-first time it samples: a row of ``counts`` ([slots, V] int32: how often it has generated each token) and of ``prompt`` ([slots,
-V] bool: its prompt's tokens). Each step gathers the sampling rows' slots for the sampler and
+first time it samples: a row of ``counts`` ([slots, V] int32: how often it has generated each
+token) and of ``prompt`` ([slots, V] bool: its prompt's tokens). Each step gathers the sampling rows' slots for the sampler and
 then adds each row's sampled token to its counts, on the device, from the step's token tensor:
 nothing waits for the tokens, so under asynchronous scheduling the counts already hold the token
 still in flight, and tensor-parallel ranks count the tokens rank 0 broadcast. The engine releases
