@@ -242,6 +242,10 @@ class _Core:
                 from replicas.warmup import warmup
 
                 warm = warmup(self.engine)
+            if self.engine.tokenizer is not None:
+                # the grammar engine and the vocabulary's token info now: built at the first guided
+                # request, their import and build held the interpreter lock from the steps running
+                self.engine.guides()
         except BaseException as e:  # noqa: BLE001 - the replica raises it
             self.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             traceback.print_exc()

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
@@ -142,3 +143,14 @@ def test_the_engine_process_ends_when_its_pipe_closes():
     while core._proc.poll() is None:
         assert time.monotonic() < deadline, "the engine process outlived its pipe"
         time.sleep(0.1)
+
+
+def test_the_grammar_engine_is_built_before_ready():
+    """xgrammar and the vocabulary's token info are built while the engine process starts: built
+    at the first guided request, they held the interpreter lock from the running steps."""
+    core = EngineProcess(CONFIG)
+    try:
+        maps = Path(f"/proc/{core._proc.pid}/maps").read_text()  # (the libraries the process has loaded)
+        assert "xgrammar" in maps
+    finally:
+        core.close()
