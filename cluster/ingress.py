@@ -69,6 +69,7 @@ from cluster.reasoning import ReasoningSplit, think_tags
 from cluster.tool_calls import ToolOutput
 from replicas.direct_stream import Address, DirectStream, ReplicaFull, StreamClient, StreamLost
 from replicas.engine_process import EngineDied
+from replicas.guided import load_grammar_engine
 from replicas.model import load_tokenizer
 from replicas.model.tokenizer import PLAIN_TEXT_ROLES
 from replicas.wire import GenerateOutput, GenerateRequest
@@ -637,6 +638,8 @@ class OpenAIIngress:
         self.config = config
         self.model_name = config.model_name
         self.tokenizer = load_tokenizer(config.model)  # None: the model takes token ids only
+        if self.tokenizer is not None:  # (structured outputs need one: their grammars parse here)
+            load_grammar_engine()
         self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token texts
         self.api_key = config.resolve_api_key()
         # special tokens' text typed in a text prompt or a user's or tool's message is text (not

@@ -121,6 +121,13 @@ def _xgrammar():
     return xgrammar
 
 
+def load_grammar_engine() -> None:
+    """Import the grammar engine now, before serving: its import holds the interpreter lock for
+    long stretches, which at a first structured-output request would stall an event loop's
+    streams (or an engine's steps) for a few hundred milliseconds."""
+    _xgrammar()
+
+
 class Guides:
     """One engine's grammars: the vocabulary's token info, and the grammars compiled for it (the
     last MAX_COMPILED of them kept, so distinct schemas do not grow the replica's memory without

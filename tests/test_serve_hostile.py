@@ -77,6 +77,17 @@ def _openai_error(r: httpx.Response, status: int) -> dict:
     return error
 
 
+def test_the_ingress_loads_the_grammar_engine_before_serving(url):
+    """(First in the module: no structured output has been asked for yet.) At the first one the
+    grammar engine's import held the ingress's event loop for up to 0.25 s."""
+    pids = []
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::hostile#OpenAIIngress#"):
+            handle = ray.get_actor(actor["name"], namespace=actor["namespace"])
+            pids.append(ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30))
+    assert pids and all("xgrammar" in Path(f"/proc/{pid}/maps").read_text() for pid in pids)
+
+
 @pytest.mark.parametrize("path", ENDPOINTS)
 def test_text_that_is_not_unicode_is_a_400(url, path):
     # a lone surrogate escape (json.dumps writes "a\ud800b" so): once a 500, TypeError from the tokenizer
