@@ -130,18 +130,37 @@ def test_a_full_replica_passes_requests_to_serve(apps):
     url, direct, _ = apps
     _until_direct(url, direct)
     before = _direct(direct)
-    n = 12  # 3x the replica's max_ongoing_requests at once
+    room, more = BASE["max_ongoing_requests"], 8
 
     async def run():
+        # `room` long streams fill the replica (each has its first chunk), then `more` requests
+        # come while they run: the replica answers those `full`. (Twelve sent at once did not
+        # always fill it on a loaded 2-core CPU: the ingress let them in a few at a time.)
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            return await asyncio.gather(
-                *(_completions(client, f"{url}/d/v1/completions", _body(i, max_tokens=24)) for i in range(n))
-            )
+            first = [asyncio.Event() for _ in range(room)]
 
-    outs = asyncio.run(run())
-    assert all(o["usage"]["completion_tokens"] == 24 for o in outs)
+            async def long(i: int) -> int:
+                body = {**_body(100 + i, max_tokens=400), "stream": True}
+                tokens = 0
+                async with client.stream("POST", f"{url}/d/v1/completions", json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            first[i].set()
+                            tokens += len(json.loads(line[6:])["choices"][0]["text"])
+                return tokens
+
+            holding = [asyncio.create_task(long(i)) for i in range(room)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 120)
+            outs = await asyncio.gather(
+                *(_completions(client, f"{url}/d/v1/completions", _body(i, max_tokens=24)) for i in range(more))
+            )
+            return outs, await asyncio.gather(*holding)
+
+    outs, long_chars = asyncio.run(run())
+    assert all(o["usage"]["completion_tokens"] == 24 for o in outs) and all(c > 0 for c in long_chars)
     took = _direct(direct) - before
-    assert 1 <= took < n  # some direct, the ones past the replica's room through Serve
+    assert room <= took < room + more  # the long ones direct, those past the replica's room through Serve
     # and the engine never held more than max_ongoing_requests of them (Serve's calls past the
     # replica's bound waited in it: Serve counts only its own calls)
     assert direct.stats.remote().result(timeout_s=60)["max_decode_batch"] <= BASE["max_ongoing_requests"]
