@@ -123,8 +123,8 @@ def _xgrammar():
 
 def load_grammar_engine() -> None:
     """Import the grammar engine now, before serving: its import holds the interpreter lock for
-    long stretches, which at a first structured-output request would stall an event loop's
-    streams (or an engine's steps) for a few hundred milliseconds."""
+    long stretches, which at a first structured-output request stalled the ingress's event loop
+    (and so its streams) for up to a quarter of a second."""
     _xgrammar()
 
 

@@ -29,5 +29,5 @@ if "CHUNKSERVE_CACHE_DIR" not in os.environ:
 def _release_gpu_memory(request):
     yield
     if torch.cuda.is_available() and ({"gpu", "gpu2"} & {m.name for m in request.node.iter_markers()}):
-        gc.collect()  # (engines in reference cycles hold their pools until collected)
+        gc.collect()  # (whatever of the test's engines only a reference cycle still holds)
         torch.cuda.empty_cache()
