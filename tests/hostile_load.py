@@ -1,10 +1,13 @@
-"""Hostile requests sent from a process of their own (tests/test_serve_hostile.py's event-loop
-probe): the process measuring the server's latencies then does not also run their clients."""
+"""The event-loop probe's clients (tests/test_serve_hostile.py), each in a process of its own: the
+hostile load's, and the one measuring the server's latencies meanwhile. The test's own process is
+Ray's driver, whose threads take the interpreter lock at times: a client measured there saw a
+stall of about 0.2 s in each run that was not the server's (commit body)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 
@@ -12,8 +15,8 @@ _prepared: list[tuple[str, str]] = []  # this process's hostile requests, handed
 
 
 def prepare(hostile: list[tuple[str, str]]) -> int:
-    """Keep `hostile` (path, JSON body) in this process for `send`: the measuring process hands
-    the large bodies over (encoding and pickling them) before its measured window, not in it."""
+    """Keep `hostile` (path, JSON body) in this process for `send`: the test hands the large
+    bodies over (encoding and pickling them) before the measured window, not in it."""
     _prepared[:] = hostile
     return len(_prepared)
 
@@ -40,3 +43,52 @@ def send(url: str, burst: int, concurrency: int = 64) -> list[tuple[int, str | N
             )
 
     return asyncio.run(main())
+
+
+def measure(url: str, max_tokens: int, started, ended) -> tuple[list[float], list[float]]:
+    """Stream completions one after another and poll /health every 20 ms until `ended` (a
+    multiprocessing Event) is set; set `started` once a stream has sent 8 chunks. -> the gaps
+    between a stream's chunks and /health's waits, in seconds, both counted from `started` on."""
+    body = {"prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    gaps: list[float] = []
+    waits: list[float] = []
+
+    async def stream(client: httpx.AsyncClient) -> None:
+        chunks = 0
+        while not ended.is_set():  # a fast machine ends a stream within the window
+            last = None
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                assert r.status_code == 200, r.status_code
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    now = time.monotonic()
+                    chunks += 1
+                    if chunks == 8:
+                        started.set()  # the stream runs: the hostile requests may go
+                    if last is not None and started.is_set() and not ended.is_set():
+                        gaps.append(now - last)
+                    last = now
+
+    async def health(client: httpx.AsyncClient) -> None:
+        while not ended.is_set():
+            t = time.monotonic()
+            assert (await client.get(f"{url}/health")).status_code == 200
+            if not ended.is_set():  # (a poll the window's end held up is not the server's wait)
+                waits.append(time.monotonic() - t)
+            await asyncio.sleep(0.02)
+
+    async def main():
+        async with httpx.AsyncClient(timeout=300) as client:
+            streaming = asyncio.create_task(stream(client))
+            while not started.is_set() and not streaming.done():
+                await asyncio.sleep(0.01)
+            polling = asyncio.create_task(health(client))
+            await asyncio.to_thread(ended.wait)
+            if streaming.done():  # it failed: raise its error
+                await streaming
+            await polling
+            streaming.cancel()
+
+    asyncio.run(main())
+    return gaps, waits

@@ -310,10 +310,10 @@ def _chain(depth: int) -> dict:
 @pytest.mark.parametrize("path", ["front", "proxy"])
 def test_no_request_stalls_the_event_loop(urls, path):
     """While a 9.9 MB text prompt, a 9.9 MB chat message, 270-object schemas (such a grammar took
-    2 s to parse, on the event loop) and a burst of 1000 small invalid requests are in flight (sent
-    from another process), a stream already running and /health polled meanwhile never wait
-    long: the worst gap between the stream's chunks and the slowest /health are printed and
-    bounded. The big ones are 400s naming their field, refused before the heavy work. Through the
+    2 s to parse, on the event loop) and a burst of 1000 small invalid requests are in flight, a
+    stream already running and /health polled meanwhile never wait long (each client in a
+    process of its own, tests/hostile_load.py): the worst gap between the stream's chunks and
+    the slowest /health are printed and bounded. The big ones are 400s naming their field, refused before the heavy work. Through the
     ingress's own front (what configs/local.yaml serves) and through Serve's proxy, whose every
     request's body travels by an actor call back to the proxy (Serve's `receive_asgi_messages`)."""
     url = urls[path]
@@ -342,60 +342,28 @@ def test_no_request_stalls_the_event_loop(urls, path):
         ),
     ]
     burst = 1000
-    started, ended = asyncio.Event(), asyncio.Event()
-
-    async def stream(client: httpx.AsyncClient, gaps: list[float]) -> None:
-        # one stream after another until the load is over (a fast machine ends one within it);
-        # the gaps are within a stream
-        body = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True, "temperature": 0}
-        chunks = 0
-        while not ended.is_set():
-            last = None
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    now = time.monotonic()
-                    chunks += 1
-                    if chunks == 8:
-                        started.set()  # the stream runs: the hostile requests may go
-                    if last is not None and started.is_set() and not ended.is_set():
-                        gaps.append(now - last)
-                    last = now
-
-    async def health(client: httpx.AsyncClient, waits: list[float]) -> None:
-        while not ended.is_set():
-            t = time.monotonic()
-            assert (await client.get(f"{url}/health")).status_code == 200
-            if not ended.is_set():  # (a poll the window's end held up is the client's wait)
-                waits.append(time.monotonic() - t)
-            await asyncio.sleep(0.02)
-
-    async def main():
-        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            gaps: list[float] = []
-            waits: list[float] = []
-            loop = asyncio.get_running_loop()
-            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-                # its start-up and the bodies' encoding before the window: 30 MB of json.dumps on
-                # this loop stalled the stream being measured by ~0.1 s
-                await loop.run_in_executor(pool, hostile_load.prepare, [(p, json.dumps(b)) for p, b, _ in hostile])
-                streaming = asyncio.create_task(stream(client, gaps))
-                await started.wait()
-                polling = asyncio.create_task(health(client, waits))
-                t = time.monotonic()
-                answers = await loop.run_in_executor(pool, hostile_load.send, url, burst)
-                took = time.monotonic() - t
-                ended.set()  # (before the pool's exit, which blocks this loop while its process ends)
-            alive = not streaming.done()  # (else it failed: its error is raised below)
-            await polling
-            streaming.cancel()
-            if not alive:
-                await streaming
-            return answers, gaps, waits, took
-
-    answers, gaps, waits, took = asyncio.run(main())
+    spawn = multiprocessing.get_context("spawn")
+    with (
+        spawn.Manager() as manager,
+        ProcessPoolExecutor(1, mp_context=spawn) as load,
+        ProcessPoolExecutor(1, mp_context=spawn) as probe,
+    ):
+        started, ended = manager.Event(), manager.Event()
+        # the bodies' encoding and hand-over before the window (30 MB of json.dumps)
+        load.submit(hostile_load.prepare, [(p, json.dumps(b)) for p, b, _ in hostile]).result()
+        measured = probe.submit(hostile_load.measure, url, MAX_MODEL_LEN - 8, started, ended)
+        deadline = time.monotonic() + 120
+        while not started.wait(0.1):
+            if measured.done():
+                measured.result()  # it failed before its window: raise its error
+            assert time.monotonic() < deadline, "the stream sent no 8 chunks in 120 s"
+        t = time.monotonic()
+        try:
+            answers = load.submit(hostile_load.send, url, burst).result()
+        finally:
+            took = time.monotonic() - t
+            ended.set()
+        gaps, waits = measured.result()
     print(
         f"\n{path}: {len(hostile)} hostile and {burst} invalid requests in {took:.1f} s; the stream's worst gap "
         f"{max(gaps) * 1e3:.0f} ms over {len(gaps)} chunks (median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms); "
@@ -405,11 +373,11 @@ def test_no_request_stalls_the_event_loop(urls, path):
     assert answers[: len(hostile)] == [(400, param) for _, _, param in hostile]
     assert answers[len(hostile) :] == [(400, "temperature")] * burst
     assert len(gaps) > 20 and len(waits) > 5
-    # Generous: a 2-core CPU shares its cores between the load's client, the ingress, Serve's
-    # proxy and the engine, so the figures there are CPU shares, not a blocked loop (records:
-    # commit bodies and the README). Through the proxy a burst's bodies wait on actor calls to it:
-    # /health took up to 0.63 s there on 2 cores. Before, the schemas' grammars parsed on the event loop (2 s
-    # each) and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
+    # Generous: a 2-core CPU shares its cores between the two clients, the ingress, Serve's proxy
+    # and the engine, so the figures there are CPU shares, not a blocked loop (records: commit
+    # bodies). Through the proxy a burst's bodies wait on actor calls to it: /health took up to
+    # 0.63 s there on 2 cores. Before, the schemas' grammars parsed on the event loop (2 s each)
+    # and the 9.9 MB texts were tokenized on it: a 45.6 s gap, /health 37.1 s.
     assert max(gaps) < 3.0 and max(waits) < (1.5 if path == "front" else 3.0)
 
 
