@@ -330,39 +330,41 @@ def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) 
     return mask
 
 
-def block_agg(q: Tensor, keys: Tensor, block: int, sub: int, sm_scale: float | None = None) -> Tensor:
-    """Triton ``normalised(kernels.reference.block_scores_ref(q, keys, block, sm_scale), sub)``
-    in one launch: q [T, Hq, D] (last dim contiguous), keys [NB, Hkv, D] -> [Hq / sub, NB]
-    float32. Scores in q's precision (a 16-bit q's dot products round the keys to its type),
-    accumulated in float32. The selection passes `bound_queries(q)` and the blocks' bounds (D
-    twice the head dim) with the model's sm_scale."""
+def block_agg(q: Tensor, bounds: Tensor, block: int, sub: int, sm_scale: float | None = None) -> Tensor:
+    """Triton ``normalised(kernels.reference.block_scores_ref(bound_queries(q), bounds, block,
+    sm_scale), sub)`` in one launch: q [T, Hq, D] (last dim contiguous), bounds [NB, Hkv, 2D]
+    (each block's [max | min]) -> [Hq / sub, NB] float32. Each program splits its head's queries
+    into q⁺ and q⁻ itself (no [T, Hq, 2D] copy) and scores them against the max and min halves.
+    Scores in q's precision (a 16-bit q's dot products round the bounds to its type), accumulated
+    in float32."""
     import triton
 
     t, hq, d = q.shape
-    nb, hkv, dk = keys.shape
-    if dk != d or hq % hkv or (hq // hkv) % sub or q.stride(2) != 1:
+    nb, hkv, d2 = bounds.shape
+    if d2 != 2 * d or hq % hkv or (hq // hkv) % sub or q.stride(2) != 1:
         raise ValueError(
-            f"q {tuple(q.shape)}, keys {tuple(keys.shape)} and sub-groups of {sub} do not fit (q's last dim contiguous)"
+            f"q {tuple(q.shape)}, bounds {tuple(bounds.shape)} ([max | min]: twice q's head dim) and "
+            f"sub-groups of {sub} do not fit (q's last dim contiguous)"
         )
     if d & (d - 1) or d < 16 or block & (block - 1) or block < 16:
         raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
-    keys = keys.to(q.dtype).contiguous()
-    e, qb = hq // sub, triton.cdiv(t, block)
-    scratch = torch.empty(e, qb, nb, dtype=torch.float32, device=q.device)  # each program: its head's block means
-    agg = torch.zeros(e, nb, dtype=torch.float32, device=q.device)
+    bounds = bounds.to(q.dtype).contiguous()
+    qb = triton.cdiv(t, block)
+    scratch = torch.empty(hq, qb, nb, dtype=torch.float32, device=q.device)  # each program: its block means
+    agg = torch.zeros(hq // sub, nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
-    _kernels()[0][(e, qb)](
+    _kernels()[0][(hq, qb)](
         q,
-        keys,
+        bounds,
         scratch,
         agg.view(torch.int32),
         t,
         nb,
         q.stride(0),
         q.stride(1),
-        keys.stride(0),
-        keys.stride(1),
+        bounds.stride(0),
+        bounds.stride(1),
         scale,
         G=hq // hkv,
         SUB=sub,
@@ -387,7 +389,7 @@ def _kernels():
         @triton.jit
         def _agg_kernel(
             Q,
-            Keys,
+            Bounds,
             Scratch,
             Agg,
             T,
@@ -403,56 +405,51 @@ def _kernels():
             BLOCK_Q: tl.constexpr,
             BLOCK_N: tl.constexpr,
         ):
-            # one program per (list, query block), for each of the list's SUB heads: two passes
-            # over the block keys (each row's softmax max and sum, then the mean of the rows' p
-            # into Scratch with the row's max), a third folding p / max into the list's row of
-            # Agg by an atomic max (on the float bits: all are >= 0)
-            lst, qblk = tl.program_id(0), tl.program_id(1)
+            # one program per (query head, query block): two passes over the block bounds (each
+            # row's softmax max and sum, then the mean of the rows' p into Scratch with the row's
+            # max), a third folding p / max into its list's row of Agg by an atomic max (on the
+            # float bits: all are >= 0). A score is q⁺ · max + q⁻ · min: two dots of head dim D.
+            head, qblk = tl.program_id(0), tl.program_id(1)
+            lst, kv = head // SUB, head // G
             rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
             live = rows < T
             offs_d = tl.arange(0, D)
             n_rows = tl.minimum(T - qblk * BLOCK_Q, BLOCK_Q).to(tl.float32)
-            scratch = Scratch + (lst * tl.num_programs(1) + qblk) * NB
-            for j in range(SUB):
-                head = lst * SUB + j
-                kv = head // G
-                q = tl.load(
-                    Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
-                )
-                m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_Q], tl.float32)
-                for n0 in range(0, NB, BLOCK_N):
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    k = tl.load(
-                        Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                        mask=(cols < NB)[:, None],
-                        other=0.0,
-                    )
-                    s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_Q, BLOCK_N], log2 domain
-                    s = tl.where((cols < NB)[None, :], s, float("-inf"))
-                    m_new = tl.maximum(m_i, tl.max(s, 1))
-                    l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
-                    m_i = m_new
-                w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
-                best = 0.0
-                for n0 in range(0, NB, BLOCK_N):
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    k = tl.load(
-                        Keys + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :],
-                        mask=(cols < NB)[:, None],
-                        other=0.0,
-                    )
-                    s = tl.dot(q, tl.trans(k)) * qk_scale
-                    p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
-                    p = tl.where(cols < NB, p, 0.0)
-                    tl.store(scratch + cols, p, mask=cols < NB)
-                    best = tl.maximum(best, tl.max(p, 0))
-                tl.debug_barrier()  # this program's stores, seen by all its threads
-                for n0 in range(0, NB, BLOCK_N):
-                    cols = n0 + tl.arange(0, BLOCK_N)
-                    p = tl.load(scratch + cols, mask=cols < NB, other=0.0) / best
-                    tl.atomic_max(Agg + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
-                tl.debug_barrier()  # before the next head overwrites the scratch row
+            scratch = Scratch + (head * tl.num_programs(1) + qblk) * NB
+            q = tl.load(
+                Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+            )
+            zero = tl.zeros_like(q)
+            q_pos, q_neg = tl.where(q > 0, q, zero), tl.where(q < 0, q, zero)
+            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_Q], tl.float32)
+            for n0 in range(0, NB, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                hi = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
+                k_max = tl.load(hi, mask=(cols < NB)[:, None], other=0.0)
+                k_min = tl.load(hi + D, mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q_neg, tl.trans(k_min), acc=tl.dot(q_pos, tl.trans(k_max))) * qk_scale  # log2 domain
+                s = tl.where((cols < NB)[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+                m_i = m_new
+            w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
+            best = 0.0
+            for n0 in range(0, NB, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                hi = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
+                k_max = tl.load(hi, mask=(cols < NB)[:, None], other=0.0)
+                k_min = tl.load(hi + D, mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q_neg, tl.trans(k_min), acc=tl.dot(q_pos, tl.trans(k_max))) * qk_scale
+                p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
+                p = tl.where(cols < NB, p, 0.0)
+                tl.store(scratch + cols, p, mask=cols < NB)
+                best = tl.maximum(best, tl.max(p, 0))
+            tl.debug_barrier()  # this program's stores, seen by all its threads
+            for n0 in range(0, NB, BLOCK_N):
+                cols = n0 + tl.arange(0, BLOCK_N)
+                p = tl.load(scratch + cols, mask=cols < NB, other=0.0) / best
+                tl.atomic_max(Agg + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
 
         @triton.jit
         def _pages_kernel(

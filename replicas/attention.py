@@ -381,7 +381,7 @@ class Attention:
             bounds = self.pool.key_bounds[layer]
             if self.backend == "triton":
                 keys = block_union.block_keys_gpu(bounds, s.table[:k0], bc, rows.dtype)
-                agg = block_union.block_agg(block_union.bound_queries(rows), keys, cfg.block, self._sub, self.sm_scale)
+                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale)
             else:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
                 scores = reference.block_scores_ref(block_union.bound_queries(rows), keys, cfg.block, self.sm_scale)

@@ -49,9 +49,10 @@ def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator(device="cpu").manual_seed(t + nb)
     q = (torch.randn(t, hq, d, generator=g) * 2).to(device=device, dtype=dtype)
-    keys = (torch.randn(nb, hkv, d, generator=g) * 2).to(device)
-    got = block_union.block_agg(q, keys, block, sub)
-    scores = block_scores_ref(q, keys.to(dtype), block)
+    a, b = torch.randn(2, nb, hkv, d, generator=g) * 2
+    bounds = torch.cat([a.maximum(b), a.minimum(b)], dim=-1).to(device)  # [max | min] per block
+    got = block_union.block_agg(q, bounds, block, sub)
+    scores = block_scores_ref(block_union.bound_queries(q), bounds.to(dtype), block, d**-0.5)
     assert scores.shape == (hq, -(-t // block), nb)
     torch.testing.assert_close(scores.sum(-1), torch.ones_like(scores[..., 0]))
     want = normalised(scores, sub)
@@ -63,11 +64,13 @@ def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
 
 def test_block_agg_refuses_bad_shapes():
     with pytest.raises(ValueError, match="powers of two"):
-        block_union.block_agg(torch.zeros(4, 4, 24), torch.zeros(3, 2, 24), 16, 1)
+        block_union.block_agg(torch.zeros(4, 4, 24), torch.zeros(3, 2, 48), 16, 1)
     with pytest.raises(ValueError, match="do not fit"):
-        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 3, 32), 16, 1)
+        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 3, 64), 16, 1)
     with pytest.raises(ValueError, match="do not fit"):
-        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 2, 32), 16, 4)  # groups of 2
+        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 2, 64), 16, 4)  # groups of 2
+    with pytest.raises(ValueError, match="do not fit"):
+        block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 2, 32), 16, 1)  # not [max | min]
 
 
 @pytest.mark.parametrize("e, hkv, free, bc", [(8, 8, 5, 2), (4, 2, 1, 4), (32, 32, 37, 1), (2, 1, 0, 2)])

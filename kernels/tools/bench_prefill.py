@@ -13,7 +13,8 @@ overlapping the device's; median of the repeats):
   ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the block bounds from the
   pool's chunk key bounds and the normalised scores (Triton), the best blocks, their page ids
   written into the lists planned once per step (not timed), FlashInfer over them;
-  ``speedup@d`` = dense / budget;
+  ``speedup@d`` = dense / budget; ``select_us@d``: its selection alone (bounds, scores, the
+  best blocks, their page ids);
   ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths
   read back, a FlashInfer plan, the run) over lists of that share drawn at random (random keys
   score flat: the threshold would keep everything).
@@ -87,7 +88,7 @@ def run_case(
 
         def agg():
             keys = block_union.block_keys_gpu(bounds, tab[:k0], bc, q.dtype)
-            return block_union.block_agg(block_union.bound_queries(q), keys, cfg.block, sub, d**-0.5)
+            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5)
 
         def budget_layer():
             block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
@@ -95,6 +96,12 @@ def run_case(
 
         row[f"kept@{dens}"] = round((per - (used - k0)) / k0, 3)
         row[f"budget_us@{dens}"] = round(_per_call(budget_layer, layers, reps), 1)
+        row[f"select_us@{dens}"] = round(
+            _per_call(
+                lambda: block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv), layers, reps
+            ),
+            1,
+        )
         # alpha's threshold: selection as the engine runs it, lists of that share at random
         # (random keys score flat), planned layer by layer
         keep = torch.rand(e, nb, generator=rng) < dens
