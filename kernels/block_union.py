@@ -8,24 +8,27 @@ the context blocks its queries are likely to attend:
   chunks a block. A block's keys are summed up by their bounds, per dimension the max and the
   min of its keys ([max | min], 2D wide): the bounds of its chunks' bounds, which the pool keeps
   for every full chunk, per layer (replicas.attention), so a shared prefix's are computed once,
-  when its chunks fill. A query's bound score of a block, q⁺ · max + q⁻ · min (`bound_queries`:
-  q's positive and negative parts, [q⁺ | q⁻]), is the most q · k can be over the block's keys:
-  one key that matches (a fact planted in the text) lifts its block's score, where a mean key
-  dilutes it by the block's other keys.
-- Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref` of the bounded queries and the
-  blocks' bounds): for each query head and query block (`block` rows of the piece), the mean
-  over its rows of each row's softmax over the blocks of its bound scores * sm_scale; normalised
-  by their best and folded over the list's heads and query blocks (`normalised`; the Triton
-  `block_agg` does all of it in one launch).
+  when its chunks fill. A query's score of a block is q · center + spread · |q| · radius of the
+  box [min, max] its keys lie in (`bound_queries`, [(q + spread |q|) / 2 | (q - spread |q|) /
+  2] against [max | min]). At spread 1 it is the bound q⁺ · max + q⁻ · min, the most q · k can
+  be over the block's keys: one key that matches (a fact planted in the text) lifts its block's
+  score, where a mean key dilutes it by the block's other keys. The default, 0.5, kept more of
+  dense attention's mass than the bound or the center (kernels/tools/records/README.md).
+- Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref` of those queries and the blocks'
+  bounds): for each query head and query block (`block` rows of the piece), the mean over its
+  rows of each row's softmax over the blocks of its scores * sm_scale; normalised by their best
+  and folded over the list's heads and query blocks (`normalised`, `block_scores`; the Triton
+  `block_agg` does all of it in one launch): by their max for alpha's threshold, by their sum
+  for a budget's ranking (`BlockUnion.fold`).
 - Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
   its best; union over the piece's query blocks and over each sub-group of `subgroup` query
   heads of one KV head; plus the first `sink` and the last `window` blocks. Or, with a
   `budget` (`budget_blocks`), each list keeps the sink, the window and a fixed share of the
-  context's blocks, the best of the rest by the same normalised score (its max over the list's
-  heads and query blocks). The threshold's lists differ in length layer by layer, and
-  FlashInfer's plan takes the lengths on the host: a wait for the device and a plan's host time
-  per layer. A budget's lengths are known when the step is
-  planned: one plan a step, each layer only rewrites the page ids in place, and nothing waits.
+  context's blocks, the best of the rest by the summed normalised score. The threshold's lists
+  differ in length layer by layer, and FlashInfer's plan takes the lengths on the host: a wait
+  for the device and a plan's host time per layer. A budget's lengths are known when the step
+  is planned: one plan a step, each layer only rewrites the page ids in place, and nothing
+  waits.
 - Page lists (`chunk_mask`): per (KV head, sub-group), the kept blocks' chunks in order, then
   the piece's own chunks (from the one holding its first token; always kept). As pages
   `chunk * Hkv + kv_head` of the pool's view `[num_chunks * Hkv, 1, c, D]` these are what
@@ -44,11 +47,14 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kernels.reference import block_scores_ref
+
 __all__ = [
     "BlockUnion",
     "block_agg",
     "block_keys",
     "block_keys_gpu",
+    "block_scores",
     "bound_queries",
     "budget_blocks",
     "budget_free",
@@ -78,6 +84,11 @@ class BlockUnion:
     # None: alpha's threshold; else keep the sink, the window and this share of the context's
     # blocks, the best of the rest by score: one FlashInfer plan per step instead of one per layer
     budget: float | None = None
+    # how much of a block's spread its score counts: q · center + spread · |q| · radius of the
+    # box [min, max] its keys lie in; 1 scores the bound (the most q · k can be over the block),
+    # 0 the box's center (at a budget of 0.1, 0.5 kept more of dense attention's mass than either:
+    # kernels/tools/records/README.md)
+    spread: float = 0.5
     # the prompt's last this many tokens (its question, where a task puts it) attend densely:
     # their queries are the ones an answer reads from, and a selection scored over a whole piece's
     # queries dilutes theirs (replicas.attention splits the prompt's last piece)
@@ -88,6 +99,8 @@ class BlockUnion:
             raise ValueError(f"sparse block must be a power of two >= 16, got {self.block}")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"sparse alpha must be in [0, 1], got {self.alpha}")
+        if not 0 <= self.spread <= 1:
+            raise ValueError(f"sparse spread must be in [0, 1], got {self.spread}")
         for name in ("min_context", "sink", "window", "dense_tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
@@ -98,6 +111,13 @@ class BlockUnion:
                 f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
                 f"partial block), got budget {self.budget}, window {self.window}"
             )
+
+    @property
+    def fold(self) -> str:
+        """How a list folds its (head, query block)s' normalised scores: alpha's threshold needs
+        their max (a block some head's query block weighs >= alpha x its best); a budget ranks
+        blocks by their sum (the blocks most of the list's rows weigh)."""
+        return "max" if self.budget is None else "sum"
 
     def check_chunk_size(self, chunk_size: int) -> None:
         if self.block % chunk_size:
@@ -137,10 +157,20 @@ def block_keys(chunk_bounds: Tensor, table: Tensor, block_chunks: int) -> Tensor
     return torch.cat([per[..., :d].amax(-3), per[..., d:].amin(-3)], dim=-1)
 
 
-def bound_queries(q: Tensor) -> Tensor:
-    """q [T, Hq, D] -> [T, Hq, 2D] = [q⁺ | q⁻] (its positive and negative parts): its dot product
-    with a block's [max | min] is the most q · k can be over the block's keys."""
-    return torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+def bound_queries(q: Tensor, spread: float = 1.0) -> Tensor:
+    """q [T, Hq, D] -> [T, Hq, 2D] = [(q + spread |q|) / 2 | (q - spread |q|) / 2], whose dot
+    product with a block's [max | min] is q · center + spread · |q| · radius of the block's box:
+    at spread 1, [q⁺ | q⁻] (q's positive and negative parts), the most q · k can be over the
+    block's keys."""
+    a = q.abs() * spread
+    return torch.cat([(q + a) * 0.5, (q - a) * 0.5], dim=-1)
+
+
+def block_scores(q: Tensor, bounds: Tensor, cfg: BlockUnion, sub: int, sm_scale: float | None = None) -> Tensor:
+    """The selection's scores in plain torch (`block_agg` on the GPU): q [T, Hq, D] a piece's
+    queries, bounds [NB, Hkv, 2D] its context blocks' [max | min] -> [Hq / sub, NB] float32."""
+    s = block_scores_ref(bound_queries(q, cfg.spread), bounds, cfg.block, sm_scale)
+    return normalised(s, sub, cfg.fold)
 
 
 def block_keys_gpu(chunk_bounds: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
@@ -215,12 +245,16 @@ def chunk_key_bounds_ref(k_chunks: Tensor) -> Tensor:
     return torch.cat([k_chunks.amax(-2), k_chunks.amin(-2)], dim=-1)
 
 
-def normalised(scores: Tensor, sub: int) -> Tensor:
+def normalised(scores: Tensor, sub: int, fold: str = "max") -> Tensor:
     """scores: [Hq, QB, NB] -> [E, NB], E = Hq / sub page lists: each block's score over its
-    (head, query block)'s best, the max over the list's sub heads and query blocks (entry e
-    serves query heads [e * sub, (e + 1) * sub), of KV head e // (E / Hkv))."""
+    (head, query block)'s best, folded over the list's sub heads and query blocks by their max
+    or their sum (`BlockUnion.fold`; entry e serves query heads [e * sub, (e + 1) * sub), of KV
+    head e // (E / Hkv))."""
     hq, qb, nb = scores.shape
-    return (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb).amax(1)
+    per = (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb)
+    if fold not in ("max", "sum"):
+        raise ValueError(f"fold must be 'max' or 'sum', got {fold!r}")
+    return per.amax(1) if fold == "max" else per.sum(1)
 
 
 def select_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
@@ -330,13 +364,21 @@ def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) 
     return mask
 
 
-def block_agg(q: Tensor, bounds: Tensor, block: int, sub: int, sm_scale: float | None = None) -> Tensor:
-    """Triton ``normalised(kernels.reference.block_scores_ref(bound_queries(q), bounds, block,
-    sm_scale), sub)`` in one launch: q [T, Hq, D] (last dim contiguous), bounds [NB, Hkv, 2D]
-    (each block's [max | min]) -> [Hq / sub, NB] float32. Each program splits its head's queries
-    into q⁺ and q⁻ itself (no [T, Hq, 2D] copy) and scores them against the max and min halves.
-    Scores in q's precision (a 16-bit q's dot products round the bounds to its type), accumulated
-    in float32."""
+def block_agg(
+    q: Tensor,
+    bounds: Tensor,
+    block: int,
+    sub: int,
+    sm_scale: float | None = None,
+    spread: float = 1.0,
+    fold: str = "max",
+) -> Tensor:
+    """Triton ``normalised(kernels.reference.block_scores_ref(bound_queries(q, spread), bounds,
+    block, sm_scale), sub, fold)`` in one launch: q [T, Hq, D] (last dim contiguous), bounds
+    [NB, Hkv, 2D] (each block's [max | min]) -> [Hq / sub, NB] float32. Each program forms its
+    head's two query halves itself (no [T, Hq, 2D] copy) and scores them against the max and
+    min halves. Scores in q's precision (a 16-bit q's dot products round the bounds to its
+    type), accumulated in float32; a sum's order over the list's programs is the GPU's."""
     import triton
 
     t, hq, d = q.shape
@@ -348,6 +390,8 @@ def block_agg(q: Tensor, bounds: Tensor, block: int, sub: int, sm_scale: float |
         )
     if d & (d - 1) or d < 16 or block & (block - 1) or block < 16:
         raise ValueError(f"head dim and block must be powers of two >= 16, got {d} and {block}")
+    if fold not in ("max", "sum"):
+        raise ValueError(f"fold must be 'max' or 'sum', got {fold!r}")
     bounds = bounds.to(q.dtype).contiguous()
     qb = triton.cdiv(t, block)
     scratch = torch.empty(hq, qb, nb, dtype=torch.float32, device=q.device)  # each program: its block means
@@ -358,6 +402,7 @@ def block_agg(q: Tensor, bounds: Tensor, block: int, sub: int, sm_scale: float |
         q,
         bounds,
         scratch,
+        agg,
         agg.view(torch.int32),
         t,
         nb,
@@ -366,11 +411,13 @@ def block_agg(q: Tensor, bounds: Tensor, block: int, sub: int, sm_scale: float |
         bounds.stride(0),
         bounds.stride(1),
         scale,
+        spread,
         G=hq // hkv,
         SUB=sub,
         D=d,
         BLOCK_Q=block,
         BLOCK_N=block_n,
+        FOLD_SUM=fold == "sum",
         num_warps=8 if block * d >= 128 * 128 else 4,
     )
     return agg
@@ -392,6 +439,7 @@ def _kernels():
             Bounds,
             Scratch,
             Agg,
+            AggBits,
             T,
             NB,
             stride_qt,
@@ -399,16 +447,19 @@ def _kernels():
             stride_kb,
             stride_kh,
             qk_scale,
+            spread,
             G: tl.constexpr,
             SUB: tl.constexpr,
             D: tl.constexpr,
             BLOCK_Q: tl.constexpr,
             BLOCK_N: tl.constexpr,
+            FOLD_SUM: tl.constexpr,
         ):
             # one program per (query head, query block): two passes over the block bounds (each
             # row's softmax max and sum, then the mean of the rows' p into Scratch with the row's
             # max), a third folding p / max into its list's row of Agg by an atomic max (on the
-            # float bits: all are >= 0). A score is q⁺ · max + q⁻ · min: two dots of head dim D.
+            # float bits: all are >= 0) or an atomic add. A score is two dots of head dim D:
+            # (q + spread |q|) / 2 · max + (q - spread |q|) / 2 · min.
             head, qblk = tl.program_id(0), tl.program_id(1)
             lst, kv = head // SUB, head // G
             rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
@@ -419,16 +470,17 @@ def _kernels():
             q = tl.load(
                 Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
             )
-            zero = tl.zeros_like(q)
-            q_pos, q_neg = tl.where(q > 0, q, zero), tl.where(q < 0, q, zero)
+            qf = q.to(tl.float32)
+            half = tl.abs(qf) * spread
+            q_hi, q_lo = ((qf + half) * 0.5).to(q.dtype), ((qf - half) * 0.5).to(q.dtype)
             m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q], tl.float32)
             for n0 in range(0, NB, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                hi = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
-                k_max = tl.load(hi, mask=(cols < NB)[:, None], other=0.0)
-                k_min = tl.load(hi + D, mask=(cols < NB)[:, None], other=0.0)
-                s = tl.dot(q_neg, tl.trans(k_min), acc=tl.dot(q_pos, tl.trans(k_max))) * qk_scale  # log2 domain
+                at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
+                k_max = tl.load(at, mask=(cols < NB)[:, None], other=0.0)
+                k_min = tl.load(at + D, mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q_lo, tl.trans(k_min), acc=tl.dot(q_hi, tl.trans(k_max))) * qk_scale  # log2 domain
                 s = tl.where((cols < NB)[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
@@ -437,10 +489,10 @@ def _kernels():
             best = 0.0
             for n0 in range(0, NB, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                hi = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
-                k_max = tl.load(hi, mask=(cols < NB)[:, None], other=0.0)
-                k_min = tl.load(hi + D, mask=(cols < NB)[:, None], other=0.0)
-                s = tl.dot(q_neg, tl.trans(k_min), acc=tl.dot(q_pos, tl.trans(k_max))) * qk_scale
+                at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
+                k_max = tl.load(at, mask=(cols < NB)[:, None], other=0.0)
+                k_min = tl.load(at + D, mask=(cols < NB)[:, None], other=0.0)
+                s = tl.dot(q_lo, tl.trans(k_min), acc=tl.dot(q_hi, tl.trans(k_max))) * qk_scale
                 p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
                 p = tl.where(cols < NB, p, 0.0)
                 tl.store(scratch + cols, p, mask=cols < NB)
@@ -449,7 +501,10 @@ def _kernels():
             for n0 in range(0, NB, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 p = tl.load(scratch + cols, mask=cols < NB, other=0.0) / best
-                tl.atomic_max(Agg + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
+                if FOLD_SUM:
+                    tl.atomic_add(Agg + lst * NB + cols, p, mask=cols < NB)
+                else:
+                    tl.atomic_max(AggBits + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
 
         @triton.jit
         def _pages_kernel(

@@ -381,11 +381,10 @@ class Attention:
             bounds = self.pool.key_bounds[layer]
             if self.backend == "triton":
                 keys = block_union.block_keys_gpu(bounds, s.table[:k0], bc, rows.dtype)
-                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale)
+                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale, cfg.spread, cfg.fold)
             else:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
-                scores = reference.block_scores_ref(block_union.bound_queries(rows), keys, cfg.block, self.sm_scale)
-                agg = block_union.normalised(scores, self._sub)
+                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale)
             self.counters.sparse_pages_dense += agg.shape[0] * s.table.numel()
             if budget is not None:
                 block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)

@@ -45,21 +45,23 @@ def _cache(num_chunks, hkv, c, d, dtype=torch.float32, device="cpu", seed=0):
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype):
+@pytest.mark.parametrize("spread, fold", [(1.0, "max"), (0.5, "sum"), (0.0, "max")])
+def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype, spread, fold):
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator(device="cpu").manual_seed(t + nb)
     q = (torch.randn(t, hq, d, generator=g) * 2).to(device=device, dtype=dtype)
     a, b = torch.randn(2, nb, hkv, d, generator=g) * 2
     bounds = torch.cat([a.maximum(b), a.minimum(b)], dim=-1).to(device)  # [max | min] per block
-    got = block_union.block_agg(q, bounds, block, sub)
-    scores = block_scores_ref(block_union.bound_queries(q), bounds.to(dtype), block, d**-0.5)
+    got = block_union.block_agg(q, bounds, block, sub, None, spread, fold)
+    scores = block_scores_ref(block_union.bound_queries(q, spread), bounds.to(dtype), block, d**-0.5)
     assert scores.shape == (hq, -(-t // block), nb)
     torch.testing.assert_close(scores.sum(-1), torch.ones_like(scores[..., 0]))
-    want = normalised(scores, sub)
+    want = normalised(scores, sub, fold)
     assert got.shape == (hq // sub, nb)
-    torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.float16 else 1e-5, rtol=1e-2)
-    # every list holds some (head, query block)'s best (1 up to the GPU's division)
-    torch.testing.assert_close(got.amax(1), torch.ones_like(got[:, 0]), atol=1e-6, rtol=0)
+    atol = (2e-2 if dtype == torch.float16 else 1e-5) * (sub * -(-t // block) if fold == "sum" else 1)
+    torch.testing.assert_close(got, want, atol=atol, rtol=1e-2)
+    if fold == "max":  # every list holds some (head, query block)'s best (1 up to the GPU's division)
+        torch.testing.assert_close(got.amax(1), torch.ones_like(got[:, 0]), atol=1e-6, rtol=0)
 
 
 def test_block_agg_refuses_bad_shapes():
@@ -152,6 +154,26 @@ def test_bound_scores_bound_every_key_of_the_block():
         torch.einsum("thd,bhd->thb", block_union.bound_queries(q), one),
         torch.einsum("thd,bhd->thb", q, keys[:1, :, 0]),
     )
+
+
+@pytest.mark.parametrize("spread", [0.0, 0.5, 1.0])
+def test_spread_scores_the_box_center_and_part_of_its_radius(spread):
+    """bound_queries(q, spread) . [max | min] = q . center + spread |q| . radius of the block's
+    box: spread 1 is the bound above, 0 the center; the config takes [0, 1] and folds a budget's
+    scores by their sum, alpha's by their max."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(2, 3, 2, 16, generator=g)
+    hi, lo = a.maximum(b), a.minimum(b)
+    q = torch.randn(5, 2, 16, generator=g)
+    got = torch.einsum("thd,bhd->thb", block_union.bound_queries(q, spread), torch.cat([hi, lo], -1))
+    want = torch.einsum("thd,bhd->thb", q, (hi + lo) / 2) + spread * torch.einsum(
+        "thd,bhd->thb", q.abs(), (hi - lo) / 2
+    )
+    torch.testing.assert_close(got, want)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="spread"):
+            BlockUnion(spread=bad)
+    assert BlockUnion().fold == "max" and BlockUnion(budget=0.1).fold == "sum"
 
 
 def test_subgroup_size():
@@ -400,8 +422,8 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     torch.testing.assert_close(keys[1], block_keys(pool.key_bounds[1], torch.tensor(seq_table[:k0]), 2))
     span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
     attention.sparse_prefill(1, q, out, [span])
-    scores = block_scores_ref(block_union.bound_queries(q), keys[1], 32, 64**-0.5)
-    keep = select_blocks(normalised(scores, 2), engine.config.sparse_prefill)
+    cfg = engine.config.sparse_prefill
+    keep = select_blocks(block_union.block_scores(q, keys[1], cfg, 2, 64**-0.5), cfg)
     mask = chunk_mask(keep, 2, k0, 24)
     assert not mask.all()
     want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64**-0.5)
@@ -588,5 +610,5 @@ def test_a_block_with_one_matching_key_is_chosen_by_the_budget(seed):
     q = fact.repeat_interleave(2, 0)[None] + 0.3 * torch.randn(64, 2 * hkv, d, generator=g)  # [T, Hq 4, D]
     cfg = BlockUnion(budget=0.1, sink=1, window=2, block=bc * c, subgroup=2)
     bounds = block_keys(block_union.chunk_key_bounds_ref(keys), torch.arange(nb * bc), bc)
-    agg = normalised(block_scores_ref(block_union.bound_queries(q), bounds, cfg.block, d**-0.5), 2)
+    agg = block_union.block_scores(q, bounds, cfg, 2, d**-0.5)
     assert (budget_blocks(agg, cfg) == 9).any(1).all()

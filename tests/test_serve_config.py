@@ -455,7 +455,7 @@ def test_engine_options_are_engine_config_fields():
     config = EngineConfig(model="tiny", **options)
     assert config.enforce_eager and config.async_scheduling and config.sparse_prefill is None
     sparse = {"min_context": 4096, "block": 128, "alpha": 0.2, "budget": 0.3, "sink": 2, "window": 3, "subgroup": 2}
-    sparse["dense_tail"] = 64
+    sparse["dense_tail"], sparse["spread"] = 64, 0.25
     options = AppConfig.model_validate({"engine": {"sparse_prefill": sparse}}).engine.model_dump()
     config = EngineConfig(model="tiny", **options)
     assert dataclasses.asdict(config.sparse_prefill) == sparse  # every option reaches BlockUnion by its name

@@ -86,9 +86,9 @@ def run_case(
 
         out = torch.empty_like(q)
 
-        def agg():
+        def agg(cfg=cfg):
             keys = block_union.block_keys_gpu(bounds, tab[:k0], bc, q.dtype)
-            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5)
+            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold)
 
         def budget_layer():
             block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
@@ -110,7 +110,7 @@ def run_case(
         mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
 
         def alpha_layer():
-            block_union.chunk_mask(block_union.select_blocks(agg(), BlockUnion()), bc, k0, used)
+            block_union.chunk_mask(block_union.select_blocks(agg(BlockUnion()), BlockUnion()), bc, k0, used)
             return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v, [out])
 
         row[f"alpha_us@{dens}"] = round(_per_call(alpha_layer, layers, reps), 1)

@@ -125,9 +125,7 @@ def select(q: Tensor, k_ctx: Tensor, cfg: BlockUnion, c: int, sub: int, sm_scale
     k0, bc = n // c, cfg.block // c
     chunks = k_ctx.view(hkv, k0, c, d).transpose(0, 1)  # [k0, Hkv, c, D]
     keys = block_union.block_keys(block_union.chunk_key_bounds_ref(chunks), torch.arange(k0), bc)  # the pool's
-    scores = reference.block_scores_ref(block_union.bound_queries(q), keys, cfg.block, sm_scale)
-    agg = block_union.normalised(scores, sub)
-    return block_union.select_blocks(agg, cfg)
+    return block_union.select_blocks(block_union.block_scores(q, keys, cfg, sub, sm_scale), cfg)
 
 
 def summarise(per_layer: dict[int, dict[str, float]], prefix: str = "") -> dict[str, float]:
@@ -319,7 +317,7 @@ def parse_config(spec: str, min_context: int) -> BlockUnion:
         key, _, val = item.partition("=")
         if key not in fields or key == "min_context":
             raise ValueError(f"unknown sparse field {key!r} in {spec!r}")
-        kw[key] = float(val) if key in ("alpha", "budget") else int(val)
+        kw[key] = float(val) if key in ("alpha", "budget", "spread") else int(val)
     return BlockUnion(min_context=min_context, **kw)
 
 
@@ -397,6 +395,8 @@ def run(args) -> list[dict]:
                 "sink": cfg.sink,
                 "window": cfg.window,
                 "subgroup": cfg.subgroup,
+                "spread": cfg.spread,
+                "fold": cfg.fold,
                 "alpha": None if cfg.budget is not None else cfg.alpha,
                 "budget": cfg.budget,
                 "length": length,
