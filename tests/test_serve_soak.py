@@ -4,20 +4,22 @@ App "soak" (one LLMReplica: tiny, CPU, a small KV pool of 16-token chunks). For 
 (CHUNKSERVE_SOAK_S to run longer) a seeded random mix arrives at a steady rate: valid greedy
 completions and chats, streamed and not; invalid ones (bad JSON, out-of-range parameters, prompts
 longer than the context); streams the client closes after a few chunks; requests the client
-abandons before their first token. A steady reference stream runs meanwhile. Then, once idle,
-the replica's engine holds no sequence and no chunk beyond its prefix cache, every valid
-request's output was the engine's own for its prompt (LLMEngine in this process), and the RSS of
-the replica's processes has not grown beyond a bound.
+abandons before their first token. A steady reference stream runs meanwhile, from a process of
+its own. Then, once idle, the replica's engine holds no sequence and no chunk beyond its prefix
+cache, every valid request's output was the engine's own for its prompt (LLMEngine in this
+process), and the RSS of the replica's processes has not grown beyond a bound.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 
 import httpx
 import psutil
@@ -26,6 +28,7 @@ from ray import serve
 
 from cluster.app import build_app
 from replicas.engine import LLMEngine, SamplingParams
+from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas
 
@@ -247,22 +250,6 @@ class Soak:
         finally:
             self.in_flight -= 1
 
-    async def steady(self, stop: asyncio.Event, gaps: list[float], outputs: list[tuple[int, ...]]) -> None:
-        """Back-to-back reference streams: the worst gap between chunks, and each one's tokens."""
-        body = {"prompt": PROMPTS[0], **_greedy(STEADY_TOKENS), "ignore_eos": True, "stream": True}
-        while not stop.is_set():
-            ids, last = [], None
-            async with self.client.stream("POST", f"{self.url}/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        now = time.monotonic()
-                        if last is not None:
-                            gaps.append(now - last)
-                        last = now
-                        ids += json.loads(line[len("data: ") :])["choices"][0].get("token_ids") or []
-            outputs.append(tuple(ids))
-
 
 def _rss(pid: int) -> dict[str, int]:
     """RSS of a replica actor's process and of its engine process (its child)."""
@@ -290,9 +277,6 @@ def test_soak(soak_url):
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT, limits=httpx.Limits(max_connections=MAX_IN_FLIGHT + 8)) as client:
             soak = Soak(url, client)
-            stop = asyncio.Event()
-            gaps, steady_outputs = [], []
-            steady = asyncio.create_task(soak.steady(stop, gaps, steady_outputs))
             tasks, early, n, start, throttled = [], None, 0, time.monotonic(), 0
             samples = []  # (s into the mix, RSS) every 30 s after the early one: the trend
             while (now := time.monotonic()) - start < SOAK_S:
@@ -307,11 +291,19 @@ def test_soak(soak_url):
                 n += 1
                 await asyncio.sleep(max(0.0, start + n / RATE - time.monotonic()))
             await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
-            stop.set()
-            await asyncio.wait_for(steady, timeout=600)
-            return soak, gaps, steady_outputs, samples, throttled, time.monotonic() - start
+            return soak, samples, throttled, time.monotonic() - start
 
-    soak, gaps, steady_outputs, samples, throttled, took = asyncio.run(main())
+    # the reference stream from a process of its own (tests/hostile_load.py: not Ray's driver)
+    spawn = multiprocessing.get_context("spawn")
+    with spawn.Manager() as manager, ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        stop = manager.Event()
+        body = {"prompt": PROMPTS[0], **_greedy(STEADY_TOKENS), "ignore_eos": True, "stream": True}
+        reference = pool.submit(hostile_load.steady, url, body, stop)
+        try:
+            soak, samples, throttled, took = asyncio.run(main())
+        finally:
+            stop.set()
+        gaps, steady_outputs = reference.result(timeout=600)
     early = samples[0][1]
     # idle: every sequence finished or aborted, its chunks back in the pool or the prefix cache
     deadline = time.monotonic() + 60
