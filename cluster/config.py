@@ -28,9 +28,7 @@ class SparsePrefillOptions(_Strict):
     sink: int = Field(1, ge=0)  # first blocks always kept
     window: int = Field(4, ge=0)  # blocks before the piece always kept (>= 1 with a budget)
     subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
-    spread: float = Field(
-        0.5, ge=0, le=1
-    )  # a block's score: its box's center + this share of its radius (1: the bound)
+    spread: float = Field(0.5, ge=0, le=1)  # score a key box's center + this share of its radius
     dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
