@@ -313,9 +313,10 @@ def test_no_request_stalls_the_event_loop(urls, path):
     2 s to parse, on the event loop) and a burst of 1000 small invalid requests are in flight, a
     stream already running and /health polled meanwhile never wait long (each client in a
     process of its own, tests/hostile_load.py): the worst gap between the stream's chunks and
-    the slowest /health are printed and bounded. The big ones are 400s naming their field, refused before the heavy work. Through the
-    ingress's own front (what configs/local.yaml serves) and through Serve's proxy, whose every
-    request's body travels by an actor call back to the proxy (Serve's `receive_asgi_messages`)."""
+    the slowest /health are printed and bounded. The big ones are 400s naming their field,
+    refused before the heavy work. Through the ingress's own front (what configs/local.yaml
+    serves) and through Serve's proxy, whose every request's body travels by an actor call back
+    to the proxy (Serve's `receive_asgi_messages`)."""
     url = urls[path]
     huge = "ab c" * (9_900_000 // 4)
     hostile = [  # (path, body, the param its 400 names)
