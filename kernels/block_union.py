@@ -250,10 +250,10 @@ def normalised(scores: Tensor, sub: int, fold: str = "max") -> Tensor:
     (head, query block)'s best, folded over the list's sub heads and query blocks by their max
     or their sum (`BlockUnion.fold`; entry e serves query heads [e * sub, (e + 1) * sub), of KV
     head e // (E / Hkv))."""
-    hq, qb, nb = scores.shape
-    per = (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb)
     if fold not in ("max", "sum"):
         raise ValueError(f"fold must be 'max' or 'sum', got {fold!r}")
+    hq, qb, nb = scores.shape
+    per = (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb)
     return per.amax(1) if fold == "max" else per.sum(1)
 
 

@@ -90,18 +90,16 @@ def run_case(
             keys = block_union.block_keys_gpu(bounds, tab[:k0], bc, q.dtype)
             return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold)
 
-        def budget_layer():
+        def select():
             block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
+
+        def budget_layer():
+            select()
             return fi.run_planned_sparse([q], k, v, [out])
 
         row[f"kept@{dens}"] = round((per - (used - k0)) / k0, 3)
         row[f"budget_us@{dens}"] = round(_per_call(budget_layer, layers, reps), 1)
-        row[f"select_us@{dens}"] = round(
-            _per_call(
-                lambda: block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv), layers, reps
-            ),
-            1,
-        )
+        row[f"select_us@{dens}"] = round(_per_call(select, layers, reps), 1)
         # alpha's threshold: selection as the engine runs it, lists of that share at random
         # (random keys score flat), planned layer by layer
         keep = torch.rand(e, nb, generator=rng) < dens
