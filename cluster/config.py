@@ -29,6 +29,7 @@ class SparsePrefillOptions(_Strict):
     window: int = Field(4, ge=0)  # blocks before the piece always kept (>= 1 with a budget)
     subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
     spread: float = Field(0.5, ge=0, le=1)  # score a key box's center + this share of its radius
+    span: PositiveInt | None = None  # query rows sharing page lists, choosing among all blocks before them
     dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
@@ -55,6 +56,8 @@ class EngineOptions(_Strict):
         sparse = self.sparse_prefill
         if sparse is not None and sparse.block % self.chunk_size:
             raise ValueError(f"sparse_prefill.block {sparse.block} must be a multiple of chunk_size {self.chunk_size}")
+        if sparse is not None and sparse.span is not None and sparse.span % sparse.block:
+            raise ValueError(f"sparse_prefill.span {sparse.span} must be a multiple of block {sparse.block}")
         if sparse is not None and sparse.budget is not None and sparse.window < 1:
             raise ValueError("sparse_prefill.budget needs a window >= 1 (the context's last, partial block)")
         return self

@@ -61,11 +61,16 @@ __all__ = [
     "budget_list_len",
     "budget_lists",
     "budget_pages",
+    "budget_piece",
     "chunk_key_bounds",
     "chunk_key_bounds_ref",
     "chunk_mask",
+    "context_blocks",
     "normalised",
+    "piece_spans",
+    "query_limits",
     "select_blocks",
+    "span_blocks",
     "subgroup_size",
     "write_pages",
 ]
@@ -89,6 +94,12 @@ class BlockUnion:
     # 0 the box's center (at a budget of 0.1, 0.5 kept more of dense attention's mass than either:
     # kernels/tools/records/README.md)
     spread: float = 0.5
+    # query rows that share page lists: a piece's rows are cut into spans of this many from its
+    # first (a multiple of block), each choosing among every block before it, its piece's earlier
+    # ones too, so a row reads its own piece's chunks as it reads the context (CompactAttention's
+    # causal block selection at span granularity); None: one span, the piece, whose own chunks
+    # every list reads whole
+    span: int | None = None
     # the prompt's last this many tokens (its question, where a task puts it) attend densely:
     # their queries are the ones an answer reads from, and a selection scored over a whole piece's
     # queries dilutes theirs (replicas.attention splits the prompt's last piece)
@@ -104,6 +115,8 @@ class BlockUnion:
         for name in ("min_context", "sink", "window", "dense_tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
+        if self.span is not None and (self.span < self.block or self.span % self.block):
+            raise ValueError(f"sparse span must be a multiple of the block {self.block}, got {self.span}")
         if self.subgroup < 1:
             raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
         if self.budget is not None and not (0 < self.budget <= 1 and self.window >= 1):
@@ -132,6 +145,35 @@ class BlockUnion:
     def first_sparse_context(self, chunk_size: int) -> int:
         """The shortest context after which a piece runs sparse (applies from there on)."""
         return max(self.min_context, (self.sink + self.window) * self.block + chunk_size)
+
+
+def piece_spans(context_len: int, n: int, span: int | None) -> list[tuple[int, int]]:
+    """A sparse piece of n rows after context_len cached tokens -> its spans, (context_len,
+    rows) each: runs of `span` rows from its first (the last may be shorter); the piece itself
+    when span is None. A span chooses among the blocks before it as a piece would."""
+    if span is None:
+        return [(context_len, n)]
+    return [(context_len + j, min(span, n - j)) for j in range(0, n, span)]
+
+
+def context_blocks(context_len: int, chunk_size: int, block: int) -> int:
+    """Blocks a piece (or span) after context_len tokens chooses among: those of the full chunks
+    before the one holding its first token (the last block possibly short)."""
+    return -(-(context_len // chunk_size) // (block // chunk_size))
+
+
+def query_limits(context_len: int, n: int, chunk_size: int, cfg: BlockUnion) -> list[int]:
+    """Per query block of a piece (`block` rows from its first): the blocks its span chooses
+    among (`block_scores_ref`'s limits)."""
+    out: list[int] = []
+    for ctx, rows in piece_spans(context_len, n, cfg.span):
+        out += [context_blocks(ctx, chunk_size, cfg.block)] * -(-rows // cfg.block)
+    return out
+
+
+def span_blocks(cfg: BlockUnion, query_blocks: int) -> int:
+    """Query blocks per span (all of a piece's when cfg.span is None)."""
+    return query_blocks if cfg.span is None else cfg.span // cfg.block
 
 
 def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
@@ -166,11 +208,19 @@ def bound_queries(q: Tensor, spread: float = 1.0) -> Tensor:
     return torch.cat([(q + a) * 0.5, (q - a) * 0.5], dim=-1)
 
 
-def block_scores(q: Tensor, bounds: Tensor, cfg: BlockUnion, sub: int, sm_scale: float | None = None) -> Tensor:
+def block_scores(
+    q: Tensor,
+    bounds: Tensor,
+    cfg: BlockUnion,
+    sub: int,
+    sm_scale: float | None = None,
+    limits: list[int] | None = None,
+) -> Tensor:
     """The selection's scores in plain torch (`block_agg` on the GPU): q [T, Hq, D] a piece's
-    queries, bounds [NB, Hkv, 2D] its context blocks' [max | min] -> [Hq / sub, NB] float32."""
-    s = block_scores_ref(bound_queries(q, cfg.spread), bounds, cfg.block, sm_scale)
-    return normalised(s, sub, cfg.fold)
+    queries, bounds [NB, Hkv, 2D] the blocks before its last span, limits the blocks each query
+    block sees (`query_limits`; None: all) -> [S * Hq / sub, NB] float32, span after span."""
+    s = block_scores_ref(bound_queries(q, cfg.spread), bounds, cfg.block, sm_scale, limits)
+    return normalised(s, sub, cfg.fold, span_blocks(cfg, s.shape[1]))
 
 
 def block_keys_gpu(chunk_bounds: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
@@ -245,32 +295,47 @@ def chunk_key_bounds_ref(k_chunks: Tensor) -> Tensor:
     return torch.cat([k_chunks.amax(-2), k_chunks.amin(-2)], dim=-1)
 
 
-def normalised(scores: Tensor, sub: int, fold: str = "max") -> Tensor:
-    """scores: [Hq, QB, NB] -> [E, NB], E = Hq / sub page lists: each block's score over its
-    (head, query block)'s best, folded over the list's sub heads and query blocks by their max
-    or their sum (`BlockUnion.fold`; entry e serves query heads [e * sub, (e + 1) * sub), of KV
-    head e // (E / Hkv))."""
+def normalised(scores: Tensor, sub: int, fold: str = "max", span_qb: int | None = None) -> Tensor:
+    """scores: [Hq, QB, NB] -> [S * E, NB], E = Hq / sub page lists per span of span_qb query
+    blocks (S = ceil(QB / span_qb); one span of all QB by default): each block's score over its
+    (head, query block)'s best, folded over the list's sub heads and its span's query blocks by
+    their max or their sum (`BlockUnion.fold`). Row s * E + e: span s's entry e, which serves
+    query heads [e * sub, (e + 1) * sub), of KV head e // (E / Hkv)."""
     if fold not in ("max", "sum"):
         raise ValueError(f"fold must be 'max' or 'sum', got {fold!r}")
     hq, qb, nb = scores.shape
-    per = (scores / scores.amax(-1, keepdim=True)).view(hq // sub, sub * qb, nb)
-    return per.amax(1) if fold == "max" else per.sum(1)
+    span_qb = qb if span_qb is None else span_qb
+    spans, e = -(-qb // span_qb), hq // sub
+    per = torch.nn.functional.pad(scores / scores.amax(-1, keepdim=True), (0, 0, 0, spans * span_qb - qb))
+    per = per.view(e, sub, spans, span_qb, nb).transpose(1, 2).reshape(e, spans, sub * span_qb, nb)
+    folded = per.amax(2) if fold == "max" else per.sum(2)  # (a short last span's padding adds 0)
+    return folded.transpose(0, 1).reshape(spans * e, nb)
 
 
-def select_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
-    """agg: [E, NB] normalised scores -> keep: [E, NB] bool: the threshold's blocks (alpha: the
-    union over the list's heads and query blocks; or the budget's when it is set), the sink's
-    and the window's."""
-    nb = agg.shape[1]
+def _row_limits(agg: Tensor, limits: list[int] | None) -> Tensor:
+    """[R, 1] the blocks each row of agg chooses among (all NB without limits)."""
+    lim = [agg.shape[1]] * agg.shape[0] if limits is None else limits
+    if len(lim) != agg.shape[0] or max(lim) > agg.shape[1]:
+        raise ValueError(f"{len(lim)} row limits up to {max(lim)} do not fit scores {tuple(agg.shape)}")
+    return torch.tensor(lim, device=agg.device)[:, None]
+
+
+def select_blocks(agg: Tensor, cfg: BlockUnion, limits: list[int] | None = None) -> Tensor:
+    """agg: [R, NB] normalised scores, limits: [R] the blocks each row (a span's list) chooses
+    among (None: all NB) -> keep: [R, NB] bool: the threshold's blocks (alpha: the union over
+    the list's heads and query blocks; or the budget's when it is set), the sink's and the
+    window's, all below the row's limit."""
+    lim = _row_limits(agg, limits)
+    cols = torch.arange(agg.shape[1], device=agg.device)
     if cfg.budget is not None:
-        blocks = budget_blocks(agg, cfg)
-        keep = torch.zeros(blocks.shape[0], nb, dtype=torch.bool, device=agg.device)
-        keep.scatter_(1, blocks, True)
+        blocks = budget_blocks(agg, cfg, limits)
+        counts = torch.tensor([budget_free(cfg, n) for n in lim[:, 0].tolist()], device=agg.device)
+        keep = torch.zeros_like(agg, dtype=torch.bool)
+        keep.scatter_(1, blocks, torch.arange(blocks.shape[1], device=agg.device) < counts[:, None])
     else:
         keep = agg >= cfg.alpha
-    keep[:, : cfg.sink] = True
-    keep[:, max(0, nb - cfg.window) :] = True
-    return keep
+    keep |= (cols < cfg.sink) | (cols >= lim - cfg.window)
+    return keep & (cols < lim)
 
 
 def budget_free(cfg: BlockUnion, nb: int) -> int:
@@ -280,14 +345,20 @@ def budget_free(cfg: BlockUnion, nb: int) -> int:
     return max(0, min(nb - cfg.sink - cfg.window, math.ceil(cfg.budget * nb)))
 
 
-def budget_blocks(agg: Tensor, cfg: BlockUnion) -> Tensor:
-    """agg: [E, NB] normalised scores -> [E, free] the budget's chosen blocks (neither sink nor
-    window), in no particular order: a list's context pages may come in any order (all are
-    full and precede the piece's own), attention sums over them."""
-    nb = agg.shape[1]
-    free = budget_free(cfg, nb)
-    mid = agg[:, cfg.sink : nb - cfg.window]
-    return mid.topk(free, dim=1, sorted=False).indices + cfg.sink
+def budget_blocks(
+    agg: Tensor, cfg: BlockUnion, limits: list[int] | None = None, on_device: Tensor | None = None
+) -> Tensor:
+    """agg: [R, NB] normalised scores, limits: [R] the blocks each row chooses among (None: all
+    NB), on_device: the same as [R, 1] on agg's device if at hand (a step plans it once) -> [R,
+    F] the budget's best blocks of each row (neither sink nor window), best first; F =
+    `budget_free` of the largest limit, and row r's own count is budget_free of its limit (its
+    later entries mean nothing). A list's context pages may come in any order (all are full
+    and precede its span's own): attention sums over them."""
+    lim = on_device if on_device is not None else _row_limits(agg, limits)
+    cols = torch.arange(agg.shape[1], device=agg.device)
+    free = budget_free(cfg, agg.shape[1] if limits is None else max(limits))
+    mid = agg.masked_fill((cols < cfg.sink) | (cols >= lim - cfg.window), float("-inf"))
+    return mid.topk(free, dim=1).indices
 
 
 def budget_lists(
@@ -314,6 +385,28 @@ def budget_lists(
     return pages, per, slice(len(head), len(head) + free * bc)
 
 
+def budget_piece(
+    table: list[int], context_len: int, n: int, chunk_size: int, cfg: BlockUnion, num_kv_heads: int, entries: int
+) -> tuple[list[int], list[tuple[int, list[int], int]], list[int], list[int], list[int]]:
+    """A budget piece's page lists as a step plans them, span after span (`piece_spans`), each
+    span's E = entries lists (`budget_lists`) -> (the pages; FlashInfer's pieces, one per span:
+    (rows, pages per list, the last page's tokens); per list r = s * E + e: the offset of its
+    chosen pages in the pages, how many blocks it chooses, the blocks it chooses among)."""
+    c = chunk_size
+    pages: list[int] = []
+    planned, dst, counts, limits = [], [], [], []
+    for ctx, rows in piece_spans(context_len, n, cfg.span):
+        total = ctx + rows
+        lists, per, chosen = budget_lists(table, ctx, total, c, cfg, num_kv_heads, entries)
+        nb = context_blocks(ctx, c, cfg.block)
+        dst += [len(pages) + i * per + chosen.start for i in range(entries)]
+        counts += [budget_free(cfg, nb)] * entries
+        limits += [nb] * entries
+        pages += lists
+        planned.append((rows, [per] * entries, total - (-(-total // c) - 1) * c))
+    return pages, planned, dst, counts, limits
+
+
 def budget_list_len(cfg: BlockUnion, context_len: int, total: int, chunk_size: int) -> int:
     """Pages in each of a budget piece's lists: the sink's, the chosen and the window's blocks'
     chunks, and the piece's own."""
@@ -323,32 +416,50 @@ def budget_list_len(cfg: BlockUnion, context_len: int, total: int, chunk_size: i
     return (cfg.sink + budget_free(cfg, nb)) * bc + used - (nb - cfg.window) * bc
 
 
-def budget_pages(blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int) -> Tensor:
-    """blocks: [E, free] chosen blocks -> their chunks' pages [E, free * block_chunks] int32
-    (chunk * Hkv + the entry's KV head), block after block (`write_pages` on the GPU)."""
-    e = blocks.shape[0]
+def budget_pages(
+    blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int, entries: int | None = None
+) -> Tensor:
+    """blocks: [R, free] chosen blocks of R = S * E lists (span after span, E = entries, all R
+    by default) -> their chunks' pages [R, free * block_chunks] int32 (chunk * Hkv + the
+    entry's KV head), block after block (`write_pages` on the GPU)."""
+    r = blocks.shape[0]
+    e = r if entries is None else entries
     chunks = (blocks[:, :, None] * block_chunks + torch.arange(block_chunks, device=blocks.device)).flatten(1)
-    kv = torch.arange(e, device=blocks.device) // (e // num_kv_heads)
+    kv = torch.arange(r, device=blocks.device) % e // (e // num_kv_heads)
     return (table[chunks] * num_kv_heads + kv[:, None]).to(torch.int32)
 
 
-def write_pages(out: Tensor, blocks: Tensor, table: Tensor, block_chunks: int, num_kv_heads: int) -> None:
-    """Triton `budget_pages` written into out ([E, free * block_chunks] int32, rows may be strided,
-    a view of planned lists): one launch."""
-    e, free = blocks.shape
-    if out.shape != (e, free * block_chunks) or out.dtype != torch.int32 or out.stride(1) != 1:
-        raise ValueError(f"pages out {tuple(out.shape)} {out.dtype} does not fit {e} lists of {free} blocks")
-    if free:
+def write_pages(
+    ids: Tensor,
+    dst: Tensor,
+    counts: Tensor,
+    blocks: Tensor,
+    table: Tensor,
+    block_chunks: int,
+    num_kv_heads: int,
+    entries: int,
+) -> None:
+    """Triton `budget_pages` written into planned page ids, one launch: row r of blocks [R, F]
+    (list e = r % entries of its span) writes its first counts[r] blocks' pages at ids[dst[r]:].
+    ids: [P] int32; dst: [R] int64; counts: [R] int32, each <= F."""
+    r, free = blocks.shape
+    if ids.dtype != torch.int32 or ids.dim() != 1 or dst.shape != (r,) or counts.shape != (r,) or r % entries:
+        raise ValueError(
+            f"pages {tuple(ids.shape)} {ids.dtype}, {tuple(dst.shape)} offsets and {tuple(counts.shape)} counts "
+            f"do not fit {r} lists of {entries} per span"
+        )
+    if free and r:
         import triton
 
-        _kernels()[1][(e,)](
-            out,
+        _kernels()[1][(r,)](
+            ids,
+            dst,
+            counts,
             blocks,
             table,
-            out.stride(0),
             blocks.stride(0),
-            free,
-            GROUPS=e // num_kv_heads,
+            E=entries,
+            GROUPS=entries // num_kv_heads,
             HKV=num_kv_heads,
             BC=block_chunks,
             FREE_P=triton.next_power_of_2(free),
@@ -372,13 +483,17 @@ def block_agg(
     sm_scale: float | None = None,
     spread: float = 1.0,
     fold: str = "max",
+    limits: Tensor | None = None,
+    span_qb: int | None = None,
 ) -> Tensor:
     """Triton ``normalised(kernels.reference.block_scores_ref(bound_queries(q, spread), bounds,
-    block, sm_scale), sub, fold)`` in one launch: q [T, Hq, D] (last dim contiguous), bounds
-    [NB, Hkv, 2D] (each block's [max | min]) -> [Hq / sub, NB] float32. Each program forms its
-    head's two query halves itself (no [T, Hq, 2D] copy) and scores them against the max and
-    min halves. Scores in q's precision (a 16-bit q's dot products round the bounds to its
-    type), accumulated in float32; a sum's order over the list's programs is the GPU's."""
+    block, sm_scale, limits), sub, fold, span_qb)`` in one launch: q [T, Hq, D] (last dim
+    contiguous), bounds [NB, Hkv, 2D] (each block's [max | min]), limits [ceil(T / block)] int
+    on q's device (the blocks each query block sees; None: all NB) -> [S * Hq / sub, NB]
+    float32, S spans of span_qb query blocks (one by default). Each program forms its head's two
+    query halves itself (no [T, Hq, 2D] copy) and scores them against the max and min halves.
+    Scores in q's precision (a 16-bit q's dot products round the bounds to its type),
+    accumulated in float32; a sum's order over the list's programs is the GPU's."""
     import triton
 
     t, hq, d = q.shape
@@ -394,8 +509,13 @@ def block_agg(
         raise ValueError(f"fold must be 'max' or 'sum', got {fold!r}")
     bounds = bounds.to(q.dtype).contiguous()
     qb = triton.cdiv(t, block)
+    span_qb = qb if span_qb is None else span_qb
+    if limits is None:
+        limits = torch.full((qb,), nb, dtype=torch.int32, device=q.device)
+    if limits.shape != (qb,):
+        raise ValueError(f"limits {tuple(limits.shape)}: one per query block of {qb}")
     scratch = torch.empty(hq, qb, nb, dtype=torch.float32, device=q.device)  # each program: its block means
-    agg = torch.zeros(hq // sub, nb, dtype=torch.float32, device=q.device)
+    agg = torch.zeros(triton.cdiv(qb, span_qb) * (hq // sub), nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
     _kernels()[0][(hq, qb)](
@@ -404,8 +524,10 @@ def block_agg(
         scratch,
         agg,
         agg.view(torch.int32),
+        limits,
         t,
         nb,
+        span_qb,
         q.stride(0),
         q.stride(1),
         bounds.stride(0),
@@ -440,8 +562,10 @@ def _kernels():
             Scratch,
             Agg,
             AggBits,
+            Limits,
             T,
             NB,
+            SPAN_QB,
             stride_qt,
             stride_qh,
             stride_kb,
@@ -455,13 +579,15 @@ def _kernels():
             BLOCK_N: tl.constexpr,
             FOLD_SUM: tl.constexpr,
         ):
-            # one program per (query head, query block): two passes over the block bounds (each
+            # one program per (query head, query block): two passes over the blocks it sees (each
             # row's softmax max and sum, then the mean of the rows' p into Scratch with the row's
-            # max), a third folding p / max into its list's row of Agg by an atomic max (on the
-            # float bits: all are >= 0) or an atomic add. A score is two dots of head dim D:
-            # (q + spread |q|) / 2 · max + (q - spread |q|) / 2 · min.
+            # max), a third folding p / max into its span's list's row of Agg by an atomic max
+            # (on the float bits: all are >= 0) or an atomic add. A score is two dots of head dim
+            # D: (q + spread |q|) / 2 · max + (q - spread |q|) / 2 · min.
             head, qblk = tl.program_id(0), tl.program_id(1)
-            lst, kv = head // SUB, head // G
+            kv = head // G
+            lst = (qblk // SPAN_QB) * (tl.num_programs(0) // SUB) + head // SUB
+            seen = tl.load(Limits + qblk).to(tl.int32)
             rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
             live = rows < T
             offs_d = tl.arange(0, D)
@@ -475,58 +601,60 @@ def _kernels():
             q_hi, q_lo = ((qf + half) * 0.5).to(q.dtype), ((qf - half) * 0.5).to(q.dtype)
             m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
             l_i = tl.zeros([BLOCK_Q], tl.float32)
-            for n0 in range(0, NB, BLOCK_N):
+            for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
-                k_max = tl.load(at, mask=(cols < NB)[:, None], other=0.0)
-                k_min = tl.load(at + D, mask=(cols < NB)[:, None], other=0.0)
+                k_max = tl.load(at, mask=(cols < seen)[:, None], other=0.0)
+                k_min = tl.load(at + D, mask=(cols < seen)[:, None], other=0.0)
                 s = tl.dot(q_lo, tl.trans(k_min), acc=tl.dot(q_hi, tl.trans(k_max))) * qk_scale  # log2 domain
-                s = tl.where((cols < NB)[None, :], s, float("-inf"))
+                s = tl.where((cols < seen)[None, :], s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
                 l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
                 m_i = m_new
             w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
             best = 0.0
-            for n0 in range(0, NB, BLOCK_N):
+            for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
-                k_max = tl.load(at, mask=(cols < NB)[:, None], other=0.0)
-                k_min = tl.load(at + D, mask=(cols < NB)[:, None], other=0.0)
+                k_max = tl.load(at, mask=(cols < seen)[:, None], other=0.0)
+                k_min = tl.load(at + D, mask=(cols < seen)[:, None], other=0.0)
                 s = tl.dot(q_lo, tl.trans(k_min), acc=tl.dot(q_hi, tl.trans(k_max))) * qk_scale
                 p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
-                p = tl.where(cols < NB, p, 0.0)
-                tl.store(scratch + cols, p, mask=cols < NB)
+                p = tl.where(cols < seen, p, 0.0)
+                tl.store(scratch + cols, p, mask=cols < seen)
                 best = tl.maximum(best, tl.max(p, 0))
             tl.debug_barrier()  # this program's stores, seen by all its threads
-            for n0 in range(0, NB, BLOCK_N):
+            for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                p = tl.load(scratch + cols, mask=cols < NB, other=0.0) / best
+                p = tl.load(scratch + cols, mask=cols < seen, other=0.0) / best
                 if FOLD_SUM:
-                    tl.atomic_add(Agg + lst * NB + cols, p, mask=cols < NB)
+                    tl.atomic_add(Agg + lst * NB + cols, p, mask=cols < seen)
                 else:
-                    tl.atomic_max(AggBits + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < NB)
+                    tl.atomic_max(AggBits + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < seen)
 
         @triton.jit
         def _pages_kernel(
-            Out,
+            Ids,
+            Dst,
+            Counts,
             Blocks,
             Table,
-            stride_o,
             stride_b,
-            FREE,
+            E: tl.constexpr,
             GROUPS: tl.constexpr,
             HKV: tl.constexpr,
             BC: tl.constexpr,
             FREE_P: tl.constexpr,
         ):
             # one program per list: its chosen blocks' chunks as pages chunk * Hkv + its KV head
-            lst = tl.program_id(0)
+            row = tl.program_id(0)
             offs = tl.arange(0, FREE_P)
-            ok = offs < FREE
-            blk = tl.load(Blocks + lst * stride_b + offs, mask=ok, other=0)
+            ok = offs < tl.load(Counts + row)
+            out = Ids + tl.load(Dst + row)
+            blk = tl.load(Blocks + row * stride_b + offs, mask=ok, other=0)
             for j in range(BC):
                 chunk = tl.load(Table + blk * BC + j, mask=ok, other=0)
-                tl.store(Out + lst * stride_o + offs * BC + j, (chunk * HKV + lst // GROUPS).to(tl.int32), mask=ok)
+                tl.store(out + offs * BC + j, (chunk * HKV + row % E // GROUPS).to(tl.int32), mask=ok)
 
         @triton.jit
         def _block_keys_kernel(

@@ -456,19 +456,25 @@ def prefill_attention_ref(
     return out.reshape(hq, t_new, d).permute(1, 0, 2).to(q.dtype)
 
 
-def block_scores_ref(q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None) -> Tensor:
+def block_scores_ref(
+    q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None, limits: Sequence[int] | None = None
+) -> Tensor:
     """Block-union's selection scores (kernels.block_union, DESIGN §5).
 
     q: [T, Hq, D], a prefill piece's queries; keys: [NB, Hkv, D], one key per context block
     (the selection passes the bounded queries and the blocks' [max | min] bounds: D = 2 x head dim).
     For query head h and query block b (rows [b * block, (b + 1) * block) of the piece, the last
-    one possibly short): the mean over its rows of each row's softmax over the NB blocks of
-    q · key * sm_scale. Returns [Hq, ceil(T / block), NB] float32 (each row sums to 1).
+    one possibly short): the mean over its rows of each row's softmax over the blocks it sees,
+    the first limits[b] (all NB without limits), of q · key * sm_scale. Returns
+    [Hq, ceil(T / block), NB] float32 (each row sums to 1; 0 past its limit).
     """
     t, hq, d = q.shape
     nb, hkv, _ = keys.shape
     g = _gqa_groups(hq, hkv)
     s = torch.einsum("thd,bhd->htb", q.float(), keys.float().repeat_interleave(g, dim=1)) * _scale(sm_scale, d)
+    if limits is not None:
+        seen = torch.as_tensor(limits, device=q.device).repeat_interleave(block)[:t]  # [T]
+        s = s.masked_fill(torch.arange(nb, device=q.device) >= seen[:, None], float("-inf"))
     p = torch.softmax(s, dim=-1)  # [Hq, T, NB]
     qb = -(-t // block)
     p = torch.nn.functional.pad(p, (0, 0, 0, qb * block - t))  # zero rows: they add nothing

@@ -65,10 +65,32 @@ class PrefillSpan:
     context_len: int  # tokens already in the cache before this step
     chunk_ids: tuple[int, ...]
     table: torch.Tensor | None = None  # block-union pieces: the chunks in use, on the device (else None)
+    limits: torch.Tensor | None = None  # block-union pieces: per query block the blocks its span sees (device)
 
     @property
     def sparse(self) -> bool:
         return self.table is not None
+
+
+@dataclass(frozen=True)
+class BudgetRows:
+    """Where a budget piece's chosen pages go in its step's planned page ids: per row r = s * E + e
+    (span s's list e), the offset of its chosen pages, how many blocks it chooses, and the
+    blocks it chooses among; pages: its lists' pages in all (for the counters)."""
+
+    dst: torch.Tensor  # [R] int64
+    counts: torch.Tensor  # [R] int32
+    limits: torch.Tensor  # [R, 1] int64
+    pages: int
+
+
+@dataclass(frozen=True)
+class SparseBudget:
+    """A step's budget lists (Attention._plan_budget): the page ids FlashInfer planned, which
+    each layer rewrites in place at its pieces' rows."""
+
+    ids: torch.Tensor  # [sum of the lists' pages] int32
+    pieces: tuple[BudgetRows, ...]
 
 
 class Attention:
@@ -186,8 +208,10 @@ class Attention:
                 # the prompt's last piece keeps its last dense_tail tokens dense, a span of their own
                 tail = min(n, self.sparse.dense_tail) if start + n == seq.num_tokens else 0
                 if tail < n:
-                    used = to_device(list(table[: -(-(start + n - tail) // c)]), self.device)
-                    prefills.append(PrefillSpan(row, n - tail, start, table, used))
+                    m = n - tail
+                    used = list(table[: -(-(start + m) // c)])
+                    both = to_device(used + block_union.query_limits(start, m, c, self.sparse), self.device)
+                    prefills.append(PrefillSpan(row, m, start, table, both[: len(used)], both[len(used) :]))
                 tail_chunks += -(-(start + n) // c) if tail else 0
             if tail:
                 prefills.append(PrefillSpan(row + n - tail, tail, start + n - tail, table))
@@ -236,24 +260,34 @@ class Attention:
             budget,
         )
 
-    def _plan_budget(self, spans: list[PrefillSpan]) -> tuple[torch.Tensor, ...]:
-        """A budget's page lists for the step's sparse spans, planned once for every layer:
-        per span the [E, chosen pages] view of the planned page ids its layers rewrite."""
-        c, hkv = self.pool.chunk_size, self.pool.kv.shape[3]
+    def _plan_budget(self, spans: list[PrefillSpan]) -> SparseBudget:
+        """A budget's page lists for the step's sparse pieces, planned once for every layer: each
+        piece's spans (block_union.piece_spans) in order, each span's E lists, FlashInfer's
+        pieces; and where each list's chosen pages go, which its layers rewrite."""
+        cfg, c, hkv = self.sparse, self.pool.chunk_size, self.pool.kv.shape[3]
         e = self.num_q_heads // self._sub
         pages: list[int] = []
-        planned, places = [], []
+        planned, rows = [], []
         for s in spans:
-            total = s.context_len + s.num_new
-            lists, per, chosen = block_union.budget_lists(
-                list(s.chunk_ids), s.context_len, total, c, self.sparse, hkv, e
+            lists, runs, dst, counts, limits = block_union.budget_piece(
+                list(s.chunk_ids), s.context_len, s.num_new, c, cfg, hkv, e
             )
-            places.append((len(pages), per, chosen))
+            rows.append(([len(pages) + o for o in dst], counts, limits, len(lists)))
             pages += lists
-            planned.append((s.num_new, [per] * e, total - (-(-total // c) - 1) * c))
-        ids = to_device(pages, self.device, torch.int32)
+            planned += runs
+        flat = to_device(pages + [x for r in rows for x in r[0] + r[1] + r[2]], self.device)
+        ids = flat[: len(pages)].to(torch.int32)
         self._prefill.plan_sparse(ids, planned)
-        return tuple(ids[o : o + e * per].view(e, per)[:, chosen] for o, per, chosen in places)
+        pieces, o = [], len(pages)
+        for dst, _, _, n_pages in rows:
+            r = len(dst)
+            pieces.append(
+                BudgetRows(
+                    flat[o : o + r], flat[o + r : o + 2 * r].to(torch.int32), flat[o + 2 * r : o + 3 * r, None], n_pages
+                )
+            )
+            o += 3 * r
+        return SparseBudget(ids, tuple(pieces))
 
     def _plan_rows(self, batch: Batch):
         """A mixed step as one fixed decode plan (the decode graphs replay it), each prefill
@@ -364,51 +398,85 @@ class Attention:
         q: torch.Tensor,
         out: torch.Tensor,
         spans: list[PrefillSpan],
-        budget: tuple[torch.Tensor, ...] | None = None,
+        budget: SparseBudget | None = None,
     ) -> None:
-        """Block-union pieces of one layer: select each piece's blocks from its queries, then
+        """Block-union pieces of one layer: select each span's blocks from its queries, then
         attend over the page lists (kernels.block_union); writes their rows of out. budget: the
-        spans' planned page ids to fill (a budget through FlashInfer), else chunk masks."""
+        step's planned page ids to fill (a budget through FlashInfer), else chunk masks."""
         cfg, c, hkv = self.sparse, self.pool.chunk_size, self.pool.kv.shape[3]
         k_cache, v_cache = self.pool.k(layer), self.pool.v(layer)
-        bc = cfg.block // c
-        pieces = []
+        bc, e = cfg.block // c, self.num_q_heads // self._sub
+        bounds = self.pool.key_bounds[layer]
+        pieces, outs, chunk_ids = [], [], []
         for i, s in enumerate(spans):
             rows = q[s.start : s.start + s.num_new]
-            k0 = s.context_len // c  # chunks before the one holding the piece's first token
-            # the context blocks' key bounds, from the pool's chunk bounds (their chunks filled
-            # in earlier steps: queued before this), scored by the bounded queries
-            bounds = self.pool.key_bounds[layer]
+            parts = block_union.piece_spans(s.context_len, s.num_new, cfg.span)
+            k0 = parts[-1][0] // c  # the chunks the last span chooses among
+            # the blocks' key bounds, from the pool's chunk bounds (the context's filled in earlier
+            # steps, queued before this; the piece's own that its later spans choose among, here)
+            self._bound_own(layer, s.table[s.context_len // c : k0])
             if self.backend == "triton":
                 keys = block_union.block_keys_gpu(bounds, s.table[:k0], bc, rows.dtype)
-                agg = block_union.block_agg(rows, keys, cfg.block, self._sub, self.sm_scale, cfg.spread, cfg.fold)
+                agg = block_union.block_agg(
+                    rows,
+                    keys,
+                    cfg.block,
+                    self._sub,
+                    self.sm_scale,
+                    cfg.spread,
+                    cfg.fold,
+                    s.limits,
+                    block_union.span_blocks(cfg, s.limits.numel()),
+                )
             else:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
-                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale)
-            self.counters.sparse_pages_dense += agg.shape[0] * s.table.numel()
+                limits = block_union.query_limits(s.context_len, s.num_new, c, cfg)
+                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, limits)
+            self.counters.sparse_pages_dense += e * sum(-(-(ctx + n) // c) for ctx, n in parts)
+            limits = [block_union.context_blocks(ctx, c, cfg.block) for ctx, _ in parts for _ in range(e)]
             if budget is not None:
-                block_union.write_pages(budget[i], block_union.budget_blocks(agg, cfg), s.table, bc, hkv)
-                self.counters.sparse_pages_read += agg.shape[0] * block_union.budget_list_len(
-                    cfg, s.context_len, s.context_len + s.num_new, c
-                )
+                b = budget.pieces[i]
+                chosen = block_union.budget_blocks(agg, cfg, limits, b.limits)
+                block_union.write_pages(budget.ids, b.dst, b.counts, chosen, s.table, bc, hkv, e)
+                self.counters.sparse_pages_read += b.pages
                 continue
-            mask = block_union.chunk_mask(block_union.select_blocks(agg, cfg), bc, k0, s.table.numel())
-            if self._prefill is None:  # (the reference path; FlashInfer's counts its pages as it plans)
-                self.counters.sparse_pages_read += int(mask.sum())
-            pieces.append(paged_prefill.SparsePiece(rows, mask, s.table, s.context_len + s.num_new))
-        outs = [out[s.start : s.start + s.num_new] for s in spans]
+            keep = block_union.select_blocks(agg, cfg, limits)
+            for j, (ctx, n) in enumerate(parts):
+                used = -(-(ctx + n) // c)
+                mask = block_union.chunk_mask(keep[j * e : (j + 1) * e], bc, ctx // c, used)
+                if self._prefill is None:  # (the reference path; FlashInfer's counts its pages as it plans)
+                    self.counters.sparse_pages_read += int(mask.sum())
+                r = ctx - s.context_len
+                pieces.append(paged_prefill.SparsePiece(rows[r : r + n], mask, s.table[:used], ctx + n))
+                outs.append(out[s.start + r : s.start + r + n])
+                chunk_ids.append(s.chunk_ids)
         if budget is not None:
-            self._prefill.run_planned_sparse([q[s.start : s.start + s.num_new] for s in spans], k_cache, v_cache, outs)
+            qs, outs = [], []
+            for s in spans:
+                for ctx, n in block_union.piece_spans(s.context_len, s.num_new, cfg.span):
+                    r = s.start + ctx - s.context_len
+                    qs.append(q[r : r + n])
+                    outs.append(out[r : r + n])
+            self._prefill.run_planned_sparse(qs, k_cache, v_cache, outs)
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
             self.counters.sparse_pages_read += self._prefill.sparse_pages_planned
         else:
-            for s, p, o in zip(spans, pieces, outs):
-                o.copy_(
-                    reference.sparse_prefill_ref(
-                        p.q, k_cache, v_cache, s.chunk_ids, s.context_len, p.mask, self.sm_scale
-                    )
-                )
+            for p, o, ids in zip(pieces, outs, chunk_ids, strict=True):
+                ctx = p.total - p.q.shape[0]
+                o.copy_(reference.sparse_prefill_ref(p.q, k_cache, v_cache, ids, ctx, p.mask, self.sm_scale))
+
+    def _bound_own(self, layer: int, chunks: torch.Tensor) -> None:
+        """The key bounds of one layer's chunks this step filled (the rest of the step's are
+        bounded after its forward, every layer: StepAttention.keep_key_bounds)."""
+        if not chunks.numel():
+            return
+        if self.backend == "triton":
+            block_union.chunk_key_bounds(
+                self.pool.kv[layer : layer + 1, 0], chunks, self.pool.key_bounds[layer : layer + 1]
+            )
+        else:
+            self.pool.key_bounds[layer, chunks] = block_union.chunk_key_bounds_ref(self.pool.k(layer)[chunks])
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, out: torch.Tensor) -> None:
         """The decode rows' attention q [B, Hq, D] into out [B, Hq, D]."""
@@ -439,9 +507,7 @@ class StepAttention:
         None  # their rows where sparse spans are among the spans (else they follow the decodes)
     )
     filled: torch.Tensor | None = None  # chunks whose last slot this step writes, when the pool keeps key bounds
-    budget: tuple[torch.Tensor, ...] | None = (
-        None  # a budget's planned page ids, per sparse span (Attention._plan_budget)
-    )
+    budget: SparseBudget | None = None  # a budget's planned page lists (Attention._plan_budget)
     mixed: bool = False  # prefill tokens among the decode rows (Attention._plan_rows)
 
     def forward(

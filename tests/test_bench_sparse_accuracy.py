@@ -33,10 +33,18 @@ def test_chunk_mass_is_the_reference_attention_and_sums_to_the_rows():
     out, mass = bsa.chunk_mass(q, kk, vv, context, C, 0.2)
     want = reference.prefill_attention_ref(q, k, v, ids, context, 0.2)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    assert mass.shape == (q.shape[1], -(-total // C))
+    assert mass.shape == (1, q.shape[1], -(-total // C))
+    mass = mass[0]
     torch.testing.assert_close(mass.sum(1), torch.full((q.shape[1],), float(q.shape[0])))
     # causal: the piece's last chunk is seen only by its own rows' later positions
     assert (mass >= 0).all() and mass[:, -1].max() < q.shape[0]
+    # in groups of rows: the same attention, the same mass split by rows, a group's only up to its last row
+    out2, groups = bsa.chunk_mass(q, kk, vv, context, C, 0.2, group=32)
+    torch.testing.assert_close(out2, out, rtol=1e-5, atol=1e-5)
+    assert groups.shape == (3, q.shape[1], -(-total // C))
+    torch.testing.assert_close(groups.sum(0), mass, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(groups.sum(2), torch.full((3, q.shape[1]), 32.0))
+    assert (groups[0, :, -(-(context + 32) // C) :] == 0).all()
 
 
 @pytest.mark.parametrize(
@@ -53,9 +61,10 @@ def test_oracle_keeps_at_least_the_selectors_mass(cfg):
         total, hq, hkv = context + q.shape[0], q.shape[1], k.shape[1]
         kk, vv = reference.gather_kv(k, ids, total), reference.gather_kv(v, ids, total)
         _, mass = bsa.chunk_mass(q, kk, vv, context, C, 0.2)
+        mass = mass[0]
         sub = bsa.block_union.subgroup_size(hq, hkv, cfg.subgroup)
         k0 = context // C
-        keep = bsa.select(q, kk[:, : k0 * C], cfg, C, sub, 0.2)
+        keep = bsa.select(q, kk, context, cfg, C, sub, 0.2)
         bm, own = bsa.list_mass(mass, sub, k0, cfg.block // C)
         assert keep.shape == bm.shape == (hq // sub, -(-k0 // (cfg.block // C)))
         torch.testing.assert_close(bm.sum(1) + own, torch.full((hq // sub,), float(sub * q.shape[0])))
@@ -81,7 +90,7 @@ def test_keeping_every_block_keeps_all_the_mass():
     total = context + q.shape[0]
     kk, vv = reference.gather_kv(k, ids, total), reference.gather_kv(v, ids, total)
     _, mass = bsa.chunk_mass(q, kk, vv, context, C, 0.2)
-    bm, own = bsa.list_mass(mass, 2, context // C, 2)
+    bm, own = bsa.list_mass(mass[0], 2, context // C, 2)
     figures = bsa.kept_mass(bm, own, torch.ones_like(bm, dtype=torch.bool))
     summary = bsa.summarise({0: figures, 1: figures})
     assert summary == {"mass": 1.0, "mass_worst": 1.0, "ctx_mass": 1.0, "ctx_mass_worst": 1.0}
@@ -102,21 +111,25 @@ def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer()
     }
     cfgs = {
         "b": BlockUnion(min_context=256, block=64, window=1, budget=0.25),
+        "spans": BlockUnion(min_context=256, block=64, window=1, budget=0.25, span=64, dense_tail=0),
         "all": BlockUnion(min_context=256, block=64, window=1, budget=1.0),
     }
     plain, probed = LLMEngine.from_model("tiny", **opts), LLMEngine.from_model("tiny", **opts)
     probe = bsa.MassProbe(probed, cfgs, 256)
     prompt = [(i * 37) % 250 + 1 for i in range(900)]
-    probe.needle = (300, 310)
+    probe.needle, probe.prompt_len = (300, 310), 900
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     assert probed.generate([prompt], params) == plain.generate([prompt], params)
     layers = probed.model_config.num_layers
     for name in cfgs:
         assert sorted(probe.sums[name]["sel"]) == list(range(layers))
-    sel, orc = bsa.summarise(probe.sums["b"]["sel"]), bsa.summarise(probe.sums["b"]["oracle"])
-    assert all(0 <= x <= 1 for x in (*sel.values(), *orc.values()))
-    assert orc["ctx_mass"] >= sel["ctx_mass"] - 1e-4 and orc["mass"] >= sel["mass"] - 1e-4
-    assert sel["ctx_mass"] < 1
+    for name in ("b", "spans"):
+        sel, orc = bsa.summarise(probe.sums[name]["sel"]), bsa.summarise(probe.sums[name]["oracle"])
+        assert all(0 <= x <= 1 for x in (*sel.values(), *orc.values()))
+        assert orc["ctx_mass"] >= sel["ctx_mass"] - 1e-4 and orc["mass"] >= sel["mass"] - 1e-4
+        assert sel["ctx_mass"] < 1
+    # spans choose among their piece's earlier blocks too: less of the whole kept than one list
+    assert bsa.summarise(probe.sums["spans"]["sel"])["mass"] < bsa.summarise(probe.sums["b"]["sel"])["mass"]
     assert bsa.summarise(probe.sums["all"]["sel"])["ctx_mass_worst"] == 1.0
     hit, of = probe.needle_hits["all"]["sel"]
     assert of > 0 and hit == of  # every list keeps every block, the needle's too

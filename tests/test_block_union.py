@@ -64,6 +64,40 @@ def test_block_agg_matches_the_reference(t, hq, hkv, sub, d, block, nb, dtype, s
         torch.testing.assert_close(got.amax(1), torch.ones_like(got[:, 0]), atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "t, hq, hkv, sub, block, span_qb, limits",
+    [
+        (64, 4, 2, 2, 16, 1, [3, 4, 5, 6]),  # spans of one query block, each seeing one more block
+        (100, 8, 2, 4, 16, 2, [9, 9, 11, 11, 13, 13, 15]),  # spans of two, the last short
+        (37, 2, 1, 1, 32, 1, [1, 2]),
+    ],
+)
+@pytest.mark.parametrize("fold", ["max", "sum"])
+def test_block_agg_of_spans_matches_the_reference(t, hq, hkv, sub, block, span_qb, limits, fold):
+    """Each query block scores only the blocks its span sees, and folds into its span's lists."""
+    device = "cuda" if CUDA else "cpu"
+    d, nb = 32, max(limits)
+    g = torch.Generator(device="cpu").manual_seed(t)
+    q = (torch.randn(t, hq, d, generator=g) * 2).to(device)
+    a, b = torch.randn(2, nb, hkv, d, generator=g) * 2
+    bounds = torch.cat([a.maximum(b), a.minimum(b)], dim=-1).to(device)
+    lim = torch.tensor(limits, dtype=torch.int32, device=device)
+    got = block_union.block_agg(q, bounds, block, sub, None, 0.5, fold, lim, span_qb)
+    scores = block_scores_ref(block_union.bound_queries(q, 0.5), bounds, block, d**-0.5, limits)
+    for i, n in enumerate(limits):  # nothing past a query block's limit; its blocks sum to 1
+        assert (scores[:, i, n:] == 0).all()
+        torch.testing.assert_close(scores[:, i].sum(-1), torch.ones(hq, device=device))
+    want = normalised(scores, sub, fold, span_qb)
+    spans, e = -(-len(limits) // span_qb), hq // sub
+    assert got.shape == want.shape == (spans * e, nb)
+    torch.testing.assert_close(got, want, atol=1e-5 * sub * span_qb, rtol=1e-4)
+    for j in range(spans):  # span j's lists: zero past what its query blocks see
+        seen = max(limits[j * span_qb : (j + 1) * span_qb])
+        assert (got[j * e : (j + 1) * e, seen:] == 0).all()
+    with pytest.raises(ValueError, match="one per query block"):
+        block_union.block_agg(q, bounds, block, sub, None, 0.5, fold, lim[1:], span_qb)
+
+
 def test_block_agg_refuses_bad_shapes():
     with pytest.raises(ValueError, match="powers of two"):
         block_union.block_agg(torch.zeros(4, 4, 24), torch.zeros(3, 2, 48), 16, 1)
@@ -75,16 +109,26 @@ def test_block_agg_refuses_bad_shapes():
         block_union.block_agg(torch.zeros(4, 4, 32), torch.zeros(3, 2, 32), 16, 1)  # not [max | min]
 
 
-@pytest.mark.parametrize("e, hkv, free, bc", [(8, 8, 5, 2), (4, 2, 1, 4), (32, 32, 37, 1), (2, 1, 0, 2)])
-def test_write_pages_is_budget_pages(e, hkv, free, bc):
+@pytest.mark.parametrize(
+    "e, hkv, free, bc, spans", [(8, 8, 5, 2, 1), (4, 2, 1, 4, 3), (32, 32, 37, 1, 1), (2, 1, 0, 2, 2), (4, 2, 6, 2, 4)]
+)
+def test_write_pages_is_budget_pages(e, hkv, free, bc, spans):
+    """Each row writes its own count of its blocks' pages at its own offset, nothing else."""
     device = "cuda" if CUDA else "cpu"
     g = torch.Generator().manual_seed(free)
+    r = spans * e
     table = torch.randperm(500, generator=g)[:200].to(device)
-    blocks = torch.stack([torch.randperm(200 // bc, generator=g)[:free] for _ in range(e)]).to(device)
-    planned = torch.full((e, 3 + free * bc + 2), -7, dtype=torch.int32, device=device)
-    block_union.write_pages(planned[:, 3 : 3 + free * bc], blocks, table, bc, hkv)
-    assert (planned[:, :3] == -7).all() and (planned[:, 3 + free * bc :] == -7).all()
-    assert torch.equal(planned[:, 3 : 3 + free * bc], block_union.budget_pages(blocks, table, bc, hkv))
+    blocks = torch.stack([torch.randperm(200 // bc, generator=g)[:free] for _ in range(r)]).to(device)
+    counts = [max(0, free - i % 3) if spans > 1 else free for i in range(r)]
+    per = 3 + free * bc + 2  # each row's list: 3 pages, its chosen ones, 2 more
+    ids = torch.full((r * per,), -7, dtype=torch.int32, device=device)
+    dst = torch.arange(r, device=device) * per + 3
+    block_union.write_pages(ids, dst, torch.tensor(counts, dtype=torch.int32, device=device), blocks, table, bc, hkv, e)
+    want = block_union.budget_pages(blocks, table, bc, hkv, e)
+    for i, n in enumerate(counts):
+        row = ids[i * per : (i + 1) * per]
+        assert torch.equal(row[3 : 3 + n * bc], want[i, : n * bc])
+        assert (row[:3] == -7).all() and (row[3 + n * bc :] == -7).all()
 
 
 def test_block_keys_bound_their_chunks_bounds():
@@ -228,6 +272,36 @@ def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
     assert select_blocks(agg, BlockUnion(budget=0.75, window=1)).all()
 
 
+def test_spans_choose_among_the_blocks_before_them():
+    """A piece's spans: each sees the blocks before it (its piece's earlier ones too), keeps its
+    own sink and window, and a budget's share of its own blocks."""
+    cfg = BlockUnion(block=32, budget=0.2, sink=1, window=2, span=64, subgroup=2)
+    c = 16
+    assert block_union.piece_spans(40 * c, 150, 64) == [(640, 64), (704, 64), (768, 22)]
+    assert block_union.piece_spans(40 * c, 150, None) == [(640, 150)]
+    assert block_union.query_limits(40 * c, 150, c, cfg) == [20, 20, 22, 22, 24]
+    assert block_union.query_limits(40 * c + 5, 40, c, cfg) == [20, 20]  # the partial chunk is the span's own
+    scores = torch.rand(4, 5, 24, generator=torch.Generator().manual_seed(1))
+    scores[..., 20:] *= 0.0  # (what block_scores_ref gives past each query block's limit)
+    agg = normalised(scores, 2, "sum", 2)
+    assert agg.shape == (6, 24)  # 3 spans x 2 lists
+    torch.testing.assert_close(agg[2], (scores[:2, 2:4] / scores[:2, 2:4].amax(-1, keepdim=True)).sum((0, 1)))
+    limits = [20, 20, 22, 22, 24, 24]
+    keep = select_blocks(agg, cfg, limits)
+    for r, n in enumerate(limits):
+        kept = keep[r].nonzero().flatten().tolist()
+        assert len(kept) == 1 + 2 + block_union.budget_free(cfg, n) and kept[0] == 0 and kept[-2:] == [n - 2, n - 1]
+        assert not keep[r, n:].any()
+    blocks = budget_blocks(agg, cfg, limits)
+    assert blocks.shape == (6, block_union.budget_free(cfg, 24))
+    for r, n in enumerate(limits):  # a row's first budget_free(n) picks: its best between sink and window
+        mine = blocks[r, : block_union.budget_free(cfg, n)].tolist()
+        best = agg[r, 1 : n - 2].topk(len(mine)).indices + 1
+        assert sorted(mine) == sorted(best.tolist())
+    with pytest.raises(ValueError, match="span must be a multiple"):
+        BlockUnion(block=32, span=48)
+
+
 @pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
 def test_budget_lists_are_the_masked_pages(context, new, budget):
     """The page ids a step plans for a budget piece, with the chosen blocks written in, are the
@@ -252,6 +326,41 @@ def test_budget_lists_are_the_masked_pages(context, new, budget):
         assert sorted(planned[i].tolist()) == sorted(page[i][mask[i]].tolist())
         assert planned[i, : chosen.start].tolist() == page[i, : chosen.start].tolist()
         assert planned[i, chosen.stop :].tolist() == page[i, -(per - chosen.stop) :].tolist()
+
+
+@pytest.mark.parametrize("context, new, span", [(40 * 16, 150, 64), (37 * 16 + 5, 100, 32), (24 * 16, 64, None)])
+def test_budget_piece_is_each_spans_masked_pages(context, new, span):
+    """A piece's planned lists with each span's chosen blocks written at their offsets are, span
+    by span, the masked pages of select_blocks on the same scores: what the reference attends."""
+    cfg = BlockUnion(block=32, budget=0.3, sink=1, window=2, subgroup=2, span=span)
+    c, hkv, e, bc = 16, 2, 4, 2
+    total = context + new
+    table = random.Random(context).sample(range(300), -(-total // c))
+    parts = block_union.piece_spans(context, new, span)
+    limits = block_union.query_limits(context, new, c, cfg)
+    scores = torch.rand(8, len(limits), max(limits), generator=torch.Generator().manual_seed(new))
+    for i, n in enumerate(limits):
+        scores[:, i, n:] = 0.0
+    agg = normalised(scores, 2, "sum", block_union.span_blocks(cfg, len(limits)))
+    pages, planned, dst, counts, row_limits = block_union.budget_piece(table, context, new, c, cfg, hkv, e)
+    assert [p[0] for p in planned] == [n for _, n in parts] and len(dst) == len(parts) * e
+    assert sum(sum(p[1]) for p in planned) == len(pages)
+    ids = torch.tensor(pages, dtype=torch.int32)
+    chosen = block_union.budget_pages(budget_blocks(agg, cfg, row_limits), torch.tensor(table), bc, hkv, e)
+    for r, (o, n) in enumerate(zip(dst, counts)):
+        ids[o : o + n * bc] = chosen[r, : n * bc]
+    keep = select_blocks(agg, cfg, row_limits)
+    start = 0
+    for j, ((ctx, rows), (_, per, tail)) in enumerate(zip(parts, planned)):
+        used = -(-(ctx + rows) // c)
+        assert tail == ctx + rows - (used - 1) * c
+        mask = chunk_mask(keep[j * e : (j + 1) * e], bc, ctx // c, used)
+        page = torch.tensor(table[:used])[None, :] * hkv + (torch.arange(e) // (e // hkv))[:, None]
+        for i in range(e):
+            mine = ids[start : start + per[i]]
+            assert sorted(mine.tolist()) == sorted(page[i][mask[i]].tolist())
+            assert mine[-(used - ctx // c) :].tolist() == page[i, ctx // c : used].tolist()  # own chunks last
+            start += per[i]
 
 
 def test_chunk_mask_marks_kept_blocks_and_the_own_chunks():
@@ -350,7 +459,8 @@ def _prompts():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
+@pytest.mark.parametrize("span", [None, 32])
+def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling, span):
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
     dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
         prompts, params
@@ -361,25 +471,30 @@ def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling):
         chunk_size=16,
         max_num_batched_tokens=64,
         async_scheduling=async_scheduling,
-        sparse_prefill=dict(SPARSE, alpha=0.0),
+        sparse_prefill=dict(SPARSE, alpha=0.0, span=span),
     )
     assert engine.generate(prompts, params) == dense
     stats = engine.stats()
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
 
 
-def test_engine_with_a_whole_budget_gives_the_dense_tokens():
+@pytest.mark.parametrize("span", [None, 32])
+def test_engine_with_a_whole_budget_gives_the_dense_tokens(span):
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
     dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
         prompts, params
     )
     engine = LLMEngine.from_model(
-        "tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64, sparse_prefill=dict(SPARSE, budget=1.0)
+        "tiny",
+        device="cpu",
+        chunk_size=16,
+        max_num_batched_tokens=64,
+        sparse_prefill=dict(SPARSE, budget=1.0, span=span),
     )
     assert engine.generate(prompts, params) == dense
 
 
-@pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3)])
+@pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=32, dense_tail=0)])
 def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_key_bounds(sparse):
     prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     engine = LLMEngine.from_model(
@@ -428,6 +543,42 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     assert not mask.all()
     want = sparse_prefill_ref(q, pool.k(1), pool.v(1), seq_table, context, mask, 64**-0.5)
     torch.testing.assert_close(out, want)
+
+
+def test_engine_spans_are_the_reference_each_on_its_own_selection():
+    """A piece in spans through the engine's layer: each span the sparse reference on the mask
+    the selection rules give it from the reference scores, its piece's earlier chunks among the
+    blocks it chooses from (their key bounds made in the layer, from the K just written)."""
+    from replicas.attention import PrefillSpan
+
+    sparse = dict(SPARSE, budget=0.25, span=32)
+    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=sparse)
+    engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool
+    attention, pool = engine.attention, engine.pool
+    seq_table = [n.chunk_id for n in _path(engine.tree, 24)]
+    context, new = 256, 120
+    own = torch.tensor(seq_table[16:22])  # the chunks before the last span's first token
+    pool.key_bounds[1, own] = 0.0  # the piece's chunks: bounded in the layer, not before
+    q = torch.randn(new, 4, 64, generator=torch.Generator().manual_seed(0)) * 30  # peaked scores
+    out = torch.zeros_like(q)
+    span = PrefillSpan(0, new, context, tuple(seq_table), torch.tensor(seq_table))
+    attention.sparse_prefill(1, q, out, [span])
+    keys = pool.kv[1, 0, own]
+    assert torch.equal(pool.key_bounds[1, own], torch.cat([keys.amax(2), keys.amin(2)], -1))
+    cfg = engine.config.sparse_prefill
+    parts = block_union.piece_spans(context, new, 32)
+    assert len(parts) == 4
+    blocks = block_keys(pool.key_bounds[1], torch.tensor(seq_table[: parts[-1][0] // 16]), 2)
+    agg = block_union.block_scores(q, blocks, cfg, 2, 64**-0.5, block_union.query_limits(context, new, 16, cfg))
+    limits = [block_union.context_blocks(ctx, 16, 32) for ctx, _ in parts for _ in range(2)]
+    keep = select_blocks(agg, cfg, limits)
+    for j, (ctx, n) in enumerate(parts):
+        used = -(-(ctx + n) // 16)
+        mask = chunk_mask(keep[2 * j : 2 * j + 2], 2, ctx // 16, used)
+        assert not mask.all()
+        r = slice(ctx - context, ctx - context + n)
+        want = sparse_prefill_ref(q[r], pool.k(1), pool.v(1), seq_table, ctx, mask, 64**-0.5)
+        torch.testing.assert_close(out[r], want)
 
 
 @pytest.mark.parametrize("tail", [24, 0])
@@ -559,9 +710,9 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             nb = -(-k0 // 2)
             scores = torch.rand(hq, 2, nb, generator=torch.Generator().manual_seed(layer * 7 + k0)).to(dev)
             blocks = budget_blocks(normalised(scores, sub), cfg)
-            block_union.write_pages(
-                ids[o : o + e * per].view(e, per)[:, chosen], blocks, torch.tensor(table, device=dev), 2, hkv
-            )
+            dst = torch.arange(e, device=dev) * per + o + chosen.start
+            counts = torch.full((e,), blocks.shape[1], dtype=torch.int32, device=dev)
+            block_union.write_pages(ids, dst, counts, blocks, torch.tensor(table, device=dev), 2, hkv, e)
             masks.append(chunk_mask(select_blocks(normalised(scores, sub), cfg), 2, k0, len(table)))
             qs.append(torch.randn(total - context, hq, d, device=dev).to(dtype))
         outs = fi.run_planned_sparse(qs, k_cache, v_cache)
@@ -571,10 +722,12 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             torch.testing.assert_close(out, want, atol=3e-2, rtol=0)
 
 
-def test_engine_sparse_prefill_through_the_triton_kernels():
+@pytest.mark.parametrize("span", [None, 32])
+def test_engine_sparse_prefill_through_the_triton_kernels(span):
     """The triton backend (under the interpreter on the CPU; float32 on a GPU, which FlashInfer
     does not take: the reference attends): key bounds, block bounds and scores from the Triton
-    kernels; with every block kept, the dense tokens; the pool's key bounds exact."""
+    kernels (spans': their pieces' own chunks bounded in each layer); with every block kept,
+    the dense tokens; the pool's key bounds exact."""
     device = "cuda" if CUDA else "cpu"
     prompts, params = _prompts()[:2], SamplingParams(max_tokens=6, temperature=0)
     dense = LLMEngine.from_model(
@@ -587,7 +740,7 @@ def test_engine_sparse_prefill_through_the_triton_kernels():
         chunk_size=16,
         max_num_batched_tokens=128,
         attention_backend="triton",
-        sparse_prefill=dict(SPARSE, alpha=0.0),
+        sparse_prefill=dict(SPARSE, alpha=0.0, span=span),
     )
     assert engine.generate(prompts, params) == dense
     stats = engine.stats()

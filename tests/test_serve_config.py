@@ -47,6 +47,7 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"budget": 0.2, "window": 0}}},
         {"engine": {"sparse_prefill": {"alpha": 1.5}}},
         {"engine": {"sparse_prefill": {"budget": 0}}},
+        {"engine": {"sparse_prefill": {"span": 96}}},  # not a multiple of the block (128)
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
     ],

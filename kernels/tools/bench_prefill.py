@@ -3,21 +3,23 @@ cached context, dense against block-union sparse (DESIGN §5), one JSON object p
 
     python -m kernels.tools.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]
+                                    [--block 128] [--window 4] [--span 128]
 
 Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool),
 µs per layer, each timed over 8 back-to-back calls as a forward's layers run (host work
 overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
   (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
-- per budget d (``kept@d``: the share of the context's chunks kept, sink and window included):
-  ``budget_us@d``: BlockUnion(budget=d) as the engine runs a layer: the block bounds from the
+- per budget d (``kept@d``: the pages the lists read over the dense piece's, sink, window and
+  own chunks included): ``budget_us@d``: BlockUnion(budget=d, block, window, span) as the
+  engine runs a layer: with spans, the piece's own chunks' key bounds; the block bounds from the
   pool's chunk key bounds and the normalised scores (Triton), the best blocks, their page ids
   written into the lists planned once per step (not timed), FlashInfer over them;
   ``speedup@d`` = dense / budget; ``select_us@d``: its selection alone (bounds, scores, the
   best blocks, their page ids);
-  ``alpha_us@d``: alpha's threshold as the engine runs a layer (selection, the lists' lengths
-  read back, a FlashInfer plan, the run) over lists of that share drawn at random (random keys
-  score flat: the threshold would keep everything).
+  ``alpha_us@d`` (without spans): alpha's threshold as the engine runs a layer (selection, the
+  lists' lengths read back, a FlashInfer plan, the run) over lists of that share drawn at
+  random (random keys score flat: the threshold would keep everything).
 Needs CUDA and flashinfer.
 """
 
@@ -51,8 +53,17 @@ def _per_call(fn, calls: int, reps: int) -> float:
 
 
 def run_case(
-    context: int, piece: int, hq: int, hkv: int, c: int, densities: list[float], reps: int, layers: int = 8
+    context: int,
+    piece: int,
+    hq: int,
+    hkv: int,
+    c: int,
+    densities: list[float],
+    reps: int,
+    layers: int = 8,
+    knobs: dict | None = None,
 ) -> dict:
+    """knobs: BlockUnion fields besides the budget (block, window, span)."""
     d, dtype, dev = 128, torch.bfloat16, torch.device("cuda")
     total = context + piece
     used = -(-total // c)
@@ -76,48 +87,63 @@ def run_case(
     rng = torch.Generator(device="cpu").manual_seed(context)
     for dens in densities:
         # a budget: planned once (not timed, as the dense plan), each layer selects and rewrites
-        cfg = BlockUnion(budget=dens)
+        cfg = BlockUnion(budget=dens, **(knobs or {}))
         bc, sub = cfg.block // c, block_union.subgroup_size(hq, hkv, cfg.subgroup)
         e, nb = hq // sub, -(-k0 // bc)
-        pages, per, chosen = block_union.budget_lists(table, context, total, c, cfg, hkv, e)
+        pages, planned, dst, counts, limits = block_union.budget_piece(table, context, piece, c, cfg, hkv, e)
         ids = torch.tensor(pages, dtype=torch.int32, device=dev)
-        fi.plan_sparse(ids, [(piece, [per] * e, total - (used - 1) * c)])
-        view = ids.view(e, per)[:, chosen]
+        fi.plan_sparse(ids, planned)
+        dst_d, counts_d = torch.tensor(dst, device=dev), torch.tensor(counts, dtype=torch.int32, device=dev)
+        limits_d = torch.tensor(limits, device=dev)[:, None]
+        q_limits = torch.tensor(block_union.query_limits(context, piece, c, cfg), dtype=torch.int32, device=dev)
+        parts = block_union.piece_spans(context, piece, cfg.span)
+        k_last = parts[-1][0] // c
+        own = tab[k0:k_last]
+        qs = [q[ctx - context : ctx - context + n] for ctx, n in parts]
 
         out = torch.empty_like(q)
+        outs = [out[ctx - context : ctx - context + n] for ctx, n in parts]
 
-        def agg(cfg=cfg):
-            keys = block_union.block_keys_gpu(bounds, tab[:k0], bc, q.dtype)
-            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold)
+        def agg(cfg=cfg, limits=q_limits):
+            if own.numel():  # the piece's own chunks its later spans choose among (as the engine, per layer)
+                block_union.chunk_key_bounds(k[None], own, bounds[None])
+            keys = block_union.block_keys_gpu(bounds, tab[:k_last], bc, q.dtype)
+            span_qb = block_union.span_blocks(cfg, limits.numel())
+            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold, limits, span_qb)
 
         def select():
-            block_union.write_pages(view, block_union.budget_blocks(agg(), cfg), tab, bc, hkv)
+            chosen = block_union.budget_blocks(agg(), cfg, limits, limits_d)
+            block_union.write_pages(ids, dst_d, counts_d, chosen, tab, bc, hkv, e)
 
         def budget_layer():
             select()
-            return fi.run_planned_sparse([q], k, v, [out])
+            return fi.run_planned_sparse(qs, k, v, outs)
 
-        row[f"kept@{dens}"] = round((per - (used - k0)) / k0, 3)
+        dense_pages = sum(-(-(ctx + n) // c) for ctx, n in parts)
+        row[f"pages@{dens}"] = round(len(pages) / (e * dense_pages), 3)
         row[f"budget_us@{dens}"] = round(_per_call(budget_layer, layers, reps), 1)
         row[f"select_us@{dens}"] = round(_per_call(select, layers, reps), 1)
-        # alpha's threshold: selection as the engine runs it, lists of that share at random
-        # (random keys score flat), planned layer by layer
-        keep = torch.rand(e, nb, generator=rng) < dens
-        keep[:, : cfg.sink] = True
-        keep[:, nb - cfg.window :] = True
-        mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
+        if cfg.span is None:
+            # alpha's threshold: selection as the engine runs it, lists of that share at random
+            # (random keys score flat), planned layer by layer (one piece: without spans)
+            alpha = BlockUnion(**(knobs or {}))
+            keep = torch.rand(e, nb, generator=rng) < dens
+            keep[:, : cfg.sink] = True
+            keep[:, nb - cfg.window :] = True
+            mask = block_union.chunk_mask(keep.to(dev), bc, k0, used)
 
-        def alpha_layer():
-            block_union.chunk_mask(block_union.select_blocks(agg(BlockUnion()), BlockUnion()), bc, k0, used)
-            return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v, [out])
+            def alpha_layer(alpha=alpha, mask=mask):
+                block_union.chunk_mask(block_union.select_blocks(agg(alpha), alpha), bc, k0, used)
+                return fi.run_sparse([SparsePiece(q, mask, tab, total)], k, v, [out])
 
-        row[f"alpha_us@{dens}"] = round(_per_call(alpha_layer, layers, reps), 1)
+            row[f"alpha_us@{dens}"] = round(_per_call(alpha_layer, layers, reps), 1)
         row[f"speedup@{dens}"] = round(row["dense_us"] / row[f"budget_us@{dens}"], 2)
     return row
 
 
 def main(args) -> None:
-    cfg = BlockUnion()
+    knobs = {key: getattr(args, key) for key in ("block", "window", "span") if getattr(args, key) is not None}
+    cfg = BlockUnion(**knobs)
     print(
         json.dumps(
             dict(
@@ -127,6 +153,8 @@ def main(args) -> None:
                 sink=cfg.sink,
                 window=cfg.window,
                 subgroup=cfg.subgroup,
+                span=cfg.span,
+                spread=cfg.spread,
             )
         ),
         flush=True,
@@ -135,7 +163,9 @@ def main(args) -> None:
         hq, hkv = (int(x) for x in heads.split("/"))
         for context in args.contexts:
             print(
-                json.dumps(run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps)),
+                json.dumps(
+                    run_case(context, args.piece, hq, hkv, args.chunk_size, args.densities, args.reps, knobs=knobs)
+                ),
                 flush=True,
             )
 
@@ -148,3 +178,6 @@ def add_parser(sub) -> None:
     p.add_argument("--densities", type=float, nargs="*", default=[0.1, 0.25, 0.5, 1.0])
     p.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--block", type=int, help="BlockUnion's block (default: its default)")
+    p.add_argument("--window", type=int, help="BlockUnion's window")
+    p.add_argument("--span", type=int, help="BlockUnion's span (query rows a list serves; default one per piece)")

@@ -41,6 +41,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import random
 import sys
 import time
@@ -63,28 +64,33 @@ ANSWER_TOKENS, AGREE_TOKENS = 16, 32
 # ---------------------------------------------------------------------------------------------
 
 
-def chunk_mass(q: Tensor, k: Tensor, v: Tensor, context_len: int, c: int, sm_scale: float) -> tuple[Tensor, Tensor]:
+def chunk_mass(
+    q: Tensor, k: Tensor, v: Tensor, context_len: int, c: int, sm_scale: float, group: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Dense causal attention of a piece, and where its weight falls. q: [T, Hq, D] at positions
     context_len.. ; k, v: [Hkv, total, D] (total = context_len + T) -> (out [T, Hq, D] as
-    kernels.reference.prefill_attention_ref, M [Hq, ceil(total / c)] float32: each head's
-    softmax weights summed over the piece's rows and each chunk's keys; a head's row sums to T)."""
+    kernels.reference.prefill_attention_ref, M [NG, Hq, ceil(total / c)] float32: each head's
+    softmax weights summed over each group of `group` rows (one group of all T by default) and
+    each chunk's keys; a head's row in a group sums to the group's rows)."""
     t_new, hq, d = q.shape
     hkv, total, _ = k.shape
     g, used = hq // hkv, -(-total // c)
+    group = t_new if group is None else group
     k, v = k.float(), v.float()
     qf = q.float().permute(1, 0, 2).reshape(hkv, g, t_new, d)
     out = torch.empty(hkv, g, t_new, d)
-    mass = torch.zeros(hkv, g, used * c)
+    mass = torch.zeros(-(-t_new // group), hkv, g, used * c)
     tile = max(1, (1 << 24) // max(1, hq * total))  # bounds the [Hkv, G, tile, total] scores
-    for t0 in range(0, t_new, tile):
-        t1 = min(t_new, t0 + tile)
-        w = torch.matmul(qf[:, :, t0:t1], k[:, None].transpose(-1, -2)) * sm_scale  # [Hkv, G, t, total]
-        qpos = torch.arange(context_len + t0, context_len + t1)
-        w = w.masked_fill(torch.arange(total) > qpos[:, None], float("-inf"))
-        p = torch.softmax(w, dim=-1)
-        out[:, :, t0:t1] = torch.matmul(p, v[:, None])
-        mass[..., :total] += p.sum(2)
-    return out.reshape(hq, t_new, d).permute(1, 0, 2), mass.view(hq, used, c).sum(-1)
+    for g0 in range(0, t_new, group):
+        for t0 in range(g0, min(t_new, g0 + group), tile):
+            t1 = min(t_new, g0 + group, t0 + tile)
+            w = torch.matmul(qf[:, :, t0:t1], k[:, None].transpose(-1, -2)) * sm_scale  # [Hkv, G, t, total]
+            qpos = torch.arange(context_len + t0, context_len + t1)
+            w = w.masked_fill(torch.arange(total) > qpos[:, None], float("-inf"))
+            p = torch.softmax(w, dim=-1)
+            out[:, :, t0:t1] = torch.matmul(p, v[:, None])
+            mass[g0 // group, ..., :total] += p.sum(2)
+    return out.reshape(hq, t_new, d).permute(1, 0, 2), mass.view(-1, hq, used, c).sum(-1)
 
 
 def list_mass(mass: Tensor, sub: int, context_chunks: int, block_chunks: int) -> tuple[Tensor, Tensor]:
@@ -117,15 +123,21 @@ def kept_mass(block_mass: Tensor, own: Tensor, keep: Tensor) -> dict[str, float]
     }
 
 
-def select(q: Tensor, k_ctx: Tensor, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
-    """The selector's blocks for a piece's queries q [T, Hq, D] given its context's keys
-    k_ctx [Hkv, k0 * c, D] (the chunks before the piece's first): the engine's CPU path
-    (replicas.attention.Attention.sparse_prefill) from chunk key bounds -> keep [E, NB] bool."""
-    hkv, n, d = k_ctx.shape
-    k0, bc = n // c, cfg.block // c
-    chunks = k_ctx.view(hkv, k0, c, d).transpose(0, 1)  # [k0, Hkv, c, D]
+def select(q: Tensor, k: Tensor, context_len: int, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
+    """The selector's blocks for a piece's queries q [T, Hq, D] at positions context_len.. given
+    its keys k [Hkv, >= context_len + T, D]: the engine's CPU path
+    (replicas.attention.Attention.sparse_prefill) from chunk key bounds -> keep [S * E, NB] bool,
+    span after span (block_union.piece_spans), each span's row zero past the blocks it sees."""
+    hkv, _, d = k.shape
+    spans = block_union.piece_spans(context_len, q.shape[0], cfg.span)
+    k0, bc = spans[-1][0] // c, cfg.block // c
+    chunks = k[:, : k0 * c].reshape(hkv, k0, c, d).transpose(0, 1)  # [k0, Hkv, c, D]
     keys = block_union.block_keys(block_union.chunk_key_bounds_ref(chunks), torch.arange(k0), bc)  # the pool's
-    return block_union.select_blocks(block_union.block_scores(q, keys, cfg, sub, sm_scale), cfg)
+    limits = block_union.query_limits(context_len, q.shape[0], c, cfg)
+    agg = block_union.block_scores(q, keys, cfg, sub, sm_scale, limits)
+    e = agg.shape[0] // len(spans)
+    rows = [block_union.context_blocks(ctx, c, cfg.block) for ctx, _ in spans for _ in range(e)]
+    return block_union.select_blocks(agg, cfg, rows)
 
 
 def summarise(per_layer: dict[int, dict[str, float]], prefix: str = "") -> dict[str, float]:
@@ -145,7 +157,10 @@ class MassProbe:
     """Stands in for a dense engine's StepAttention (Attention.plan's result): a step with one
     prefill piece whose context is at least `start` tokens attends through `chunk_mass`, and
     each configuration's selection and the oracle's are scored against its weights per layer
-    into `sums[config][kind][layer]` (kind: "sel" or "oracle"); anything else attends as is."""
+    into `sums[config][kind][layer]` (kind: "sel" or "oracle"), span by span (each span's
+    context: every chunk before the one holding its first token); anything else attends as is.
+    The prompt's last `dense_tail` tokens (prompt_len, set per prompt) attend densely and are
+    neither selected nor scored, as in the engine."""
 
     def __init__(self, engine, cfgs: dict[str, BlockUnion], start: int):
         self.engine, self.cfgs, self.start = engine, cfgs, start
@@ -155,30 +170,42 @@ class MassProbe:
             name: block_union.subgroup_size(a.num_q_heads, self.hkv, cfg.subgroup) for name, cfg in cfgs.items()
         }
         self.needle: tuple[int, int] | None = None  # the planted sentence's token span, for needle_lists
+        self.prompt_len = 0  # the prompt being prefilled: its last piece keeps a dense tail
         self.sums: dict = {name: {"sel": {}, "oracle": {}} for name in cfgs}
         self.needle_hits: dict = {name: {"sel": [0, 0], "oracle": [0, 0]} for name in cfgs}
         plan = a.plan
         a.plan = lambda batch: _ProbedStep(plan(batch), self)
 
     def piece(self, layer: int, q: Tensor, k: Tensor, v: Tensor, context_len: int) -> Tensor:
-        out, mass = chunk_mass(q, k, v, context_len, self.c, self.scale)
-        k0 = context_len // self.c
+        c, t = self.c, q.shape[0]
+        last = context_len + t == self.prompt_len
+        rows = {name: t - (min(t, cfg.dense_tail) if last else 0) for name, cfg in self.cfgs.items()}
+        group = math.gcd(t, *rows.values(), *(cfg.span or t for cfg in self.cfgs.values()))  # (0 counts as none)
+        out, mass = chunk_mass(q, k, v, context_len, c, self.scale, group)
         for name, cfg in self.cfgs.items():
-            if not cfg.applies(context_len, self.c):
+            n = rows[name]
+            if not cfg.applies(context_len, c) or not n:
                 continue
-            sub, bc = self.subs[name], cfg.block // self.c
-            keep = select(q, k[:, : k0 * self.c], cfg, self.c, sub, self.scale)
-            bm, own = list_mass(mass, sub, k0, bc)
-            picks = {"sel": keep, "oracle": oracle_keep(bm, keep.sum(1))}
-            for kind, kp in picks.items():
-                acc = self.sums[name][kind].setdefault(layer, dict.fromkeys(("ctx_kept", "ctx", "kept", "all"), 0.0))
-                for key, val in kept_mass(bm, own, kp).items():
-                    acc[key] += val
-                if self.needle is not None and self.needle[1] <= k0 * self.c:  # the needle is in the context
-                    blocks = range(self.needle[0] // cfg.block, (self.needle[1] - 1) // cfg.block + 1)
-                    hit = self.needle_hits[name][kind]
-                    hit[0] += int(kp[:, list(blocks)].any(1).sum())
-                    hit[1] += kp.shape[0]
+            sub, bc = self.subs[name], cfg.block // c
+            keep = select(q[:n], k, context_len, cfg, c, sub, self.scale)
+            parts = block_union.piece_spans(context_len, n, cfg.span)
+            e = keep.shape[0] // len(parts)
+            for j, (ctx, m_rows) in enumerate(parts):
+                k0, g0 = ctx // c, (ctx - context_len) // group
+                m = mass[g0 : g0 + -(-m_rows // group)].sum(0)  # (a short last span: its groups hold only its rows)
+                bm, own = list_mass(m, sub, k0, bc)
+                kp = keep[j * e : (j + 1) * e, : bm.shape[1]]
+                for kind, kk in {"sel": kp, "oracle": oracle_keep(bm, kp.sum(1))}.items():
+                    acc = self.sums[name][kind].setdefault(
+                        layer, dict.fromkeys(("ctx_kept", "ctx", "kept", "all"), 0.0)
+                    )
+                    for key, val in kept_mass(bm, own, kk).items():
+                        acc[key] += val
+                    if self.needle is not None and self.needle[1] <= k0 * c:  # the needle is in the context
+                        blocks = range(self.needle[0] // cfg.block, (self.needle[1] - 1) // cfg.block + 1)
+                        hit = self.needle_hits[name][kind]
+                        hit[0] += int(kk[:, list(blocks)].any(1).sum())
+                        hit[1] += kk.shape[0]
         return out
 
 
@@ -374,7 +401,7 @@ def run(args) -> list[dict]:
                 if i == mid
                 else SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0)
             )
-            probe.needle = span
+            probe.needle, probe.prompt_len = span, len(ids)
             ref = dense.generate([ids], params)[0]
             dense_found.append(str(number) in tok.decode(ref[:ANSWER_TOKENS]))
             log(f"len {length} depth {depth:.2f} dense: {tok.decode(ref[:ANSWER_TOKENS])!r}")
@@ -395,6 +422,8 @@ def run(args) -> list[dict]:
                 "sink": cfg.sink,
                 "window": cfg.window,
                 "subgroup": cfg.subgroup,
+                "span": cfg.span,
+                "dense_tail": cfg.dense_tail,
                 "spread": cfg.spread,
                 "fold": cfg.fold,
                 "alpha": None if cfg.budget is not None else cfg.alpha,
