@@ -81,10 +81,10 @@ class BlockUnion:
     """The selection's knobs (EngineConfig.sparse_prefill)."""
 
     min_context: int = 8192  # a piece whose context (tokens cached before it) is shorter runs dense
-    block: int = 128  # tokens per KV block and per query block: a power of two, a multiple of the chunk size
+    block: int = 64  # tokens per KV block and per query block: a power of two, a multiple of the chunk size
     alpha: float = 0.1  # keep the blocks scoring >= alpha x the best one (per query head and query block)
     sink: int = 1  # first blocks always kept
-    window: int = 4  # blocks just before the piece always kept
+    window: int = 1  # blocks just before the span always kept
     subgroup: int = 4  # query heads of one KV head that share a page list (capped by the group)
     # None: alpha's threshold; else keep the sink, the window and this share of the context's
     # blocks, the best of the rest by score: one FlashInfer plan per step instead of one per layer
@@ -94,16 +94,16 @@ class BlockUnion:
     # 0 the box's center (at a budget of 0.1, 0.5 kept more of dense attention's mass than either:
     # kernels/tools/records/README.md)
     spread: float = 0.5
-    # query rows that share page lists: a piece's rows are cut into spans of this many from its
-    # first (a multiple of block), each choosing among every block before it, its piece's earlier
-    # ones too, so a row reads its own piece's chunks as it reads the context (CompactAttention's
-    # causal block selection at span granularity); None: one span, the piece, whose own chunks
-    # every list reads whole
-    span: int | None = None
+    # query blocks that share page lists: a piece's rows are cut into spans of this many blocks
+    # from its first, each choosing among every block before it, its piece's earlier ones too,
+    # so a row reads its own piece's chunks as it reads the context (CompactAttention's causal
+    # block selection at span granularity); None: one span, the piece, whose own chunks every
+    # list reads whole
+    span: int | None = 1
     # the prompt's last this many tokens (its question, where a task puts it) attend densely:
     # their queries are the ones an answer reads from, and a selection scored over a whole piece's
     # queries dilutes theirs (replicas.attention splits the prompt's last piece)
-    dense_tail: int = 128
+    dense_tail: int = 64
 
     def __post_init__(self):
         if self.block < 16 or self.block & (self.block - 1):
@@ -115,8 +115,8 @@ class BlockUnion:
         for name in ("min_context", "sink", "window", "dense_tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
-        if self.span is not None and (self.span < self.block or self.span % self.block):
-            raise ValueError(f"sparse span must be a multiple of the block {self.block}, got {self.span}")
+        if self.span is not None and self.span < 1:
+            raise ValueError(f"sparse span must be >= 1 query block (or None: the piece), got {self.span}")
         if self.subgroup < 1:
             raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
         if self.budget is not None and not (0 < self.budget <= 1 and self.window >= 1):
@@ -124,6 +124,11 @@ class BlockUnion:
                 f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
                 f"partial block), got budget {self.budget}, window {self.window}"
             )
+
+    @property
+    def span_rows(self) -> int | None:
+        """Query rows a span holds (None: the piece's)."""
+        return None if self.span is None else self.span * self.block
 
     @property
     def fold(self) -> str:
@@ -166,14 +171,14 @@ def query_limits(context_len: int, n: int, chunk_size: int, cfg: BlockUnion) -> 
     """Per query block of a piece (`block` rows from its first): the blocks its span chooses
     among (`block_scores_ref`'s limits)."""
     out: list[int] = []
-    for ctx, rows in piece_spans(context_len, n, cfg.span):
+    for ctx, rows in piece_spans(context_len, n, cfg.span_rows):
         out += [context_blocks(ctx, chunk_size, cfg.block)] * -(-rows // cfg.block)
     return out
 
 
 def span_blocks(cfg: BlockUnion, query_blocks: int) -> int:
     """Query blocks per span (all of a piece's when cfg.span is None)."""
-    return query_blocks if cfg.span is None else cfg.span // cfg.block
+    return query_blocks if cfg.span is None else cfg.span
 
 
 def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
@@ -395,7 +400,7 @@ def budget_piece(
     c = chunk_size
     pages: list[int] = []
     planned, dst, counts, limits = [], [], [], []
-    for ctx, rows in piece_spans(context_len, n, cfg.span):
+    for ctx, rows in piece_spans(context_len, n, cfg.span_rows):
         total = ctx + rows
         lists, per, chosen = budget_lists(table, ctx, total, c, cfg, num_kv_heads, entries)
         nb = context_blocks(ctx, c, cfg.block)

@@ -410,7 +410,7 @@ class Attention:
         pieces, outs, chunk_ids = [], [], []
         for i, s in enumerate(spans):
             rows = q[s.start : s.start + s.num_new]
-            parts = block_union.piece_spans(s.context_len, s.num_new, cfg.span)
+            parts = block_union.piece_spans(s.context_len, s.num_new, cfg.span_rows)
             k0 = parts[-1][0] // c  # the chunks the last span chooses among
             # the blocks' key bounds, from the pool's chunk bounds (the context's filled in earlier
             # steps, queued before this; the piece's own that its later spans choose among, here)
@@ -453,7 +453,7 @@ class Attention:
         if budget is not None:
             qs, outs = [], []
             for s in spans:
-                for ctx, n in block_union.piece_spans(s.context_len, s.num_new, cfg.span):
+                for ctx, n in block_union.piece_spans(s.context_len, s.num_new, cfg.span_rows):
                     r = s.start + ctx - s.context_len
                     qs.append(q[r : r + n])
                     outs.append(out[r : r + n])

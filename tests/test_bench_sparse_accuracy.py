@@ -50,9 +50,9 @@ def test_chunk_mass_is_the_reference_attention_and_sums_to_the_rows():
 @pytest.mark.parametrize(
     "cfg",
     [
-        BlockUnion(min_context=0, block=32, budget=0.25, window=2),
-        BlockUnion(min_context=0, block=32, alpha=0.9, window=1, subgroup=2),
-        BlockUnion(min_context=0, block=16, budget=0.1, sink=2, window=1),
+        BlockUnion(min_context=0, block=32, budget=0.25, window=2, span=None),
+        BlockUnion(min_context=0, block=32, alpha=0.9, window=1, subgroup=2, span=None),
+        BlockUnion(min_context=0, block=16, budget=0.1, sink=2, window=1, span=None),
     ],
 )
 def test_oracle_keeps_at_least_the_selectors_mass(cfg):
@@ -111,7 +111,7 @@ def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer()
     }
     cfgs = {
         "b": BlockUnion(min_context=256, block=64, window=1, budget=0.25),
-        "spans": BlockUnion(min_context=256, block=64, window=1, budget=0.25, span=64, dense_tail=0),
+        "spans": BlockUnion(min_context=256, block=64, window=1, budget=0.25, span=1, dense_tail=0),
         "all": BlockUnion(min_context=256, block=64, window=1, budget=1.0),
     }
     plain, probed = LLMEngine.from_model("tiny", **opts), LLMEngine.from_model("tiny", **opts)

@@ -275,7 +275,7 @@ def test_budget_keeps_a_fixed_share_the_best_by_normalised_score():
 def test_spans_choose_among_the_blocks_before_them():
     """A piece's spans: each sees the blocks before it (its piece's earlier ones too), keeps its
     own sink and window, and a budget's share of its own blocks."""
-    cfg = BlockUnion(block=32, budget=0.2, sink=1, window=2, span=64, subgroup=2)
+    cfg = BlockUnion(block=32, budget=0.2, sink=1, window=2, span=2, subgroup=2)
     c = 16
     assert block_union.piece_spans(40 * c, 150, 64) == [(640, 64), (704, 64), (768, 22)]
     assert block_union.piece_spans(40 * c, 150, None) == [(640, 150)]
@@ -298,8 +298,9 @@ def test_spans_choose_among_the_blocks_before_them():
         mine = blocks[r, : block_union.budget_free(cfg, n)].tolist()
         best = agg[r, 1 : n - 2].topk(len(mine)).indices + 1
         assert sorted(mine) == sorted(best.tolist())
-    with pytest.raises(ValueError, match="span must be a multiple"):
-        BlockUnion(block=32, span=48)
+    assert cfg.span_rows == 64 and BlockUnion(span=None).span_rows is None
+    with pytest.raises(ValueError, match="span must be >= 1"):
+        BlockUnion(block=32, span=0)
 
 
 @pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
@@ -328,7 +329,7 @@ def test_budget_lists_are_the_masked_pages(context, new, budget):
         assert planned[i, chosen.stop :].tolist() == page[i, -(per - chosen.stop) :].tolist()
 
 
-@pytest.mark.parametrize("context, new, span", [(40 * 16, 150, 64), (37 * 16 + 5, 100, 32), (24 * 16, 64, None)])
+@pytest.mark.parametrize("context, new, span", [(40 * 16, 150, 2), (37 * 16 + 5, 100, 1), (24 * 16, 64, None)])
 def test_budget_piece_is_each_spans_masked_pages(context, new, span):
     """A piece's planned lists with each span's chosen blocks written at their offsets are, span
     by span, the masked pages of select_blocks on the same scores: what the reference attends."""
@@ -336,7 +337,7 @@ def test_budget_piece_is_each_spans_masked_pages(context, new, span):
     c, hkv, e, bc = 16, 2, 4, 2
     total = context + new
     table = random.Random(context).sample(range(300), -(-total // c))
-    parts = block_union.piece_spans(context, new, span)
+    parts = block_union.piece_spans(context, new, cfg.span_rows)
     limits = block_union.query_limits(context, new, c, cfg)
     scores = torch.rand(8, len(limits), max(limits), generator=torch.Generator().manual_seed(new))
     for i, n in enumerate(limits):
@@ -459,7 +460,7 @@ def _prompts():
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-@pytest.mark.parametrize("span", [None, 32])
+@pytest.mark.parametrize("span", [None, 1])
 def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling, span):
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
     dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
@@ -478,7 +479,7 @@ def test_engine_with_everything_kept_gives_the_dense_tokens(async_scheduling, sp
     assert stats["sparse_pages_dense"] > 0 and stats["sparse_pages_read"] == stats["sparse_pages_dense"]
 
 
-@pytest.mark.parametrize("span", [None, 32])
+@pytest.mark.parametrize("span", [None, 1])
 def test_engine_with_a_whole_budget_gives_the_dense_tokens(span):
     prompts, params = _prompts(), SamplingParams(max_tokens=24, temperature=0)
     dense = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, max_num_batched_tokens=64).generate(
@@ -494,7 +495,7 @@ def test_engine_with_a_whole_budget_gives_the_dense_tokens(span):
     assert engine.generate(prompts, params) == dense
 
 
-@pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=32, dense_tail=0)])
+@pytest.mark.parametrize("sparse", [dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=1, dense_tail=0)])
 def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_key_bounds(sparse):
     prompts, params = _prompts(), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     engine = LLMEngine.from_model(
@@ -525,7 +526,9 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     the selection rules give from the reference scores."""
     from replicas.attention import PrefillSpan
 
-    engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6))
+    engine = LLMEngine.from_model(
+        "tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6, span=None)
+    )
     engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool and its bounds
     attention, pool = engine.attention, engine.pool
     seq_table = [n.chunk_id for n in _path(engine.tree, 24)]
@@ -551,7 +554,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection():
     blocks it chooses from (their key bounds made in the layer, from the K just written)."""
     from replicas.attention import PrefillSpan
 
-    sparse = dict(SPARSE, budget=0.25, span=32)
+    sparse = dict(SPARSE, budget=0.25, span=1)
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=sparse)
     engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool
     attention, pool = engine.attention, engine.pool
@@ -566,7 +569,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection():
     keys = pool.kv[1, 0, own]
     assert torch.equal(pool.key_bounds[1, own], torch.cat([keys.amax(2), keys.amin(2)], -1))
     cfg = engine.config.sparse_prefill
-    parts = block_union.piece_spans(context, new, 32)
+    parts = block_union.piece_spans(context, new, cfg.span_rows)
     assert len(parts) == 4
     blocks = block_keys(pool.key_bounds[1], torch.tensor(seq_table[: parts[-1][0] // 16]), 2)
     agg = block_union.block_scores(q, blocks, cfg, 2, 64**-0.5, block_union.query_limits(context, new, 16, cfg))
@@ -722,7 +725,7 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
             torch.testing.assert_close(out, want, atol=3e-2, rtol=0)
 
 
-@pytest.mark.parametrize("span", [None, 32])
+@pytest.mark.parametrize("span", [None, 1])
 def test_engine_sparse_prefill_through_the_triton_kernels(span):
     """The triton backend (under the interpreter on the CPU; float32 on a GPU, which FlashInfer
     does not take: the reference attends): key bounds, block bounds and scores from the Triton

@@ -286,7 +286,7 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
     (err_bu,) = logit_errors(exact_out, exact, [(bu_out, bu)], 12)
     assert max(err_bu) <= 2 * max(err_de) + 1e-2, f"a whole budget off by {max(err_bu)}, dense by {max(err_de)}"
     # in spans: each span's lists planned once a step, every block before it kept
-    sb_engine, sb_out, sb = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0, span=32))
+    sb_engine, sb_out, sb = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0, span=1))
     assert len(sb_engine.attention._prefill._sparse_rows) > 1
     (err_sb,) = logit_errors(exact_out, exact, [(sb_out, sb)], 12)
     assert max(err_sb) <= 2 * max(err_de) + 1e-2, f"spans off by {max(err_sb)}, dense by {max(err_de)}"
@@ -294,7 +294,7 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
         f"compared {len(err_sp)} tokens: max |logit error| sparse (all kept) {max(err_sp):.4f}, "
         f"a whole budget {max(err_bu):.4f}, dense {max(err_de):.4f}"
     )
-    for cut_options in (dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=32)):
+    for cut_options in (dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=1)):
         cut, cut_out, _ = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, **cut_options))
         stats = cut.stats()
         assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]

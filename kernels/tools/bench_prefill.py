@@ -96,7 +96,7 @@ def run_case(
         dst_d, counts_d = torch.tensor(dst, device=dev), torch.tensor(counts, dtype=torch.int32, device=dev)
         limits_d = torch.tensor(limits, device=dev)[:, None]
         q_limits = torch.tensor(block_union.query_limits(context, piece, c, cfg), dtype=torch.int32, device=dev)
-        parts = block_union.piece_spans(context, piece, cfg.span)
+        parts = block_union.piece_spans(context, piece, cfg.span_rows)
         k_last = parts[-1][0] // c
         own = tab[k0:k_last]
         qs = [q[ctx - context : ctx - context + n] for ctx, n in parts]
@@ -143,6 +143,8 @@ def run_case(
 
 def main(args) -> None:
     knobs = {key: getattr(args, key) for key in ("block", "window", "span") if getattr(args, key) is not None}
+    if knobs.get("span") == 0:
+        knobs["span"] = None
     cfg = BlockUnion(**knobs)
     print(
         json.dumps(
@@ -180,4 +182,4 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block", type=int, help="BlockUnion's block (default: its default)")
     p.add_argument("--window", type=int, help="BlockUnion's window")
-    p.add_argument("--span", type=int, help="BlockUnion's span (query rows a list serves; default one per piece)")
+    p.add_argument("--span", type=int, help="BlockUnion's span (query blocks a list serves; 0: the piece)")
