@@ -26,7 +26,7 @@ import torch
 
 from kernels.fi_decode import available
 
-__all__ = ["FlashInferPrefill", "SparsePiece", "available", "usable"]
+__all__ = ["FlashInferPrefill", "SparsePiece", "available", "from_lists", "planned_runs", "to_lists", "usable"]
 
 
 class SparsePiece(NamedTuple):
@@ -185,28 +185,20 @@ class FlashInferPrefill:
         outs: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The planned pieces' attention: qs [n, Hq, D] per piece -> [n, Hq, D] per piece, written
-        into outs if given (views of the layer's output: one copy fewer).
+        into outs if given (views of the layer's output: one copy fewer). A q may cover several
+        consecutive planned pieces, all of its first's rows but the last (a sparse piece's spans,
+        kernels.block_union.piece_spans): regrouped together, in one copy.
 
         A list serves `sub` query heads of one KV head, so FlashInfer runs with one KV head over
-        the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; each piece's
-        queries are regrouped list-major ([E * n, sub, D], a copy of q only)."""
-        c, d, hq = self.chunk_size, self.head_dim, self.num_q_heads
-        if [q.shape[0] for q in qs] != [n for n, _ in self._sparse_rows]:
-            raise ValueError(
-                f"the sparse plan is for pieces of {[n for n, _ in self._sparse_rows]} rows, "
-                f"got {[q.shape[0] for q in qs]}"
-            )
+        the pool viewed as (chunk, KV head) pages, [num_chunks * Hkv, 1, c, D]; each planned
+        piece's queries are regrouped list-major ([E * n, sub, D], a copy of q only)."""
+        c, d = self.chunk_size, self.head_dim
         e = self._sparse_rows[0][1]
-        sub = hq // e
-        q = torch.cat([x.reshape(x.shape[0], e, sub, d).transpose(0, 1).reshape(-1, sub, d) for x in qs])
+        runs = planned_runs([n for n, _ in self._sparse_rows], [x.shape[0] for x in qs])
         paged = (k_cache.view(-1, 1, c, d), v_cache.view(-1, 1, c, d))
-        o = self._sparse[self._sparse_turn].run(q.to(self.dtype), paged)  # [sum E * n, sub, D]
+        o = self._sparse[self._sparse_turn].run(to_lists(qs, runs, e).to(self.dtype), paged)  # [sum E * n, sub, D]
         outs = [torch.empty_like(x) for x in qs] if outs is None else outs
-        row = 0
-        for x, out in zip(qs, outs, strict=True):
-            n = x.shape[0]
-            out.view(n, e, sub, d).copy_(o[row : row + e * n].view(e, n, sub, d).transpose(0, 1))
-            row += e * n
+        from_lists(o, outs, runs, e)
         return list(outs)
 
     def run_sparse(
@@ -232,3 +224,53 @@ class FlashInferPrefill:
             planned.append((p.q.shape[0], counts[i * e : (i + 1) * e], p.total - (p.mask.shape[1] - 1) * c))
         self.plan_sparse(torch.cat(pages).to(torch.int32), planned)
         return self.run_planned_sparse([p.q for p in pieces], k_cache, v_cache, outs)
+
+
+def planned_runs(planned: Sequence[int], lengths: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The planned pieces' rows and the rows of each q given -> per q the planned pieces it
+    covers, consecutive: (m, the rows of its first; full, how many of m rows; rest, the rows of a
+    shorter last one, or 0). A sparse piece's spans: all of m rows but the last."""
+    out, i = [], 0
+    for t in lengths:
+        lens: list[int] = []
+        while sum(lens) < t and i < len(planned):
+            lens.append(planned[i])
+            i += 1
+        m = lens[0] if lens else 0
+        if not lens or sum(lens) != t or any(x != m for x in lens[:-1]) or lens[-1] > m:
+            raise ValueError(f"the sparse plan is for pieces of {list(planned)} rows, got {list(lengths)}")
+        full = len(lens) if lens[-1] == m else len(lens) - 1
+        out.append((m, full, 0 if lens[-1] == m else lens[-1]))
+    if i != len(planned):
+        raise ValueError(f"the sparse plan is for pieces of {list(planned)} rows, got {list(lengths)}")
+    return out
+
+
+def to_lists(qs: Sequence[torch.Tensor], runs: Sequence[tuple[int, int, int]], e: int) -> torch.Tensor:
+    """qs [n, Hq, D] each, in planned pieces (`planned_runs`) -> [sum E * n, Hq / E, D]: each
+    planned piece list-major (its E lists' rows in turn, a list's `sub` heads per row), a
+    q's runs of equal length in one copy."""
+    parts = []
+    for x, (m, full, rest) in zip(qs, runs, strict=True):
+        _, hq, d = x.shape
+        sub = hq // e
+        if full:  # [full, m, E, sub, D] -> [full, E, m, sub, D]
+            parts.append(x[: full * m].reshape(full, m, e, sub, d).transpose(1, 2).reshape(-1, sub, d))
+        if rest:
+            parts.append(x[full * m :].reshape(rest, e, sub, d).transpose(0, 1).reshape(-1, sub, d))
+    return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def from_lists(o: torch.Tensor, outs: Sequence[torch.Tensor], runs: Sequence[tuple[int, int, int]], e: int) -> None:
+    """The inverse of `to_lists`: o [sum E * n, sub, D] back into outs [n, Hq, D] each."""
+    row = 0
+    for out, (m, full, rest) in zip(outs, runs, strict=True):
+        _, hq, d = out.shape
+        sub = hq // e
+        if full:
+            got = o[row : row + full * e * m].view(full, e, m, sub, d).transpose(1, 2)
+            out[: full * m].view(full, m, e, sub, d).copy_(got)
+            row += full * e * m
+        if rest:
+            out[full * m :].view(rest, e, sub, d).copy_(o[row : row + e * rest].view(e, rest, sub, d).transpose(0, 1))
+            row += e * rest

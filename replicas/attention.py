@@ -433,13 +433,13 @@ class Attention:
                 limits = block_union.query_limits(s.context_len, s.num_new, c, cfg)
                 agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, limits)
             self.counters.sparse_pages_dense += e * sum(-(-(ctx + n) // c) for ctx, n in parts)
-            limits = [block_union.context_blocks(ctx, c, cfg.block) for ctx, _ in parts for _ in range(e)]
-            if budget is not None:
+            if budget is not None:  # (the last span's blocks are all of agg's: the largest limit)
                 b = budget.pieces[i]
-                chosen = block_union.budget_blocks(agg, cfg, limits, b.limits)
+                chosen = block_union.budget_blocks(agg, cfg, None, b.limits)
                 block_union.write_pages(budget.ids, b.dst, b.counts, chosen, s.table, bc, hkv, e)
                 self.counters.sparse_pages_read += b.pages
                 continue
+            limits = [block_union.context_blocks(ctx, c, cfg.block) for ctx, _ in parts for _ in range(e)]
             keep = block_union.select_blocks(agg, cfg, limits)
             for j, (ctx, n) in enumerate(parts):
                 used = -(-(ctx + n) // c)
@@ -450,14 +450,9 @@ class Attention:
                 pieces.append(paged_prefill.SparsePiece(rows[r : r + n], mask, s.table[:used], ctx + n))
                 outs.append(out[s.start + r : s.start + r + n])
                 chunk_ids.append(s.chunk_ids)
-        if budget is not None:
-            qs, outs = [], []
-            for s in spans:
-                for ctx, n in block_union.piece_spans(s.context_len, s.num_new, cfg.span_rows):
-                    r = s.start + ctx - s.context_len
-                    qs.append(q[r : r + n])
-                    outs.append(out[r : r + n])
-            self._prefill.run_planned_sparse(qs, k_cache, v_cache, outs)
+        if budget is not None:  # (each piece's q covers its spans' planned runs)
+            rows = [slice(s.start, s.start + s.num_new) for s in spans]
+            self._prefill.run_planned_sparse([q[r] for r in rows], k_cache, v_cache, [out[r] for r in rows])
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
             self.counters.sparse_pages_read += self._prefill.sparse_pages_planned

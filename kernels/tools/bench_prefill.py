@@ -99,10 +99,7 @@ def run_case(
         parts = block_union.piece_spans(context, piece, cfg.span_rows)
         k_last = parts[-1][0] // c
         own = tab[k0:k_last]
-        qs = [q[ctx - context : ctx - context + n] for ctx, n in parts]
-
         out = torch.empty_like(q)
-        outs = [out[ctx - context : ctx - context + n] for ctx, n in parts]
 
         def agg(cfg=cfg, limits=q_limits):
             if own.numel():  # the piece's own chunks its later spans choose among (as the engine, per layer)
@@ -112,12 +109,12 @@ def run_case(
             return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold, limits, span_qb)
 
         def select():
-            chosen = block_union.budget_blocks(agg(), cfg, limits, limits_d)
+            chosen = block_union.budget_blocks(agg(), cfg, None, limits_d)
             block_union.write_pages(ids, dst_d, counts_d, chosen, tab, bc, hkv, e)
 
         def budget_layer():
             select()
-            return fi.run_planned_sparse(qs, k, v, outs)
+            return fi.run_planned_sparse([q], k, v, [out])
 
         dense_pages = sum(-(-(ctx + n) // c) for ctx, n in parts)
         row[f"pages@{dens}"] = round(len(pages) / (e * dense_pages), 3)
