@@ -22,17 +22,15 @@ class SparsePrefillOptions(_Strict):
     chunk size)."""
 
     min_context: int = Field(8192, ge=0)  # a piece after fewer cached tokens runs dense
-    block: Literal[16, 32, 64, 128, 256, 512] = 64  # tokens a block: a multiple of the chunk size
+    block: Literal[16, 32, 64, 128, 256, 512] = 128  # tokens a block: a multiple of the chunk size
     alpha: float = Field(0.1, ge=0, le=1)  # keep the blocks scoring >= alpha x the best
     budget: float | None = Field(None, gt=0, le=1)  # or this share of the context's blocks (one plan a step)
     sink: int = Field(1, ge=0)  # first blocks always kept
-    window: int = Field(1, ge=0)  # blocks before each span always kept (>= 1 with a budget)
+    window: int = Field(4, ge=0)  # blocks before each span always kept (>= 1 with a budget)
     subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
     spread: float = Field(0.5, ge=0, le=1)  # score a key box's center + this share of its radius
-    span: PositiveInt | None = (
-        1  # query blocks sharing page lists, choosing among all blocks before them (None: the piece)
-    )
-    dense_tail: int = Field(64, ge=0)  # the prompt's last tokens attend densely (its question)
+    span: PositiveInt | None = None  # query blocks sharing page lists, choosing among all before them
+    dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
 class EngineOptions(_Strict):
