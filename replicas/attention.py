@@ -451,8 +451,8 @@ class Attention:
                 outs.append(out[s.start + r : s.start + r + n])
                 chunk_ids.append(s.chunk_ids)
         if budget is not None:  # (each piece's q covers its spans' planned runs)
-            rows = [slice(s.start, s.start + s.num_new) for s in spans]
-            self._prefill.run_planned_sparse([q[r] for r in rows], k_cache, v_cache, [out[r] for r in rows])
+            at = [slice(s.start, s.start + s.num_new) for s in spans]
+            self._prefill.run_planned_sparse([q[r] for r in at], k_cache, v_cache, [out[r] for r in at])
         elif self._prefill is not None:
             self._prefill.run_sparse(pieces, k_cache, v_cache, outs)
             self.counters.sparse_pages_read += self._prefill.sparse_pages_planned
