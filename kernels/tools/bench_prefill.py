@@ -3,14 +3,14 @@ cached context, dense against block-union sparse (DESIGN §5), one JSON object p
 
     python -m kernels.tools.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]
-                                    [--block 128] [--window 4] [--span 128]
+                                    [--block 128] [--window 4] [--span 1]
 
 Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool),
 µs per layer, each timed over 8 back-to-back calls as a forward's layers run (host work
 overlapping the device's; median of the repeats):
 - ``dense_us``: FlashInfer's paged prefill over the whole chunk table
   (kernels.paged_prefill.FlashInferPrefill.run; its plan, once per step, not timed);
-- per budget d (``kept@d``: the pages the lists read over the dense piece's, sink, window and
+- per budget d (``pages@d``: the pages the lists read over the dense piece's, sink, window and
   own chunks included): ``budget_us@d``: BlockUnion(budget=d, block, window, span) as the
   engine runs a layer: with spans, the piece's own chunks' key bounds; the block bounds from the
   pool's chunk key bounds and the normalised scores (Triton), the best blocks, their page ids
