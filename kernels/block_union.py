@@ -51,12 +51,14 @@ from kernels.reference import block_scores_ref
 
 __all__ = [
     "BlockUnion",
+    "agg_heads",
     "block_agg",
     "block_keys",
     "block_keys_gpu",
     "block_scores",
     "bound_queries",
     "budget_blocks",
+    "budget_exclude",
     "budget_free",
     "budget_list_len",
     "budget_lists",
@@ -353,20 +355,26 @@ def budget_free(cfg: BlockUnion, nb: int) -> int:
     return max(0, min(nb - cfg.sink - cfg.window, math.ceil(cfg.budget * nb)))
 
 
+def budget_exclude(cfg: BlockUnion, limits: Tensor, nb: int) -> Tensor:
+    """limits: [R, 1] the blocks each row chooses among -> [R, nb] bool: the blocks a budget
+    does not rank (sink, window, past the limit); a step builds it once for all its layers."""
+    cols = torch.arange(nb, device=limits.device)
+    return (cols < cfg.sink) | (cols >= limits - cfg.window)
+
+
 def budget_blocks(
-    agg: Tensor, cfg: BlockUnion, limits: list[int] | None = None, on_device: Tensor | None = None
+    agg: Tensor, cfg: BlockUnion, limits: list[int] | None = None, exclude: Tensor | None = None
 ) -> Tensor:
     """agg: [R, NB] normalised scores, limits: [R] the blocks each row chooses among (None: all
-    NB), on_device: the same as [R, 1] on agg's device if at hand (a step plans it once) -> [R,
-    F] the budget's best blocks of each row (neither sink nor window), best first; F =
-    `budget_free` of the largest limit, and row r's own count is budget_free of its limit (its
-    later entries mean nothing). A list's context pages may come in any order (all are full
-    and precede its span's own): attention sums over them."""
-    lim = on_device if on_device is not None else _row_limits(agg, limits)
-    cols = torch.arange(agg.shape[1], device=agg.device)
+    NB), exclude: their `budget_exclude` if at hand (a step builds it once) -> [R, F] the
+    budget's best blocks of each row (neither sink nor window), best first; F = `budget_free`
+    of the largest limit, and row r's own count is budget_free of its limit (its later entries
+    mean nothing). A list's context pages may come in any order (all are full and precede its
+    span's own): attention sums over them."""
+    if exclude is None:
+        exclude = budget_exclude(cfg, _row_limits(agg, limits), agg.shape[1])
     free = budget_free(cfg, agg.shape[1] if limits is None else max(limits))
-    mid = agg.masked_fill((cols < cfg.sink) | (cols >= lim - cfg.window), float("-inf"))
-    return mid.topk(free, dim=1).indices
+    return agg.masked_fill(exclude, float("-inf")).topk(free, dim=1).indices
 
 
 def budget_lists(
@@ -483,6 +491,19 @@ def chunk_mask(keep: Tensor, block_chunks: int, context_chunks: int, used: int) 
     return mask
 
 
+AGG_ROWS = 128  # query rows a block_agg program scores at once (its heads' query blocks)
+
+
+def agg_heads(sub: int, block: int) -> int:
+    """Query heads a block_agg program scores together: the most (a power of two dividing the
+    sub-group, so they share a KV head and a list) whose query blocks fit AGG_ROWS rows. They
+    read each block's bounds once for all of them: at blocks of 64, half the loads."""
+    hp = 1
+    while sub % (2 * hp) == 0 and 2 * hp * block <= AGG_ROWS:
+        hp *= 2
+    return hp
+
+
 def block_agg(
     q: Tensor,
     bounds: Tensor,
@@ -526,7 +547,8 @@ def block_agg(
     agg = torch.zeros(triton.cdiv(qb, span_qb) * (hq // sub), nb, dtype=torch.float32, device=q.device)
     scale = (1.0 / math.sqrt(d) if sm_scale is None else sm_scale) * 1.4426950408889634  # log2(e)
     block_n = 64 if nb >= 64 else max(16, triton.next_power_of_2(nb))
-    _kernels()[0][(hq, qb)](
+    hp = agg_heads(sub, block)
+    _kernels()[0][(hq // hp, qb)](
         q,
         bounds,
         scratch,
@@ -544,11 +566,12 @@ def block_agg(
         spread,
         G=hq // hkv,
         SUB=sub,
+        HP=hp,
         D=d,
         BLOCK_Q=block,
         BLOCK_N=block_n,
         FOLD_SUM=fold == "sum",
-        num_warps=8 if block * d >= 128 * 128 else 4,
+        num_warps=8 if hp * block * d >= 128 * 128 else 4,
     )
     return agg
 
@@ -582,33 +605,40 @@ def _kernels():
             spread,
             G: tl.constexpr,
             SUB: tl.constexpr,
+            HP: tl.constexpr,
             D: tl.constexpr,
             BLOCK_Q: tl.constexpr,
             BLOCK_N: tl.constexpr,
             FOLD_SUM: tl.constexpr,
         ):
-            # one program per (query head, query block): two passes over the blocks it sees (each
-            # row's softmax max and sum, then the mean of the rows' p into Scratch with the row's
-            # max), a third folding p / max into its span's list's row of Agg by an atomic max
-            # (on the float bits: all are >= 0) or an atomic add. A score is two dots of head dim
-            # D: (q + spread |q|) / 2 · max + (q - spread |q|) / 2 · min.
-            head, qblk = tl.program_id(0), tl.program_id(1)
-            kv = head // G
-            lst = (qblk // SPAN_QB) * (tl.num_programs(0) // SUB) + head // SUB
+            # one program per (HP query heads of one sub-group, query block), its M = HP * BLOCK_Q
+            # rows head after head: two passes over the blocks it sees (each row's softmax max
+            # and sum, then each head's mean of its rows' p into Scratch with each head's max), a
+            # third folding the heads' p / max into their span's list's row of Agg by an atomic
+            # max (on the float bits: all are >= 0) or an atomic add. A score is two dots of head
+            # dim D: (q + spread |q|) / 2 · max + (q - spread |q|) / 2 · min.
+            M: tl.constexpr = HP * BLOCK_Q
+            head0, qblk = tl.program_id(0) * HP, tl.program_id(1)
+            kv = head0 // G
+            lst = (qblk // SPAN_QB) * (tl.num_programs(0) * HP // SUB) + head0 // SUB
             seen = tl.load(Limits + qblk).to(tl.int32)
-            rows = qblk * BLOCK_Q + tl.arange(0, BLOCK_Q)
+            heads = head0 + tl.arange(0, HP)
+            rows = qblk * BLOCK_Q + tl.arange(0, M) % BLOCK_Q
             live = rows < T
             offs_d = tl.arange(0, D)
             n_rows = tl.minimum(T - qblk * BLOCK_Q, BLOCK_Q).to(tl.float32)
-            scratch = Scratch + (head * tl.num_programs(1) + qblk) * NB
+            scratch = Scratch + (heads[:, None] * tl.num_programs(1) + qblk) * NB  # [HP, 1]
+            row_head = head0 + tl.arange(0, M) // BLOCK_Q
             q = tl.load(
-                Q + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=live[:, None], other=0.0
+                Q + rows[:, None] * stride_qt + row_head[:, None] * stride_qh + offs_d[None, :],
+                mask=live[:, None],
+                other=0.0,
             )
             qf = q.to(tl.float32)
             half = tl.abs(qf) * spread
             q_hi, q_lo = ((qf + half) * 0.5).to(q.dtype), ((qf - half) * 0.5).to(q.dtype)
-            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_Q], tl.float32)
+            m_i = tl.full([M], float("-inf"), tl.float32)
+            l_i = tl.zeros([M], tl.float32)
             for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
@@ -620,25 +650,26 @@ def _kernels():
                 l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
                 m_i = m_new
             w = tl.where(live, 1.0 / (l_i * n_rows), 0.0)  # each live row's 1 / (sum * rows)
-            best = 0.0
+            best = tl.zeros([HP], tl.float32)
             for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
                 at = Bounds + cols[:, None] * stride_kb + kv * stride_kh + offs_d[None, :]
                 k_max = tl.load(at, mask=(cols < seen)[:, None], other=0.0)
                 k_min = tl.load(at + D, mask=(cols < seen)[:, None], other=0.0)
                 s = tl.dot(q_lo, tl.trans(k_min), acc=tl.dot(q_hi, tl.trans(k_max))) * qk_scale
-                p = tl.sum(tl.exp2(s - m_i[:, None]) * w[:, None], 0)
-                p = tl.where(cols < seen, p, 0.0)
-                tl.store(scratch + cols, p, mask=cols < seen)
-                best = tl.maximum(best, tl.max(p, 0))
+                p = tl.sum(tl.reshape(tl.exp2(s - m_i[:, None]) * w[:, None], (HP, BLOCK_Q, BLOCK_N)), 1)
+                p = tl.where((cols < seen)[None, :], p, 0.0)  # [HP, BLOCK_N]
+                tl.store(scratch + cols[None, :], p, mask=(cols < seen)[None, :])
+                best = tl.maximum(best, tl.max(p, 1))
             tl.debug_barrier()  # this program's stores, seen by all its threads
             for n0 in range(0, seen, BLOCK_N):
                 cols = n0 + tl.arange(0, BLOCK_N)
-                p = tl.load(scratch + cols, mask=cols < seen, other=0.0) / best
+                p = tl.load(scratch + cols[None, :], mask=(cols < seen)[None, :], other=0.0) / best[:, None]
                 if FOLD_SUM:
-                    tl.atomic_add(Agg + lst * NB + cols, p, mask=cols < seen)
+                    tl.atomic_add(Agg + lst * NB + cols, tl.sum(p, 0), mask=cols < seen)
                 else:
-                    tl.atomic_max(AggBits + lst * NB + cols, p.to(tl.int32, bitcast=True), mask=cols < seen)
+                    bits = tl.max(p, 0).to(tl.int32, bitcast=True)
+                    tl.atomic_max(AggBits + lst * NB + cols, bits, mask=cols < seen)
 
         @triton.jit
         def _pages_kernel(

@@ -80,7 +80,7 @@ class BudgetRows:
 
     dst: torch.Tensor  # [R] int64
     counts: torch.Tensor  # [R] int32
-    limits: torch.Tensor  # [R, 1] int64
+    exclude: torch.Tensor  # [R, NB] bool: what each row does not rank (block_union.budget_exclude)
     pages: int
 
 
@@ -279,13 +279,11 @@ class Attention:
         ids = flat[: len(pages)].to(torch.int32)
         self._prefill.plan_sparse(ids, planned)
         pieces, o = [], len(pages)
-        for dst, _, _, n_pages in rows:
+        for dst, _, lims, n_pages in rows:
             r = len(dst)
-            pieces.append(
-                BudgetRows(
-                    flat[o : o + r], flat[o + r : o + 2 * r].to(torch.int32), flat[o + 2 * r : o + 3 * r, None], n_pages
-                )
-            )
+            limits = flat[o + 2 * r : o + 3 * r, None]
+            exclude = block_union.budget_exclude(cfg, limits, max(lims))
+            pieces.append(BudgetRows(flat[o : o + r], flat[o + r : o + 2 * r].to(torch.int32), exclude, n_pages))
             o += 3 * r
         return SparseBudget(ids, tuple(pieces))
 
@@ -435,7 +433,7 @@ class Attention:
             self.counters.sparse_pages_dense += e * sum(-(-(ctx + n) // c) for ctx, n in parts)
             if budget is not None:  # (the last span's blocks are all of agg's: the largest limit)
                 b = budget.pieces[i]
-                chosen = block_union.budget_blocks(agg, cfg, None, b.limits)
+                chosen = block_union.budget_blocks(agg, cfg, None, b.exclude)
                 block_union.write_pages(budget.ids, b.dst, b.counts, chosen, s.table, bc, hkv, e)
                 self.counters.sparse_pages_read += b.pages
                 continue

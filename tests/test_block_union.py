@@ -98,6 +98,11 @@ def test_block_agg_of_spans_matches_the_reference(t, hq, hkv, sub, block, span_q
         block_union.block_agg(q, bounds, block, sub, None, 0.5, fold, lim[1:], span_qb)
 
 
+def test_agg_heads_share_a_list_within_agg_rows():
+    assert [block_union.agg_heads(sub, 64) for sub in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]
+    assert [block_union.agg_heads(4, block) for block in (16, 32, 128, 256)] == [4, 4, 1, 1]
+
+
 def test_block_agg_refuses_bad_shapes():
     with pytest.raises(ValueError, match="powers of two"):
         block_union.block_agg(torch.zeros(4, 4, 24), torch.zeros(3, 2, 48), 16, 1)
@@ -294,6 +299,8 @@ def test_spans_choose_among_the_blocks_before_them():
         assert not keep[r, n:].any()
     blocks = budget_blocks(agg, cfg, limits)
     assert blocks.shape == (6, block_union.budget_free(cfg, 24))
+    exclude = block_union.budget_exclude(cfg, torch.tensor(limits)[:, None], 24)  # (a step's, once)
+    assert torch.equal(budget_blocks(agg, cfg, None, exclude), blocks)
     for r, n in enumerate(limits):  # a row's first budget_free(n) picks: its best between sink and window
         mine = blocks[r, : block_union.budget_free(cfg, n)].tolist()
         best = agg[r, 1 : n - 2].topk(len(mine)).indices + 1

@@ -94,7 +94,7 @@ def run_case(
         ids = torch.tensor(pages, dtype=torch.int32, device=dev)
         fi.plan_sparse(ids, planned)
         dst_d, counts_d = torch.tensor(dst, device=dev), torch.tensor(counts, dtype=torch.int32, device=dev)
-        limits_d = torch.tensor(limits, device=dev)[:, None]
+        exclude = block_union.budget_exclude(cfg, torch.tensor(limits, device=dev)[:, None], max(limits))
         q_limits = torch.tensor(block_union.query_limits(context, piece, c, cfg), dtype=torch.int32, device=dev)
         parts = block_union.piece_spans(context, piece, cfg.span_rows)
         k_last = parts[-1][0] // c
@@ -109,7 +109,7 @@ def run_case(
             return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold, limits, span_qb)
 
         def select():
-            chosen = block_union.budget_blocks(agg(), cfg, None, limits_d)
+            chosen = block_union.budget_blocks(agg(), cfg, None, exclude)
             block_union.write_pages(ids, dst_d, counts_d, chosen, tab, bc, hkv, e)
 
         def budget_layer():
