@@ -29,7 +29,9 @@ class SparsePrefillOptions(_Strict):
     window: int = Field(4, ge=0)  # blocks before each span always kept (>= 1 with a budget)
     subgroup: PositiveInt = 4  # query heads of a KV head sharing one page list
     spread: float = Field(0.5, ge=0, le=1)  # score a key box's center + this share of its radius
-    span: PositiveInt | None = None  # query blocks sharing page lists, choosing among all before them
+    # query blocks sharing page lists, choosing among all before them; None: the piece; "auto"
+    # (with a budget): per piece, sized by its context (BlockUnion.span)
+    span: PositiveInt | Literal["auto"] | None = None
     dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
@@ -58,6 +60,8 @@ class EngineOptions(_Strict):
             raise ValueError(f"sparse_prefill.block {sparse.block} must be a multiple of chunk_size {self.chunk_size}")
         if sparse is not None and sparse.budget is not None and sparse.window < 1:
             raise ValueError("sparse_prefill.budget needs a window >= 1 (the context's last, partial block)")
+        if sparse is not None and sparse.span == "auto" and sparse.budget is None:
+            raise ValueError("sparse_prefill.span 'auto' sizes spans by the budget: set a budget")
         return self
 
 

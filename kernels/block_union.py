@@ -56,6 +56,7 @@ __all__ = [
     "block_keys",
     "block_keys_gpu",
     "block_scores",
+    "block_scores_gpu",
     "bound_queries",
     "budget_blocks",
     "budget_exclude",
@@ -100,11 +101,11 @@ class BlockUnion:
     # from its first, each choosing among every block before it, its piece's earlier ones too,
     # so a row reads its own piece's chunks as it reads the context (CompactAttention's causal
     # block selection at span granularity); None: one span, the piece, whose own chunks every
-    # list reads whole. Spans of one 64-token block with a window of 1 and a dense tail of 64
-    # read 0.21 / 0.16 of dense's pages at 4K / 8K tokens and kept every needle (records README),
-    # but their selection and FlashInfer's many small lists cost more than they save on a GPU
-    # at 8K, and run 3.0x against 5.3x at 64K: not yet the default
-    span: int | None = None
+    # list reads whole; "auto" (a budget's): per piece, the most blocks (a power of two) whose
+    # rows are at most a quarter of the context it chooses (budget x context_len / 4), so a
+    # span's own chunks stay a small part of what it reads: one 64-token block up to 5K
+    # tokens, 1024 rows at 64K, where many small lists cost more than their own chunks save
+    span: int | str | None = None
     # the prompt's last this many tokens (its question, where a task puts it) attend densely:
     # their queries are the ones an answer reads from, and a selection scored over a whole piece's
     # queries dilutes theirs (replicas.attention splits the prompt's last piece)
@@ -120,8 +121,11 @@ class BlockUnion:
         for name in ("min_context", "sink", "window", "dense_tail"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sparse {name} must be >= 0, got {getattr(self, name)}")
-        if self.span is not None and self.span < 1:
-            raise ValueError(f"sparse span must be >= 1 query block (or None: the piece), got {self.span}")
+        if self.span == "auto":
+            if self.budget is None:
+                raise ValueError("sparse span 'auto' sizes spans by the budget: set a budget")
+        elif self.span is not None and (not isinstance(self.span, int) or self.span < 1):
+            raise ValueError(f"sparse span must be >= 1 query block, None (the piece) or 'auto', got {self.span!r}")
         if self.subgroup < 1:
             raise ValueError(f"sparse subgroup must be >= 1, got {self.subgroup}")
         if self.budget is not None and not (0 < self.budget <= 1 and self.window >= 1):
@@ -130,10 +134,14 @@ class BlockUnion:
                 f"partial block), got budget {self.budget}, window {self.window}"
             )
 
-    @property
-    def span_rows(self) -> int | None:
-        """Query rows a span holds (None: the piece's)."""
-        return None if self.span is None else self.span * self.block
+    def span_rows(self, context_len: int) -> int | None:
+        """Query rows a span of a piece after context_len cached tokens holds (None: the piece's)."""
+        if self.span is None or isinstance(self.span, int):
+            return None if self.span is None else self.span * self.block
+        rows, budget = self.block, self.budget or 0.0
+        while 8 * rows <= budget * context_len:  # 2 rows <= budget x context_len / 4
+            rows *= 2
+        return rows
 
     @property
     def fold(self) -> str:
@@ -176,14 +184,16 @@ def query_limits(context_len: int, n: int, chunk_size: int, cfg: BlockUnion) -> 
     """Per query block of a piece (`block` rows from its first): the blocks its span chooses
     among (`block_scores_ref`'s limits)."""
     out: list[int] = []
-    for ctx, rows in piece_spans(context_len, n, cfg.span_rows):
+    for ctx, rows in piece_spans(context_len, n, cfg.span_rows(context_len)):
         out += [context_blocks(ctx, chunk_size, cfg.block)] * -(-rows // cfg.block)
     return out
 
 
-def span_blocks(cfg: BlockUnion, query_blocks: int) -> int:
-    """Query blocks per span (all of a piece's when cfg.span is None)."""
-    return query_blocks if cfg.span is None else cfg.span
+def span_blocks(cfg: BlockUnion, query_blocks: int, context_len: int) -> int:
+    """Query blocks per span of a piece of query_blocks after context_len cached tokens (all of
+    them when its spans are the piece)."""
+    rows = cfg.span_rows(context_len)
+    return query_blocks if rows is None else min(query_blocks, rows // cfg.block)
 
 
 def subgroup_size(num_q_heads: int, num_kv_heads: int, subgroup: int) -> int:
@@ -225,12 +235,24 @@ def block_scores(
     sub: int,
     sm_scale: float | None = None,
     limits: list[int] | None = None,
+    context_len: int | None = None,
 ) -> Tensor:
     """The selection's scores in plain torch (`block_agg` on the GPU): q [T, Hq, D] a piece's
-    queries, bounds [NB, Hkv, 2D] the blocks before its last span, limits the blocks each query
-    block sees (`query_limits`; None: all) -> [S * Hq / sub, NB] float32, span after span."""
+    queries after context_len cached tokens (needed by "auto" spans), bounds [NB, Hkv, 2D] the
+    blocks before its last span, limits the blocks each query block sees (`query_limits`; None:
+    all) -> [S * Hq / sub, NB] float32, span after span."""
+    if context_len is None and cfg.span == "auto":
+        raise ValueError("'auto' spans are sized by the piece's context: pass context_len")
     s = block_scores_ref(bound_queries(q, cfg.spread), bounds, cfg.block, sm_scale, limits)
-    return normalised(s, sub, cfg.fold, span_blocks(cfg, s.shape[1]))
+    return normalised(s, sub, cfg.fold, span_blocks(cfg, s.shape[1], context_len or 0))
+
+
+def block_scores_gpu(
+    q: Tensor, bounds: Tensor, cfg: BlockUnion, sub: int, sm_scale: float, limits: Tensor, context_len: int
+) -> Tensor:
+    """`block_scores` by the Triton `block_agg`: limits [ceil(T / block)] int on q's device."""
+    span_qb = span_blocks(cfg, limits.numel(), context_len)
+    return block_agg(q, bounds, cfg.block, sub, sm_scale, cfg.spread, cfg.fold, limits, span_qb)
 
 
 def block_keys_gpu(chunk_bounds: Tensor, table: Tensor, block_chunks: int, dtype: torch.dtype) -> Tensor:
@@ -411,7 +433,7 @@ def budget_piece(
     c = chunk_size
     pages: list[int] = []
     planned, dst, counts, limits = [], [], [], []
-    for ctx, rows in piece_spans(context_len, n, cfg.span_rows):
+    for ctx, rows in piece_spans(context_len, n, cfg.span_rows(context_len)):
         total = ctx + rows
         lists, per, chosen = budget_lists(table, ctx, total, c, cfg, num_kv_heads, entries)
         nb = context_blocks(ctx, c, cfg.block)

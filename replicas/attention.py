@@ -408,28 +408,18 @@ class Attention:
         pieces, outs, chunk_ids = [], [], []
         for i, s in enumerate(spans):
             rows = q[s.start : s.start + s.num_new]
-            parts = block_union.piece_spans(s.context_len, s.num_new, cfg.span_rows)
+            parts = block_union.piece_spans(s.context_len, s.num_new, cfg.span_rows(s.context_len))
             k0 = parts[-1][0] // c  # the chunks the last span chooses among
             # the blocks' key bounds, from the pool's chunk bounds (the context's filled in earlier
             # steps, queued before this; the piece's own that its later spans choose among, here)
             self._bound_own(layer, s.table[s.context_len // c : k0])
             if self.backend == "triton":
                 keys = block_union.block_keys_gpu(bounds, s.table[:k0], bc, rows.dtype)
-                agg = block_union.block_agg(
-                    rows,
-                    keys,
-                    cfg.block,
-                    self._sub,
-                    self.sm_scale,
-                    cfg.spread,
-                    cfg.fold,
-                    s.limits,
-                    block_union.span_blocks(cfg, s.limits.numel()),
-                )
+                agg = block_union.block_scores_gpu(rows, keys, cfg, self._sub, self.sm_scale, s.limits, s.context_len)
             else:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
                 limits = block_union.query_limits(s.context_len, s.num_new, c, cfg)
-                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, limits)
+                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, limits, s.context_len)
             self.counters.sparse_pages_dense += e * sum(-(-(ctx + n) // c) for ctx, n in parts)
             if budget is not None:  # (the last span's blocks are all of agg's: the largest limit)
                 b = budget.pieces[i]

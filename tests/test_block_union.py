@@ -98,6 +98,25 @@ def test_block_agg_of_spans_matches_the_reference(t, hq, hkv, sub, block, span_q
         block_union.block_agg(q, bounds, block, sub, None, 0.5, fold, lim[1:], span_qb)
 
 
+@pytest.mark.parametrize("span", [None, 1, "auto"])
+def test_block_scores_gpu_is_block_scores(span):
+    """The engine's Triton scores (packed heads, spans) are the plain-torch ones."""
+    device = "cuda" if CUDA else "cpu"
+    cfg = BlockUnion(block=64, budget=0.2, window=1, span=span)
+    context, new, c = 2560, 200, 64  # 'auto': spans of 128 rows, the last short
+    limits = block_union.query_limits(context, new, c, cfg)
+    g = torch.Generator().manual_seed(new)
+    q = torch.randn(new, 8, 32, generator=g)
+    a, b = torch.randn(2, max(limits), 2, 32, generator=g)
+    bounds = torch.cat([a.maximum(b), a.minimum(b)], -1)
+    want = block_union.block_scores(q, bounds, cfg, 4, 32**-0.5, limits, context)
+    lim = torch.tensor(limits, dtype=torch.int32, device=device)
+    got = block_union.block_scores_gpu(q.to(device), bounds.to(device), cfg, 4, 32**-0.5, lim, context)
+    spans = len(block_union.piece_spans(context, new, cfg.span_rows(context)))
+    assert got.shape == want.shape == (spans * 2, max(limits)) and (spans > 1 or span is None)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-4 * 4 * len(limits), rtol=1e-2)
+
+
 def test_agg_heads_share_a_list_within_agg_rows():
     assert [block_union.agg_heads(sub, 64) for sub in (1, 2, 3, 4, 8)] == [1, 2, 1, 2, 2]
     assert [block_union.agg_heads(4, block) for block in (16, 32, 128, 256)] == [4, 4, 1, 1]
@@ -305,9 +324,35 @@ def test_spans_choose_among_the_blocks_before_them():
         mine = blocks[r, : block_union.budget_free(cfg, n)].tolist()
         best = agg[r, 1 : n - 2].topk(len(mine)).indices + 1
         assert sorted(mine) == sorted(best.tolist())
-    assert cfg.span_rows == 64 and BlockUnion(span=None).span_rows is None
+    assert cfg.span_rows(640) == 64 and BlockUnion(span=None).span_rows(640) is None
     with pytest.raises(ValueError, match="span must be >= 1"):
         BlockUnion(block=32, span=0)
+    with pytest.raises(ValueError, match="set a budget"):
+        BlockUnion(span="auto")
+
+
+def test_auto_spans_are_at_most_a_quarter_of_the_context_they_choose():
+    """'auto' spans: per piece the most blocks (a power of two) whose rows are at most a quarter
+    of budget x context_len, one block at least; the whole piece once that is longer than it."""
+    cfg = BlockUnion(block=64, budget=0.1, window=1, span="auto")
+    assert [cfg.span_rows(n) for n in (1024, 4096, 5120, 6656, 16384, 65536, 262144)] == [
+        64,
+        64,
+        128,
+        128,
+        256,
+        1024,
+        4096,
+    ]
+    for context in (6656, 65536):
+        rows = cfg.span_rows(context)
+        assert 4 * rows <= cfg.budget * context < 8 * rows
+    assert block_union.piece_spans(262144, 2048, cfg.span_rows(262144)) == [(262144, 2048)]
+    assert block_union.span_blocks(cfg, 32, 65536) == 16 and block_union.span_blocks(cfg, 16, 6656) == 2
+    assert block_union.span_blocks(cfg, 32, 262144) == 32
+    assert block_union.query_limits(6656, 256, 64, cfg) == [104, 104, 106, 106]
+    with pytest.raises(ValueError, match="context_len"):
+        block_union.block_scores(torch.zeros(64, 2, 16), torch.zeros(4, 1, 32), cfg, 2)
 
 
 @pytest.mark.parametrize("context, new, budget", [(40 * 16, 50, 0.3), (37 * 16 + 5, 16, 0.5), (64 * 16, 1, 1.0)])
@@ -336,7 +381,9 @@ def test_budget_lists_are_the_masked_pages(context, new, budget):
         assert planned[i, chosen.stop :].tolist() == page[i, -(per - chosen.stop) :].tolist()
 
 
-@pytest.mark.parametrize("context, new, span", [(40 * 16, 150, 2), (37 * 16 + 5, 100, 1), (24 * 16, 64, None)])
+@pytest.mark.parametrize(
+    "context, new, span", [(40 * 16, 150, 2), (37 * 16 + 5, 100, 1), (24 * 16, 64, None), (40 * 16, 150, "auto")]
+)
 def test_budget_piece_is_each_spans_masked_pages(context, new, span):
     """A piece's planned lists with each span's chosen blocks written at their offsets are, span
     by span, the masked pages of select_blocks on the same scores: what the reference attends."""
@@ -344,12 +391,13 @@ def test_budget_piece_is_each_spans_masked_pages(context, new, span):
     c, hkv, e, bc = 16, 2, 4, 2
     total = context + new
     table = random.Random(context).sample(range(300), -(-total // c))
-    parts = block_union.piece_spans(context, new, cfg.span_rows)
+    parts = block_union.piece_spans(context, new, cfg.span_rows(context))
+    assert len(parts) > 1 or span is None
     limits = block_union.query_limits(context, new, c, cfg)
     scores = torch.rand(8, len(limits), max(limits), generator=torch.Generator().manual_seed(new))
     for i, n in enumerate(limits):
         scores[:, i, n:] = 0.0
-    agg = normalised(scores, 2, "sum", block_union.span_blocks(cfg, len(limits)))
+    agg = normalised(scores, 2, "sum", block_union.span_blocks(cfg, len(limits), context))
     pages, planned, dst, counts, row_limits = block_union.budget_piece(table, context, new, c, cfg, hkv, e)
     assert [p[0] for p in planned] == [n for _, n in parts] and len(dst) == len(parts) * e
     assert sum(sum(p[1]) for p in planned) == len(pages)
@@ -584,13 +632,14 @@ def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     torch.testing.assert_close(out, want)
 
 
-def test_engine_spans_are_the_reference_each_on_its_own_selection():
+@pytest.mark.parametrize("span", [1, "auto"])
+def test_engine_spans_are_the_reference_each_on_its_own_selection(span):
     """A piece in spans through the engine's layer: each span the sparse reference on the mask
     the selection rules give it from the reference scores, its piece's earlier chunks among the
     blocks it chooses from (their key bounds made in the layer, from the K just written)."""
     from replicas.attention import PrefillSpan
 
-    sparse = dict(SPARSE, budget=0.25, span=1)
+    sparse = dict(SPARSE, budget=0.25, span=span)
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=sparse)
     engine.generate([list(range(400))], SamplingParams(max_tokens=1))  # fills the pool
     attention, pool = engine.attention, engine.pool
@@ -605,10 +654,11 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection():
     keys = pool.kv[1, 0, own]
     assert torch.equal(pool.key_bounds[1, own], torch.cat([keys.amax(2), keys.amin(2)], -1))
     cfg = engine.config.sparse_prefill
-    parts = block_union.piece_spans(context, new, cfg.span_rows)
+    parts = block_union.piece_spans(context, new, cfg.span_rows(context))
     assert len(parts) == 4
     blocks = block_keys(pool.key_bounds[1], torch.tensor(seq_table[: parts[-1][0] // 16]), 2)
-    agg = block_union.block_scores(q, blocks, cfg, 2, 64**-0.5, block_union.query_limits(context, new, 16, cfg))
+    limits = block_union.query_limits(context, new, 16, cfg)
+    agg = block_union.block_scores(q, blocks, cfg, 2, 64**-0.5, limits, context)
     limits = [block_union.context_blocks(ctx, 16, 32) for ctx, _ in parts for _ in range(2)]
     keep = select_blocks(agg, cfg, limits)
     for j, (ctx, n) in enumerate(parts):

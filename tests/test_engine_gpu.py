@@ -294,7 +294,7 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
         f"compared {len(err_sp)} tokens: max |logit error| sparse (all kept) {max(err_sp):.4f}, "
         f"a whole budget {max(err_bu):.4f}, dense {max(err_de):.4f}"
     )
-    for cut_options in (dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=1)):
+    for cut_options in (dict(alpha=1.0), dict(budget=0.3), dict(budget=0.3, span=1), dict(budget=0.3, span="auto")):
         cut, cut_out, _ = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, **cut_options))
         stats = cut.stats()
         assert 0 < stats["sparse_pages_read"] < stats["sparse_pages_dense"]

@@ -48,6 +48,8 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"alpha": 1.5}}},
         {"engine": {"sparse_prefill": {"budget": 0}}},
         {"engine": {"sparse_prefill": {"span": 0}}},  # query blocks a span holds (None: the piece)
+        {"engine": {"sparse_prefill": {"span": "auto"}}},  # sized by a budget, which alpha has not
+        {"engine": {"sparse_prefill": {"budget": 0.1, "span": "half"}}},
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
     ],
@@ -464,6 +466,9 @@ def test_engine_options_are_engine_config_fields():
     from kernels.block_union import BlockUnion
 
     assert defaults == dataclasses.asdict(BlockUnion())  # one set of defaults
+    auto = {"engine": {"sparse_prefill": {"budget": 0.1, "span": "auto"}}}
+    options = AppConfig.model_validate(auto).engine.model_dump()
+    assert EngineConfig(model="tiny", **options).sparse_prefill.span == "auto"
 
 
 def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage():

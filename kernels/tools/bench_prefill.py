@@ -3,7 +3,7 @@ cached context, dense against block-union sparse (DESIGN §5), one JSON object p
 
     python -m kernels.tools.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]
-                                    [--block 128] [--window 4] [--span 1]
+                                    [--block 128] [--window 4] [--span 1|0|auto]
 
 Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool),
 µs per layer, each timed over 8 back-to-back calls as a forward's layers run (host work
@@ -96,7 +96,7 @@ def run_case(
         dst_d, counts_d = torch.tensor(dst, device=dev), torch.tensor(counts, dtype=torch.int32, device=dev)
         exclude = block_union.budget_exclude(cfg, torch.tensor(limits, device=dev)[:, None], max(limits))
         q_limits = torch.tensor(block_union.query_limits(context, piece, c, cfg), dtype=torch.int32, device=dev)
-        parts = block_union.piece_spans(context, piece, cfg.span_rows)
+        parts = block_union.piece_spans(context, piece, cfg.span_rows(context))
         k_last = parts[-1][0] // c
         own = tab[k0:k_last]
         out = torch.empty_like(q)
@@ -105,8 +105,7 @@ def run_case(
             if own.numel():  # the piece's own chunks its later spans choose among (as the engine, per layer)
                 block_union.chunk_key_bounds(k[None], own, bounds[None])
             keys = block_union.block_keys_gpu(bounds, tab[:k_last], bc, q.dtype)
-            span_qb = block_union.span_blocks(cfg, limits.numel())
-            return block_union.block_agg(q, keys, cfg.block, sub, d**-0.5, cfg.spread, cfg.fold, limits, span_qb)
+            return block_union.block_scores_gpu(q, keys, cfg, sub, d**-0.5, limits, context)
 
         def select():
             chosen = block_union.budget_blocks(agg(), cfg, None, exclude)
@@ -140,9 +139,9 @@ def run_case(
 
 def main(args) -> None:
     knobs = {key: getattr(args, key) for key in ("block", "window", "span") if getattr(args, key) is not None}
-    if knobs.get("span") == 0:
-        knobs["span"] = None
-    cfg = BlockUnion(**knobs)
+    if "span" in knobs:
+        knobs["span"] = None if knobs["span"] == "0" else "auto" if knobs["span"] == "auto" else int(knobs["span"])
+    cfg = BlockUnion(budget=min(args.densities, default=1.0), **knobs)  # (the header: the knobs as set)
     print(
         json.dumps(
             dict(
@@ -179,4 +178,4 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block", type=int, help="BlockUnion's block (default: its default)")
     p.add_argument("--window", type=int, help="BlockUnion's window")
-    p.add_argument("--span", type=int, help="BlockUnion's span (query blocks a list serves; 0: the piece)")
+    p.add_argument("--span", help="BlockUnion's span (query blocks a list serves; 0: the piece; auto)")

@@ -129,12 +129,12 @@ def select(q: Tensor, k: Tensor, context_len: int, cfg: BlockUnion, c: int, sub:
     (replicas.attention.Attention.sparse_prefill) from chunk key bounds -> keep [S * E, NB] bool,
     span after span (block_union.piece_spans), each span's row zero past the blocks it sees."""
     hkv, _, d = k.shape
-    spans = block_union.piece_spans(context_len, q.shape[0], cfg.span_rows)
+    spans = block_union.piece_spans(context_len, q.shape[0], cfg.span_rows(context_len))
     k0, bc = spans[-1][0] // c, cfg.block // c
     chunks = k[:, : k0 * c].reshape(hkv, k0, c, d).transpose(0, 1)  # [k0, Hkv, c, D]
     keys = block_union.block_keys(block_union.chunk_key_bounds_ref(chunks), torch.arange(k0), bc)  # the pool's
     limits = block_union.query_limits(context_len, q.shape[0], c, cfg)
-    agg = block_union.block_scores(q, keys, cfg, sub, sm_scale, limits)
+    agg = block_union.block_scores(q, keys, cfg, sub, sm_scale, limits, context_len)
     e = agg.shape[0] // len(spans)
     rows = [block_union.context_blocks(ctx, c, cfg.block) for ctx, _ in spans for _ in range(e)]
     return block_union.select_blocks(agg, cfg, rows)
@@ -180,7 +180,9 @@ class MassProbe:
         c, t = self.c, q.shape[0]
         last = context_len + t == self.prompt_len
         rows = {name: t - (min(t, cfg.dense_tail) if last else 0) for name, cfg in self.cfgs.items()}
-        group = math.gcd(t, *rows.values(), *(cfg.span_rows or t for cfg in self.cfgs.values()))  # (0 counts as none)
+        group = math.gcd(
+            t, *rows.values(), *(cfg.span_rows(context_len) or t for cfg in self.cfgs.values())
+        )  # (0 counts as none)
         out, mass = chunk_mass(q, k, v, context_len, c, self.scale, group)
         for name, cfg in self.cfgs.items():
             n = rows[name]
@@ -188,7 +190,7 @@ class MassProbe:
                 continue
             sub, bc = self.subs[name], cfg.block // c
             keep = select(q[:n], k, context_len, cfg, c, sub, self.scale)
-            parts = block_union.piece_spans(context_len, n, cfg.span_rows)
+            parts = block_union.piece_spans(context_len, n, cfg.span_rows(context_len))
             e = keep.shape[0] // len(parts)
             for j, (ctx, m_rows) in enumerate(parts):
                 k0, g0 = ctx // c, (ctx - context_len) // group
@@ -337,14 +339,17 @@ def needle_prompt(tok, filler_ids: list[int], length: int, depth: float, number:
 
 
 def parse_config(spec: str, min_context: int) -> BlockUnion:
-    """'budget=0.1,block=128,window=4,span=none' -> BlockUnion(min_context=min_context, ...)."""
+    """'budget=0.1,block=128,window=4,span=none' ('auto' too) -> BlockUnion(min_context=min_context, ...)."""
     fields = {f.name: f.type for f in dataclasses.fields(BlockUnion)}
     kw = {}
     for item in spec.split(","):
         key, _, val = item.partition("=")
         if key not in fields or key == "min_context":
             raise ValueError(f"unknown sparse field {key!r} in {spec!r}")
-        kw[key] = None if val == "none" else float(val) if key in ("alpha", "budget", "spread") else int(val)
+        if val in ("none", "auto"):
+            kw[key] = None if val == "none" else val
+        else:
+            kw[key] = float(val) if key in ("alpha", "budget", "spread") else int(val)
     return BlockUnion(min_context=min_context, **kw)
 
 
