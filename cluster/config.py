@@ -32,6 +32,7 @@ class SparsePrefillOptions(_Strict):
     # query blocks sharing page lists, choosing among all before them; None: the piece; "auto"
     # (with a budget): per piece, sized by its context (BlockUnion.span)
     span: PositiveInt | Literal["auto"] | None = None
+    stride: Literal[1, 2, 4, 8] = 1  # score every stride-th query row of a block (at least 16 rows)
     dense_tail: int = Field(128, ge=0)  # the prompt's last tokens attend densely (its question)
 
 
@@ -60,6 +61,10 @@ class EngineOptions(_Strict):
             raise ValueError(f"sparse_prefill.block {sparse.block} must be a multiple of chunk_size {self.chunk_size}")
         if sparse is not None and sparse.budget is not None and sparse.window < 1:
             raise ValueError("sparse_prefill.budget needs a window >= 1 (the context's last, partial block)")
+        if sparse is not None and sparse.block // sparse.stride < 16:
+            raise ValueError(
+                f"sparse_prefill.stride {sparse.stride} leaves fewer than 16 rows of a block of {sparse.block}"
+            )
         if sparse is not None and sparse.span == "auto" and sparse.budget is None:
             raise ValueError("sparse_prefill.span 'auto' sizes spans by the budget: set a budget")
         return self

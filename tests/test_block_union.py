@@ -2,6 +2,7 @@
 reference, the selection rules, the sparse reference's semantics against dense prefill over a
 compacted cache, FlashInfer over the page lists (GPU), and the engine with sparse prefill."""
 
+import dataclasses
 import random
 
 import pytest
@@ -98,14 +99,35 @@ def test_block_agg_of_spans_matches_the_reference(t, hq, hkv, sub, block, span_q
         block_union.block_agg(q, bounds, block, sub, None, 0.5, fold, lim[1:], span_qb)
 
 
-@pytest.mark.parametrize("span", [None, 1, "auto"])
-def test_block_scores_gpu_is_block_scores(span):
-    """The engine's Triton scores (packed heads, spans) are the plain-torch ones."""
+@pytest.mark.parametrize("stride", [2, 4])
+def test_a_stride_scores_every_strideth_row_as_all_rows_would_alike(stride):
+    """Rows alike within each run of `stride` score as all of them: the stride drops the rows a
+    block's mean would count alike, from each query block's first (a short last one too)."""
+    g = torch.Generator().manual_seed(stride)
+    q = torch.randn(152 // stride, 4, 32, generator=g).repeat_interleave(stride, 0)  # 2 blocks and 24 rows
+    a, b = torch.randn(2, 12, 2, 32, generator=g)
+    bounds = torch.cat([a.maximum(b), a.minimum(b)], -1)
+    cfg = BlockUnion(block=64, budget=0.2, window=1)
+    every = block_union.block_scores(q, bounds, cfg, 2, 32**-0.5, [10, 11, 12])
+    strided = block_union.block_scores(q, bounds, dataclasses.replace(cfg, stride=stride), 2, 32**-0.5, [10, 11, 12])
+    torch.testing.assert_close(strided, every)
+    q[1::stride] += 1.0  # rows the stride skips
+    again = block_union.block_scores(q, bounds, dataclasses.replace(cfg, stride=stride), 2, 32**-0.5, [10, 11, 12])
+    assert torch.equal(again, strided)
+    with pytest.raises(ValueError, match="stride"):
+        BlockUnion(block=32, stride=4)  # 8 rows a block
+    with pytest.raises(ValueError, match="stride"):
+        BlockUnion(stride=3)
+
+
+@pytest.mark.parametrize("stride, span", [(1, None), (4, None), (2, 1), (4, "auto")])
+def test_block_scores_gpu_is_block_scores(stride, span):
+    """The engine's Triton scores (strided rows, packed heads, spans) are the plain-torch ones."""
     device = "cuda" if CUDA else "cpu"
-    cfg = BlockUnion(block=64, budget=0.2, window=1, span=span)
+    cfg = BlockUnion(block=64, budget=0.2, window=1, span=span, stride=stride)
     context, new, c = 2560, 200, 64  # 'auto': spans of 128 rows, the last short
     limits = block_union.query_limits(context, new, c, cfg)
-    g = torch.Generator().manual_seed(new)
+    g = torch.Generator().manual_seed(stride)
     q = torch.randn(new, 8, 32, generator=g)
     a, b = torch.randn(2, max(limits), 2, 32, generator=g)
     bounds = torch.cat([a.maximum(b), a.minimum(b)], -1)

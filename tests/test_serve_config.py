@@ -50,6 +50,7 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"span": 0}}},  # query blocks a span holds (None: the piece)
         {"engine": {"sparse_prefill": {"span": "auto"}}},  # sized by a budget, which alpha has not
         {"engine": {"sparse_prefill": {"budget": 0.1, "span": "half"}}},
+        {"engine": {"sparse_prefill": {"block": 64, "stride": 8}}},  # 8 rows of a block scored
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
     ],
@@ -458,7 +459,7 @@ def test_engine_options_are_engine_config_fields():
     config = EngineConfig(model="tiny", **options)
     assert config.enforce_eager and config.async_scheduling and config.sparse_prefill is None
     sparse = {"min_context": 4096, "block": 128, "alpha": 0.2, "budget": 0.3, "sink": 2, "window": 3, "subgroup": 2}
-    sparse["dense_tail"], sparse["spread"], sparse["span"] = 32, 0.25, 2
+    sparse["dense_tail"], sparse["spread"], sparse["span"], sparse["stride"] = 32, 0.25, 2, 2
     options = AppConfig.model_validate({"engine": {"sparse_prefill": sparse}}).engine.model_dump()
     config = EngineConfig(model="tiny", **options)
     assert dataclasses.asdict(config.sparse_prefill) == sparse  # every option reaches BlockUnion by its name

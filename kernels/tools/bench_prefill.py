@@ -3,7 +3,7 @@ cached context, dense against block-union sparse (DESIGN §5), one JSON object p
 
     python -m kernels.tools.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]
-                                    [--block 128] [--window 4] [--span 1|0|auto]
+                                    [--block 128] [--window 4] [--span 1|0|auto] [--stride 4]
 
 Per case (context tokens, piece tokens, heads; bf16, head dim 128, the piece's K/V in the pool),
 µs per layer, each timed over 8 back-to-back calls as a forward's layers run (host work
@@ -138,7 +138,7 @@ def run_case(
 
 
 def main(args) -> None:
-    knobs = {key: getattr(args, key) for key in ("block", "window", "span") if getattr(args, key) is not None}
+    knobs = {key: getattr(args, key) for key in ("block", "window", "span", "stride") if getattr(args, key) is not None}
     if "span" in knobs:
         knobs["span"] = None if knobs["span"] == "0" else "auto" if knobs["span"] == "auto" else int(knobs["span"])
     cfg = BlockUnion(budget=min(args.densities, default=1.0), **knobs)  # (the header: the knobs as set)
@@ -152,6 +152,7 @@ def main(args) -> None:
                 window=cfg.window,
                 subgroup=cfg.subgroup,
                 span=cfg.span,
+                stride=cfg.stride,
                 spread=cfg.spread,
             )
         ),
@@ -178,4 +179,5 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--block", type=int, help="BlockUnion's block (default: its default)")
     p.add_argument("--window", type=int, help="BlockUnion's window")
+    p.add_argument("--stride", type=int, help="BlockUnion's stride (score every stride-th query row)")
     p.add_argument("--span", help="BlockUnion's span (query blocks a list serves; 0: the piece; auto)")
