@@ -251,7 +251,7 @@ def test_prefill_through_flashinfer_within_bf16_error():
     )
 
 
-def test_sparse_prefill_through_flashinfer_within_bf16_error():
+def test_sparse_prefill_through_flashinfer_within_bf16_error(monkeypatch):
     """Block-union prefill with every block kept (alpha 0; min_context 128, so the pieces after
     the shared prefix run sparse): FlashInfer over the (chunk, KV head) page lists, bf16, gives
     logits as close to an fp32 run as the dense FlashInfer prefill does, at every step. With
@@ -286,8 +286,16 @@ def test_sparse_prefill_through_flashinfer_within_bf16_error():
     (err_bu,) = logit_errors(exact_out, exact, [(bu_out, bu)], 12)
     assert max(err_bu) <= 2 * max(err_de) + 1e-2, f"a whole budget off by {max(err_bu)}, dense by {max(err_de)}"
     # in spans: each span's lists planned once a step, every block before it kept
-    sb_engine, sb_out, sb = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0, span=1))
-    assert len(sb_engine.attention._prefill._sparse_rows) > 1
+    runs_planned = []
+    plan_sparse = paged_prefill.FlashInferPrefill.plan_sparse
+
+    def counted(self, ids, pieces):
+        runs_planned.append(len(pieces))
+        return plan_sparse(self, ids, pieces)
+
+    monkeypatch.setattr(paged_prefill.FlashInferPrefill, "plan_sparse", counted)
+    _, sb_out, sb = run("bfloat16", weights=sp_engine, sparse_prefill=dict(sparse, budget=1.0, span=1))
+    assert max(runs_planned) > 1, f"a step's spans planned as {runs_planned}"
     (err_sb,) = logit_errors(exact_out, exact, [(sb_out, sb)], 12)
     assert max(err_sb) <= 2 * max(err_de) + 1e-2, f"spans off by {max(err_sb)}, dense by {max(err_de)}"
     print(
