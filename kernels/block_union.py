@@ -16,10 +16,10 @@ the context blocks its queries are likely to attend:
   dense attention's mass than the bound or the center (kernels/tools/records/README.md).
 - Scores [Hq, QB, NB] (`kernels.reference.block_scores_ref` of those queries and the blocks'
   bounds): for each query head and query block (`block` rows of the piece), the mean over its
-  rows of each row's softmax over the blocks of its scores * sm_scale; normalised by their best
-  and folded over the list's heads and query blocks (`normalised`, `block_scores`; the Triton
-  `block_agg` does all of it in one launch): by their max for alpha's threshold, by their sum
-  for a budget's ranking (`BlockUnion.fold`).
+  rows (every `stride`-th) of each row's softmax over the blocks of its scores * sm_scale;
+  normalised by their best and folded over the list's heads and query blocks (`normalised`,
+  `block_scores`; the Triton `block_agg` does all of it in one launch, `block_scores_gpu`): by
+  their max for alpha's threshold, by their sum for a budget's ranking (`BlockUnion.fold`).
 - Selection (`select_blocks`): a (head, query block) keeps the blocks scoring at least alpha ×
   its best; union over the piece's query blocks and over each sub-group of `subgroup` query
   heads of one KV head; plus the first `sink` and the last `window` blocks. Or, with a
@@ -103,8 +103,9 @@ class BlockUnion:
     # block selection at span granularity); None: one span, the piece, whose own chunks every
     # list reads whole; "auto" (a budget's): per piece, the most blocks (a power of two) whose
     # rows are at most a quarter of the context it chooses (budget x context_len / 4), so a
-    # span's own chunks stay a small part of what it reads: one 64-token block up to 5K
-    # tokens, 1024 rows at 64K, where many small lists cost more than their own chunks save
+    # span's own chunks stay a small part of what it reads (at a budget of 0.1 and blocks of 64:
+    # one block up to 5K tokens, 1024 rows at 64K, where many short lists cost more than the
+    # own chunks they save)
     span: int | str | None = None
     # score every stride-th query row of a block (from its first): its softmax over the blocks is
     # much like its neighbours', and the scores' cost falls by as much (at a budget of 0.1 a
