@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -106,7 +107,7 @@ class BlockUnion:
     # span's own chunks stay a small part of what it reads (at a budget of 0.1 and blocks of 64:
     # one block up to 5K tokens, 1024 rows at 64K, where many short lists cost more than the
     # own chunks they save)
-    span: int | str | None = None
+    span: int | Literal["auto"] | None = None
     # score every stride-th query row of a block (from its first): its softmax over the blocks is
     # much like its neighbours', and the scores' cost falls by as much (at a budget of 0.1 a
     # stride of 4 kept within 0.001 of every row's context mass: records README)

@@ -418,8 +418,8 @@ class Attention:
                 agg = block_union.block_scores_gpu(rows, keys, cfg, self._sub, self.sm_scale, s.limits, s.context_len)
             else:
                 keys = block_union.block_keys(bounds, s.table[:k0], bc)
-                limits = block_union.query_limits(s.context_len, s.num_new, c, cfg)
-                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, limits, s.context_len)
+                q_limits = block_union.query_limits(s.context_len, s.num_new, c, cfg)
+                agg = block_union.block_scores(rows, keys, cfg, self._sub, self.sm_scale, q_limits, s.context_len)
             self.counters.sparse_pages_dense += e * sum(-(-(ctx + n) // c) for ctx, n in parts)
             if budget is not None:  # (the last span's blocks are all of agg's: the largest limit)
                 b = budget.pieces[i]

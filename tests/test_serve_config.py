@@ -60,6 +60,30 @@ def test_bad_values_are_errors(args):
         AppConfig.model_validate(args)
 
 
+@pytest.mark.parametrize(
+    "sparse",
+    [
+        {"budget": 0.2, "window": 0},
+        {"alpha": 1.5},
+        {"budget": 0},
+        {"span": 0},
+        {"span": "auto"},
+        {"budget": 0.1, "span": "half"},
+        {"block": 64, "stride": 8},
+        {"stride": 3},
+    ],
+)
+def test_sparse_options_the_config_refuses_blockunion_refuses_too(sparse):
+    """The config checks sparse options without importing torch; BlockUnion checks them again
+    where the engine is built: the two sets of rules must agree."""
+    from kernels.block_union import BlockUnion
+
+    with pytest.raises(ValidationError):
+        AppConfig.model_validate({"engine": {"sparse_prefill": sparse}})
+    with pytest.raises(ValueError):
+        BlockUnion(**sparse)
+
+
 def test_direct_streams_bind_the_replicas_bound():
     _, llm = _replica(build_app({"device": "cpu", "max_ongoing_requests": 8, "router": {"direct_stream": True}}))
     assert llm.init_args[-1] == 8  # the replica bounds its engine's requests from both paths at this
