@@ -41,6 +41,7 @@ the context blocks its queries are likely to attend:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -143,6 +144,23 @@ class BlockUnion:
                 f"sparse budget must be in (0, 1] with a window >= 1 (the context's last, "
                 f"partial block), got budget {self.budget}, window {self.window}"
             )
+
+    @classmethod
+    def from_spec(cls, spec: str, min_context: int) -> BlockUnion:
+        """A tool's spec, 'budget=0.1,block=64,window=1,span=auto,stride=4' ('none' for None),
+        -> BlockUnion(min_context=min_context, ...), validated as any other."""
+        kinds = {"alpha": float, "budget": float, "spread": float}
+        names = {f.name for f in dataclasses.fields(cls)} - {"min_context"}
+        kw: dict[str, object] = {}
+        for item in spec.split(","):
+            key, _, val = item.partition("=")
+            if key not in names:
+                raise ValueError(f"unknown sparse field {key!r} in {spec!r} (fields: {', '.join(sorted(names))})")
+            try:
+                kw[key] = None if val == "none" else val if val == "auto" else kinds.get(key, int)(val)
+            except ValueError:
+                raise ValueError(f"sparse {key} takes a number, got {val!r} in {spec!r}") from None
+        return cls(min_context=min_context, **kw)  # type: ignore[arg-type]
 
     def span_rows(self, context_len: int) -> int | None:
         """Query rows a span of a piece after context_len cached tokens holds (None: the piece's)."""

@@ -133,11 +133,3 @@ def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer()
     assert bsa.summarise(probe.sums["all"]["sel"])["ctx_mass_worst"] == 1.0
     hit, of = probe.needle_hits["all"]["sel"]
     assert of > 0 and hit == of  # every list keeps every block, the needle's too
-
-
-def test_parse_config_reads_none_and_auto():
-    cfg = bsa.parse_config("budget=0.1,block=64,window=1,span=auto,dense_tail=64", 1024)
-    assert cfg == BlockUnion(min_context=1024, budget=0.1, block=64, window=1, span="auto", dense_tail=64)
-    assert bsa.parse_config("budget=0.1,span=none", 0).span is None
-    with pytest.raises(ValueError, match="unknown sparse field"):
-        bsa.parse_config("bogus=1", 0)

@@ -876,3 +876,17 @@ def test_a_block_with_one_matching_key_is_chosen_by_the_budget(seed):
     bounds = block_keys(block_union.chunk_key_bounds_ref(keys), torch.arange(nb * bc), bc)
     agg = block_union.block_scores(q, bounds, cfg, 2, d**-0.5)
     assert (budget_blocks(agg, cfg) == 9).any(1).all()
+
+
+def test_a_spec_reads_none_and_auto_and_names_what_it_refuses():
+    cfg = BlockUnion.from_spec("budget=0.1,block=64,window=1,span=auto,stride=4,dense_tail=64", 1024)
+    assert cfg == BlockUnion(min_context=1024, budget=0.1, block=64, window=1, span="auto", stride=4, dense_tail=64)
+    assert BlockUnion.from_spec("budget=0.1,span=none", 0).span is None
+    with pytest.raises(ValueError, match="unknown sparse field 'bogus'"):
+        BlockUnion.from_spec("bogus=1", 0)
+    with pytest.raises(ValueError, match="unknown sparse field 'min_context'"):
+        BlockUnion.from_spec("min_context=0", 0)
+    with pytest.raises(ValueError, match="sparse block takes a number, got 'big'"):
+        BlockUnion.from_spec("block=big", 0)
+    with pytest.raises(ValueError, match="set a budget"):
+        BlockUnion.from_spec("span=auto", 0)

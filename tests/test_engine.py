@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kernels.block_union import BlockUnion
 from replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from replicas.stats import EngineStats
 from tests.hf_checkpoints import make_hf_checkpoint
@@ -492,6 +493,24 @@ def test_bench_cli_runs_each_batch_size_on_one_engine():
         assert 6 <= run["steps"] <= 8 and run["preemptions"] == 0
     bad = subprocess.run([*argv[:4], "2,x"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--batch takes row counts" in bad.stderr
+
+
+def test_bench_cli_prefills_sparse_as_its_spec_says_and_refuses_a_bad_one():
+    """--sparse SPEC: BlockUnion's fields; the run's pieces after min_context read fewer pages
+    than dense would, and the record names every field of the selection it ran."""
+    argv = [sys.executable, "-m", "replicas.tools.bench", "--batch", "1", "--prefix", "0", "--suffix", "1024"]
+    argv += "--max-tokens 2 --chunk-size 16 --max-num-batched-tokens 256 --sparse-min-context 256".split()
+    spec = "budget=0.25,block=16,window=1,span=auto,stride=1,dense_tail=16"
+    r = subprocess.run([*argv, "--sparse", spec], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    (run,) = [json.loads(line) for line in r.stdout.splitlines()]
+    want = BlockUnion(min_context=256, budget=0.25, block=16, window=1, span="auto", dense_tail=16)
+    assert run["sparse"] == dataclasses.asdict(want)
+    assert 0 < run["sparse_pages_read"] < run["sparse_pages_dense"]
+    bad = {"block=32,bogus=1": "unknown sparse field 'bogus'", "span=auto": "set a budget", "block=8": "two >= 16"}
+    for spec, says in bad.items():
+        r = subprocess.run([*argv, "--sparse", spec], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 2 and "error: --sparse: " in r.stderr and says in r.stderr, r.stderr
 
 
 def test_bench_cli_warms_up_first_and_counts_only_the_run():

@@ -38,7 +38,6 @@ minutes; `--depths 5 --lengths 2048 4096 6144 --piece 2048` is the issue's setti
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import math
@@ -338,21 +337,6 @@ def needle_prompt(tok, filler_ids: list[int], length: int, depth: float, number:
     return head + text[:at] + needle + text[at:] + tail, (start, start + len(needle))
 
 
-def parse_config(spec: str, min_context: int) -> BlockUnion:
-    """'budget=0.1,block=128,window=4,span=none' ('auto' too) -> BlockUnion(min_context=min_context, ...)."""
-    fields = {f.name: f.type for f in dataclasses.fields(BlockUnion)}
-    kw = {}
-    for item in spec.split(","):
-        key, _, val = item.partition("=")
-        if key not in fields or key == "min_context":
-            raise ValueError(f"unknown sparse field {key!r} in {spec!r}")
-        if val in ("none", "auto"):
-            kw[key] = None if val == "none" else val
-        else:
-            kw[key] = float(val) if key in ("alpha", "budget", "spread") else int(val)
-    return BlockUnion(min_context=min_context, **kw)
-
-
 def leading_equal(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -371,7 +355,7 @@ def run(args) -> list[dict]:
     from replicas.engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
-    cfgs = {spec: parse_config(spec, args.piece) for spec in args.configs}
+    cfgs = {spec: BlockUnion.from_spec(spec, args.piece) for spec in args.configs}
     opts = {
         "device": "cpu",
         "dtype": "float32",

@@ -14,10 +14,10 @@ on, KV chunks in use, decode plans built).
                                                         # shows what users' first requests see
     python -m replicas.tools.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
                                                           # reference, one by one
-    python -m replicas.tools.bench --batch 1 --prefix 0 --suffix 32768 --max-tokens 2 --sparse-budget 0.1
+    python -m replicas.tools.bench --batch 1 --prefix 0 --suffix 32768 --max-tokens 2 --sparse budget=0.1
                                                         # one long prompt prefilled with block-
-                                                        # union sparse attention (a budget; or
-                                                        # --sparse-alpha for the threshold)
+                                                        # union sparse attention (BlockUnion's
+                                                        # fields: budget=0.1,block=64,span=auto,...)
     python -m replicas.tools.bench ... --no-async-scheduling  # each step prepared after the one before
                                                         # ran (EngineConfig.async_scheduling; on
                                                         # by default on CUDA)
@@ -46,6 +46,7 @@ N/G --gsp-system-prompt-len 2048 --gsp-question-len 64 --gsp-output-len 128 --re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -80,19 +81,12 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
         tp_rank=rank,
         async_scheduling=args.async_scheduling,
         flashinfer_prefill=args.flashinfer_prefill,
-        sparse_prefill=_sparse(args),
+        sparse_prefill=args.sparse,  # a BlockUnion after main's parse
         enable_prefix_sharing=args.prefix_sharing,
         piecewise_graphs=args.piecewise_graphs,
         decode_graphs=args.decode_graphs,
         graph_mixed_steps=args.graph_mixed_steps,
     )
-
-
-def _sparse(args: argparse.Namespace) -> BlockUnion | None:
-    if args.sparse_budget is None and args.sparse_alpha is None:
-        return None
-    alpha = BlockUnion.alpha if args.sparse_alpha is None else args.sparse_alpha
-    return BlockUnion(min_context=args.sparse_min_context, alpha=alpha, budget=args.sparse_budget)
 
 
 # --guided: every row's output (or the first --guided-rows rows') kept inside one of these
@@ -190,8 +184,7 @@ def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) 
         "unfixed_plans": c.unfixed_plans,
         "graph_capture_s": round(graphs.capture_s, 3) if graphs else 0,
         "piecewise_steps": c.piecewise_replays,
-        "sparse_budget": args.sparse_budget,
-        "sparse_alpha": args.sparse_alpha,
+        "sparse": None if args.sparse is None else dataclasses.asdict(args.sparse),
         **{k: v for k, v in s.items() if k.startswith("sparse_")},
         **warmed,
     }
@@ -400,16 +393,11 @@ def main(argv: list[str] | None = None) -> None:
         help="prefill through FlashInfer's paged prefill where it is installed (else the reference, span by span)",
     )
     ap.add_argument(
-        "--sparse-budget",
-        type=float,
+        "--sparse",
         default=None,
-        help="block-union sparse prefill keeping this share of a long context's blocks",
-    )
-    ap.add_argument(
-        "--sparse-alpha",
-        type=float,
-        default=None,
-        help="block-union sparse prefill keeping the blocks scoring alpha x the best (no budget)",
+        metavar="SPEC",
+        help="block-union sparse prefill of long contexts, its fields as 'budget=0.1,block=64,window=1,"
+        "span=auto,stride=4,dense_tail=64' (kernels.block_union.BlockUnion; 'alpha=0.1' for the threshold)",
     )
     ap.add_argument(
         "--sparse-min-context", type=int, default=BlockUnion.min_context, help="shorter contexts prefill dense"
@@ -460,6 +448,12 @@ def main(argv: list[str] | None = None) -> None:
     if min(batches) < 1:
         ap.error("--batch takes row counts >= 1")
     args.batch = max(batches)  # the engine's max_num_seqs
+    if args.sparse is not None:
+        try:
+            args.sparse = BlockUnion.from_spec(args.sparse, args.sparse_min_context)
+            args.sparse.check_chunk_size(args.chunk_size)
+        except ValueError as e:
+            ap.error(f"--sparse: {e}")
     if args.request_rate is not None:
         rates = [float(r) for r in args.request_rate.split(",")]
         if not rates or min(rates) <= 0 or args.requests < 1 or args.tp != 1:
