@@ -59,6 +59,7 @@ __all__ = [
     "block_keys_gpu",
     "block_scores",
     "block_scores_gpu",
+    "bound_chunks",
     "bound_queries",
     "budget_blocks",
     "budget_exclude",
@@ -349,6 +350,15 @@ def chunk_key_bounds(k_pool: Tensor, chunks: Tensor, out: Tensor) -> None:
             D=d,
             ROWS=min(c, max(1, 4096 // d)),
         )
+
+
+def bound_chunks(k_pool: Tensor, chunks: Tensor, out: Tensor, triton: bool) -> None:
+    """out[:, chunks] = the chunks' key bounds, k_pool [L, N, Hkv, c, D] and out [L, N, Hkv, 2D]
+    (the pool's, or one layer's slices of them): chunk_key_bounds' one launch, or the reference."""
+    if triton:
+        chunk_key_bounds(k_pool, chunks, out)
+    else:
+        out[:, chunks] = chunk_key_bounds_ref(k_pool[:, chunks])
 
 
 def chunk_key_bounds_ref(k_chunks: Tensor) -> Tensor:

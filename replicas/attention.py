@@ -452,14 +452,9 @@ class Attention:
     def _bound_own(self, layer: int, chunks: torch.Tensor) -> None:
         """The key bounds of one layer's chunks this step filled (the rest of the step's are
         bounded after its forward, every layer: StepAttention.keep_key_bounds)."""
-        if not chunks.numel():
-            return
-        if self.backend == "triton":
-            block_union.chunk_key_bounds(
-                self.pool.kv[layer : layer + 1, 0], chunks, self.pool.key_bounds[layer : layer + 1]
-            )
-        else:
-            self.pool.key_bounds[layer, chunks] = block_union.chunk_key_bounds_ref(self.pool.k(layer)[chunks])
+        if chunks.numel():
+            kv, bounds = self.pool.kv[layer : layer + 1, 0], self.pool.key_bounds[layer : layer + 1]
+            block_union.bound_chunks(kv, chunks, bounds, self.backend == "triton")
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan, out: torch.Tensor) -> None:
         """The decode rows' attention q [B, Hq, D] into out [B, Hq, D]."""
@@ -530,8 +525,5 @@ class StepAttention:
     def keep_key_bounds(self) -> None:
         """After the forward: the key bounds of each chunk this step filled, every layer."""
         if self.filled is not None:
-            pool = self.attention.pool
-            if self.attention.backend == "triton":  # (no [L, F, Hkv, c, D] copy of the chunks)
-                block_union.chunk_key_bounds(pool.kv[:, 0], self.filled, pool.key_bounds)
-            else:
-                pool.key_bounds[:, self.filled] = block_union.chunk_key_bounds_ref(pool.kv[:, 0, self.filled])
+            pool = self.attention.pool  # (triton: no [L, F, Hkv, c, D] copy of the chunks)
+            block_union.bound_chunks(pool.kv[:, 0], self.filled, pool.key_bounds, self.attention.backend == "triton")

@@ -212,20 +212,25 @@ def test_block_keys_kernel_is_block_keys(k, bc, dtype):
     assert torch.equal(got, block_keys(bounds, table, bc))  # maxima and minima: exact
 
 
+@pytest.mark.parametrize("triton", [True, False])
 @pytest.mark.parametrize("c, d, dtype", [(16, 16, torch.bfloat16), (64, 32, torch.bfloat16), (16, 32, torch.float32)])
-def test_chunk_key_bounds_kernel_is_each_chunks_max_and_min(c, d, dtype):
+def test_bound_chunks_are_each_chunks_max_and_min(c, d, dtype, triton):
+    """bound_chunks through the kernel (chunk_key_bounds) and the reference: every layer's, or one
+    layer's slice of the pool, the other chunks and layers untouched."""
     device = "cuda" if CUDA else "cpu"
     kv = torch.randn(3, 2, 40, 2, c, d, generator=torch.Generator().manual_seed(c)).to(device=device, dtype=dtype)
     bounds = torch.full((3, 40, 2, 2 * d), -9.0, device=device, dtype=dtype)
     chunks = torch.tensor([7, 0, 39, 12], device=device)
-    block_union.chunk_key_bounds(kv[:, 0], chunks, bounds)
+    block_union.bound_chunks(kv[1:2, 0], chunks, bounds[1:2], triton)  # one layer's (Attention._bound_own)
+    assert (bounds[[0, 2]] == -9).all()
+    block_union.bound_chunks(kv[:, 0], chunks, bounds, triton)
     want = block_union.chunk_key_bounds_ref(kv[:, 0, chunks])
     assert torch.equal(bounds[:, chunks], want)
     assert torch.equal(want[..., :d], kv[:, 0, chunks].amax(3)) and torch.equal(want[..., d:], kv[:, 0, chunks].amin(3))
     others = [i for i in range(40) if i not in (7, 0, 39, 12)]
     assert (bounds[:, others] == -9).all()
     before = bounds.clone()
-    block_union.chunk_key_bounds(kv[:, 0], chunks[:0], bounds)  # nothing filled: nothing changes
+    block_union.bound_chunks(kv[:, 0], chunks[:0], bounds, triton)  # nothing filled: nothing changes
     assert torch.equal(bounds, before)
 
 
