@@ -1,7 +1,7 @@
 """Without a GPU, Triton kernels run under the Triton interpreter. The variable is read when a
-kernel is decorated, so it is set here, before any test module imports kernels.tpp.
+kernel is decorated, so it is set here, before any test module imports chunkserve.kernels.tpp.
 
-GGUF weights the tests load are cached (replicas/model/gguf_cache.py) in a directory of the
+GGUF weights the tests load are cached (chunkserve/replicas/model/gguf_cache.py) in a directory of the
 session's, which the servers the tests start inherit, not in the user's cache.
 
 After each GPU test the memory its engines left cached in torch's allocator goes back to the

@@ -3,7 +3,7 @@
 import time
 from contextlib import contextmanager
 
-from replicas.distributed import free_port
+from chunkserve.replicas.distributed import free_port
 
 
 @contextmanager
@@ -12,7 +12,7 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
     import ray
     from ray import serve
 
-    from cluster.local import LocalCluster
+    from chunkserve.cluster.local import LocalCluster
 
     # the dashboard on a free port: another cluster on this machine may hold the default one
     with LocalCluster(

@@ -1,10 +1,10 @@
-"""kernels.tools.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA),
+"""chunkserve.kernels.tools.bench's check of issue 5's targets on a decode run's rows (the run itself needs CUDA),
 and its read floor's kernels (under the Triton interpreter without CUDA)."""
 
 import pytest
 import torch
 
-from kernels.tools.bench import _READ_BLOCK, read_kv, read_kv_tma, targets
+from chunkserve.kernels.tools.bench import _READ_BLOCK, read_kv, read_kv_tma, targets
 
 
 def row(grid, b, n_p, n_s, ours, paged, cascade=None, bound=10.0, tc=None):

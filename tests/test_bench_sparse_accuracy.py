@@ -1,4 +1,4 @@
-"""kernels.tools.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
+"""chunkserve.kernels.tools.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
 attention it substitutes is the reference's, the oracle keeps at least the selector's mass for
 as many blocks, a selection keeping every block keeps all of it, every share lies in [0, 1]."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import reference
-from kernels.block_union import BlockUnion
-from kernels.tools import bench_sparse_accuracy as bsa
+from chunkserve.kernels import reference
+from chunkserve.kernels.block_union import BlockUnion
+from chunkserve.kernels.tools import bench_sparse_accuracy as bsa
 
 C = 16  # chunk size
 
@@ -99,7 +99,7 @@ def test_keeping_every_block_keeps_all_the_mass():
 
 
 def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer():
-    from replicas.engine import LLMEngine, SamplingParams
+    from chunkserve.replicas.engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
     opts = {

@@ -1,4 +1,4 @@
-"""kernels.block_union: the block scores (Triton, under the interpreter on the CPU) against the
+"""chunkserve.kernels.block_union: the block scores (Triton, under the interpreter on the CPU) against the
 reference, the selection rules, the sparse reference's semantics against dense prefill over a
 compacted cache, FlashInfer over the page lists (GPU), and the engine with sparse prefill."""
 
@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from kernels import block_union
-from kernels.block_union import (
+from chunkserve.kernels import block_union
+from chunkserve.kernels.block_union import (
     BlockUnion,
     block_keys,
     budget_blocks,
@@ -21,9 +21,9 @@ from kernels.block_union import (
     select_blocks,
     subgroup_size,
 )
-from kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
-from replicas.engine import LLMEngine
-from replicas.sequence import SamplingParams
+from chunkserve.kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
+from chunkserve.replicas.engine import LLMEngine
+from chunkserve.replicas.sequence import SamplingParams
 
 CUDA = torch.cuda.is_available()
 
@@ -450,7 +450,7 @@ def test_sparse_queries_go_list_major_per_planned_piece_and_back():
     """What FlashInfer's sparse run reads: each planned piece's rows list-major ([E * n, sub, D]);
     a piece's spans regrouped in one copy are the same as span by span, and the inverse puts
     every output row back."""
-    from kernels.paged_prefill import from_lists, planned_runs, to_lists
+    from chunkserve.kernels.paged_prefill import from_lists, planned_runs, to_lists
 
     e, hq, d = 4, 8, 16
     planned = [64, 64, 64, 22, 30, 5, 5]  # a piece of 3 spans of 64 and one of 22; one of 30; two of 5
@@ -635,7 +635,7 @@ def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_key_bounds(spar
 def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     """One sparse piece through the engine's layer: the same as sparse_prefill_ref on the mask
     the selection rules give from the reference scores."""
-    from replicas.attention import PrefillSpan
+    from chunkserve.replicas.attention import PrefillSpan
 
     engine = LLMEngine.from_model(
         "tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6, span=None)
@@ -664,7 +664,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection(span):
     """A piece in spans through the engine's layer: each span the sparse reference on the mask
     the selection rules give it from the reference scores, its piece's earlier chunks among the
     blocks it chooses from (their key bounds made in the layer, from the K just written)."""
-    from replicas.attention import PrefillSpan
+    from chunkserve.replicas.attention import PrefillSpan
 
     sparse = dict(SPARSE, budget=0.25, span=span)
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=sparse)
@@ -701,7 +701,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection(span):
 def test_the_prompts_last_tokens_attend_densely(monkeypatch, tail):
     # the prompt's last piece: its last dense_tail tokens a dense span of their own, their
     # attention exactly dense; the rest of it, and the pieces before, sparse
-    from replicas.attention import StepAttention
+    from chunkserve.replicas.attention import StepAttention
 
     seen = []
     attend = StepAttention.attend
@@ -758,7 +758,7 @@ def test_engine_refuses_a_block_that_is_not_a_chunk_multiple():
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d, c):
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
-    from kernels.paged_prefill import FlashInferPrefill, SparsePiece
+    from chunkserve.kernels.paged_prefill import FlashInferPrefill, SparsePiece
 
     rng = random.Random(c + hq)
     k_cache, v_cache = _cache(256, hkv, c, d, dtype, "cuda", seed=c)
@@ -795,7 +795,7 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
     """A budget's lists planned once; each 'layer' writes other chosen pages into them and runs:
     every run is the reference on its own selection (FlashInfer reads the page ids in place)."""
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
-    from kernels.paged_prefill import FlashInferPrefill
+    from chunkserve.kernels.paged_prefill import FlashInferPrefill
 
     d, dtype, dev = (128 if hq == 32 else 64), torch.bfloat16, torch.device("cuda")
     cfg = BlockUnion(block=2 * c, budget=0.3, sink=1, window=2)

@@ -1,4 +1,4 @@
-"""The direct stream's two ends over a real loopback socket (replicas/direct_stream.py): outputs in
+"""The direct stream's two ends over a real loopback socket (chunkserve/replicas/direct_stream.py): outputs in
 order, a full replica, errors as raised, cancellation and dropped connections reaching the
 replica's generator, and a peer without the token never unpickled."""
 
@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from replicas.direct_stream import Address, ReplicaFull, StreamClient, StreamLost, StreamServer
-from replicas.engine_process import EngineDied
-from replicas.sequence import SamplingParams
-from replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.replicas.direct_stream import Address, ReplicaFull, StreamClient, StreamLost, StreamServer
+from chunkserve.replicas.engine_process import EngineDied
+from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
 
 
 def _request(rid: str, n: int = 3, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerateRequest:

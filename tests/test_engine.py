@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels.block_union import BlockUnion
-from replicas.engine import EngineConfig, LLMEngine, SamplingParams
-from replicas.stats import EngineStats
+from chunkserve.kernels.block_union import BlockUnion
+from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.stats import EngineStats
 from tests.hf_checkpoints import make_hf_checkpoint
 
 # stops at EOS like transformers does (no ignore_eos: that would let the engine pick EOS where
@@ -408,7 +408,17 @@ def test_sampling_seeded_stop_and_abort(tiny):
 
 def test_cli_prints_text():
     r = subprocess.run(
-        [sys.executable, "-m", "replicas.engine", "--model", "tiny", "--prompt", "Hello there", "--max-tokens", "8"],
+        [
+            sys.executable,
+            "-m",
+            "chunkserve.replicas.engine",
+            "--model",
+            "tiny",
+            "--prompt",
+            "Hello there",
+            "--max-tokens",
+            "8",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -418,7 +428,7 @@ def test_cli_prints_text():
 
 
 def test_cache_digest_names_cached_prefixes_as_the_router_hashes_them():
-    from router.hashing import chunk_hashes
+    from chunkserve.router.hashing import chunk_hashes
 
     engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=1024)
     rng = random.Random(5)
@@ -445,13 +455,13 @@ def test_cpu_engine_runs_eagerly():
 
 
 def test_bench_cli_prints_a_run_per_repeat():
-    """`python -m replicas.tools.bench` on the CPU: one JSON line per run, the shared prefix cached for
+    """`python -m chunkserve.replicas.tools.bench` on the CPU: one JSON line per run, the shared prefix cached for
     every row but the first, the decode timed step by step (host share within the step)."""
     r = subprocess.run(
         [
             sys.executable,
             "-m",
-            "replicas.tools.bench",
+            "chunkserve.replicas.tools.bench",
             "--batch",
             "4",
             "--prefix",
@@ -481,7 +491,17 @@ def test_bench_cli_prints_a_run_per_repeat():
 
 def test_bench_cli_runs_each_batch_size_on_one_engine():
     """--batch 2,4: a run per size in order on one engine, each counting only its own steps."""
-    argv = [sys.executable, "-m", "replicas.tools.bench", "--batch", "2,4", "--prefix", "64", "--suffix", "5"]
+    argv = [
+        sys.executable,
+        "-m",
+        "chunkserve.replicas.tools.bench",
+        "--batch",
+        "2,4",
+        "--prefix",
+        "64",
+        "--suffix",
+        "5",
+    ]
     r = subprocess.run([*argv, "--max-tokens", "6"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     runs = [json.loads(line) for line in r.stdout.splitlines()]
@@ -498,7 +518,17 @@ def test_bench_cli_runs_each_batch_size_on_one_engine():
 def test_bench_cli_prefills_sparse_as_its_spec_says_and_refuses_a_bad_one():
     """--sparse SPEC: BlockUnion's fields; the run's pieces after min_context read fewer pages
     than dense would, and the record names every field of the selection it ran."""
-    argv = [sys.executable, "-m", "replicas.tools.bench", "--batch", "1", "--prefix", "0", "--suffix", "1024"]
+    argv = [
+        sys.executable,
+        "-m",
+        "chunkserve.replicas.tools.bench",
+        "--batch",
+        "1",
+        "--prefix",
+        "0",
+        "--suffix",
+        "1024",
+    ]
     argv += "--max-tokens 2 --chunk-size 16 --max-num-batched-tokens 256 --sparse-min-context 256".split()
     spec = "budget=0.25,block=16,window=1,span=auto,stride=1,dense_tail=16"
     r = subprocess.run([*argv, "--sparse", spec], capture_output=True, text=True, timeout=300)
@@ -518,7 +548,7 @@ def test_bench_cli_warms_up_first_and_counts_only_the_run():
         [
             sys.executable,
             "-m",
-            "replicas.tools.bench",
+            "chunkserve.replicas.tools.bench",
             "--batch",
             "4",
             "--prefix",

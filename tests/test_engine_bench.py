@@ -1,12 +1,12 @@
-"""replicas.tools.bench's Poisson mode: the engine under arrivals, every request served and counted."""
+"""chunkserve.replicas.tools.bench's Poisson mode: the engine under arrivals, every request served and counted."""
 
 import json
 
-from replicas.tools.bench import main, poisson_offsets
+from chunkserve.replicas.tools.bench import main, poisson_offsets
 
 
 def test_poisson_offsets_are_the_load_tests():
-    from cluster.loadtest.workloads import poisson_offsets as loadtest_offsets
+    from chunkserve.cluster.loadtest.workloads import poisson_offsets as loadtest_offsets
 
     assert poisson_offsets(200, 7.5, seed=3) == loadtest_offsets(200, 7.5, seed=3)
 

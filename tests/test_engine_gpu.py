@@ -7,8 +7,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from kernels import paged_prefill
-from replicas.engine import LLMEngine, SamplingParams
+from chunkserve.kernels import paged_prefill
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -104,10 +104,10 @@ def test_cuda_graphs_under_churn_replay_every_decode_step_and_keep_tokens():
 
 def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
     # live traffic at a low rate: one or a few rows at a time after one long shared prefix,
-    # joining as others decode and leave. After replicas.warmup, their decode plans launch no
+    # joining as others decode and leave. After chunkserve.replicas.warmup, their decode plans launch no
     # kernel variant it did not (each would compile on a request's path)
-    from kernels import launch
-    from replicas.warmup import warmup
+    from chunkserve.kernels import launch
+    from chunkserve.replicas.warmup import warmup
 
     engine = LLMEngine.from_model(
         "tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=65536, chunk_size=64, max_num_seqs=64
@@ -176,7 +176,7 @@ def test_llama3_8b_bf16_triton_logits_within_bf16_error_every_step():
 
 def test_unshared_gqa_batch_decodes_through_flashinfer_within_bf16_error():
     """Nothing shared + grouped-query heads, eager engine: the engine decodes through FlashInfer's
-    paged decode (kernels/fi_decode.py), whose logits are as close to an fp32 run as the Triton
+    paged decode (chunkserve/kernels/fi_decode.py), whose logits are as close to an fp32 run as the Triton
     path's. A graphed engine decodes such a batch through TPP (and its graphs)."""
     pytest.importorskip("flashinfer", reason="the fallback needs flashinfer (on the GPU box: source .gpu/activate)")
     rng = random.Random(7)

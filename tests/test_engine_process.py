@@ -1,4 +1,4 @@
-"""The engine in a process of its own (replicas/engine_process.py), driven as the replica drives it."""
+"""The engine in a process of its own (chunkserve/replicas/engine_process.py), driven as the replica drives it."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from replicas.engine import EngineConfig, LLMEngine
-from replicas.engine_process import EngineDied, EngineProcess
-from replicas.guided import Guide
-from replicas.sequence import SamplingParams
+from chunkserve.replicas.engine import EngineConfig, LLMEngine
+from chunkserve.replicas.engine_process import EngineDied, EngineProcess
+from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.sequence import SamplingParams
 
 CONFIG = EngineConfig(model="tiny", device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
 PROMPTS = [[1, 2, 3, 4, 5] * 20 + [i] for i in range(6)]

@@ -1,4 +1,4 @@
-"""cluster.front.HTTPFront on its own: a shared port, the request context, draining, failures
+"""chunkserve.cluster.front.HTTPFront on its own: a shared port, the request context, draining, failures
 (real sockets, real HTTP through httpx; no Ray cluster: tests/test_serve_front.py has Serve's)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import httpx
 import pytest
 from ray.serve import context as serve_context
 
-from cluster.front import HTTPFront, bind
-from replicas.distributed import free_port
+from chunkserve.cluster.front import HTTPFront, bind
+from chunkserve.replicas.distributed import free_port
 
 
 async def _slow_app(scope, receive, send) -> None:

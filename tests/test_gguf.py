@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from replicas.model import gguf_cache, load_model, load_tokenizer
-from replicas.model.gguf import GGUFCheckpoint
+from chunkserve.replicas.model import gguf_cache, load_model, load_tokenizer
+from chunkserve.replicas.model.gguf import GGUFCheckpoint
 from tests.gguf_files import Q, llama_cpp_permute, make_gguf
 from tests.test_model import PROMPT, greedy, our_logits
 

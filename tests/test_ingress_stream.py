@@ -1,4 +1,4 @@
-"""The ingress's SSE formatting (cluster/ingress.py `_sse`) and its Server-Timing header, fed
+"""The ingress's SSE formatting (chunkserve/cluster/ingress.py `_sse`) and its Server-Timing header, fed
 GenerateOutputs directly: which outputs become chunks, and the header the load test reads."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
-from cluster.loadtest import client
-from cluster.logprobs import TokenTexts
-from replicas.wire import GenerateOutput
+from chunkserve.cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
+from chunkserve.cluster.loadtest import client
+from chunkserve.cluster.logprobs import TokenTexts
+from chunkserve.replicas.wire import GenerateOutput
 
 
 class _Outputs:
@@ -106,7 +106,7 @@ def test_first_output_past_its_deadline_is_late_on_a_loop_whose_timers_run_early
 
     import uvloop
 
-    from cluster.ingress import _first_output, _Late
+    from chunkserve.cluster.ingress import _first_output, _Late
 
     async def main():
         late = 0

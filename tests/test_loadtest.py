@@ -14,11 +14,11 @@ from collections import Counter
 
 import pytest
 
-from cluster.loadtest import workloads as wl
-from cluster.loadtest.cli import main
-from cluster.loadtest.client import ClientOptions, run_client
-from cluster.loadtest.metrics import Slo, summarize
-from cluster.loadtest.render import Renderer, Request
+from chunkserve.cluster.loadtest import workloads as wl
+from chunkserve.cluster.loadtest.cli import main
+from chunkserve.cluster.loadtest.client import ClientOptions, run_client
+from chunkserve.cluster.loadtest.metrics import Slo, summarize
+from chunkserve.cluster.loadtest.render import Renderer, Request
 
 GENERATORS = {
     "gsp": wl.Gsp(num_groups=4, prompts_per_group=5, system_prompt_len=64, question_len=8, output_len=4),
@@ -192,7 +192,10 @@ def test_slo_parse_and_units():
 
 def test_the_command_as_a_module_exits_2_on_bad_input():
     p = subprocess.run(
-        [sys.executable, "-m", "cluster.loadtest", "--request-rate", "0"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "chunkserve.cluster.loadtest", "--request-rate", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert p.returncode == 2 and "must be > 0" in p.stderr
 
@@ -296,7 +299,7 @@ def test_a_server_that_stops_answering_gives_errors_not_a_hang():
 
 
 def test_client_capacity_against_a_stub_endpoint():
-    from cluster.loadtest.capacity import measure
+    from chunkserve.cluster.loadtest.capacity import measure
 
     got = measure(tokens=16, concurrency=8, seconds=1.0)
     assert got["completed"] > 20 and got["client_max_request_rate"] > 20
@@ -304,7 +307,7 @@ def test_client_capacity_against_a_stub_endpoint():
 
 
 def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
-    from cluster.loadtest.capacity import stub_server
+    from chunkserve.cluster.loadtest.capacity import stub_server
 
     out, plots = tmp_path / "r.jsonl", tmp_path / "plots"
     with stub_server(tokens=5) as url:
@@ -345,7 +348,7 @@ def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
 
 
 def test_stack_overrides_an_apps_args():
-    from cluster.loadtest.stack import apply_overrides
+    from chunkserve.cluster.loadtest.stack import apply_overrides
 
     config = {"applications": [{"args": {"model": "tiny", "engine": {"chunk_size": 64}}}]}
     got = apply_overrides(config, ["engine.enable_prefix_sharing=false", "router.policy=pow2", "num_replicas=2"])
@@ -360,7 +363,7 @@ def test_stack_overrides_an_apps_args():
 
 
 def test_stack_load_tests_the_ingress_front_where_a_config_has_one():
-    from cluster.loadtest.stack import api_url
+    from chunkserve.cluster.loadtest.stack import api_url
 
     config = {"http_options": {"host": "0.0.0.0", "port": 8001}, "applications": [{"args": {"model": "tiny"}}]}
     assert api_url(config) == "http://127.0.0.1:8001"  # Serve's proxy
@@ -380,7 +383,7 @@ def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
         [
             sys.executable,
             "-m",
-            "cluster.loadtest.stack",
+            "chunkserve.cluster.loadtest.stack",
             str(root / "configs/local.yaml"),
             "--set",
             "num_replicas=1",

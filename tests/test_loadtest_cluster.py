@@ -10,8 +10,8 @@ import time
 import pytest
 from ray import serve
 
-from cluster.app import build_app
-from cluster.loadtest.cli import main
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.loadtest.cli import main
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -57,8 +57,8 @@ def app():
 
 
 def test_the_client_reads_the_ingress_replica_header():
-    from cluster.ingress import REPLICA_HEADER
-    from cluster.loadtest import client
+    from chunkserve.cluster.ingress import REPLICA_HEADER
+    from chunkserve.cluster.loadtest import client
 
     assert client.REPLICA_HEADER == REPLICA_HEADER  # (written again there: the tool runs without Serve)
 

@@ -1,4 +1,4 @@
-"""replicas.model against Hugging Face transformers: logits, loading, RoPE, presets, errors, tokenizers."""
+"""chunkserve.replicas.model against Hugging Face transformers: logits, loading, RoPE, presets, errors, tokenizers."""
 
 from __future__ import annotations
 
@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from replicas.distributed import free_port
-from replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_model
-from replicas.model.config import read_json
-from replicas.model.layers import RotaryEmbedding
-from replicas.model.loader import PRESETS_DIR
+from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_model
+from chunkserve.replicas.model.config import read_json
+from chunkserve.replicas.model.layers import RotaryEmbedding
+from chunkserve.replicas.model.loader import PRESETS_DIR
 from tests.hf_checkpoints import ARCHS, make_hf_checkpoint
 
 PROMPT = "the weather in the north is fine, and then we went on to see the sea"

@@ -1,4 +1,4 @@
-"""kernels/norm_rope.py against its plain-torch references, the model's ops in replicas.model.layers.
+"""chunkserve/kernels/norm_rope.py against its plain-torch references, the model's ops in chunkserve.replicas.model.layers.
 
 Without CUDA the kernels run under the Triton interpreter (conftest.py); with CUDA on the GPU."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.norm_rope import rmsnorm, rope
-from replicas.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk, rms_norm
+from chunkserve.kernels.norm_rope import rmsnorm, rope
+from chunkserve.replicas.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

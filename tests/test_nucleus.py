@@ -1,10 +1,10 @@
-"""kernels.nucleus: the sort-free top-p cut keeps exactly the tokens the sort-based reference
+"""chunkserve.kernels.nucleus: the sort-free top-p cut keeps exactly the tokens the sort-based reference
 keeps (interpreter on the CPU, small rows; the GPU with -m gpu, vocabulary-sized rows)."""
 
 import pytest
 import torch
 
-from kernels.nucleus import nucleus_floor, nucleus_floor_ref
+from chunkserve.kernels.nucleus import nucleus_floor, nucleus_floor_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -101,7 +101,7 @@ def test_many_blocks_per_program_compact_in_place(seed, monkeypatch):
     # each program's chunk many blocks long: the filter's and each pass's compaction of the
     # tokens still inside (lo, hi] to the front of its region runs over many blocks, and the
     # mass of those that leave above hi carries over to later passes
-    import kernels.nucleus as nucleus
+    import chunkserve.kernels.nucleus as nucleus
 
     monkeypatch.setattr(nucleus, "_BLOCK", 16)
     monkeypatch.setattr(nucleus, "_CHUNKS", 2)

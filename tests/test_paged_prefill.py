@@ -1,4 +1,4 @@
-"""kernels.paged_prefill: FlashInfer's paged prefill over the chunk pool against the plain-torch
+"""chunkserve.kernels.paged_prefill: FlashInfer's paged prefill over the chunk pool against the plain-torch
 reference, span by span (GPU with flashinfer: `pytest -m gpu`)."""
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kernels.reference import prefill_attention_ref
+from chunkserve.kernels.reference import prefill_attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -50,7 +50,7 @@ def _spans(rng, c, num_chunks):
 @pytest.mark.parametrize("c", [16, 64])
 def test_spans_match_the_reference(dtype, hq, hkv, d, c):
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
-    from kernels.paged_prefill import FlashInferPrefill
+    from chunkserve.kernels.paged_prefill import FlashInferPrefill
 
     rng = random.Random(hq * 1000 + d + c)
     gen = torch.Generator(device="cuda").manual_seed(c)
@@ -84,7 +84,7 @@ def test_spans_match_the_reference(dtype, hq, hkv, d, c):
 
 def test_bad_plans_and_runs_are_refused():
     pytest.importorskip("flashinfer", reason="needs flashinfer (on the GPU box: source .gpu/activate)")
-    from kernels.paged_prefill import FlashInferPrefill, usable
+    from chunkserve.kernels.paged_prefill import FlashInferPrefill, usable
 
     assert not usable(torch.float32, 64, torch.device("cuda")) and not usable(torch.bfloat16, 64, torch.device("cpu"))
     assert not usable(torch.bfloat16, 96, torch.device("cuda"))

@@ -1,4 +1,4 @@
-"""Tensor parallelism across engine ranks (replicas/parallel.py): two gloo ranks, each a forked
+"""Tensor parallelism across engine ranks (chunkserve/replicas/parallel.py): two gloo ranks, each a forked
 process with its own engine on its shard, rank 1 serving rank 0's steps as the replica's Ray
 worker actors do. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
 
@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from replicas.distributed import free_port, init_group
-from replicas.engine import EngineConfig, LLMEngine
-from replicas.guided import Guide
-from replicas.parallel import TPEngine, TPWorker
-from replicas.sequence import SamplingParams
-from replicas.warmup import warmup
+from chunkserve.replicas.distributed import free_port, init_group
+from chunkserve.replicas.engine import EngineConfig, LLMEngine
+from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.parallel import TPEngine, TPWorker
+from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.warmup import warmup
 
 CONFIG = EngineConfig(
     model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16, max_num_batched_tokens=64
@@ -71,10 +71,10 @@ def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
     group_device = _on_gpu(1, device)
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
-        import replicas.runner
+        import chunkserve.replicas.runner
 
-        sample_ids = replicas.runner.sample_ids
-        replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
+        sample_ids = chunkserve.replicas.runner.sample_ids
+        chunkserve.replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
     init_group(1, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
     try:
         TPWorker(_config(scenario, 2, 1, device)).serve()
@@ -141,7 +141,7 @@ def _preemption(engine) -> dict:
 
 
 def _warmed(engine) -> dict:
-    """replicas.warmup through the engine (rank 0's TPEngine: every rank runs it), then _generate."""
+    """chunkserve.replicas.warmup through the engine (rank 0's TPEngine: every rank runs it), then _generate."""
     got = warmup(engine)
     return {"warmup_requests": got["warmup_requests"], **_generate(engine)}
 

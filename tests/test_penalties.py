@@ -1,5 +1,5 @@
 """Presence, frequency and repetition penalties, min_p and logit_bias: the batched sampler against
-the one-row reference, and the engine's per-request token counts (replicas.penalties) in sync
+the one-row reference, and the engine's per-request token counts (chunkserve.replicas.penalties) in sync
 and async scheduling."""
 
 import random
@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from replicas.engine import LLMEngine
-from replicas.penalties import Gathered
-from replicas.sampler import sample, sample_row_ref
-from replicas.sequence import SamplingParams
+from chunkserve.replicas.engine import LLMEngine
+from chunkserve.replicas.penalties import Gathered
+from chunkserve.replicas.sampler import sample, sample_row_ref
+from chunkserve.replicas.sequence import SamplingParams
 
 ROWS = [
     SamplingParams(temperature=0, presence_penalty=1.5),  # greedy rows are penalized too

@@ -1,4 +1,4 @@
-"""kernels.philox: the NumPy Philox4x32-10 against Random123's known answers, and the Triton
+"""chunkserve.kernels.philox: the NumPy Philox4x32-10 against Random123's known answers, and the Triton
 kernel's uniforms against the NumPy reference, bit for bit (interpreter on the CPU; the GPU with
 -m gpu)."""
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import philox
+from chunkserve.kernels import philox
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # without CUDA the kernel runs in the interpreter (conftest)
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from replicas.kv_pool import KVPool
-from replicas.prefix_tree import PrefixTree
-from replicas.sequence import SamplingParams, Sequence
+from chunkserve.replicas.kv_pool import KVPool
+from chunkserve.replicas.prefix_tree import PrefixTree
+from chunkserve.replicas.sequence import SamplingParams, Sequence
 
 C = 4
 

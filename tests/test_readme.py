@@ -112,7 +112,7 @@ def test_the_quick_start_examples_print_what_the_readme_shows(serve_run, tmp_pat
 
 def test_the_readme_load_test_runs_as_printed(serve_run, tmp_path):
     command = _bash("## Load testing")
-    assert command.startswith("python -m cluster.loadtest ")
+    assert command.startswith("python -m chunkserve.cluster.loadtest ")
     run = subprocess.run(
         command.replace("python ", f"{sys.executable} ", 1),
         shell=True,

@@ -1,17 +1,17 @@
-"""Reasoning parsers (cluster/reasoning.py): thinking apart from the answer, whole and streamed."""
+"""Reasoning parsers (chunkserve/cluster/reasoning.py): thinking apart from the answer, whole and streamed."""
 
 import re
 
 import pytest
 from tokenizers import AddedToken
 
-from cluster.ingress import _ChatFormat
-from cluster.logprobs import TokenTexts
-from cluster.reasoning import ReasoningSplit, think_tags
-from replicas.engine import LLMEngine, SamplingParams
-from replicas.guided import Guide
-from replicas.model.tokenizer import Tokenizer
-from replicas.wire import GenerateOutput
+from chunkserve.cluster.ingress import _ChatFormat
+from chunkserve.cluster.logprobs import TokenTexts
+from chunkserve.cluster.reasoning import ReasoningSplit, think_tags
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.model.tokenizer import Tokenizer
+from chunkserve.replicas.wire import GenerateOutput
 from tests.test_tool_calls import _splits
 
 CASES = {  # text -> (reasoning, content) under each parser

@@ -1,4 +1,4 @@
-"""kernels/reference.py: partial attention, tree plans, TPP decode vs the dense oracle, prefill."""
+"""chunkserve/kernels/reference.py: partial attention, tree plans, TPP decode vs the dense oracle, prefill."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import reference as ref
-from kernels.reference import (
+from chunkserve.kernels import reference as ref
+from chunkserve.kernels.reference import (
     Segment,
     attn_reduce,
     build_tree_plan,

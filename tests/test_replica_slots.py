@@ -1,4 +1,4 @@
-"""The replica's bound on its engine's requests over both paths (replicas/deployment._Slots):
+"""The replica's bound on its engine's requests over both paths (chunkserve/replicas/deployment._Slots):
 waiters get slots in arrival order, a waiter that leaves gives its place (or a slot handed to it)
 back, and nothing is lost when a release and a cancel meet."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from replicas.deployment import _Slots
+from chunkserve.replicas.deployment import _Slots
 
 
 def test_slots_in_order_and_cancelled_waiters_give_back():

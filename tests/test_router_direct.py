@@ -1,4 +1,4 @@
-"""router/direct.py: the ingress finds its process's router of a deployment and gets its choice
+"""chunkserve/router/direct.py: the ingress finds its process's router of a deployment and gets its choice
 made on the router's own event loop (a thread of its own, as Serve runs routers); a choice made
 for a request whose client left while waiting is released, not leaked into the replica's load."""
 
@@ -8,8 +8,8 @@ import asyncio
 import threading
 import time
 
-from router import direct
-from router.direct import DirectRoute
+from chunkserve.router import direct
+from chunkserve.router.direct import DirectRoute
 
 
 class _Router:

@@ -1,4 +1,4 @@
-"""router/hashing.py, router/policy.py, router/index.py on their own: no Ray, no simulator."""
+"""chunkserve/router/hashing.py, chunkserve/router/policy.py, chunkserve/router/index.py on their own: no Ray, no simulator."""
 
 import json
 import random
@@ -8,9 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from router.hashing import chunk_hashes, model_seed
-from router.index import PrefixIndex, chain_prefix, common_prefix, lru_overflow
-from router.policy import DecayClock, Decaying, PolicyConfig, PrefixPolicy, PrefixWork, Rendezvous, ReplicaView
+from chunkserve.router.hashing import chunk_hashes, model_seed
+from chunkserve.router.index import PrefixIndex, chain_prefix, common_prefix, lru_overflow
+from chunkserve.router.policy import (
+    DecayClock,
+    Decaying,
+    PolicyConfig,
+    PrefixPolicy,
+    PrefixWork,
+    Rendezvous,
+    ReplicaView,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 C = 64
@@ -33,7 +41,7 @@ def test_hashes_are_identical_in_another_process_and_seeded_by_model():
     tokens = list(range(1000, 1000 + 2100))
     here = chunk_hashes(tokens, C, 32, "llama")
     there = _in_subprocess(
-        "import json; from router.hashing import chunk_hashes; "
+        "import json; from chunkserve.router.hashing import chunk_hashes; "
         f"print(json.dumps(chunk_hashes(list(range(1000, 1000 + 2100)), {C}, 32, 'llama')))"
     )
     assert here == there
@@ -64,7 +72,7 @@ def test_two_routers_in_separate_processes_place_a_new_prefix_alike():
     chains = [_chain(rng) for _ in range(40)]
     here = [PrefixPolicy(replicas=replicas).choose(ch, 2176, 256, 0.0)[0] for ch in chains]
     there = _in_subprocess(
-        "import json; from router.policy import PrefixPolicy\n"
+        "import json; from chunkserve.router.policy import PrefixPolicy\n"
         f"p = PrefixPolicy(replicas={list(reversed(replicas))!r}, seed=7)\n"  # other order, other seed
         f"print(json.dumps([p.choose(tuple(c), 2176, 256, 0.0)[0] for c in {[list(c) for c in chains]!r}]))"
     )

@@ -1,12 +1,12 @@
-"""router/tools/simulate.py on small configurations: every policy and workload runs and reports, the
+"""chunkserve/router/tools/simulate.py on small configurations: every policy and workload runs and reports, the
 prefix policy beats Serve's power of two on a shared-prefix workload, Ray's text tree behaves as
-published. No timing targets here: those are printed by `python -m router.tools.simulate --all`."""
+published. No timing targets here: those are printed by `python -m chunkserve.router.tools.simulate --all`."""
 
 import json
 
 import pytest
 
-from router.tools import simulate as sim
+from chunkserve.router.tools import simulate as sim
 
 FIELDS = {
     "policy",

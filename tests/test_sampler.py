@@ -1,4 +1,4 @@
-"""Batched sampling (replicas.sampler.sample) against the one-row reference, and the filters."""
+"""Batched sampling (chunkserve.replicas.sampler.sample) against the one-row reference, and the filters."""
 
 import json
 import math
@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from replicas import sampler
-from replicas.sampler import sample, sample_row_ref
-from replicas.sequence import SamplingParams
+from chunkserve.replicas import sampler
+from chunkserve.replicas.sampler import sample, sample_row_ref
+from chunkserve.replicas.sequence import SamplingParams
 
 MIXED = [
     SamplingParams(temperature=0),  # greedy
@@ -206,7 +206,7 @@ def test_rows_on_the_gpu_draw_what_each_row_alone_draws():
 
 
 def test_sampler_bench_prints_a_line_per_case(capsys):
-    from replicas.tools import bench_sampler
+    from chunkserve.replicas.tools import bench_sampler
 
     bench_sampler.main(["--rows", "3", "--vocab", "300", "--scales", "2", "--reps", "1", "--reference"])
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

@@ -1,4 +1,4 @@
-"""replicas/scheduler.py on its own: FCFS admission under the token budget, chunked prefill,
+"""chunkserve/replicas/scheduler.py on its own: FCFS admission under the token budget, chunked prefill,
 max_num_seqs, DFS order of the decode rows, preemption of the newest. A small driver plays the
 engine: after each step the new K/V count as computed and every row that reached its last token
 samples one more."""
@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from replicas.kv_pool import KVPool
-from replicas.prefix_tree import PrefixTree
-from replicas.scheduler import Batch, Scheduler, _sort_dfs
-from replicas.sequence import SamplingParams, Sequence, Status
+from chunkserve.replicas.kv_pool import KVPool
+from chunkserve.replicas.prefix_tree import PrefixTree
+from chunkserve.replicas.scheduler import Batch, Scheduler, _sort_dfs
+from chunkserve.replicas.sequence import SamplingParams, Sequence, Status
 
 C = 4  # tokens a chunk
 

@@ -21,10 +21,10 @@ import openai
 import pytest
 import yaml
 
-from cluster.local import LocalCluster
-from cluster.protocol import ChatCompletionRequest
-from replicas.engine import LLMEngine, SamplingParams
-from replicas.guided import Guide
+from chunkserve.cluster.local import LocalCluster
+from chunkserve.cluster.protocol import ChatCompletionRequest
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.guided import Guide
 from tests.serve_cluster import wait_until_serving
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

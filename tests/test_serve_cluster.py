@@ -1,4 +1,4 @@
-"""The Serve application on a 3-node local Ray cluster (cluster/local.py), real HTTP.
+"""The Serve application on a 3-node local Ray cluster (chunkserve/cluster/local.py), real HTTP.
 
 App "one" (one LLMReplica, API key, small body limit) shows batching across HTTP requests, prefix
 caching, every error path, overload and disconnects; app "spread" shows 3 replicas on >= 2 nodes;
@@ -19,9 +19,9 @@ import pytest
 from ray import serve
 from ray.util.state import list_actors
 
-from cluster.app import build_app
-from cluster.ingress import REPLICA_HEADER
-from replicas.engine import LLMEngine, SamplingParams
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.ingress import REPLICA_HEADER
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -135,7 +135,7 @@ def test_shared_prefix_is_served_from_cache(one):
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 192
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     # the replica publishes the prefix in its routing digest, hashed as the router hashes prompts
-    from router.hashing import chunk_hashes
+    from chunkserve.router.hashing import chunk_hashes
 
     want = set(chunk_hashes(prefix + [10], 64, 32, "tiny"))
     deadline = time.monotonic() + 60

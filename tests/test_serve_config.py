@@ -8,15 +8,15 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.app import build_app
-from cluster.config import AppConfig
-from cluster.logprobs import TokenTexts
-from cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, Usage
-from replicas.deployment import _take, _TextStream
-from replicas.engine import RequestOutput
-from replicas.guided import Guide
-from replicas.model import load_tokenizer
-from replicas.wire import GenerateOutput
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.config import AppConfig
+from chunkserve.cluster.logprobs import TokenTexts
+from chunkserve.cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, Usage
+from chunkserve.replicas.deployment import _take, _TextStream
+from chunkserve.replicas.engine import RequestOutput
+from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.model import load_tokenizer
+from chunkserve.replicas.wire import GenerateOutput
 
 
 @pytest.mark.parametrize(
@@ -76,7 +76,7 @@ def test_bad_values_are_errors(args):
 def test_sparse_options_the_config_refuses_blockunion_refuses_too(sparse):
     """The config checks sparse options without importing torch; BlockUnion checks them again
     where the engine is built: the two sets of rules must agree."""
-    from kernels.block_union import BlockUnion
+    from chunkserve.kernels.block_union import BlockUnion
 
     with pytest.raises(ValidationError):
         AppConfig.model_validate({"engine": {"sparse_prefill": sparse}})
@@ -305,7 +305,7 @@ def test_echo_with_logprobs_asks_for_the_prompts():
 
 
 def test_logprob_forms():
-    from cluster.logprobs import chat_logprobs, completion_logprobs
+    from chunkserve.cluster.logprobs import chat_logprobs, completion_logprobs
 
     texts = TokenTexts(load_tokenizer("tiny"))
     entries = [(-0.5, ((72, -0.5), (73, -1.5))), (-2.0, ((105, -0.25), (33, -2.0)))]
@@ -475,7 +475,7 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 
 def test_engine_options_are_engine_config_fields():
     # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
-    from replicas.engine import EngineConfig
+    from chunkserve.replicas.engine import EngineConfig
 
     options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": True}})
     options = options.engine.model_dump()
@@ -488,7 +488,7 @@ def test_engine_options_are_engine_config_fields():
     config = EngineConfig(model="tiny", **options)
     assert dataclasses.asdict(config.sparse_prefill) == sparse  # every option reaches BlockUnion by its name
     defaults = AppConfig.model_validate({"engine": {"sparse_prefill": {}}}).engine.sparse_prefill.model_dump()
-    from kernels.block_union import BlockUnion
+    from chunkserve.kernels.block_union import BlockUnion
 
     assert defaults == dataclasses.asdict(BlockUnion())  # one set of defaults
     auto = {"engine": {"sparse_prefill": {"budget": 0.1, "span": "auto"}}}
@@ -503,7 +503,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     import asyncio
     import json
 
-    from cluster.ingress import _ChatFormat, _sse
+    from chunkserve.cluster.ingress import _ChatFormat, _sse
 
     def out(text, n, end=None):
         return GenerateOutput(
@@ -573,7 +573,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
     import asyncio
     import json
 
-    from cluster.ingress import _CompletionFormat, _sse
+    from chunkserve.cluster.ingress import _CompletionFormat, _sse
 
     out = GenerateOutput(
         replica_id="r",

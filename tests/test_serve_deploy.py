@@ -2,7 +2,7 @@
 
 Every Serve config we ship (configs/*.yaml and the KubeRay manifest's `serveConfigV2`) passes Serve's
 own schema (ray.serve.schema.ServeDeploySchema) with no key it does not know, and each application's
-`args` are a valid cluster.config.AppConfig that build_app binds; broken copies are refused.
+`args` are a valid chunkserve.cluster.config.AppConfig that build_app binds; broken copies are refused.
 
 The real `serve deploy` CLI, against the dashboard of a LocalCluster, deploys configs/local.yaml
 with the `tiny` preset, then updates it in place while streaming completions arrive every 150 ms:
@@ -34,11 +34,11 @@ import yaml
 from pydantic import BaseModel
 from ray.serve.schema import ServeDeploySchema
 
-from cluster.app import build_app
-from cluster.config import AppConfig
-from cluster.ingress import REPLICA_HEADER
-from cluster.local import LocalCluster
-from replicas.distributed import free_port
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.config import AppConfig
+from chunkserve.cluster.ingress import REPLICA_HEADER
+from chunkserve.cluster.local import LocalCluster
+from chunkserve.replicas.distributed import free_port
 from tests.serve_cluster import wait_until_serving
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -103,7 +103,7 @@ def _validate(config: dict) -> list[AppConfig]:
         raise ValueError(f"keys Serve's schema does not know (ignored by `serve deploy`): {unknown}")
     apps = []
     for app in schema.applications:
-        assert app.import_path == "cluster.app:build_app", app.import_path
+        assert app.import_path == "chunkserve.cluster.app:build_app", app.import_path
         apps.append(AppConfig.model_validate(app.args))
         build_app(app.args)
     return apps

@@ -1,4 +1,4 @@
-"""Direct streams on a local Ray cluster, real HTTP (router.direct_stream, replicas/direct_stream.py).
+"""Direct streams on a local Ray cluster, real HTTP (router.direct_stream, chunkserve/replicas/direct_stream.py).
 
 App "direct" (one tiny replica, `router.direct_stream: true`) and app "serve" (the same without): once the replica's routing stats publish its address, the
 ingress's requests go on its own connection to the replica (the replica counts them), with the
@@ -17,7 +17,7 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import build_app
+from chunkserve.cluster.app import build_app
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

@@ -2,7 +2,7 @@
 
 App "fault": two LLMReplicas (tiny, CPU, a small KV pool, three sequences at a time each), 16
 streams running, one replica SIGKILLed. The ingress retries a request that had no token yet once
-on the other replica (cluster/ingress.py `_start`); a stream that has sent tokens ends with a
+on the other replica (chunkserve/cluster/ingress.py `_start`); a stream that has sent tokens ends with a
 clean error chunk; /ready stays 200 since a replica stays up.
 """
 
@@ -20,8 +20,8 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import build_app
-from cluster.ingress import REPLICA_HEADER
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.ingress import REPLICA_HEADER
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas
 
@@ -143,7 +143,11 @@ def test_sigkill_one_of_two_replicas_under_16_streams():
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a["name"].startswith("SERVE_REPLICA::fault#LLM")
         )
-        where = ray.get(handle.__ray_call__.remote(lambda _: __import__("replicas.deployment").deployment.__file__))
+        where = ray.get(
+            handle.__ray_call__.remote(
+                lambda _: __import__("chunkserve.replicas.deployment").replicas.deployment.__file__
+            )
+        )
         assert Path(where).resolve().is_relative_to(ROOT), where
         t0 = time.monotonic()
 

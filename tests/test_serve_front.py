@@ -1,4 +1,4 @@
-"""The ingress replicas' own HTTP front (ingress.http_port, cluster/front.py) in a Serve
+"""The ingress replicas' own HTTP front (ingress.http_port, chunkserve/cluster/front.py) in a Serve
 application on a local Ray cluster: the same API as through Serve's proxy, on a port two ingress
 replicas share; streams, disconnects, request ids; a port clash named at deploy."""
 
@@ -12,8 +12,8 @@ import httpx
 import pytest
 from ray import serve
 
-from cluster.app import build_app
-from replicas.distributed import free_port
+from chunkserve.cluster.app import build_app
+from chunkserve.replicas.distributed import free_port
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

@@ -24,9 +24,9 @@ import pytest
 import ray
 from ray import serve
 
-from cluster.app import build_app
-from cluster.ingress import REPLICA_HEADER
-from replicas.distributed import free_port
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.ingress import REPLICA_HEADER
+from chunkserve.replicas.distributed import free_port
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 

@@ -1,4 +1,4 @@
-"""GET /metrics on a local Ray cluster (cluster/local.py), real HTTP: the Prometheus text covers
+"""GET /metrics on a local Ray cluster (chunkserve/cluster/local.py), real HTTP: the Prometheus text covers
 both model replicas, its counters equal what the requests' usage said, the ingress counts its own
 responses (a 400 among them), and the Grafana dashboard (configs/grafana/chunkserve.json) asks
 only for metrics the endpoint exposes."""
@@ -17,8 +17,8 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from cluster.app import build_app
-from cluster.metrics import CACHE_S
+from chunkserve.cluster.app import build_app
+from chunkserve.cluster.metrics import CACHE_S
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -73,7 +73,7 @@ def _declared(families: dict) -> set[str]:
 
 
 def _llm_replica_ids() -> set[str]:
-    # Serve's replica actors, as Ray's GCS lists them (independently of cluster/metrics.py's fan-out)
+    # Serve's replica actors, as Ray's GCS lists them (independently of chunkserve/cluster/metrics.py's fan-out)
     prefix = "SERVE_REPLICA::metrics#LLMReplica#"
     return {
         a["name"][len(prefix) :]

@@ -1,4 +1,4 @@
-"""router/serve_router.py: PrefixAffinityRouter driven directly (fake replicas, no cluster), then
+"""chunkserve/router/serve_router.py: PrefixAffinityRouter driven directly (fake replicas, no cluster), then
 the application with the prefix router on a local multi-node Ray cluster."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import time
 import httpx
 import pytest
 
-from replicas.sequence import SamplingParams
-from replicas.wire import GenerateRequest
-from router.hashing import chunk_hashes
+from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.wire import GenerateRequest
+from chunkserve.router.hashing import chunk_hashes
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -25,7 +25,7 @@ def _router_env():
     from ray.serve._private.common import DeploymentHandleSource, DeploymentID, ReplicaID, RequestMetadata
     from ray.serve._private.request_router.common import PendingRequest
 
-    from router.serve_router import PrefixAffinityRouter
+    from chunkserve.router.serve_router import PrefixAffinityRouter
 
     dep = DeploymentID(name="LLMReplica", app_name="test")
 
@@ -206,8 +206,8 @@ def serve_url():
 def test_shared_prefixes_stay_on_one_replica(serve_url):
     from ray import serve
 
-    from cluster.app import build_app
-    from cluster.ingress import REPLICA_HEADER
+    from chunkserve.cluster.app import build_app
+    from chunkserve.cluster.ingress import REPLICA_HEADER
 
     serve.run(
         build_app(
@@ -255,8 +255,8 @@ def test_config_selects_the_router():
     import yaml
     from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
 
-    from cluster.app import PREFIX_ROUTER, build_app
-    from cluster.config import AppConfig
+    from chunkserve.cluster.app import PREFIX_ROUTER, build_app
+    from chunkserve.cluster.config import AppConfig
 
     def router_config(args):
         llm = build_app(args)._bound_deployment.init_args[0]._bound_deployment

@@ -26,8 +26,8 @@ import psutil
 import pytest
 from ray import serve
 
-from cluster.app import build_app
-from replicas.engine import LLMEngine, SamplingParams
+from chunkserve.cluster.app import build_app
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas

@@ -1,4 +1,4 @@
-"""kernels/tools/sm90_report.py: the attend kernel compiled for sm90 on the CPU (no GPU needed).
+"""chunkserve/kernels/tools/sm90_report.py: the attend kernel compiled for sm90 on the CPU (no GPU needed).
 
 Guards what the H200 measurements rest on: K and V at least double-buffered wherever the launch
 config asks for three pipeline stages (a load in the streaming loop that the next block's
@@ -16,7 +16,7 @@ import sys
 def test_every_tile_double_buffers_kv_and_fits_two_programs_per_sm():
     env = dict(os.environ, TRITON_INTERPRET="0")
     out = subprocess.run(
-        [sys.executable, "-m", "kernels.tools.sm90_report"],
+        [sys.executable, "-m", "chunkserve.kernels.tools.sm90_report"],
         env=env,
         capture_output=True,
         text=True,

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from replicas.engine import LLMEngine, SamplingParams
-from replicas.model import load_model, load_tokenizer, loader
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.model import load_model, load_tokenizer, loader
 
 MODEL = "smollm2-135m"
 GREEDY = SamplingParams(max_tokens=16, temperature=0)

@@ -1,11 +1,11 @@
-"""kernels/tools/timeline.py: its stamped copy of kernels/tpp.py still applies, and its summary of the
-stamps (the GPU run itself: `python -m kernels.tools.timeline`)."""
+"""chunkserve/kernels/tools/timeline.py: its stamped copy of chunkserve/kernels/tpp.py still applies, and its summary of the
+stamps (the GPU run itself: `python -m chunkserve.kernels.tools.timeline`)."""
 
 import numpy as np
 import pytest
 
-from kernels import tpp, tpp_plan
-from kernels.tools import timeline
+from chunkserve.kernels import tpp, tpp_plan
+from chunkserve.kernels.tools import timeline
 
 
 def test_the_stamps_go_into_the_current_kernels():

@@ -1,4 +1,4 @@
-"""Tool calling (cluster/tool_calls.py): forced calls guided by their schemas on the real engine, the
+"""Tool calling (chunkserve/cluster/tool_calls.py): forced calls guided by their schemas on the real engine, the
 `auto` parsers, streamed deltas against the whole message, chat templates with tools, and the
 request's checks."""
 
@@ -9,10 +9,10 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from cluster.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, template_tools
-from cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput
-from replicas.engine import LLMEngine, SamplingParams
-from replicas.model.tokenizer import Tokenizer
+from chunkserve.cluster.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, template_tools
+from chunkserve.cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput
+from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.model.tokenizer import Tokenizer
 from tests.hf_checkpoints import make_hf_checkpoint
 from tests.test_guided import BIASES
 

@@ -1,4 +1,4 @@
-"""kernels/tpp.py: Triton TPP decode vs kernels/reference.py on random prefix trees.
+"""chunkserve/kernels/tpp.py: Triton TPP decode vs chunkserve/kernels/reference.py on random prefix trees.
 
 Without CUDA the kernels run under the Triton interpreter (TRITON_INTERPRET=1, set in conftest.py; small shapes);
 `pytest -m gpu` runs the larger cases for real on a CUDA device.
@@ -12,8 +12,8 @@ import pytest
 import torch
 import triton
 
-from kernels import tpp, tpp_plan
-from kernels.reference import decode_attention_ref, tpp_decode_ref
+from chunkserve.kernels import tpp, tpp_plan
+from chunkserve.kernels.reference import decode_attention_ref, tpp_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -653,10 +653,10 @@ def test_decoder_rejects_an_out_of_another_shape_or_dtype():
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
-    # kernels.launch keys compiled kernels by what the caller says specializes them; verifying()
+    # chunkserve.kernels.launch keys compiled kernels by what the caller says specializes them; verifying()
     # asks Triton's dispatcher for every direct launch and fails on a kernel compiled for other
     # arguments. Many trees (both phases, folds, merges, row programs) and layers.
-    from kernels import launch
+    from chunkserve.kernels import launch
 
     with launch.verifying():
         _decoder_churn("cuda", dtype, 128, 4, 64, 48, seeds=range(50, 58), layers=3)
@@ -668,8 +668,8 @@ def test_gpu_direct_launches_run_the_kernels_the_dispatcher_picks(dtype):
 def test_gpu_first_launches_count_each_key_once():
     # first_launches() counts the keys that went through the dispatcher (a compile each, at
     # worst): new trees add keys, the same trees again launch directly and add none
-    # (replicas.tools.bench reports the count per run, so compiles on a request's path show)
-    from kernels import launch
+    # (chunkserve.replicas.tools.bench reports the count per run, so compiles on a request's path show)
+    from chunkserve.kernels import launch
 
     before = launch.first_launches()
     _decoder_churn("cuda", torch.float16, 64, 2, 32, 40, seeds=(70, 71), layers=2)
@@ -682,7 +682,7 @@ def test_gpu_first_launches_count_each_key_once():
 
 
 def test_the_planners_powers_of_two_are_tritons():
-    # kernels/tpp_plan.py plans without importing Triton: its tile sizes must be the same
+    # chunkserve/kernels/tpp_plan.py plans without importing Triton: its tile sizes must be the same
     assert all(tpp_plan._next_pow2(n) == triton.next_power_of_2(n) for n in range(0, 4097))
 
 

@@ -1,11 +1,11 @@
-"""kernels/tpp_torch.py (the engine's CPU decode) against the row-by-row reference and the dense
+"""chunkserve/kernels/tpp_torch.py (the engine's CPU decode) against the row-by-row reference and the dense
 oracle, on the random trees of tests/test_tpp.py, with plans bumped as rows grow."""
 
 import pytest
 import torch
 
-from kernels import reference, tpp_torch
-from kernels.reference import decode_attention_ref
+from chunkserve.kernels import reference, tpp_torch
+from chunkserve.kernels.reference import decode_attention_ref
 from tests.test_tpp import CPU_CASES, TOL, make_case
 
 

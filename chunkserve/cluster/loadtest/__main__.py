@@ -1,0 +1,5 @@
+import sys
+
+from chunkserve.cluster.loadtest.cli import main
+
+sys.exit(main())

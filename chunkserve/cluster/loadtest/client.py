@@ -1,0 +1,273 @@
+"""One load-test client: sends its requests at their scheduled times over streaming HTTP, records each.
+
+Pure asyncio + httpx. Every latency is measured on this client's own monotonic clock, from the
+moment its request is sent: TTFT to the first chunk with choices, each inter-chunk gap after
+it (ITL), E2EL to the end of the stream. Token counts come from the stream's `usage` chunk
+(`stream_options.include_usage`), the serving replica from the `x-chunkserve-replica` header,
+and the server's account of the time to first output from its `Server-Timing` header.
+
+Bounded: each request has a timeout, and the whole run `max_duration`: what is still in
+flight then is cancelled and recorded as such, what was never sent as `not_sent`, so every
+request is accounted for. A session's turn waits for its previous turn (`Request.after`) when
+both are this client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+from chunkserve.cluster.loadtest.render import Request
+
+REPLICA_HEADER = (
+    "x-chunkserve-replica"  # (chunkserve.cluster.ingress.REPLICA_HEADER; not imported: the tool runs without Serve)
+)
+TIMING_HEADER = "server-timing"  # (chunkserve.cluster.ingress.TIMING_HEADER)
+
+
+def server_timing(header: str | None) -> dict[str, float] | None:
+    """A W3C Server-Timing header -> {metric: seconds} for the metrics that carry a `dur` (ms);
+    None without the header. Unparsable entries are left out."""
+    if not header:
+        return None
+    out = {}
+    for entry in header.split(","):
+        name, *params = (p.strip() for p in entry.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    out[name] = float(value.strip().strip('"')) / 1e3
+                except ValueError:
+                    pass
+    return out
+
+
+@dataclass
+class Record:
+    """One request's outcome. Times in seconds; `scheduled` and `sent` from the client's start."""
+
+    index: int
+    scheduled: float
+    tenant: str | None = None
+    session: int | None = None
+    client: int = 0
+    sent: float | None = None
+    ttft: float | None = None
+    itl: list[float] = field(default_factory=list)
+    e2el: float | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    status: int | None = None  # HTTP status, None without a response
+    error_kind: str | None = None  # None: success; else the status code or connect / timeout / stream / ...
+    error: str | None = None  # what went wrong (the error body's message, trimmed)
+    replica: str | None = None
+    server_timing: dict[str, float] | None = None  # the response's Server-Timing, seconds by metric
+    dispatch_lag: float | None = None  # how late the client got to it past its scheduled time
+
+    @property
+    def ok(self) -> bool:
+        return self.error_kind is None and self.e2el is not None
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Record:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    model: str | None = None
+    api_key: str | None = None
+    temperature: float = 0.0
+    ignore_eos: bool = True
+    request_timeout: float = 300.0  # seconds a request may take in all
+    connect_timeout: float = 10.0
+    extra_body: dict = field(default_factory=dict)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class ClientResult:
+    records: list[Record]
+    duration: float  # this client's start to its last request's end (its own clock)
+    cpu_s: float  # the client process's CPU time over the run
+    client: int = 0
+    node: str | None = None
+    url: str | None = None
+
+
+def http_client(options: ClientOptions, connections: int | None = None) -> httpx.AsyncClient:
+    timeout = httpx.Timeout(options.request_timeout, connect=options.connect_timeout)
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=timeout, limits=limits)
+
+
+def request_body(req: Request, options: ClientOptions) -> dict:
+    body = {
+        "max_tokens": req.max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": options.temperature,
+        "ignore_eos": options.ignore_eos,
+        **options.extra_body,
+    }
+    if options.model:
+        body["model"] = options.model
+    if req.messages is not None:
+        body["messages"] = req.messages
+    else:
+        body["prompt"] = req.prompt
+    return body
+
+
+async def send(
+    client: httpx.AsyncClient,
+    url: str,
+    req: Request,
+    rec: Record,
+    options: ClientOptions,
+    clock: Callable[[], float] = time.perf_counter,
+) -> None:
+    """Send one streaming request and fill `rec` (never raises but for cancellation)."""
+    start = clock()
+    last = None
+    done = False
+    try:
+        async with client.stream(
+            "POST", url + req.path, json=request_body(req, options), headers=options.headers()
+        ) as resp:
+            rec.status = resp.status_code
+            rec.replica = resp.headers.get(REPLICA_HEADER)
+            rec.server_timing = server_timing(resp.headers.get(TIMING_HEADER))
+            if resp.status_code != 200:
+                rec.error_kind, rec.error = str(resp.status_code), _message(await resp.aread())
+                return
+            chunks = 0
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                now = clock()
+                if data == "[DONE]":
+                    done = True
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    rec.error_kind, rec.error = "stream", _message(data.encode())
+                    break
+                if event.get("choices"):
+                    if rec.ttft is None:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    chunks += 1
+                usage = event.get("usage")
+                if usage:
+                    rec.prompt_tokens = usage.get("prompt_tokens")
+                    rec.output_tokens = usage.get("completion_tokens")
+                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            rec.e2el = clock() - start
+            if rec.error_kind is None and not done:
+                rec.error_kind, rec.error = "disconnected", "the stream ended before [DONE]"
+            elif rec.error_kind is None and rec.output_tokens is None:
+                rec.output_tokens = chunks  # (a server that sends no usage: a token a chunk)
+    except asyncio.CancelledError:
+        rec.error_kind, rec.error = "cancelled", "cancelled in flight: the run reached its max duration"
+        raise
+    except httpx.ConnectError as e:
+        rec.error_kind, rec.error = "connect", str(e) or type(e).__name__
+    except httpx.TimeoutException as e:
+        rec.error_kind, rec.error = "timeout", f"{type(e).__name__} after {clock() - start:.1f} s"
+    except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        rec.error_kind, rec.error = "disconnected", f"{type(e).__name__}: {e}"
+
+
+def _message(body: bytes) -> str:
+    """An error body's message (OpenAI's {"error": {"message"}}), else the body, trimmed."""
+    text = body.decode("utf-8", errors="replace")
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        return str(json.loads(text)["error"]["message"])[:500]
+    return text[:500]
+
+
+async def run_client(
+    requests: list[Request],
+    offsets: list[float],
+    urls: list[str],
+    options: ClientOptions,
+    *,
+    max_concurrency: int | None = None,
+    max_duration: float = 600.0,
+    client_index: int = 0,
+    progress: Callable[[Record], None] | None = None,
+    client: httpx.AsyncClient | None = None,
+) -> ClientResult:
+    """Send each request at its offset (seconds from now) to urls[i % len(urls)], at most
+    max_concurrency in flight; stop at max_duration. Returns a record for every request."""
+    if len(offsets) != len(requests):
+        raise ValueError(f"{len(requests)} requests but {len(offsets)} offsets")
+    if not urls:
+        raise ValueError("no URL to send to")
+    own = client is None
+    client = client or http_client(options, max_concurrency)
+    clock = time.perf_counter
+    cpu0, t0 = time.process_time(), clock()
+    order = sorted(range(len(requests)), key=lambda i: offsets[i])
+    records = {r.index: Record(r.index, offsets[i], r.tenant, r.session, client_index) for i, r in enumerate(requests)}
+    waited = {r.after for r in requests if r.after is not None}
+    finished = {i: asyncio.Event() for i in waited if i in records}
+    sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    tasks: list[asyncio.Task] = []
+    end = t0
+
+    async def one(k: int, req: Request) -> None:
+        nonlocal end
+        rec = records[req.index]
+        try:
+            if req.after in finished:
+                await finished[req.after].wait()
+            async with sem or contextlib.nullcontext():
+                rec.sent = clock() - t0
+                await send(client, urls[k % len(urls)], req, rec, options, clock)
+        finally:
+            end = max(end, clock())
+            if req.index in finished:
+                finished[req.index].set()
+            if progress is not None:
+                progress(rec)
+
+    async def dispatch() -> None:
+        for k in order:
+            due = t0 + offsets[k]
+            if (delay := due - clock()) > 0:
+                await asyncio.sleep(delay)
+            records[requests[k].index].dispatch_lag = max(0.0, clock() - due)
+            tasks.append(asyncio.create_task(one(k, requests[k])))
+        await asyncio.gather(*tasks)
+
+    try:
+        await asyncio.wait_for(dispatch(), timeout=max_duration)
+    except asyncio.TimeoutError:  # (TimeoutError itself from Python 3.11 on)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    finally:
+        if own:
+            await client.aclose()
+    for rec in records.values():
+        if rec.sent is None and rec.error_kind is None:
+            rec.error_kind, rec.error = "not_sent", "the run reached its max duration before this request was sent"
+    return ClientResult([records[r.index] for r in requests], end - t0, time.process_time() - cpu0, client_index)

@@ -1,0 +1,273 @@
+"""Per-request records -> one run's report, with `vllm bench serve --save-result`'s key names.
+
+Everything is computed from the raw records of every client (never averages of averages), as
+vLLM computes it: over the successful requests, TTFT from the send to the first chunk, TPOT as
+(E2EL - TTFT) / (output tokens - 1) for requests of more than one token, ITL over every gap
+between chunks, E2EL to the stream's end; throughputs over the run's duration. Percentile keys
+are `p{P}_{metric}_ms`. Ours besides: normalized latency (E2EL / output tokens, the
+ChunkAttention paper's figure), the cached fraction and per-tenant hit rates from the replicas'
+usage, requests and tokens per replica, errors by kind, goodput against SLOs, the server's
+split of the time to first output (its Server-Timing header), and the client's own overhead
+(how late it dispatched, its CPU use).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from chunkserve.cluster.loadtest.client import ClientResult, Record
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Service-level objectives a request must meet, each None when not set."""
+
+    ttft_s: float | None = None
+    tpot_ms: float | None = None
+    e2el_s: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Slo:
+        """'ttft:S,tpot:MS,e2el:S' (any subset, comma or space separated): TTFT and E2EL in
+        seconds, TPOT in milliseconds, unless a value says its unit ('500ms', '0.05s')."""
+        units = {"ttft": 1.0, "tpot": 1e-3, "e2el": 1.0}  # a bare number's unit, in seconds
+        got: dict[str, float] = {}
+        for item in filter(None, re.split(r"[,\s]+", text.strip())):
+            name, sep, value = item.partition(":")
+            if not sep or name not in units:
+                raise ValueError(f"goodput takes ttft:S, tpot:MS and e2el:S, got {item!r}")
+            m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?)(ms|s)?", value.strip())
+            if m is None or float(m.group(1)) <= 0:
+                raise ValueError(f"goodput {name} must be a positive number, got {value!r}")
+            seconds = float(m.group(1)) * ({"ms": 1e-3, "s": 1.0}[m.group(2)] if m.group(2) else units[name])
+            if name in got:
+                raise ValueError(f"goodput names {name} twice")
+            got[name] = seconds
+        if not got:
+            raise ValueError("goodput needs at least one of ttft, tpot, e2el")
+        return cls(got.get("ttft"), None if "tpot" not in got else got["tpot"] * 1e3, got.get("e2el"))
+
+    def met(self, rec: Record) -> bool:
+        if not rec.ok:
+            return False
+        return (
+            (self.ttft_s is None or rec.ttft <= self.ttft_s)
+            and (self.tpot_ms is None or tpot(rec) * 1e3 <= self.tpot_ms)
+            and (self.e2el_s is None or rec.e2el <= self.e2el_s)
+        )
+
+    def as_dict(self) -> dict:
+        return {"ttft_s": self.ttft_s, "tpot_ms": self.tpot_ms, "e2el_s": self.e2el_s}
+
+
+def tpot(rec: Record) -> float:
+    """Seconds per output token after the first (0 for a one-token output, as vLLM)."""
+    n = rec.output_tokens or 0
+    return (rec.e2el - rec.ttft) / (n - 1) if n > 1 else 0.0
+
+
+def _pkey(p: float) -> str:
+    return str(int(p)) if float(p).is_integer() else str(p)
+
+
+def _stats(name: str, seconds: list[float], percentiles: tuple[float, ...]) -> dict:
+    ms = np.asarray(seconds, dtype=float) * 1e3
+    if ms.size == 0:
+        out = {f"mean_{name}_ms": 0.0, f"median_{name}_ms": 0.0, f"std_{name}_ms": 0.0}
+        return out | {f"p{_pkey(p)}_{name}_ms": 0.0 for p in percentiles}
+    out = {
+        f"mean_{name}_ms": float(ms.mean()),
+        f"median_{name}_ms": float(np.median(ms)),
+        f"std_{name}_ms": float(ms.std()),
+    }
+    return out | {f"p{_pkey(p)}_{name}_ms": float(np.percentile(ms, p)) for p in percentiles}
+
+
+def _max_concurrency(records: list[Record]) -> int:
+    """Most requests in flight at once on one client's clock (summed over clients: an upper bound)."""
+    total = 0
+    for client in {r.client for r in records}:
+        events = sorted(
+            e
+            for r in records
+            if r.client == client and r.sent is not None and r.e2el is not None
+            for e in ((r.sent, 1), (r.sent + r.e2el, -1))
+        )
+        now = most = 0
+        for _, d in events:
+            now += d
+            most = max(most, now)
+        total += most
+    return total
+
+
+def summarize(
+    results: list[ClientResult],
+    *,
+    percentiles: tuple[float, ...] = (90, 99),
+    slo: Slo | None = None,
+    info: dict | None = None,
+    detail: bool = False,
+) -> dict:
+    """One run's report from every client's records. detail: also the raw per-request lists
+    (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges."""
+    records = [r for res in results for r in res.records]
+    duration = max((res.duration for res in results), default=0.0) or 1e-9
+    ok = [r for r in records if r.ok]
+    total_in = sum(r.prompt_tokens or 0 for r in ok)
+    total_out = sum(r.output_tokens or 0 for r in ok)
+    cached = sum(r.cached_tokens or 0 for r in ok)
+    norm = [r.e2el / r.output_tokens for r in ok if r.output_tokens]
+    good = None if slo is None else sum(map(slo.met, records))  # requests meeting every SLO
+    report = dict(info or {})
+    report |= {
+        "duration": duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration,
+        "request_goodput": None if good is None else good / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "max_concurrent_requests": _max_concurrency(records),
+    }
+    report |= _stats("ttft", [r.ttft for r in ok], percentiles)
+    report |= _stats("tpot", [tpot(r) for r in ok if (r.output_tokens or 0) > 1], percentiles)
+    report |= _stats("itl", [x for r in ok for x in r.itl], percentiles)
+    report |= _stats("e2el", [r.e2el for r in ok], percentiles)
+    report |= _stats("norm_latency", norm, percentiles)  # ms per output token, E2EL / output tokens
+    report |= {
+        "total_cached_tokens": cached,
+        "cached_fraction": cached / total_in if total_in else 0.0,
+        "goodput_fraction": None if good is None else good / max(1, len(records)),
+        "slo": None if slo is None else slo.as_dict(),
+        "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
+        "tenants": _tenants(records),
+        **_replicas(ok),
+        "server_timing": _server_timing(ok),
+        **_client_overhead(results),
+    }
+    if detail:
+        report |= {
+            "input_lens": [r.prompt_tokens for r in records],
+            "output_lens": [r.output_tokens for r in records],
+            "ttfts": [r.ttft for r in records],
+            "itls": [r.itl for r in records],
+            "e2els": [r.e2el for r in records],
+            "errors": [r.error for r in records],
+            "records": [r.as_dict() for r in records],
+        }
+    return report
+
+
+def _tenants(records: list[Record]) -> dict:
+    """Per tenant label: requests, completed, prompt and cached tokens, hit rate (cached / prompt)."""
+    out: dict = defaultdict(lambda: {"requests": 0, "completed": 0, "prompt_tokens": 0, "cached_tokens": 0})
+    for r in records:
+        if r.tenant is None:
+            continue
+        t = out[r.tenant]
+        t["requests"] += 1
+        if r.ok:
+            t["completed"] += 1
+            t["prompt_tokens"] += r.prompt_tokens or 0
+            t["cached_tokens"] += r.cached_tokens or 0
+    for t in out.values():
+        t["hit_rate"] = t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
+    return dict(sorted(out.items()))
+
+
+def _replicas(ok: list[Record]) -> dict:
+    """Requests and tokens per serving replica (the ingress's header), and how even they are."""
+    per: dict = defaultdict(lambda: {"requests": 0, "prompt_tokens": 0, "output_tokens": 0})
+    for r in ok:
+        for rep in (r.replica or "unknown").split(","):
+            p = per[rep]
+            p["requests"] += 1
+            p["prompt_tokens"] += r.prompt_tokens or 0
+            p["output_tokens"] += r.output_tokens or 0
+    counts = [p["requests"] for p in per.values()]
+    mean = sum(counts) / len(counts) if counts else 0.0
+    return {
+        "replicas": dict(sorted(per.items())),
+        "replica_requests_max": max(counts, default=0),
+        "replica_requests_mean": mean,
+        "replica_requests_max_over_mean": max(counts) / mean if mean else 0.0,
+    }
+
+
+def _server_timing(ok: list[Record]) -> dict:
+    """Median and p99 ms of each Server-Timing metric over the requests that carried it, and
+    `outside`: the client's TTFT less the server's prepare + first-output (the HTTP proxy, the
+    network and this client), where both are known. {} when no response carried the header."""
+    per: dict[str, list[float]] = defaultdict(list)
+    for r in ok:
+        timing = r.server_timing or {}
+        for name, seconds in timing.items():
+            per[name].append(seconds)
+        if "prepare" in timing and "first-output" in timing:
+            per["outside"].append(r.ttft - timing["prepare"] - timing["first-output"])
+    return {
+        name: {"median_ms": float(np.median(v)) * 1e3, "p99_ms": float(np.percentile(v, 99)) * 1e3, "requests": len(v)}
+        for name, v in per.items()
+    }
+
+
+def _client_overhead(results: list[ClientResult]) -> dict:
+    lags = np.asarray([r.dispatch_lag for res in results for r in res.records if r.dispatch_lag is not None]) * 1e3
+    clients = [
+        {
+            "client": res.client,
+            "node": res.node,
+            "url": res.url,
+            "requests": len(res.records),
+            "duration": res.duration,
+            "cpu_s": res.cpu_s,
+            "cpu_util": res.cpu_s / max(res.duration, 1e-9),
+        }
+        for res in results
+    ]
+    return {
+        "client_dispatch_lag_p50_ms": float(np.median(lags)) if lags.size else 0.0,
+        "client_dispatch_lag_p99_ms": float(np.percentile(lags, 99)) if lags.size else 0.0,
+        "client_dispatch_lag_max_ms": float(lags.max()) if lags.size else 0.0,
+        "client_cpu_util_max": max((c["cpu_util"] for c in clients), default=0.0),
+        "clients": clients,
+    }
+
+
+def sweep_summary(runs: list[dict], norm_latency_slo_ms: float = 40.0) -> dict:
+    """Over a sweep's runs: the highest request throughput at a mean normalized latency within
+    the SLO (ms per output token), and each run's rate, throughput and latencies in one table."""
+    within = [r for r in runs if r["completed"] and r["mean_norm_latency_ms"] <= norm_latency_slo_ms]
+    best = max(within, key=lambda r: r["request_throughput"], default=None)
+    keys = (
+        "request_rate",
+        "max_concurrency",
+        "request_throughput",
+        "output_throughput",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_norm_latency_ms",
+        "cached_fraction",
+        "failed",
+    )
+    return {
+        "norm_latency_slo_ms": norm_latency_slo_ms,
+        "max_request_throughput_within_slo": None if best is None else best["request_throughput"],
+        "at_request_rate": None if best is None else best["request_rate"],
+        "table": [{k: r.get(k) for k in keys} for r in runs],
+    }
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON has no infinity: an infinite rate is written as null (vLLM writes "inf")."""
+    return None if x is None or math.isinf(x) else x

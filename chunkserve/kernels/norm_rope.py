@@ -1,0 +1,130 @@
+"""Fused RMSNorm (with the residual add before it) and rotary embedding, in Triton.
+
+Eager torch runs RMSNorm as eight elementwise kernels and RoPE as five per tensor: about 830
+launches per decode step of a 32-layer model (counted from the ops). These do each in one
+launch, which shortens even a CUDA-graphed decode step (figures: chunkserve/kernels/tools/records/README.md,
+'Figures behind the code'), rounding as torch does so that the results match the plain-torch
+references, which are the model's own ops in `chunkserve.replicas.model.layers`:
+
+- `rmsnorm(x, weight, eps, residual=None)` against `layers.rms_norm`: with a residual, h = x +
+  residual rounded to x's dtype first (returned too, the next residual); then y = weight * (hf *
+  rsqrt(mean(hf²) + eps)) rounded to the dtype before the scale (HF's order). The sum of squares
+  is reduced in another order than torch's, so a result may differ from torch's in its last bit.
+- `rope(q, k, cos, sin)` against `layers.apply_rotary`: x * cos + rotate_half(x) * sin with each
+  product and the sum rounded to the dtype, as torch's three ops round: equal to torch's bits.
+
+Both run on CUDA and under TRITON_INTERPRET=1 (tests); `layers.py` keeps the torch ops on the CPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+__all__ = ["rmsnorm", "rope"]
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, R, W, Y, H, stride_x, stride_r, stride_y, stride_h, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
+    # grid: (T,): row t of x [T, n] (and of residual), one block of n elements
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(X + t * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RES:  # h = x + residual, rounded to the dtype as torch's add rounds
+        x = (x.to(tl.float32) + tl.load(R + t * stride_r + offs, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(H + t * stride_h + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = 1.0 / tl.sqrt_rn(tl.sum(xf * xf, 0) / n + eps)
+    xn = (xf * inv).to(x.dtype)
+    w = tl.load(W + offs, mask=mask, other=0.0)
+    tl.store(Y + t * stride_y + offs, (w.to(tl.float32) * xn.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+    """x, residual: [T, N] (rows with a contiguous last dim), weight: [N]. Returns y, or (y, h)
+    with a residual (h = x + residual, the next layer's residual)."""
+    t, n = x.shape
+    y = torch.empty(t, n, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    h = torch.empty_like(x) if residual is not None else None
+    if t:
+        block = triton.next_power_of_2(n)
+        r = residual if residual is not None else x
+        _rmsnorm_kernel[(t,)](
+            x,
+            r,
+            weight,
+            y,
+            h if h is not None else y,
+            x.stride(0),
+            r.stride(0),
+            y.stride(0),
+            h.stride(0) if h is not None else 0,
+            n,
+            float(eps),
+            HAS_RES=residual is not None,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return y if residual is None else (y, h)
+
+
+@triton.jit
+def _rope_kernel(
+    X, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh, HALF: tl.constexpr, BLOCK: tl.constexpr
+):
+    # grid: (T, heads): head vector x[t, h] of D = 2 * HALF; out = x * cos + rotate_half(x) * sin,
+    # each product and the sum rounded to the dtype (torch's mul, mul, add)
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    x = X + t * stride_xt + h * stride_xh
+    x1 = tl.load(x + offs, mask=mask, other=0.0)
+    x2 = tl.load(x + HALF + offs, mask=mask, other=0.0)
+    c = Cos + t * stride_ct
+    s = Sin + t * stride_ct
+    c1 = tl.load(c + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(c + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(s + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(s + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = x1.dtype
+    a1 = (x1.to(tl.float32) * c1).to(dt)
+    b1 = (-x2.to(tl.float32) * s1).to(dt)
+    a2 = (x2.to(tl.float32) * c2).to(dt)
+    b2 = (x1.to(tl.float32) * s2).to(dt)
+    o = Out + t * stride_ot + h * stride_oh
+    tl.store(o + offs, (a1.to(tl.float32) + b1.to(tl.float32)).to(dt), mask=mask)
+    tl.store(o + HALF + offs, (a2.to(tl.float32) + b2.to(tl.float32)).to(dt), mask=mask)
+
+
+def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D] (last dim contiguous; views into a fused qkv output are
+    fine); cos, sin: [T, D] in q's dtype, contiguous. Returns contiguous rotated copies."""
+    outs = []
+    for x in (q, k):
+        t, heads, d = x.shape
+        out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
+        if t:
+            # no FMA contraction: a fused multiply-add would round once where torch rounds twice
+            _rope_kernel[(t, heads)](
+                x,
+                cos,
+                sin,
+                out,
+                x.stride(0),
+                x.stride(1),
+                cos.stride(0),
+                out.stride(0),
+                out.stride(1),
+                HALF=d // 2,
+                BLOCK=triton.next_power_of_2(d // 2),
+                num_warps=1,
+                enable_fp_fusion=False,
+            )
+        outs.append(out)
+    return outs[0], outs[1]

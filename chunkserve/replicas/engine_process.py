@@ -1,0 +1,354 @@
+"""The engine core in a process of its own: the replica's front talks to it over one pipe.
+
+A replica's engine step is mostly host work (Python, kernel launches). Run in a thread of the
+Serve replica's process, every other thing that process does (Serve's request plumbing, each
+streamed output's serialization, the event loop, metrics) took the interpreter lock from it,
+and decoding through Serve ran far slower than the engine alone (figures:
+chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code'). As vLLM v1 (EngineCore) and
+SGLang (the scheduler process) do, the engine runs in its own process and steps back to back;
+the replica keeps only the front:
+
+    replica process (Serve, asyncio)                 engine process (python -m chunkserve.replicas.engine_process)
+    EngineProcess.add / abort / compile ──pipe──▶    commands applied between two steps
+    receiver thread ◀──pipe── one message a step:    ("step", outputs, accepted, rejected, stats, digest)
+      └─ loop.call_soon_threadsafe(on_step, ...)      engine.step() back to back while there is work;
+                                                      blocked on the pipe while idle
+
+One message per step carries every request's new outputs (batched, one pickle), the adds it
+accepted or refused (the engine's ValueError text), the engine's stats, and, once a
+`digest_period_s` or when it goes idle, its cache digest for the router. Guided requests'
+grammars compile in a thread of the engine process (`compile`, answered by ("compiled", ...)),
+so a large schema never holds up the steps.
+
+The engine process dies with the replica (PR_SET_PDEATHSIG on Linux, and the pipe's end), and a
+replica whose engine process died reports it (`EngineProcess.error`): its health check fails
+and Serve replaces it. Tensor parallelism: the engine process is rank 0 and joins the ranks'
+group itself (`tp_rendezvous`); the replica starts ranks 1 .. n-1 (chunkserve/replicas/deployment.py).
+No Ray here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import itertools
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection
+from typing import Any
+
+from chunkserve.replicas.engine import EngineConfig
+from chunkserve.replicas.sequence import SamplingParams
+
+__all__ = ["EngineProcess", "EngineDied"]
+
+
+class EngineDied(Exception):
+    """The engine process failed or exited; the message says why."""
+
+
+class EngineProcess:
+    """The replica's side: start the engine process, send it requests, receive its steps."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        warm_up: bool = False,
+        digest_args: tuple[str, int] | None = None,
+        digest_period_s: float = 1.0,
+        tp_rendezvous: tuple[str, int] | None = None,
+        ready_timeout_s: float = 3600.0,
+        while_waiting: Callable[[], None] | None = None,
+    ):
+        """Start the process and wait until its engine is built (and warmed up): raises
+        EngineDied with the engine's error if it fails. while_waiting: called about every
+        second meanwhile (the replica checks its tensor-parallel ranks there)."""
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (Ray's working dirs too)
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "chunkserve.replicas.engine_process", "--fd", str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),),
+            env=env,
+        )
+        theirs.close()
+        self._conn = Connection(ours.detach())
+        self._send_lock = threading.Lock()
+        self._compiles: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self.error: str | None = None  # why the engine process is gone, once it is
+        self._closed = False
+        self._send(("init", config, warm_up, digest_args, digest_period_s, tp_rendezvous))
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._conn.poll(1.0):
+            if self._proc.poll() is not None:
+                raise EngineDied(f"the engine process exited with {self._proc.returncode} while starting")
+            if time.monotonic() > deadline:
+                self.close()
+                raise EngineDied(f"the engine process was not ready within {ready_timeout_s:.0f} s")
+            if while_waiting is not None:
+                try:
+                    while_waiting()
+                except BaseException:
+                    self.close()
+                    raise
+        kind, payload = self._recv()
+        if kind != "ready":
+            self.close()
+            raise EngineDied(f"the engine failed to start: {payload}")
+        self.info: dict[str, Any] = payload  # max_model_len, vocab_size, warmup, stats, digest
+        self._reader: threading.Thread | None = None
+
+    # -- replica -> engine --------------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queued for the engine's next step; the outcome comes in a step message (accepted or rejected)."""
+        self._send(("add", request_id, prompt, params))
+
+    def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    async def compile(self, guide) -> None:
+        """Compile a guided request's grammar in the engine process (its add then finds it
+        cached); raises the engine's ValueError for a guide it cannot take."""
+        token = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._compiles[token] = future
+        self._send(("compile", token, guide))
+        await future
+
+    def close(self) -> None:
+        """End the engine process (it also ends on its own when this process dies)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc.poll() is None:
+            try:
+                self._send(("close",))
+                self._proc.wait(10)
+            except (OSError, EngineDied, subprocess.TimeoutExpired):
+                self._proc.kill()
+        self._conn.close()
+
+    # -- engine -> replica --------------------------------------------------------------------
+    def start_receiving(
+        self, loop: asyncio.AbstractEventLoop, on_step: Callable[..., None], on_death: Callable[[str], None]
+    ) -> None:
+        """Deliver each step message to on_step(outputs, accepted, rejected, stats, digest) on
+        `loop`, from a receiver thread; on_death(reason) once if the engine process goes."""
+
+        def deliver(fn: Callable, *args) -> None:
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+        def receive() -> None:
+            try:
+                while True:
+                    kind, *payload = self._recv()
+                    if kind == "step":
+                        deliver(on_step, *payload)
+                    elif kind == "compiled":
+                        deliver(self._compiled, *payload)
+                    elif kind == "died":
+                        raise EngineDied(payload[0])
+            except (EngineDied, EOFError, OSError) as e:
+                if self._closed or loop.is_closed():
+                    return  # (closed on purpose)
+                code = self._proc.poll()
+                reason = (
+                    str(e)
+                    if isinstance(e, EngineDied)
+                    else (f"the engine process exited ({'code ' + str(code) if code is not None else 'pipe closed'})")
+                )
+                self.error = reason
+                deliver(self._fail_compiles, reason)
+                deliver(on_death, reason)
+
+        self._reader = threading.Thread(target=receive, name="engine-receiver", daemon=True)
+        self._reader.start()
+
+    def _compiled(self, token: int, error: str | None) -> None:
+        future = self._compiles.pop(token, None)
+        if future is None or future.done():
+            return
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(ValueError(error))
+
+    def _fail_compiles(self, reason: str) -> None:
+        for future in self._compiles.values():
+            if not future.done():
+                future.set_exception(EngineDied(reason))
+        self._compiles.clear()
+
+    # -- the pipe -----------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        if self.error is not None:
+            raise EngineDied(self.error)
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as e:
+            raise EngineDied(f"the engine process is gone ({e})") from None
+
+    def _recv(self) -> tuple:
+        return pickle.loads(self._conn.recv_bytes())
+
+
+# -- the engine process -----------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the replica's process dies (Linux; elsewhere the pipe's EOF)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Core:
+    """The engine process's loop: commands between steps, one message a step."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+        self.lock = threading.Lock()
+        self.compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def start(self) -> None:
+        kind, config, warm_up, digest_args, digest_period_s, tp = pickle.loads(self.conn.recv_bytes())
+        assert kind == "init", kind
+        try:
+            self.engine = _build(config, tp)
+            warm = None
+            if warm_up:
+                from chunkserve.replicas.warmup import warmup
+
+                warm = warmup(self.engine)
+            if self.engine.tokenizer is not None:
+                # the grammar engine and the vocabulary's token info now: built at the first guided
+                # request, their import and build held the interpreter lock from the steps running
+                self.engine.guides()
+        except BaseException as e:  # noqa: BLE001 - the replica raises it
+            self.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            traceback.print_exc()
+            os._exit(1)
+        self.digest_args, self.digest_period_s = digest_args, digest_period_s
+        self.digest_at = 0.0
+        info = {
+            "max_model_len": self.engine.max_model_len,
+            "vocab_size": self.engine.model_config.vocab_size,
+            "warmup": warm,
+            "stats": self.engine.stats(),
+            "digest": self._digest(),
+        }
+        self.send(("ready", info))
+
+    def _digest(self) -> tuple[list[int], float] | None:
+        """(the tree's digest, the wall-clock time it was taken: the router's as_of)."""
+        if self.digest_args is None:
+            return None
+        self.digest_at = time.monotonic()
+        return self.engine.cache_digest(*self.digest_args), time.time()
+
+    def _compile(self, token: int, guide) -> None:
+        try:
+            self.engine.guides().compile(guide)
+            error = None
+        except ValueError as e:
+            error = str(e)
+        self.send(("compiled", token, error))
+
+    def run(self) -> None:
+        engine, conn = self.engine, self.conn
+        while True:
+            accepted, rejected = [], []
+            idle = not engine.has_unfinished()
+            # while idle, wait for a command; else take what came during the last step
+            while conn.poll(None if idle else 0):
+                idle = False
+                op = pickle.loads(conn.recv_bytes())
+                kind = op[0]
+                if kind == "add":
+                    try:
+                        engine.add_request(op[1], op[2], op[3])
+                        accepted.append(op[1])
+                    except ValueError as e:
+                        rejected.append((op[1], str(e)))
+                elif kind == "abort":
+                    engine.abort(op[1])
+                elif kind == "compile":
+                    self.compiler.submit(self._compile, op[1], op[2])
+                elif kind == "close":
+                    return
+            outputs = engine.step() if engine.has_unfinished() else []
+            going_idle = not engine.has_unfinished()
+            due = going_idle or time.monotonic() - self.digest_at >= self.digest_period_s
+            self.send(("step", outputs, accepted, rejected, engine.stats(), self._digest() if due else None))
+
+
+def _build(config: EngineConfig, tp: tuple[str, int] | None):
+    from chunkserve.replicas.engine import LLMEngine
+
+    if config.tp_size == 1:
+        return LLMEngine(config)
+    from chunkserve.replicas.distributed import init_group
+    from chunkserve.replicas.parallel import TPEngine, rank_device
+
+    addr, port = tp
+    init_group(0, config.tp_size, addr, port, rank_device(config))
+    return TPEngine(LLMEngine(config))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m chunkserve.replicas.engine_process", description=__doc__.split("\n")[0]
+    )
+    ap.add_argument("--fd", type=int, required=True, help="the replica's end of the pipe (inherited)")
+    args = ap.parse_args(argv)
+    _die_with_parent()
+    core = _Core(Connection(args.fd))
+    core.start()
+    code = 0
+    try:
+        core.run()
+    except (EOFError, OSError):
+        pass  # the replica went away
+    except BaseException as e:  # noqa: BLE001 - reported to the replica
+        traceback.print_exc()
+        code = 1
+        try:
+            core.send(("died", f"{type(e).__name__}: {e}"))
+        except OSError:
+            pass
+    finally:
+        if isinstance(core.engine, _tp_engine()):
+            core.engine.close()  # end the worker ranks' loops
+    os._exit(code)  # (no interpreter teardown: threads, CUDA and process groups go with the process)
+
+
+def _tp_engine() -> type:
+    from chunkserve.replicas.parallel import TPEngine
+
+    return TPEngine
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
+
+On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
+(`chunkserve.replicas.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
+padded batch size (`chunkserve.replicas.cuda_graph`), unless the engine runs eagerly (`enforce_eager`).
+`launch` queues the step and returns; `collect` waits for its sampled tokens (at once, or after
+the next step's launch: the engine's asynchronous scheduling)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+from chunkserve.replicas.attention import Attention
+from chunkserve.replicas.cuda_graph import DecodeGraphs, batch_sizes
+from chunkserve.replicas.distributed import broadcast_from_first
+from chunkserve.replicas.guided import allow, fill_bitmask, mask_logits
+from chunkserve.replicas.penalties import Penalties
+from chunkserve.replicas.piecewise import PiecewiseGraphs
+from chunkserve.replicas.sampler import sample_ids, token_logprobs
+from chunkserve.replicas.scheduler import Batch
+from chunkserve.replicas.sequence import MAY_THINK, THINKING, Sequence, Status
+from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.transfer import to_device
+
+if TYPE_CHECKING:
+    from chunkserve.replicas.model.llama import LlamaForCausalLM
+
+
+class Launched(NamedTuple):
+    """A step whose forward and sampling are queued on the device (ModelRunner.launch).
+
+    Each sampling sequence got a placeholder output token, -1 - i for samplers[i], at
+    output_ids[slots[i]], until the engine collects the step; a later step that runs that
+    position takes the token from `tokens` on the device."""
+
+    samplers: list[Sequence]
+    slots: list[int]
+    tokens: torch.Tensor | None  # [S] int64 on the device
+    host: torch.Tensor | None  # [S] int64 on the host (pinned on CUDA), filled once `done` has passed
+    done: torch.cuda.Event | None  # CUDA: recorded after the copy to `host`
+    logprobs: StepLogprobs | None = None  # on the host too (filled once `done` has passed), if any row asked
+
+
+class StepLogprobs(NamedTuple):
+    """The logprobs of a step's rows that asked for them (SamplingParams.logprobs)."""
+
+    rows: list[int]  # their places among the step's samplers
+    values: torch.Tensor  # [W, 1 + k] float32: the drawn token's logprob, then the k most likely tokens'
+    ids: torch.Tensor  # [W, k] int64: those tokens
+
+    def to_host(self, pinned: bool) -> StepLogprobs:
+        """Copies on the host, not waited for (pinned: page-locked, for the asynchronous copy)."""
+        copies = [
+            torch.empty(x.shape, dtype=x.dtype, pin_memory=pinned).copy_(x, non_blocking=pinned)
+            for x in (self.values, self.ids)
+        ]
+        return StepLogprobs(self.rows, *copies)
+
+    def entries(self, samplers: list[Sequence]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Per row (its place among the samplers): (the drawn token's logprob, its request's k
+        most likely (token, logprob)). Reads the host copies."""
+        values, ids = self.values.tolist(), self.ids.tolist()
+        out = {}
+        for row, vals, top in zip(self.rows, values, ids):
+            k = samplers[row].params.logprobs
+            out[row] = (vals[0], tuple(zip(top[:k], vals[1 : k + 1])))
+        return out
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        attention: Attention,
+        device: torch.device,
+        *,
+        enforce_eager: bool = False,
+        tp_size: int = 1,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_num_batched_tokens: int = 2048,
+        piecewise: bool | None = None,
+        decode_graphs: bool | None = False,
+        max_num_seqs: int = 256,
+        counters: EngineStats | None = None,
+    ):
+        """piecewise: the forward's pieces between attentions as CUDA graphs (chunkserve.replicas.piecewise);
+        None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
+        pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per padded batch
+        size up to max_num_seqs, over fixed TPP plans (chunkserve.replicas.cuda_graph), with the triton
+        backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls.
+        counters: the engine's, where host waits and graph replays are counted (None: one of its
+        own)."""
+        self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        self.counters = EngineStats() if counters is None else counters
+        self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
+        cuda_graphs = device.type == "cuda" and not enforce_eager
+        self.graphs = None
+        if decode_graphs is None:
+            decode_graphs = device.type == "cuda"
+        if decode_graphs and not enforce_eager and attention.backend == "triton":
+            sizes = batch_sizes(max_num_seqs)
+            attention.fix_plans(sizes)
+            self.graphs = DecodeGraphs(model, attention, sizes, graphs=cuda_graphs, counters=self.counters)
+        if piecewise is None:
+            piecewise = cuda_graphs and attention.backend == "triton"
+        self.pieces = (
+            PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs, counters=self.counters)
+            if piecewise
+            else None
+        )
+
+    def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
+        """Queue the step (forward and sampling) and return at once, nothing waited for (see
+        Launched). prev: the step launched before, not collected yet, whose placeholder tokens
+        this step's inputs may hold. before_mask: called once the step's forward is queued,
+        before its grammar masks are made (the engine collects prev there: guided rows' masks
+        need its tokens); not called when nothing in the step samples."""
+        samplers, tokens, logprobs = self._forward(batch, prev, before_mask)
+        if not samplers:
+            return Launched([], [], None, None, None)
+        host, done = tokens, None
+        if logprobs is not None:
+            logprobs = logprobs.to_host(tokens.is_cuda)
+        if tokens.is_cuda:
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        slots, finished = [], Status.FINISHED
+        for i, seq in enumerate(samplers):
+            out = seq.output_ids
+            slots.append(len(out))
+            if seq.status is not finished:  # (one that finished at before_mask's collect keeps no placeholder)
+                out.append(-1 - i)
+        return Launched(samplers, slots, tokens, host, done, logprobs)
+
+    @staticmethod
+    def _prompt_logprob_rows(batch: Batch) -> list[tuple[Sequence, int, int, int]]:
+        """(sequence, first row, first prompt position, rows) of the prefill pieces whose prompt
+        logprobs are due: each row's logits score the next prompt token."""
+        out, row = [], len(batch.decodes)
+        for seq, n in batch.prefills:
+            start = seq.num_computed
+            last = min(start + n, len(seq.prompt_ids) - 1)  # (the last prompt token predicts an output)
+            if seq.params.prompt_logprobs is not None and last > start:
+                out.append((seq, row, start, last - start))
+            row += n
+        return out
+
+    _PROMPT_LOGPROB_ROWS = 512  # rows whose logits [rows, V] float32 exist at once
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, pieces: list[tuple[Sequence, int, int, int]]) -> None:
+        """Each piece's prompt tokens' logprobs into its sequence (read back now: waits for the
+        device; only steps holding such pieces)."""
+        for seq, row, start, n in pieces:
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None] * len(seq.prompt_ids)
+            k = seq.params.prompt_logprobs
+            for r0 in range(0, n, self._PROMPT_LOGPROB_ROWS):
+                r1 = min(n, r0 + self._PROMPT_LOGPROB_ROWS)
+                logits = self.model.compute_logits(hidden[row + r0 : row + r1])  # [R, V]
+                nxt = to_device(seq.prompt_ids[start + r0 + 1 : start + r1 + 1], self.device)
+                values, ids = token_logprobs(logits, list(range(r1 - r0)), nxt, k)
+                for i, (vals, top) in enumerate(zip(values.tolist(), ids.tolist())):
+                    seq.prompt_logprobs[start + r0 + i + 1] = (vals[0], tuple(zip(top, vals[1:])))
+
+    def _stop_ids(self, p) -> tuple[int, ...]:
+        """The tokens that would end a request of params p: its stop_token_ids (those in the
+        vocabulary: no others can be drawn), EOS unless ignore_eos."""
+        return tuple(t for t in p.stop_token_ids if 0 <= t < self.vocab_size) + (
+            () if p.ignore_eos else self.eos_token_ids
+        )
+
+    def collect(self, launched: Launched) -> tuple[list[int], dict[int, tuple]]:
+        """The launched step's sampled tokens, samplers' order (waits for the device), and the
+        logprobs (StepLogprobs.entries) of the rows that asked, by their place."""
+        if launched.host is None:
+            return [], {}
+        t = time.perf_counter()
+        if launched.done is not None:
+            launched.done.synchronize()
+        ids = launched.host.tolist()
+        self.counters.wait_s += time.perf_counter() - t  # (a step's time less these: the host's own)
+        return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
+
+    @torch.inference_mode()
+    def _forward(
+        self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None
+    ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
+        """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
+        on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
+        prompt whose logprobs were asked for: they are read back as it runs). before_mask: see
+        launch; what the sampler takes from the rows (draw keys, penalty slots, output counts) is
+        read before it, as a row may finish there."""
+        attn = self.attention.plan(batch)
+        # decodes: one token each (the sequence's last: its only one pending), and each samples
+        ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
+        samplers = list(batch.decodes)
+        last_rows, row = list(range(len(ids))), len(ids)
+        for seq, n in batch.prefills:
+            ids.extend(seq.token_at(i) for i in range(seq.num_computed, seq.num_computed + n))
+            row += n
+            if seq.num_computed + n == seq.num_tokens:
+                last_rows.append(row - 1)
+                samplers.append(seq)
+        input_ids = to_device(ids, self.device)
+        prompt_rows = self._prompt_logprob_rows(batch)
+        if prev is not None and prev.tokens is not None and min(ids) < 0:
+            # placeholders of prev's tokens (Launched): taken on the device, not waited for
+            input_ids = torch.where(input_ids < 0, prev.tokens[(-1 - input_ids).clamp(min=0)], input_ids)
+        hidden = self.graphs.forward(input_ids, attn) if self.graphs is not None else None
+        if hidden is None and self.pieces is not None:
+            hidden = self.pieces.forward(input_ids, attn)
+        if hidden is None:
+            hidden = self.model(input_ids, attn.positions, attn)
+        attn.keep_key_bounds()  # (sparse prefill: the key bounds of the chunks this step filled)
+        if prompt_rows:
+            self._prompt_logprobs(hidden, prompt_rows)
+        if not samplers:
+            return [], None, None
+        # [S, V] float32; a decode-only step samples every row (no gather). (Indexing by the list
+        # itself would copy it from pageable memory: the host would wait for the steps queued.)
+        logits = self.model.compute_logits(
+            hidden if len(last_rows) == row else hidden.index_select(0, to_device(last_rows, self.device))
+        )
+        # each sampling sequence draws with its request's key and the index of the token drawn
+        # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
+        penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
+        counters = [len(s.output_ids) for s in samplers]
+        row_keys = [s.draw_key for s in samplers]
+        # rows short of their min_tokens: their stop tokens cannot be drawn yet
+        banned = [
+            (i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters)) if n < s.params.min_tokens
+        ]
+        if before_mask is not None:
+            before_mask()
+        # (a thinking row is free: SamplingParams.think)
+        guided = [i for i, s in enumerate(samplers) if s.matcher is not None and s.thinking != THINKING]
+        if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
+            words = fill_bitmask(
+                [samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids, pinned=logits.is_cuda
+            )
+            for row, i in enumerate(guided):
+                if samplers[i].thinking == MAY_THINK:  # its first token may open thinking instead
+                    allow(words, row, samplers[i].params.think[0])
+            logits = mask_logits(logits, guided, words)
+        tokens = sample_ids(logits, [s.params for s in samplers], row_keys, counters, penalized, banned)
+        if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
+            broadcast_from_first(tokens)
+        if penalized is not None:
+            self.penalties.record(penalized, tokens)
+        asked = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        logprobs = None
+        if asked:
+            k = max(samplers[i].params.logprobs for i in asked)
+            logprobs = StepLogprobs(asked, *token_logprobs(logits, asked, tokens, k))
+        return samplers, tokens, logprobs

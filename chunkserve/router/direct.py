@@ -1,0 +1,66 @@
+"""This process's prefix routers, for the ingress's direct streams (chunkserve/replicas/direct_stream.py).
+
+Serve builds each handle's request router (chunkserve/router/serve_router.py, a module it pickles by value,
+so its globals are a copy) and runs it on an event loop of its own; the router registers itself
+here, by (application, deployment), with that loop, and the ingress asks it for a replica through
+`route_direct`, on the router's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class DirectRoute:
+    """A replica chosen for a request sent to it directly (not through Serve)."""
+
+    replica_id: str
+    address: Any  # the replica's routing stats' `stream_address`
+    release: Callable[[], None]  # the request is over: its work leaves the load (any thread, once)
+
+
+class _Router(Protocol):
+    def route_direct(self, request: Any) -> DirectRoute | None: ...
+
+
+_ROUTERS: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
+_LOOPS: dict[tuple[str, str], asyncio.AbstractEventLoop] = {}
+
+
+def register(app_name: str, deployment_name: str, router: _Router, loop: asyncio.AbstractEventLoop) -> None:
+    """router (which runs on loop) chooses for that deployment's direct streams from now on."""
+    _ROUTERS[(app_name, deployment_name)] = router
+    _LOOPS[(app_name, deployment_name)] = loop
+
+
+async def route_direct(app_name: str, deployment_name: str, request: Any) -> DirectRoute | None:
+    """The replica the deployment's router chooses for `request` (a GenerateRequest), on the
+    router's loop; None when there is no router yet (it starts with the first call through
+    Serve), its loop is gone, or it has no route (see PrefixAffinityRouter.route_direct)."""
+    key = (app_name, deployment_name)
+    router, loop = _ROUTERS.get(key), _LOOPS.get(key)
+    if router is None or loop is None or loop.is_closed():
+        return None
+    if loop is asyncio.get_running_loop():
+        return router.route_direct(request)
+
+    async def on_router_loop() -> DirectRoute | None:
+        return router.route_direct(request)
+
+    # shielded: a cancel would reach the router's task too late to stop its choice, only its result
+    chosen = asyncio.wrap_future(asyncio.run_coroutine_threadsafe(on_router_loop(), loop))
+    try:
+        return await asyncio.shield(chosen)
+    except asyncio.CancelledError:  # (the client went): the route chosen meanwhile is released
+        chosen.add_done_callback(_release_chosen)
+        raise
+
+
+def _release_chosen(chosen: Any) -> None:
+    if not chosen.cancelled() and chosen.exception() is None and chosen.result() is not None:
+        chosen.result().release()

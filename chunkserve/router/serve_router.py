@@ -1,0 +1,285 @@
+"""PrefixAffinityRouter: the Ray Serve glue of the prefix-aware policy (DESIGN §6).
+
+Selected per deployment through Serve's `request_router_config` (chunkserve/cluster/app.py does it when
+`router.policy: prefix`):
+
+    request_router_config:
+      request_router_class: chunkserve.router.serve_router:PrefixAffinityRouter
+      request_router_kwargs: {chunk_size: 64}
+      request_routing_stats_period_s: 1
+
+Everything it decides comes from `router.policy.PrefixPolicy`; this module only translates Serve's
+callbacks:
+
+  choose_replicas     the pending request's GenerateRequest (its first positional argument) carries
+                      the chunk hashes, prompt length and max_tokens computed once by the ingress;
+                      PrefixPolicy.choose ranks replicas, returned one per rank so Serve tries them
+                      in that order (a rank whose replica is full is skipped; the last rank is two
+                      random others, so a saturated choice spills instead of stalling). Calls
+                      without a GenerateRequest (model_info, stats, health) get power of two on
+                      Serve's queue lengths; a GenerateRequest shorter than one chunk gets the
+                      policy's load-only power of two.
+  on_request_routed   -> PrefixPolicy.on_routed (a ticket per request), and
+  on_request_completed -> PrefixPolicy.on_finished (the request's work leaves the loads). Serve
+                      (ray 2.60) calls on_request_routed only once the replica has accepted, and a
+                      short request's completion callback can run before that (it is queued from
+                      another thread): the ticket is then released by the result's own done
+                      callback, so no completed request's work stays in a replica's load.
+  update_replicas     membership: replicas joining or leaving are applied to the policy; a large
+                      join (a router starting against a big deployment) builds the rendezvous table
+                      in a worker thread and swaps it in, so the event loop never blocks for long.
+                      Routing stats (`record_routing_stats` of chunkserve/replicas/deployment.py, refreshed
+                      every request_routing_stats_period_s) feed PrefixPolicy.update_digest when
+                      they carry a `digest` (chained chunk hashes the replica's tree holds) and the
+                      replica's load either way. Without a digest the policy relies on its own
+                      recent decisions (chunkserve/router/index.py).
+
+route_direct        the ingress's direct stream (chunkserve/replicas/direct_stream.py): the same choice made
+                      for a request that will not go through Serve (the first rank only, if its
+                      routing stats publish a `stream_address`; else None and the request takes
+                      Serve's path), with the ticket the ingress releases when the stream ends.
+                      The ingress finds its process's router through chunkserve/router/direct.py (Serve
+                      pickles this module by value: its globals are not the ingress's).
+
+Load units: the policy counts outstanding work in prefill tokens; a replica reports requests
+(running + waiting), converted with the mean work of the requests this router routed lately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from chunkserve.router import direct
+from chunkserve.router.direct import DirectRoute
+from chunkserve.router.policy import PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView, Ticket
+
+logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log files
+
+# Joins above this many replicas at once build the rendezvous table off the event loop (a join
+# costs O(SLOTS) vectorised per replica: ~1 ms each; building for 1024 replicas takes seconds).
+INLINE_JOIN_LIMIT = 16
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Callable, *args: Any) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the router's loop is closed: nothing keeps its loads any more
+        pass
+
+
+def _generate_request(pending_request: PendingRequest | None) -> Any:
+    """The call's request to route by (chunkserve.replicas.wire.GenerateRequest, read by its attributes:
+    prefix_hashes, prompt_token_ids, params.max_tokens), or None for a call without one."""
+    if pending_request is None:
+        return None
+    for a in (*pending_request.args, *pending_request.kwargs.values()):
+        if hasattr(a, "prefix_hashes") and hasattr(a, "prompt_token_ids"):
+            return a
+    return None
+
+
+def _build_rendezvous(replica_ids: list[str]) -> Rendezvous:
+    """Runs in a worker thread: a fresh table touched by nothing else until it is swapped in."""
+    hrw = Rendezvous()
+    hrw.add(replica_ids)
+    return hrw
+
+
+class PrefixAffinityRouter(RequestRouter):
+    """Routes requests sharing a prompt prefix to the replica(s) caching it, with bounded load."""
+
+    def initialize_state(self, chunk_size: int = 64, seed: int = 0, **policy_options: Any) -> None:
+        """request_router_kwargs: chunk_size (the replicas' tree chunk size, as the ingress hashes
+        with), seed (of the policy's random choices), and any other PolicyConfig field."""
+        self._policy = PrefixPolicy(PolicyConfig(chunk_size=chunk_size, **policy_options), seed=seed)
+        self._rng = random.Random(seed)
+        self._by_uid: dict[str, RunningReplica] = {}  # live replicas by unique id (the policy's ids)
+        self._tickets: dict[str, Ticket] = {}  # internal request id -> the policy's bookkeeping
+        self._stats_seen: dict[str, Any] = {}  # replica -> the last routing stats applied
+        self._mean_cost = 0.0  # EWMA of routed requests' work: replica-reported requests -> work
+        self._building: asyncio.Task | None = None  # an off-loop rendezvous build in progress
+        self._policy_ids: set[str] = set()
+        self._home: asyncio.AbstractEventLoop | None = None  # the loop Serve runs this router on
+
+    # -- membership and routing stats ---------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        if self._home is None:  # (Serve calls this on the router's loop: direct routes go there)
+            try:
+                self._home = asyncio.get_running_loop()
+                direct.register(self._deployment_id.app_name, self._deployment_id.name, self, self._home)
+            except RuntimeError:
+                pass
+        self._by_uid = {r.replica_id.unique_id: r for r in replicas}
+        self._sync_membership()
+        self._apply_routing_stats(replicas)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        uid = replica_id.unique_id
+        self._by_uid.pop(uid, None)
+        if uid in self._policy_ids:
+            self._policy_ids.discard(uid)
+            self._policy.remove_replica(uid)
+        self._stats_seen.pop(uid, None)
+
+    def _sync_membership(self) -> None:
+        live = set(self._by_uid)
+        if live == self._policy_ids:
+            return
+        if self._building is not None:  # the build's end applies the membership of that time
+            return
+        added = live - self._policy_ids
+        if len(added) > INLINE_JOIN_LIMIT:
+            self._building = self._event_loop.create_task(self._build_off_loop(sorted(live)))
+            return
+        self._apply_membership()
+
+    def _apply_membership(self) -> None:
+        live = set(self._by_uid)
+        for uid in self._policy_ids - live:
+            self._stats_seen.pop(uid, None)
+        self._policy.update_replicas(ReplicaView(uid) for uid in self._by_uid)
+        self._policy_ids = live
+
+    async def _build_off_loop(self, replica_ids: list[str]) -> None:
+        try:
+            hrw = await asyncio.get_running_loop().run_in_executor(None, _build_rendezvous, replica_ids)
+            # Members the policy knows already keep their loads; the fresh table replaces the old
+            # one, and update_replicas then only adds/removes what changed during the build
+            # (Rendezvous.add and .remove skip ids already present or absent).
+            for uid in self._policy_ids - set(replica_ids):
+                self._policy.remove_replica(uid)
+            self._policy_ids &= set(replica_ids)
+            for uid in set(replica_ids) - set(self._by_uid):  # left while the table was built
+                hrw.remove(uid)
+            self._policy.swap_rendezvous(hrw)
+            self._apply_membership()  # synchronously: the table and the policy's members agree
+        except Exception:
+            logger.exception("PrefixAffinityRouter: building the rendezvous table failed; joining inline")
+            self._apply_membership()
+        finally:
+            self._building = None
+        self._apply_routing_stats(list(self._by_uid.values()))
+
+    def _apply_routing_stats(self, replicas: list[RunningReplica]) -> None:
+        """Feed new routing stats (digest, load) of policy members to the policy. Every broadcast
+        repeats all replicas' stats; a report is applied once (keyed by its `as_of`, or its
+        contents when it has none)."""
+        if not self._policy_ids:
+            return
+        wall, mono = time.time(), time.monotonic()
+        loads: dict[str, float] = {}
+        for r in replicas:
+            uid = r.replica_id.unique_id
+            stats = r.routing_stats
+            if not stats or uid not in self._policy_ids:
+                continue
+            key = stats.get("as_of")
+            if key is None:
+                key = tuple(sorted((k, v) for k, v in stats.items() if isinstance(v, (int, float))))
+            if self._stats_seen.get(uid) == key:
+                continue
+            self._stats_seen[uid] = key
+            load = None
+            if self._mean_cost > 0 and "running" in stats:
+                load = (stats.get("running", 0) + stats.get("waiting", 0)) * self._mean_cost
+            digest = stats.get("digest")
+            if digest is not None:
+                # the replica's wall clock -> this router's monotonic clock (clocks assumed synced)
+                as_of = mono - max(0.0, wall - float(stats.get("as_of", wall)))
+                self._policy.update_digest(uid, digest, as_of, load)
+            elif load is not None:
+                loads[uid] = load
+        if loads:  # one pass over the members, not one per report
+            self._policy.update_replicas(ReplicaView(u, loads.get(u)) for u in self._policy_ids)
+
+    # -- decisions ------------------------------------------------------------------------------
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        req = _generate_request(pending_request)
+        by_uid = self._by_uid
+        if req is not None and self._policy_ids:
+            ranked = self._policy.choose(
+                req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic()
+            )
+            ranks = [[by_uid[uid]] for uid in ranked if uid in by_uid]
+            if ranks:
+                chosen = {rank[0].replica_id for rank in ranks}
+                if len(chosen) < len(candidate_replicas):  # spill rank: two others, lowest queue wins
+                    others = self._sample(candidate_replicas, 2, exclude=chosen)
+                    if others:
+                        ranks.append(others)
+                return ranks
+        return [self._sample(candidate_replicas, 2)]  # Serve's power of two on queue lengths
+
+    def _sample(self, candidates: list[RunningReplica], k: int, exclude: set = frozenset()) -> list[RunningReplica]:
+        """Up to k distinct replicas not in `exclude`, O(k) expected for a small exclude set."""
+        n = len(candidates)
+        out: list[RunningReplica] = []
+        tries = 0
+        while len(out) < k and tries < 8 * k + 8:
+            tries += 1
+            r = candidates[self._rng.randrange(n)]
+            if r.replica_id not in exclude and r not in out:
+                out.append(r)
+        if len(out) < k and n <= 64:  # few candidates: take whatever is left
+            out += [r for r in candidates if r.replica_id not in exclude and r not in out][: k - len(out)]
+        return out
+
+    def route_direct(self, req: Any) -> DirectRoute | None:
+        """See route_direct (on this router's event loop)."""
+        if not self._policy_ids:
+            return None
+        now = time.monotonic()
+        ranked = self._policy.choose(req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        replica = self._by_uid.get(ranked[0]) if ranked else None
+        address = (replica.routing_stats or {}).get("stream_address") if replica is not None else None
+        if address is None:
+            return None
+        uid = replica.replica_id.unique_id
+        ticket = self._routed(uid, req, now)
+        loop = self._home
+        assert loop is not None
+        return DirectRoute(uid, address, lambda: _call_soon(loop, self._policy.on_finished, ticket))
+
+    def _routed(self, uid: str, req: Any, now: float) -> Ticket:
+        ticket = self._policy.on_routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
+        return ticket
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        req = _generate_request(pending_request)
+        uid = replica_id.unique_id
+        if req is None or uid not in self._policy_ids:
+            return
+        ticket = self._routed(uid, req, time.monotonic())
+        request_id = pending_request.metadata.internal_request_id
+        self._tickets[request_id] = ticket
+        if result is not None:
+            # on_request_completed may have run already (then the ticket would stay, and the
+            # replica's load with it: a short request finishes before Serve reports it routed);
+            # a done callback fires at once on a finished result, from Ray's or gRPC's thread
+            loop = self._event_loop
+            result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, request_id, ticket))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        ticket = self._tickets.pop(internal_request_id, None)
+        if ticket is not None:
+            self._policy.on_finished(ticket)
+
+    def _release(self, request_id: str, ticket: Ticket) -> None:
+        """The result's done callback: release its ticket unless on_request_completed has."""
+        if self._tickets.get(request_id) is ticket:
+            del self._tickets[request_id]
+            self._policy.on_finished(ticket)

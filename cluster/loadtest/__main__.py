@@ -1,5 +1,0 @@
-import sys
-
-from cluster.loadtest.cli import main
-
-sys.exit(main())

@@ -1,7 +1,0 @@
-"""Llama-family models: HF checkpoints or seeded random presets, tensor-parallel layers, tokenizers."""
-
-from replicas.model.config import ModelConfig
-from replicas.model.loader import load_model, load_tokenizer
-from replicas.model.tokenizer import IncrementalDetokenizer, Tokenizer
-
-__all__ = ["IncrementalDetokenizer", "ModelConfig", "Tokenizer", "load_model", "load_tokenizer"]
