@@ -101,7 +101,9 @@ class IngressOptions(_Strict):
 
 
 class AppConfig(_Strict):
-    model: str = "tiny"  # preset name (configs/models/<name>.json), a Hugging Face directory or a GGUF file
+    model: str = (
+        "tiny"  # preset name (chunkserve/replicas/model/presets/<name>.json), a Hugging Face directory or a GGUF file
+    )
     served_model_name: str | None = None  # the `model` clients send; None: `model` itself
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when the cluster has GPUs

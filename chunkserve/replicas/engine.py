@@ -42,7 +42,7 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # Hugging Face directory or preset name (configs/models/<name>.json)
+    model: str  # Hugging Face directory or preset name (chunkserve/replicas/model/presets/<name>.json)
     chunk_size: int = 64
     enable_prefix_sharing: bool = True
     kv_cache_tokens: int | None = None  # pool size; None: 32768 on CPU, a share of free memory on GPU

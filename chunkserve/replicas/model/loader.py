@@ -26,7 +26,7 @@ from chunkserve.replicas.model.gguf import GGUFCheckpoint, find_gguf
 from chunkserve.replicas.model.llama import LlamaForCausalLM, checkpoint_shapes
 from chunkserve.replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
 
-PRESETS_DIR = Path(__file__).resolve().parents[3] / "configs" / "models"
+PRESETS_DIR = Path(__file__).resolve().parent / "presets"  # <name>.json each, shipped in the package
 _IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")  # buffers some checkpoints carry
 
 
