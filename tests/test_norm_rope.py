@@ -1,4 +1,4 @@
-"""chunkserve/kernels/norm_rope.py against its plain-torch references, the model's ops in chunkserve.replicas.model.layers.
+"""chunkserve/kernels/norm_rope.py against its plain-torch references, the model's ops in replicas.model.layers.
 
 Without CUDA the kernels run under the Triton interpreter (conftest.py); with CUDA on the GPU."""
 

@@ -1,4 +1,4 @@
-"""chunkserve/router/hashing.py, chunkserve/router/policy.py, chunkserve/router/index.py on their own: no Ray, no simulator."""
+"""chunkserve/router/: hashing.py, policy.py, index.py on their own: no Ray, no simulator."""
 
 import json
 import random

@@ -1,4 +1,4 @@
-"""chunkserve/kernels/tools/timeline.py: its stamped copy of chunkserve/kernels/tpp.py still applies, and its summary of the
+"""chunkserve/kernels/tools/timeline.py: its stamped copy of kernels/tpp.py still applies, and its summary of the
 stamps (the GPU run itself: `python -m chunkserve.kernels.tools.timeline`)."""
 
 import numpy as np

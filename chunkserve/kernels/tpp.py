@@ -1,7 +1,7 @@
 """Two-phase partition (TPP) decode attention over the chunked prefix-tree KV cache, in Triton.
 
 Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``; query head
-``h`` reads KV head ``h // G``. ``build_plan`` (chunkserve/kernels/tpp_plan.py) turns the decode batch (rows in prefix-tree DFS
+``h`` reads KV head ``h // G``. ``build_plan`` (kernels/tpp_plan.py) turns the decode batch (rows in prefix-tree DFS
 order) into flat device work lists once per tree shape; ``tpp_decode`` (an engine's
 ``TppDecoder``: the same, its launches kept per plan and run past Triton's dispatcher) runs two or
 three launches per layer (DESIGN §4, ChunkAttention):

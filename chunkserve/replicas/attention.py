@@ -130,7 +130,7 @@ class Attention:
         self.pool, self.device = pool, device
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.sm_scale = head_dim**-0.5
-        self._fi = None  # chunkserve.kernels.fi_decode.FlashInferDecode for unshared GQA batches, if usable
+        self._fi = None  # fi_decode.FlashInferDecode for unshared GQA batches, if usable
         num_kv_heads = pool.kv.shape[3]
         if (
             backend == "triton"
@@ -148,9 +148,8 @@ class Attention:
                     device=device,
                     sm_scale=self.sm_scale,
                 )
-        self._prefill = (
-            None  # chunkserve.kernels.paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
-        )
+        # paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
+        self._prefill = None
         if backend == "triton" and flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
             self._prefill = paged_prefill.FlashInferPrefill(
                 num_q_heads=num_q_heads,

@@ -269,7 +269,7 @@ class LLMReplica:
 @ray.remote(max_concurrency=2)  # type: ignore[call-overload]  # (Ray's stubs lack actor options) ping answers while serve runs
 class _TPRank:
     """Rank r > 0 of a replica's tensor-parallel group: a TPWorker in its own process, stepping
-    with rank 0 (the replica's engine process) over the group (chunkserve/replicas/parallel.py), not through Ray calls."""
+    with rank 0 (the replica's engine process) over the group (replicas/parallel.py), not through Ray calls."""
 
     def __init__(self, config: EngineConfig):
         self.config = config

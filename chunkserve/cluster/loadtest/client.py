@@ -25,9 +25,8 @@ import httpx
 
 from chunkserve.cluster.loadtest.render import Request
 
-REPLICA_HEADER = (
-    "x-chunkserve-replica"  # (chunkserve.cluster.ingress.REPLICA_HEADER; not imported: the tool runs without Serve)
-)
+# (chunkserve.cluster.ingress's, not imported: the tool runs without Serve)
+REPLICA_HEADER = "x-chunkserve-replica"
 TIMING_HEADER = "server-timing"  # (chunkserve.cluster.ingress.TIMING_HEADER)
 
 

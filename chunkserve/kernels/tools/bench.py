@@ -5,7 +5,7 @@
     python -m chunkserve.kernels.tools.bench decode --warmup-only   # JIT-compile FlashInfer / Triton kernels only
     python -m chunkserve.kernels.tools.bench sweep [--phase1]       # launch configs and work dealing of ours
     python -m chunkserve.kernels.tools.bench kernels                # ours: device time of each kernel, and in total
-    python -m chunkserve.kernels.tools.bench prefill                # dense vs block-union sparse prefill (chunkserve/kernels/tools/bench_prefill.py)
+    python -m chunkserve.kernels.tools.bench prefill                # dense vs block-union sparse prefill
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (chunkserve/kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =

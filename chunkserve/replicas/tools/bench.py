@@ -9,7 +9,7 @@ on, KV chunks in use, decode plans built).
                                                         # (sized for the largest), in this order
     python -m chunkserve.replicas.tools.bench ... --tp 2                 # tensor-parallel over 2 GPUs (ranks as
                                                         # processes, chunkserve/replicas/parallel.py)
-    python -m chunkserve.replicas.tools.bench ... --warmup               # chunkserve.replicas.warmup first, as a GPU replica
+    python -m chunkserve.replicas.tools.bench ... --warmup               # replicas.warmup first, as a GPU replica
                                                         # does: run 0 on a fresh machine then
                                                         # shows what users' first requests see
     python -m chunkserve.replicas.tools.bench ... --no-flashinfer-prefill  # prefill spans through the plain-torch
