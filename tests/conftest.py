@@ -28,6 +28,6 @@ if "CHUNKSERVE_CACHE_DIR" not in os.environ:
 @pytest.fixture(autouse=True)
 def _release_gpu_memory(request):
     yield
-    if torch.cuda.is_available() and ({"gpu", "gpu2"} & {m.name for m in request.node.iter_markers()}):
+    if torch.cuda.is_available() and ({"gpu", "gpu2", "gpu4"} & {m.name for m in request.node.iter_markers()}):
         gc.collect()  # (whatever of the test's engines only a reference cycle still holds)
         torch.cuda.empty_cache()

@@ -269,13 +269,30 @@ def test_tp_shards_concatenate_to_full_weights(tmp_path):
         assert torch.equal(torch.cat(shards)[:321], full[name])
 
 
-def _tp_worker(rank: int, port: int, path: str, ids: list[int], out: str) -> None:
+def test_tp4_replicates_each_kv_head_on_two_ranks(tmp_path):
+    """Two KV heads over four ranks (vLLM's rule: tp a multiple of the KV heads): rank r holds
+    query head r and the KV head it reads, r // 2, whole."""
+    path = make_hf_checkpoint("Qwen3ForCausalLM", tmp_path, attention_bias=True)
+    full = load_file(path / "model.safetensors")
+    ranks = [load_model(str(path), dtype=torch.float32, device="cpu", tp_rank=r, tp_size=4)[0] for r in range(4)]
+    p = "model.layers.1.self_attn."
+    for r, model in enumerate(ranks):
+        a = model.model.layers[1].self_attn
+        assert (a.num_heads, a.num_kv_heads) == (1, 1)
+        for kind in ("weight", "bias"):
+            q, k, v = getattr(a.qkv_proj, kind).split(64)
+            assert torch.equal(q, full[p + f"q_proj.{kind}"][r * 64 : (r + 1) * 64])
+            for got, name in ((k, "k_proj"), (v, "v_proj")):
+                assert torch.equal(got, full[p + f"{name}.{kind}"][r // 2 * 64 : (r // 2 + 1) * 64])
+
+
+def _tp_worker(rank: int, size: int, port: int, path: str, ids: list[int], out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size, timeout=timedelta(seconds=60)
     )
     try:
-        model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=2)[0]
+        model = load_model(path, dtype=torch.float32, device="cpu", tp_rank=rank, tp_size=size)[0]
         logits = our_logits(model, ids)
         if rank == 0:
             torch.save(logits, out)
@@ -287,15 +304,17 @@ def _tp_worker(rank: int, port: int, path: str, ids: list[int], out: str) -> Non
 # safe here: the parent's torch pool is idle, tokenizers turns its pool off after a fork, and the
 # ranks start their own single-threaded torch and gloo state.
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
-def test_tp2_gloo_matches_tp1(tmp_path):
-    """Two gloo ranks give tp=1's logits: sharded weights, all-reduce, all-gather, vocab padding."""
+@pytest.mark.parametrize("size", [2, 4])
+def test_tp_gloo_matches_tp1(tmp_path, size):
+    """Gloo ranks give tp=1's logits: sharded weights, all-reduce, all-gather, vocab padding; at
+    four ranks the two KV heads replicated."""
     path = make_hf_checkpoint("Qwen3ForCausalLM", tmp_path / "ckpt", vocab_size=321, attention_bias=True)
     model, _, tok = load_model(str(path), dtype=torch.float32, device="cpu")
     ids = tok.encode(PROMPT)
     port = free_port()
     out = str(tmp_path / "logits.pt")
     ctx = mp.get_context("fork")
-    workers = [ctx.Process(target=_tp_worker, args=(rank, port, str(path), ids, out)) for rank in range(2)]
+    workers = [ctx.Process(target=_tp_worker, args=(rank, size, port, str(path), ids, out)) for rank in range(size)]
     for w in workers:
         w.start()
     try:
@@ -305,7 +324,7 @@ def test_tp2_gloo_matches_tp1(tmp_path):
         for w in workers:
             if w.is_alive():  # the other rank failed and this one waits in a collective
                 w.kill()
-    assert [w.exitcode for w in workers] == [0, 0]
+    assert [w.exitcode for w in workers] == [0] * size
     torch.testing.assert_close(torch.load(out), our_logits(model, ids), atol=1e-5, rtol=1e-5)
 
 
@@ -429,6 +448,10 @@ def test_tp_size_not_dividing_heads_raises(tmp_path):
     path = make_hf_checkpoint("LlamaForCausalLM", tmp_path)
     with pytest.raises(ValueError, match="num_heads=4 is not divisible by tp_size=3"):
         load_model(str(path), dtype=torch.float32, device="cpu", tp_rank=0, tp_size=3)
+    # 12 query heads split over 6 ranks, but 4 KV heads neither split over them nor replicate evenly
+    path = make_hf_checkpoint("Qwen3ForCausalLM", tmp_path / "kv", num_attention_heads=12, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="num_kv_heads=4 is neither divisible by tp_size=6 nor divides it"):
+        load_model(str(path), dtype=torch.float32, device="cpu", tp_rank=0, tp_size=6)
 
 
 # --- tokenizers ----------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
-"""Tensor parallelism across engine ranks (chunkserve/replicas/parallel.py): two gloo ranks, each a forked
-process with its own engine on its shard, rank 1 serving rank 0's steps as the replica's Ray
-worker actors do. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
+"""Tensor parallelism across engine ranks (chunkserve/replicas/parallel.py): two (or four) gloo ranks,
+each a forked process with its own engine on its shard, ranks 1.. serving rank 0's steps as the
+replica's Ray worker actors do. (The Serve path, with Ray actors, is in tests/test_serve_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -50,10 +50,10 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0, device: str = "cpu")
         tp_size=tp_size,
         tp_rank=rank,
         device=device,
-        kv_cache_tokens=sizes[rank] if tp_size > 1 else min(sizes),
-        max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[rank if tp_size > 1 else 0],
+        kv_cache_tokens=sizes[min(rank, 1)] if tp_size > 1 else min(sizes),  # (ranks past 1: rank 1's)
+        max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[min(rank, 1) if tp_size > 1 else 0],
         async_scheduling=scenario.endswith("_async"),
-        sparse_prefill=SPARSE if scenario.startswith("sparse") else None,
+        sparse_prefill=SPARSE.get(scenario),
     )
 
 
@@ -66,18 +66,18 @@ def _on_gpu(rank: int, device: str) -> str:
     return device
 
 
-def _rank1(port: int, scenario: str, device: str = "cpu") -> None:
-    """Rank 1: step with rank 0 until it closes the group."""
-    group_device = _on_gpu(1, device)
+def _worker(rank: int, size: int, port: int, scenario: str, device: str = "cpu") -> None:
+    """Rank 1 .. size-1: step with rank 0 until it closes the group."""
+    group_device = _on_gpu(rank, device)
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
         import chunkserve.replicas.runner
 
         sample_ids = chunkserve.replicas.runner.sample_ids
         chunkserve.replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
-    init_group(1, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
+    init_group(rank, size, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
     try:
-        TPWorker(_config(scenario, 2, 1, device)).serve()
+        TPWorker(_config(scenario, size, rank, device)).serve()
     finally:
         _leave(device)
 
@@ -91,13 +91,13 @@ def _leave(device: str) -> None:
         os._exit(0 if sys.exc_info()[0] is None else 1)
 
 
-def _rank0(port: int, scenario: str, out_path: str, device: str = "cpu") -> None:
+def _rank0(size: int, port: int, scenario: str, out_path: str, device: str = "cpu") -> None:
     group_device = _on_gpu(0, device)
     torch.set_num_threads(1)
     result: dict = {}
     try:
-        init_group(0, 2, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
-        engine = TPEngine(LLMEngine(_config(scenario, 2, 0, device)))
+        init_group(0, size, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
+        engine = TPEngine(LLMEngine(_config(scenario, size, 0, device)))
         result = SCENARIOS[scenario](engine)
         engine.close()
     except BaseException:  # noqa: BLE001 - the parent reports it
@@ -167,20 +167,20 @@ SCENARIOS["diverge"] = _generate
 SCENARIOS["samples_apart"] = _generate
 SCENARIOS["generate_async"] = _generate  # (_config: a scenario named *_async schedules asynchronously)
 SCENARIOS["bad_input_and_abort_async"] = _bad_input_and_abort
-SCENARIOS["sparse"] = _sparse
-# sparse pieces from 96 cached tokens on (3 blocks of 32), a budget of half the blocks
-SPARSE = dict(min_context=96, block=32, sink=1, window=1, budget=0.5)
+SCENARIOS["sparse"] = SCENARIOS["sparse_per_head"] = _sparse
+# sparse pieces from 96 cached tokens on (3 blocks of 32), a budget of half the blocks; per_head:
+# a page list per query head (subgroup 1), as four ranks of one query head each select
+SPARSE = {"sparse": dict(min_context=96, block=32, sink=1, window=1, budget=0.5)}
+SPARSE["sparse_per_head"] = dict(SPARSE["sparse"], subgroup=1)
 
 
-def _run_tp2(scenario: str, tmp_path, fails: bool = False, device: str = "cpu") -> dict:
+def _run_tp(scenario: str, tmp_path, fails: bool = False, device: str = "cpu", size: int = 2) -> dict:
     port, out = free_port(), str(tmp_path / f"{scenario}.pkl")
     # forked as in tests/test_model.py (a spawned rank re-imports torch: slow); CUDA ranks spawned
     # (CUDA does not survive a fork), each on a GPU of its own
     ctx = mp.get_context("fork" if device == "cpu" else "spawn")
-    ranks = [
-        ctx.Process(target=_rank0, args=(port, scenario, out, device)),
-        ctx.Process(target=_rank1, args=(port, scenario, device)),
-    ]
+    ranks = [ctx.Process(target=_rank0, args=(size, port, scenario, out, device))]
+    ranks += [ctx.Process(target=_worker, args=(r, size, port, scenario, device)) for r in range(1, size)]
     for p in ranks:
         p.start()
     try:
@@ -200,7 +200,7 @@ def _run_tp2(scenario: str, tmp_path, fails: bool = False, device: str = "cpu") 
         assert "error" in result and codes[1] != 0, (result, codes)
         return result
     assert "error" not in result, result["error"]
-    assert codes == [0, 0]
+    assert codes == [0] * size
     return result
 
 
@@ -210,7 +210,7 @@ def test_tp2_engine_generates_what_tp1_does(tmp_path):
     use as one rank, the ranks' outputs compared at every step (TPEngine.step)."""
     want = _generate(LLMEngine(CONFIG))
     assert want["stats"]["cached_prompt_tokens"] >= 5 * 64  # the shared prefix is served from the tree
-    assert _run_tp2("generate", tmp_path) == want
+    assert _run_tp("generate", tmp_path) == want
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -218,10 +218,10 @@ def test_tp2_engine_with_async_scheduling_generates_what_tp1_does(tmp_path):
     """Both ranks prepare each step while the one before runs (async_scheduling): the same
     tokens as one rank stepping synchronously; bad input and an abort mid-decode as one rank."""
     want = _generate(LLMEngine(CONFIG))
-    got = _run_tp2("generate_async", tmp_path)
+    got = _run_tp("generate_async", tmp_path)
     assert got["tokens"] == want["tokens"] and got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
     want = _bad_input_and_abort(LLMEngine(CONFIG))
-    got = _run_tp2("bad_input_and_abort_async", tmp_path)
+    got = _run_tp("bad_input_and_abort_async", tmp_path)
     assert (got["errors"], got["stats"]["running"], got["stats"]["kv_chunks_used"]) == (want["errors"], 0, 0)
 
 
@@ -233,7 +233,42 @@ def test_tp2_on_two_gpus_generates_what_one_gpu_does(scenario, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.fail(f"needs two CUDA devices, found {torch.cuda.device_count()}")
     want = _generate(LLMEngine(dataclasses.replace(_config(scenario), device="cuda:0")))
-    got = _run_tp2(scenario, tmp_path, device="cuda")
+    got = _run_tp(scenario, tmp_path, device="cuda")
+    assert got["tokens"] == want["tokens"]
+    assert got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp4_replicates_kv_heads_and_generates_what_tp1_does(tmp_path):
+    """Four ranks over tiny's two KV heads: each rank holds one query head and the KV head it
+    reads, replicated on two ranks (layers.kv_heads_of_rank); the same tokens as one rank, greedy,
+    penalized, guided and sampled rows alike."""
+    want = _generate(LLMEngine(CONFIG))
+    got = _run_tp("generate", tmp_path, size=4)
+    assert got["tokens"] == want["tokens"] and got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp4_sparse_prefill_selects_for_each_ranks_replicated_head(tmp_path):
+    """Block-union prefill on four ranks of one query head each, over the KV head it holds: a
+    list per query head (subgroup 1) as on one rank; the same tokens, rank 0 counting one of the
+    one rank's four lists."""
+    want = _sparse(LLMEngine(_config("sparse_per_head")))
+    assert 0 < want["stats"]["sparse_pages_read"] < want["stats"]["sparse_pages_dense"]
+    got = _run_tp("sparse_per_head", tmp_path, size=4)
+    assert got["tokens"] == want["tokens"]
+    assert 4 * got["stats"]["sparse_pages_read"] == want["stats"]["sparse_pages_read"]
+
+
+@pytest.mark.gpu4
+@pytest.mark.parametrize("scenario", ["generate", "generate_async"])
+def test_tp4_on_four_gpus_generates_what_one_gpu_does(scenario, tmp_path):
+    """Four CUDA ranks over NCCL, tiny's two KV heads replicated on two ranks each, fp32: the
+    tokens one GPU gives."""
+    if torch.cuda.device_count() < 4:
+        pytest.fail(f"needs four CUDA devices, found {torch.cuda.device_count()}")
+    want = _generate(LLMEngine(dataclasses.replace(_config(scenario), device="cuda:0")))
+    got = _run_tp(scenario, tmp_path, device="cuda", size=4)
     assert got["tokens"] == want["tokens"]
     assert got["stats"]["generated_tokens"] == want["stats"]["generated_tokens"]
 
@@ -244,7 +279,7 @@ def test_tp2_sparse_prefill_generates_what_tp1_does(tmp_path):
     one rank): the same tokens and pages as one rank."""
     want = _sparse(LLMEngine(_config("sparse")))
     assert 0 < want["stats"]["sparse_pages_read"] < want["stats"]["sparse_pages_dense"]
-    got = _run_tp2("sparse", tmp_path)
+    got = _run_tp("sparse", tmp_path)
     assert got["tokens"] == want["tokens"]
     # each rank counts its own lists: rank 0 holds half of the KV heads
     assert 2 * got["stats"]["sparse_pages_read"] == want["stats"]["sparse_pages_read"]
@@ -256,7 +291,7 @@ def test_tp2_warmup_runs_on_every_rank_and_leaves_them_together(tmp_path):
     later steps match (checked at every step) and give what one warmed rank gives."""
     want = _warmed(LLMEngine(CONFIG))
     assert want["warmup_requests"] > 8 and want["stats"]["kv_chunks_cached"] > 0
-    assert _run_tp2("warmed", tmp_path) == want
+    assert _run_tp("warmed", tmp_path) == want
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -264,7 +299,7 @@ def test_tp2_ranks_take_rank0s_sampled_tokens(tmp_path):
     """Ranks whose logits differ (in the last bit, on GPUs) could sample different tokens: here
     rank 1's sampler is off by one on every row. Rank 0's tokens, broadcast, are what every rank
     appends, so the ranks stay together (without the broadcast the outputs' check raises)."""
-    assert _run_tp2("samples_apart", tmp_path) == _generate(LLMEngine(CONFIG))
+    assert _run_tp("samples_apart", tmp_path) == _generate(LLMEngine(CONFIG))
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -273,7 +308,7 @@ def test_tp2_bad_input_raises_on_rank0_and_abort_reaches_every_rank(tmp_path):
     assert len(want["errors"]) == 3 and want["stats"]["running"] == want["stats"]["kv_chunks_used"] == 0
     # had the bad adds or the abort reached one rank only, the ranks' next steps would differ:
     # TPEngine.step raises on that, and the scenario returns an error
-    assert _run_tp2("bad_input_and_abort", tmp_path) == want
+    assert _run_tp("bad_input_and_abort", tmp_path) == want
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
@@ -282,14 +317,14 @@ def test_tp2_preempts_and_recomputes_as_one_rank_does(tmp_path):
     10, both take 10 (agree_min), and the same operations make the same preemptions on both."""
     want = _preemption(LLMEngine(_config("preemption")))
     assert want["stats"]["preemptions"] >= 2
-    assert _run_tp2("preemption", tmp_path) == want
+    assert _run_tp("preemption", tmp_path) == want
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_tp2_ranks_that_part_ways_raise_on_both(tmp_path):
     """Rank 1 ends a row (max_model_len) a step before rank 0 does: the batches still match in
     shape, so the collectives cannot tell; the outputs' hashes do, and both ranks raise."""
-    got = _run_tp2("diverge", tmp_path, fails=True)
+    got = _run_tp("diverge", tmp_path, fails=True)
     assert "tensor-parallel ranks [1] diverged from rank 0 in step" in got["error"]
 
 

@@ -27,6 +27,7 @@ from chunkserve.replicas.distributed import agree_min
 from chunkserve.replicas.guided import Guides
 from chunkserve.replicas.kv_pool import KVPool
 from chunkserve.replicas.model import load_model
+from chunkserve.replicas.model.layers import kv_heads_of_rank
 from chunkserve.replicas.prefix_tree import PrefixTree
 from chunkserve.replicas.runner import Launched, ModelRunner
 from chunkserve.replicas.sampler import unseeded_key
@@ -162,7 +163,7 @@ class LLMEngine:
             seed=config.seed,
         )
         mc, c = self.model_config, config.chunk_size
-        kv_heads = mc.num_kv_heads // config.tp_size if mc.num_kv_heads >= config.tp_size else 1
+        kv_heads = kv_heads_of_rank(mc.num_kv_heads, config.tp_rank, config.tp_size)[1]
         sparse = config.sparse_prefill
         per_chunk = KVPool.bytes_per_chunk(
             mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_bounds=sparse is not None

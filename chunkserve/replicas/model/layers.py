@@ -23,6 +23,22 @@ def divide(n: int, tp_size: int, what: str) -> int:
     return n // tp_size
 
 
+def kv_heads_of_rank(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """The KV heads rank tp_rank holds, (first, count): num_kv_heads / tp_size of them, or, with
+    more ranks than KV heads (tp_size a multiple of num_kv_heads, as vLLM allows), one head
+    replicated on tp_size / num_kv_heads ranks: the one its query heads read (rank r's query heads
+    [r Hq / tp, (r + 1) Hq / tp) all belong to KV head r // (tp / Hkv))."""
+    if num_kv_heads >= tp_size:
+        n = divide(num_kv_heads, tp_size, "num_kv_heads")
+        return tp_rank * n, n
+    if tp_size % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} is neither divisible by tp_size={tp_size} nor divides it "
+            f"(more ranks than KV heads replicate each head on tp_size / num_kv_heads ranks)"
+        )
+    return tp_rank // (tp_size // num_kv_heads), 1
+
+
 def _param(*shape: int, loader) -> nn.Parameter:
     # Allocated uninitialised with the ambient default dtype/device; the loader fills it.
     p = nn.Parameter(torch.empty(*shape), requires_grad=False)
@@ -57,24 +73,39 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input in one matmul (gate/up).
 
     The local weight is [sum(out_i)/tp, in]: each projection's rank-r slice, stacked in order, so
-    the output splits into per-projection chunks of out_i/tp.
+    the output splits into per-projection chunks of out_i/tp. local: (first row, rows) of each
+    projection's full weight that this rank holds, where not its even slice (replicated KV heads).
     """
 
     def __init__(
-        self, in_features: int, output_sizes: list[int], *, bias: bool = False, tp_rank: int = 0, tp_size: int = 1
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        local: list[tuple[int, int]] | None = None,
     ):
-        super().__init__(in_features, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size)
-        self.local_sizes = [divide(o, tp_size, "output features") for o in output_sizes]
+        nn.Module.__init__(self)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        if local is None:
+            local = [(tp_rank * n, n) for n in (divide(o, tp_size, "output features") for o in output_sizes)]
+        self.local = local
+        self.local_sizes = [n for _, n in local]
+        self.weight = _param(sum(self.local_sizes), in_features, loader=self.weight_loader)
+        self.bias = _param(sum(self.local_sizes), loader=self.weight_loader) if bias else None
 
     # (a loader takes the shard id its module's packed_modules_mapping gives: not the base's signature)
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
-        n = self.local_sizes[shard_id]
+        start, n = self.local[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        param.data.narrow(0, offset, n).copy_(full.narrow(0, self.tp_rank * n, n))
+        param.data.narrow(0, offset, n).copy_(full.narrow(0, start, n))
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k, v projections in one matmul; heads split across ranks (shard ids "q", "k", "v")."""
+    """q, k, v projections in one matmul; heads split across ranks (shard ids "q", "k", "v"), the
+    KV heads replicated where there are fewer than ranks (kv_heads_of_rank)."""
 
     def __init__(
         self,
@@ -87,10 +118,17 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         tp_rank: int = 0,
         tp_size: int = 1,
     ):
-        divide(num_heads, tp_size, "num_heads")
-        divide(num_kv_heads, tp_size, "num_kv_heads")
-        sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
-        super().__init__(hidden_size, sizes, bias=bias, tp_rank=tp_rank, tp_size=tp_size)
+        q = divide(num_heads, tp_size, "num_heads") * head_dim
+        first, count = kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)
+        kv = (first * head_dim, count * head_dim)
+        super().__init__(
+            hidden_size,
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
+            bias=bias,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            local=[(tp_rank * q, q), kv, kv],
+        )
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
         super().weight_loader(param, full, "qkv".index(shard_id))

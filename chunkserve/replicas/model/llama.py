@@ -23,6 +23,7 @@ from chunkserve.replicas.model.layers import (
     VocabParallelEmbedding,
     apply_rotary_qk,
     divide,
+    kv_heads_of_rank,
     silu_and_mul,
 )
 
@@ -33,7 +34,7 @@ class LlamaAttention(nn.Module):
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
         self.num_heads = divide(cfg.num_heads, tp_size, "num_heads")
-        self.num_kv_heads = divide(cfg.num_kv_heads, tp_size, "num_kv_heads")
+        self.num_kv_heads = kv_heads_of_rank(cfg.num_kv_heads, tp_rank, tp_size)[1]  # (replicated past Hkv ranks)
         self.qkv_proj = QKVParallelLinear(
             cfg.hidden_size,
             cfg.head_dim,
