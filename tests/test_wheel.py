@@ -5,6 +5,7 @@ runtime reads (the model presets) must be package data."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -14,8 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_wheel_serves_a_preset_without_the_checkout(tmp_path):
+    # built from a copy: setuptools writes build/ and *.egg-info/ into the tree it builds
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "chunkserve", src / "chunkserve", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path, src],
         capture_output=True,
         text=True,
         timeout=300,
