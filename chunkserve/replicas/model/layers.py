@@ -52,12 +52,23 @@ def default_weight_loader(param: nn.Parameter, full: torch.Tensor) -> None:
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W's output rows split: rank r holds rows [r*n, (r+1)*n), n = out/tp."""
+    """y = x W^T + b with W's output rows split: rank r holds rows [r*n, (r+1)*n), n = out/tp
+    (out_local: this rank's rows where a subclass places them otherwise)."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        bias: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        out_local: int | None = None,
+    ):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        out_local = divide(out_features, tp_size, "output features")
+        if out_local is None:
+            out_local = divide(out_features, tp_size, "output features")
         self.weight = _param(out_local, in_features, loader=self.weight_loader)
         self.bias = _param(out_local, loader=self.weight_loader) if bias else None
 
@@ -87,14 +98,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_size: int = 1,
         local: list[tuple[int, int]] | None = None,
     ):
-        nn.Module.__init__(self)
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         if local is None:
             local = [(tp_rank * n, n) for n in (divide(o, tp_size, "output features") for o in output_sizes)]
-        self.local = local
-        self.local_sizes = [n for _, n in local]
-        self.weight = _param(sum(self.local_sizes), in_features, loader=self.weight_loader)
-        self.bias = _param(sum(self.local_sizes), loader=self.weight_loader) if bias else None
+        sizes = [n for _, n in local]
+        super().__init__(
+            in_features, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size, out_local=sum(sizes)
+        )
+        self.local, self.local_sizes = local, sizes
 
     # (a loader takes the shard id its module's packed_modules_mapping gives: not the base's signature)
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: int) -> None:  # type: ignore[override]
