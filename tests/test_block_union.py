@@ -222,6 +222,7 @@ def test_bound_chunks_are_each_chunks_max_and_min(c, d, dtype, triton):
     bounds = torch.full((3, 40, 2, 2 * d), -9.0, device=device, dtype=dtype)
     chunks = torch.tensor([7, 0, 39, 12], device=device)
     block_union.bound_chunks(kv[1:2, 0], chunks, bounds[1:2], triton)  # one layer's (Attention._bound_own)
+    assert torch.equal(bounds[1, chunks], block_union.chunk_key_bounds_ref(kv[1, 0, chunks]))
     assert (bounds[[0, 2]] == -9).all()
     block_union.bound_chunks(kv[:, 0], chunks, bounds, triton)
     want = block_union.chunk_key_bounds_ref(kv[:, 0, chunks])
