@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from chunkserve.kernels.block_union import BlockUnion
 from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.sequence import Tenancy
 from chunkserve.replicas.stats import EngineStats
 from tests.hf_checkpoints import make_hf_checkpoint
 
@@ -204,7 +205,7 @@ def small_pool(request):
 
 ops = st.lists(
     st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 100), st.integers(0, 3), st.integers(1, 12)),
+        st.tuples(st.just("add"), st.integers(1, 100), st.integers(0, 3), st.integers(1, 12), st.integers(0, 2)),
         st.tuples(st.just("step"), st.integers(1, 4)),
         st.tuples(st.just("abort"), st.integers(0, 50)),
     ),
@@ -227,11 +228,13 @@ def test_random_add_step_abort_keeps_invariants(small_pool, ops):
 
     for op in ops:
         if op[0] == "add":
-            _, length, base, max_tokens = op
+            _, length, base, max_tokens, salt = op
             rid = f"q{counter[0]}"
             counter[0] += 1
             prompt = (bases[base] * 3)[:length]
-            engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            # three cache salts (none, two tenants' namespaces): the same prompts in separate trees
+            engine.add_request(rid, prompt, params, Tenancy(cache_salt=[None, "a", "b"][salt]))
             live.append(rid)
         elif op[0] == "step":
             for _ in range(op[1]):
@@ -589,3 +592,36 @@ def test_reset_counters_zeroes_every_parts_counts():
     assert engine.counters is c and all(getattr(c, f.name) == 0 for f in fields)
     s = engine.stats()
     assert s["steps"] == s["generated_tokens"] == s["finished_requests"] == s["preemptions"] == 0
+
+
+def test_cache_salts_share_nothing_and_give_the_same_tokens(tiny):
+    # one prompt under three salts, then again under each: a salt's second request is served from
+    # its own tree, never from another salt's (the same tokens, nothing cached across salts), and
+    # the tokens are what the unsalted request gets
+    prompt = list(range(1, 200))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    salts = [None, "tenant:a", "tenant:b"]
+
+    def run(rid: str, salt: str | None) -> tuple[list[int], int]:
+        tiny.add_request(rid, prompt, params, Tenancy(cache_salt=salt))
+        tokens, cached = [], None
+        while tiny.has_unfinished():
+            for out in tiny.step():
+                tokens += out.new_token_ids
+                cached = out.cached_tokens if cached is None else cached
+            tiny.check()
+        return tokens, cached
+
+    tiny.tree.evict_all()
+    firsts = [run(f"first-{i}", salt) for i, salt in enumerate(salts)]
+    assert [cached for _, cached in firsts] == [0, 0, 0]  # each salt's first: nothing of the others'
+    seconds = [run(f"second-{i}", salt) for i, salt in enumerate(salts)]
+    full = len(prompt) // tiny.config.chunk_size * tiny.config.chunk_size
+    assert [cached for _, cached in seconds] == [full] * 3  # each from its own tree
+    assert all(tokens == firsts[0][0] for tokens, _ in firsts + seconds)
+    assert set(tiny.tree.roots) == set(salts)
+    digest = tiny.cache_digest("tiny", 32)
+    assert len(digest) == 3 * (full // tiny.config.chunk_size) and len(set(digest)) == len(digest)
+    tiny.tree.evict_all()
+    assert set(tiny.tree.roots) == {None}  # a salt's root goes with its last chunk
+    tiny.check()

@@ -5,7 +5,8 @@ import torch
 
 from chunkserve.replicas.kv_pool import KVPool
 from chunkserve.replicas.prefix_tree import PrefixTree
-from chunkserve.replicas.sequence import SamplingParams, Sequence
+from chunkserve.replicas.sequence import SamplingParams, Sequence, Tenancy
+from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 
 C = 4
 
@@ -25,12 +26,12 @@ def fill(tree, seq, now=1):
     seq.num_computed = seq.num_tokens
     while seq.private and (len(seq.nodes) + 1) * C <= seq.num_computed:
         k = len(seq.nodes)
-        parent = seq.nodes[-1] if seq.nodes else tree.root
+        parent = seq.nodes[-1] if seq.nodes else tree.root_for(seq.tenancy.cache_salt)
         seq.nodes.append(tree.insert(parent, tuple(seq.token_ids[k * C : (k + 1) * C]), seq.private.pop(0), now))
 
 
-def seq(rid, tokens):
-    return Sequence(rid, list(tokens), SamplingParams(), 0)
+def seq(rid, tokens, salt=None):
+    return Sequence(rid, list(tokens), SamplingParams(), 0, tenancy=Tenancy(cache_salt=salt))
 
 
 def finish(tree, s, now=2):
@@ -107,3 +108,28 @@ def test_pool_double_free_is_an_error():
     tree.pool.free(cid)
     with pytest.raises(RuntimeError, match="double free"):
         tree.pool.free(cid)
+
+
+def test_salts_share_no_chunk_and_their_digests_differ():
+    # the same tokens under no salt and two salts: three trees, no node shared, each matched only
+    # under its own salt; the digest lists each tree's chain under its salt's seed, and the
+    # unsalted tree's hashes are the ingress's unsalted ones (today's)
+    tree = make_tree(num_chunks=12)
+    tokens = range(10)
+    seqs = [seq(f"s{i}", tokens, salt) for i, salt in enumerate([None, "a", "b"])]
+    for s in seqs:
+        fill(tree, s)
+    tree.check(seqs)
+    assert len({n.id for s in seqs for n in s.nodes}) == 6  # 2 chunks each, none shared
+    for s in seqs:
+        assert tree.match(list(tokens), 9, s.tenancy.cache_salt) == s.nodes
+    assert tree.match(list(tokens), 9, "c") == []
+    seed = model_seed("m")
+    expected = {h for salt in (None, "a", "b") for h in chunk_hashes(list(tokens), C, 8, cache_seed(seed, salt))}
+    assert set(tree.digest(seed, 8, 100)) == expected and len(expected) == 6
+    assert chunk_hashes(list(tokens), C, 8, cache_seed(seed, None)) == chunk_hashes(list(tokens), C, 8, "m")
+    for s in seqs:
+        finish(tree, s)
+    tree.check([])
+    assert tree.evict_all() == 6 and set(tree.roots) == {None}  # salts' roots go with their chunks
+    tree.check([])

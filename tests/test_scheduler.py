@@ -14,7 +14,7 @@ import torch
 from chunkserve.replicas.kv_pool import KVPool
 from chunkserve.replicas.prefix_tree import PrefixTree
 from chunkserve.replicas.scheduler import Batch, Scheduler, _sort_dfs
-from chunkserve.replicas.sequence import SamplingParams, Sequence, Status
+from chunkserve.replicas.sequence import SamplingParams, Sequence, Status, Tenancy
 
 C = 4  # tokens a chunk
 
@@ -42,8 +42,9 @@ def _scheduler(
 _arrivals = itertools.count()
 
 
-def _seq(name: str, prompt: list[int], max_tokens: int = 1000) -> Sequence:
-    return Sequence(name, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), next(_arrivals))
+def _seq(name: str, prompt: list[int], max_tokens: int = 1000, tenancy: Tenancy | None = None) -> Sequence:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    return Sequence(name, list(prompt), params, next(_arrivals), tenancy=tenancy or Tenancy())
 
 
 def _step(s: Scheduler) -> Batch:
@@ -233,8 +234,9 @@ def test_decode_rows_sort_by_shared_path_then_arrival():
                 assert held[-1] == len(rows) - 1, trial
 
 
+@pytest.mark.parametrize("tenants", [False, True])
 @pytest.mark.parametrize("sharing", [True, False])
-def test_random_traffic_keeps_the_tree_and_pool_whole(sharing):
+def test_random_traffic_keeps_the_tree_and_pool_whole(sharing, tenants):
     # arrivals, finishes and aborts at random under a small pool (preemptions included): the
     # tree's invariants hold after every step, and every chunk comes back at the end
     rng = random.Random(3)
@@ -244,7 +246,10 @@ def test_random_traffic_keeps_the_tree_and_pool_whole(sharing):
     for _ in range(300):
         if rng.random() < 0.3:
             own = [rng.randrange(50) for _ in range(rng.randint(1, 6))]
-            seq = _seq(f"q{len(live)}", rng.choice(prefixes) + own, max_tokens=rng.randint(1, 16))
+            # with tenants: three, each its own salt or none, two priorities (fair admission)
+            t = rng.randrange(3)
+            tenancy = Tenancy(f"t{t}", [None, "a", "b"][t], rng.randrange(2)) if tenants else None
+            seq = _seq(f"q{len(live)}", rng.choice(prefixes) + own, rng.randint(1, 16), tenancy)
             s.add(seq)
             live.append(seq)
         if live and rng.random() < 0.05:
@@ -263,3 +268,47 @@ def test_random_traffic_keeps_the_tree_and_pool_whole(sharing):
     assert s.counters.preemptions > 0  # (the pool was short)
     s.tree.evict_all()
     assert s.tree.pool.num_free == 12
+
+
+def test_a_tenants_flood_does_not_make_another_wait_behind_it():
+    # tenant a fills the batch and queues 8 more; b's one request, arriving after all of them, is
+    # admitted at the first free place: a has 3 running there, b none
+    s = _scheduler(max_num_seqs=4)
+    a = [_seq(f"a{i}", [i + 1] * 3, tenancy=Tenancy("a")) for i in range(12)]
+    for seq in a:
+        s.add(seq)
+    _step(s)
+    assert s.running == a[:4]
+    b = _seq("b", [50, 51], tenancy=Tenancy("b"))
+    s.add(b)
+    _step(s)
+    assert b.status is Status.WAITING  # (no room: nobody is preempted for it)
+    s.finish(a[0], "stop")
+    _step(s)
+    assert b.status is Status.RUNNING and a[4].status is Status.WAITING
+    s.finish(a[1], "stop")
+    _step(s)
+    assert a[4].status is Status.RUNNING  # then a's next, in a's arrival order
+    assert [q.request_id for q in s.waiting] == [f"a{i}" for i in range(5, 12)]
+
+
+def test_a_lower_priority_value_is_admitted_first_and_preempted_last():
+    s = _scheduler(max_num_seqs=2)
+    low = [_seq(f"low{i}", [i + 1] * 2, tenancy=Tenancy("x", priority=1)) for i in range(3)]
+    high = _seq("high", [9, 9], tenancy=Tenancy("y", priority=0))
+    for seq in low + [high]:
+        s.add(seq)
+    _step(s)
+    assert {q.request_id for q in s.running} == {"high", "low0"}
+    assert s._victim() is low[0]  # the highest value's newest, though `high` came later
+
+
+def test_out_of_chunks_the_tenant_running_most_loses_its_newest():
+    # two tenants, a running 3 and b running 1 (b's the newest): a preemption takes a's newest
+    s = _scheduler(num_chunks=64)
+    seqs = [_seq(f"a{i}", [i + 1] * 3, tenancy=Tenancy("a")) for i in range(3)]
+    seqs.append(_seq("b0", [7] * 3, tenancy=Tenancy("b")))
+    for seq in seqs:
+        s.add(seq)
+    _step(s)
+    assert s._victim() is seqs[2]

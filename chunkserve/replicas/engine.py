@@ -32,7 +32,7 @@ from chunkserve.replicas.prefix_tree import PrefixTree
 from chunkserve.replicas.runner import Launched, ModelRunner
 from chunkserve.replicas.sampler import unseeded_key
 from chunkserve.replicas.scheduler import Scheduler
-from chunkserve.replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status
+from chunkserve.replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status, Tenancy
 from chunkserve.replicas.stats import EngineStats
 from chunkserve.router.hashing import model_seed
 
@@ -266,11 +266,21 @@ class LLMEngine:
         return 32768 // c
 
     # -- requests ---------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> None:
-        """Queue a request; raises ValueError (and changes nothing) when the input is bad."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Seq[int],
+        params: SamplingParams | None = None,
+        tenancy: Tenancy | None = None,
+    ) -> None:
+        """Queue a request; raises ValueError (and changes nothing) when the input is bad.
+        tenancy: its tenant, cache salt (the prefix tree it shares) and priority; None: none."""
         params = SamplingParams() if params is None else params
+        tenancy = Tenancy() if tenancy is None else tenancy
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(tenancy, Tenancy):
+            raise ValueError(f"tenancy must be a Tenancy, got {type(tenancy).__name__}")
         if request_id in self._seqs:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt = self._validate_prompt(prompt_token_ids)
@@ -293,6 +303,7 @@ class LLMEngine:
             next(self._arrivals),
             matcher=matcher,
             thinking=GUIDED if params.think is None else THINKING if params.think[0] is None else MAY_THINK,
+            tenancy=tenancy,
         )
         self._num_guided += guided
         if not params.greedy:  # an unseeded request's key: from the engine's seed and its arrival

@@ -48,7 +48,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from chunkserve.replicas.engine import EngineConfig
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.sequence import SamplingParams, Tenancy
 
 __all__ = ["EngineProcess", "EngineDied"]
 
@@ -110,9 +110,9 @@ class EngineProcess:
         self._reader: threading.Thread | None = None
 
     # -- replica -> engine --------------------------------------------------------------------
-    def add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add(self, request_id: str, prompt: list[int], params: SamplingParams, tenancy: Tenancy | None = None) -> None:
         """Queued for the engine's next step; the outcome comes in a step message (accepted or rejected)."""
-        self._send(("add", request_id, prompt, params))
+        self._send(("add", request_id, prompt, params, tenancy))
 
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -288,7 +288,7 @@ class _Core:
                 kind = op[0]
                 if kind == "add":
                     try:
-                        engine.add_request(op[1], op[2], op[3])
+                        engine.add_request(op[1], op[2], op[3], op[4])
                         accepted.append(op[1])
                     except ValueError as e:
                         rejected.append((op[1], str(e)))

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from chunkserve.replicas.distributed import control_group
 from chunkserve.replicas.engine import EngineConfig, LLMEngine, RequestOutput
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.sequence import SamplingParams, Tenancy
 
 __all__ = ["TPEngine", "TPWorker", "rank_device", "worker_config"]
 
@@ -93,7 +93,7 @@ def _check_same(outputs: Sequence[RequestOutput], engine: LLMEngine) -> None:
 def _apply(engine: LLMEngine, ops: list[tuple]) -> None:
     for op in ops:
         if op[0] == "add":
-            engine.add_request(op[1], op[2], op[3])
+            engine.add_request(op[1], op[2], op[3], op[4])
         else:
             engine.abort(op[1])
 
@@ -129,10 +129,14 @@ class TPEngine:
         return getattr(self.engine, name)
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
-        self.engine.add_request(request_id, prompt_token_ids, params)
-        self._ops.append(("add", request_id, list(prompt_token_ids), params))
+        self.engine.add_request(request_id, prompt_token_ids, params, tenancy)
+        self._ops.append(("add", request_id, list(prompt_token_ids), params, tenancy))
 
     def abort(self, request_id: str) -> bool:
         if not self.engine.abort(request_id):

@@ -4,6 +4,11 @@ A node is one full chunk of `c` tokens holding computed K/V; root-to-node paths 
 prefixes, so a prefix shared by many sequences is stored once. Only full, computed chunks enter
 the tree; a sequence's partial tail stays private to it (`Sequence.private`). Nodes whose
 refcount drops to 0 stay as an LRU cache and are evicted leaf-first under pressure.
+
+Each cache salt (`Sequence.tenancy.cache_salt`: a tenant's namespace, or a request's
+`cache_salt`) roots a tree of its own, so sequences of different salts never share a node, never
+match each other's chunks and never count them as cached; the unsalted root (`root`) is today's
+shared tree. A salt's root goes once its last chunk is evicted (DESIGN §18).
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from collections.abc import Sequence as Seq
 
 from chunkserve.replicas.kv_pool import KVPool
 from chunkserve.replicas.sequence import Sequence
-from chunkserve.router.hashing import chunk_hashes
+from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
 class Node:
@@ -38,7 +43,9 @@ class PrefixTree:
     def __init__(self, pool: KVPool):
         self.pool = pool
         self.c = pool.chunk_size
-        self.root = Node(0, (), -1, None)
+        self.root = Node(0, (), -1, None)  # the unsalted tree's (chunk id -1: a root holds no chunk)
+        self.roots: dict[str | None, Node] = {None: self.root}  # per cache salt
+        self._salt_of: dict[int, str | None] = {0: None}  # a root's node id -> its salt
         self._next_id = 1
         self.num_cached = 0  # nodes with ref 0 (evictable, possibly after their children)
         # lazy min-heap of (last_use, id, node) over ref-0 leaves; stale entries skipped on pop
@@ -46,9 +53,22 @@ class PrefixTree:
         self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
 
     # -- lookups --------------------------------------------------------------------------
-    def match(self, token_ids: Seq[int], max_tokens: int) -> list[Node]:
-        """The longest cached path of full chunks covering at most `max_tokens` of `token_ids`."""
-        node, path, c = self.root, [], self.c
+    def root_for(self, salt: str | None) -> Node:
+        """The root of `salt`'s tree (made on first use)."""
+        root = self.roots.get(salt)
+        if root is None:
+            root = self.roots[salt] = Node(self._next_id, (), -1, None)
+            self._salt_of[root.id] = salt
+            self._next_id += 1
+        return root
+
+    def match(self, token_ids: Seq[int], max_tokens: int, salt: str | None = None) -> list[Node]:
+        """The longest cached path of full chunks covering at most `max_tokens` of `token_ids`,
+        in `salt`'s tree."""
+        node, c = self.roots.get(salt), self.c
+        path: list[Node] = []
+        if node is None:
+            return path
         for k in range(min(max_tokens, len(token_ids)) // c):
             node = node.children.get(tuple(token_ids[k * c : (k + 1) * c]))
             if node is None:
@@ -85,7 +105,7 @@ class PrefixTree:
         If `parent` already has an identical chunk (computed concurrently by another sequence,
         or cached), ours is a duplicate: it is freed and the existing node is shared instead.
         """
-        assert len(tokens) == self.c and (parent is self.root or parent.ref > 0)
+        assert len(tokens) == self.c and (parent.chunk_id < 0 or parent.ref > 0)
         existing = parent.children.get(tokens)
         if existing is not None:
             self.pool.free(chunk_id)
@@ -125,8 +145,10 @@ class PrefixTree:
             node.parent = None
             self.pool.free(node.chunk_id)
             self.num_cached -= 1
-            if parent is not self.root and parent.ref == 0 and not parent.children:
+            if parent.chunk_id >= 0 and parent.ref == 0 and not parent.children:
                 self._push_evictable(parent)
+            elif parent.chunk_id < 0 and parent is not self.root and not parent.children:
+                del self.roots[self._salt_of.pop(parent.id)]  # a salt's last chunk: its root goes too
             return True
         return False
 
@@ -139,31 +161,33 @@ class PrefixTree:
 
     # -- routing digest ---------------------------------------------------------------------
     def digest(self, seed: int, max_depth: int, limit: int) -> list[int]:
-        """Chained hashes (`chunkserve.router.hashing.chunk_hashes`, seeded by the served model) of the
-        cached paths up to `max_depth` chunks deep: level by level, most recently used first, so
-        the list (and any prefix of it) holds every listed node's ancestors. At most `limit`."""
+        """Chained hashes (`chunkserve.router.hashing.chunk_hashes`, seeded by the served model and
+        each tree's salt: `cache_seed`) of the cached paths up to `max_depth` chunks deep: level by
+        level, most recently used first, so the list (and any prefix of it) holds every listed
+        node's ancestors. At most `limit`."""
         if seed != self._digest_seed:
             for n in self.nodes():
                 n.hash = None
             self._digest_seed = seed
         out: list[int] = []
-        level, depth = [self.root], 0
+        level = [(root, cache_seed(seed, salt)) for salt, root in self.roots.items()]
+        depth = 0
         while level and depth < max_depth and len(out) < limit:
-            below = []
-            for parent in level:
+            below: list[tuple[Node, int]] = []
+            for parent, s in level:
                 for n in parent.children.values():
                     if n.hash is None:
-                        after = None if parent is self.root else parent.hash
-                        n.hash = chunk_hashes(n.tokens, self.c, 1, seed, after=after)[0]
-                    below.append(n)
-            below.sort(key=lambda n: -n.last_use)
-            out.extend(n.hash for n in below[: limit - len(out)])
+                        after = None if parent.chunk_id < 0 else parent.hash
+                        n.hash = chunk_hashes(n.tokens, self.c, 1, s, after=after)[0]
+                    below.append((n, s))
+            below.sort(key=lambda ns: -ns[0].last_use)
+            out.extend(n.hash for n, _ in below[: limit - len(out)])
             level, depth = below, depth + 1
         return out
 
     # -- invariants -------------------------------------------------------------------------
     def nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [n for root in self.roots.values() for n in root.children.values()]
         while stack:
             n = stack.pop()
             out.append(n)
@@ -184,7 +208,7 @@ class PrefixTree:
 
         refs: dict[int, int] = {}
         for s in live:
-            parent = self.root
+            parent = self.roots.get(s.tenancy.cache_salt) if s.nodes else None
             for i, n in enumerate(s.nodes):
                 assert n.parent is parent, f"{s.request_id}: node {n.id} is not a child of its predecessor"
                 assert n.tokens == tuple(s.token_ids[i * self.c : (i + 1) * self.c]), (
@@ -196,6 +220,9 @@ class PrefixTree:
                 own(cid, s.request_id)
             assert len(s.chunk_table) * self.c >= s.num_computed, f"{s.request_id}: K/V beyond its chunks"
             assert len(s.nodes) * self.c <= s.num_computed, f"{s.request_id}: tree node not computed yet"
+        for salt, root in self.roots.items():
+            assert root.chunk_id < 0 and self._salt_of.get(root.id, 0) == salt, f"root of salt {salt!r} misfiled"
+            assert root is self.root or root.children, f"salt {salt!r}: an empty root kept"
         cached = 0
         for n in self.nodes():
             own(n.chunk_id, f"node {n.id}")

@@ -2,19 +2,23 @@
 
 Policy (FCFS, SARATHI-style chunked prefill under one token budget):
 1. running decodes (one token each), then running prefills (a piece of at most the budget left);
-2. waiting requests in arrival order while the budget, `max_num_seqs` and free chunks allow
-   (admission stops at the first that does not fit: FCFS, nobody overtakes);
+2. waiting requests while the budget, `max_num_seqs` and free chunks allow, in arrival order
+   (FCFS) when they are all of one tenant and priority; with several, the next is the lowest
+   priority value, then the tenant with the fewest running sequences, then arrival (within a
+   tenant FCFS), so one tenant's flood cannot starve another's (DESIGN §18). Admission stops at
+   the first that does not fit: nobody overtakes it;
 3. a running sequence that needs a chunk when none is available preempts the newest running
    sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
-   it re-queues in arrival order). The oldest request therefore always progresses: no deadlock,
-   and no request waits forever.
+   it re-queues in arrival order); among tenants, the newest of the highest priority value and
+   the tenant running the most. The request first in that order therefore always progresses:
+   no deadlock, and no request waits forever.
 The decode rows are ordered by tree path (DFS), so each node's sequences are one row range.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from chunkserve.replicas.prefix_tree import PrefixTree
@@ -64,6 +68,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sharing = enable_prefix_sharing
         self.waiting: deque[Sequence] = deque()  # arrival order
+        self._classes: Counter[tuple[int, str | None]] = Counter()  # waiting sequences by (priority, tenant)
         self.running: list[Sequence] = []  # arrival order
         self.now = 0  # step counter: the tree's LRU clock
         self.counters = EngineStats() if counters is None else counters
@@ -72,6 +77,34 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        self._classes[_class(seq)] += 1
+
+    def _unwait(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        key = _class(seq)
+        self._classes[key] -= 1
+        if not self._classes[key]:
+            del self._classes[key]
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the first (FCFS) while all are of one class
+        (priority, tenant); else the first of each class, ranked by priority, then its tenant's
+        running sequences, then arrival."""
+        if len(self._classes) == 1:
+            return self.waiting[0]
+        firsts: dict[tuple[int, str | None], Sequence] = {}
+        for seq in self.waiting:  # (stops once every class's first is found: usually early)
+            firsts.setdefault(_class(seq), seq)
+            if len(firsts) == len(self._classes):
+                break
+        running = Counter(s.tenancy.tenant for s in self.running)
+        return min(firsts.values(), key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival))
+
+    def _victim(self) -> Sequence:
+        """The running sequence a preemption takes: the newest (of one class); among several, the
+        newest of the highest priority value and of the tenant running the most."""
+        running = Counter(s.tenancy.tenant for s in self.running)
+        return max(self.running, key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival))
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Release a sequence's chunks: full ones stay cached in the tree, the rest are freed."""
@@ -79,7 +112,7 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
         elif seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+            self._unwait(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _release(self, seq: Sequence) -> None:
@@ -97,6 +130,7 @@ class Scheduler:
         while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
             i += 1
         self.waiting.insert(i, seq)
+        self._classes[_class(seq)] += 1
         self.counters.preemptions += 1
 
     # -- chunks -----------------------------------------------------------------------------
@@ -164,7 +198,7 @@ class Scheduler:
                     budget -= 1
                     continue
                 while self._coverable(seq, 0) < 1:  # not even one token fits: preempt the newest
-                    victim = max(self.running, key=lambda s: s.arrival)
+                    victim = self._victim()
                     budget += planned.pop(victim, 0)
                     self._preempt(victim)
                     if victim is seq:
@@ -179,11 +213,11 @@ class Scheduler:
         # after a preemption the pool is short: admitting now would only thrash
         admit = self.counters.preemptions == preemptions_before
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self._next_waiting()
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self._unwait(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             planned[seq] = n
@@ -211,7 +245,7 @@ class Scheduler:
         """
         if self.sharing and seq.params.prompt_logprobs is None:  # (prompt logprobs: every token computed)
             # the last token always runs: its logits give the first output token
-            path = self.tree.match(seq.token_ids, seq.num_tokens - 1)
+            path = self.tree.match(seq.token_ids, seq.num_tokens - 1, seq.tenancy.cache_salt)
             self.tree.acquire(path, self.now)
             seq.nodes, seq.num_computed = path, len(path) * self.c
         n = min(seq.num_pending, budget, self._coverable(seq, keep=len(self.running)))
@@ -243,11 +277,15 @@ class Scheduler:
         while seq.private and (len(seq.nodes) + 1) * c <= seq.num_computed:
             k = len(seq.nodes)
             tokens = tuple(seq.token_at(i) for i in range(k * c, (k + 1) * c))
-            parent = seq.nodes[-1] if seq.nodes else self.tree.root
+            parent = seq.nodes[-1] if seq.nodes else self.tree.root_for(seq.tenancy.cache_salt)
             cid = seq.private.pop(0)
             seq.nodes.append(self.tree.insert(parent, tokens, cid, self.now))
             if seq.nodes[-1].chunk_id != cid:  # deduplicated: the table changed in place
                 seq.table_version += 1
+
+
+def _class(seq: Sequence) -> tuple[int, str | None]:
+    return seq.tenancy.priority, seq.tenancy.tenant
 
 
 def _sort_dfs(rows: list[Sequence], last: Sequence | None = None) -> None:

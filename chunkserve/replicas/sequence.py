@@ -133,6 +133,26 @@ def _token_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool) and t >= 0
 
 
+@dataclass(frozen=True)
+class Tenancy:
+    """Whose request it is, as far as the engine cares (DESIGN §18): the cache namespace it shares
+    in and its place in admission."""
+
+    tenant: str | None = None  # None: no tenant table (one anonymous tenant)
+    # the prefix tree it matches and fills (PrefixTree.roots): None shares with every unsalted
+    # request; the ingress sets it from the tenant's cache policy and the request's cache_salt
+    cache_salt: str | None = None
+    priority: int = 0  # admission: lower first (vLLM's priority), then the tenant with fewer running
+
+    def __post_init__(self):
+        for name in ("tenant", "cache_salt"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise ValueError(f"{name} must be a string or None, got {type(v).__name__}")
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise ValueError(f"priority must be an integer, got {self.priority!r}")
+
+
 # Sequence.thinking: where a guided row with SamplingParams.think stands
 GUIDED, MAY_THINK, THINKING = 0, 1, 2  # the grammar holds its tokens; its first may open thinking; thinking
 
@@ -175,6 +195,7 @@ class Sequence:
     # first sampling step, given back when it leaves the engine); None: it holds none
     penalty_slot: int | None = None
     finish_reason: str | None = None
+    tenancy: Tenancy = Tenancy()  # its tenant, cache salt and priority
 
     @property
     def guided(self) -> bool:

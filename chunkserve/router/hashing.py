@@ -2,6 +2,10 @@
 
     h_k = xxh3_64(le64(h_{k-1}) ‖ le32(tokens of chunk k); seed),   h_0 = seed = xxh3_64(model name)
 
+A cache salt (a tenant's namespace or a request's `cache_salt`, DESIGN §18) reseeds the chain:
+seed = xxh3_64(salt; xxh3_64(model name)), so chunks of different salts never share a hash, on the
+replica (its digest) or at the router (the ingress's hashes and the index built from them).
+
 Only full chunks are hashed (a partial tail chunk is private on the replica, DESIGN §3), so a hash
 names exactly one node of a replica's prefix tree, and holding h_k implies holding h_1..h_{k-1}.
 The byte encoding is fixed (little-endian uint32 token ids, little-endian uint64 links) and
@@ -25,6 +29,12 @@ if array("I").itemsize != 4:  # C `unsigned int`: 4 bytes on every platform Ray 
 def model_seed(model_name: str) -> int:
     """The chain's seed: prompts of different served models never share hashes."""
     return xxhash.xxh3_64_intdigest(model_name.encode("utf-8"))
+
+
+def cache_seed(seed: str | int, salt: str | None) -> int:
+    """The chain's seed for prompts under `salt` (None: the model's own seed, today's hashes)."""
+    s = model_seed(seed) if isinstance(seed, str) else seed
+    return s if salt is None else xxhash.xxh3_64_intdigest(salt.encode("utf-8", "surrogatepass"), s)
 
 
 def _le32(token_ids: Sequence[int]) -> bytes:
