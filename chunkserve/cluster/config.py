@@ -100,6 +100,41 @@ class IngressOptions(_Strict):
     http_host: str = "127.0.0.1"  # the front's address: 0.0.0.0 to take requests from other hosts
 
 
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+DEFAULT_TENANT = "default"  # the tenant of api_key / api_key_env, or of every request without a key
+
+
+class TenantOptions(_Strict):
+    """One tenant (chunkserve/cluster/tenants.py, DESIGN §18): its keys, whom its cached prompts are
+    shared with, its rate limits and its priority."""
+
+    name: str = Field(pattern=TENANT_NAME)  # the `tenant` label of its /metrics series
+    api_keys: list[SecretStr] = []  # keys its clients send as `Authorization: Bearer <key>`
+    api_key_sha256: list[str] = []  # or their SHA-256, hex (the config then holds no key)
+    api_key_env: str | None = None  # or: an environment variable holding one key
+    # shared: cached prompts shared with every other `shared` tenant's (and salted alike: see
+    # cache_salt); private: with this tenant's own requests only; group:<name>: with the tenants of
+    # that group. A request's own cache_salt narrows it further, within the tenant's namespace
+    cache: str = Field("private", pattern=r"^(shared|private|group:[A-Za-z0-9_.-]{1,64})$")
+    # beyond these a request gets 429 with Retry-After (per ingress replica: each holds limit /
+    # ingress.num_replicas; bursts of up to 10 s worth); None: no limit. Tokens: prompt tokens
+    # when sent, completion tokens when done (a request is refused while the budget is spent)
+    requests_per_minute: PositiveInt | None = None
+    tokens_per_minute: PositiveInt | None = None
+    priority: int = 0  # the engines admit lower values first (vLLM's priority); then fair by tenant
+
+    @model_validator(mode="after")
+    def _check(self) -> TenantOptions:
+        if not (self.api_keys or self.api_key_sha256 or self.api_key_env):
+            raise ValueError(f"tenant {self.name!r} needs a key: api_keys, api_key_sha256 or api_key_env")
+        bad = [h for h in self.api_key_sha256 if len(h) != 64 or any(c not in "0123456789abcdef" for c in h)]
+        if bad:
+            raise ValueError(f"tenant {self.name!r}: api_key_sha256 takes 64 lowercase hex digits, got {bad[0]!r}")
+        if self.name == DEFAULT_TENANT:
+            raise ValueError(f"tenant name {DEFAULT_TENANT!r} is api_key's (or no key's): pick another")
+        return self
+
+
 class AppConfig(_Strict):
     model: str = (
         "tiny"  # preset name (chunkserve/replicas/model/presets/<name>.json), a Hugging Face directory or a GGUF file
@@ -151,6 +186,13 @@ class AppConfig(_Strict):
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
     api_key_env: str | None = None  # or: the name of an environment variable holding the key
     max_request_bytes: PositiveInt = 10 * 2**20  # larger bodies get 413
+    # tenants (chunkserve/cluster/tenants.py): keys -> tenant, cache policy, limits, priority. Empty:
+    # one tenant, `default`, whose key is api_key (if any) and whose cache is shared, as before.
+    # With tenants, api_key (if set) is still the `default` tenant's (shared, no limits)
+    tenants: list[TenantOptions] = []
+    # /metrics (per-tenant series tell each tenant's volumes and hit rates) needs this key when set;
+    # None: open, as vLLM's (for scrapers inside the cluster's network)
+    metrics_api_key: SecretStr | None = None
 
     @model_validator(mode="after")
     def _check(self) -> AppConfig:
@@ -158,6 +200,9 @@ class AppConfig(_Strict):
             raise ValueError("set num_replicas or autoscaling_config, not both")
         if self.api_key is not None and self.api_key_env is not None:
             raise ValueError("set api_key or api_key_env, not both")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tenant names must differ: {sorted(n for n in set(names) if names.count(n) > 1)}")
         if self.router.direct_stream and (self.router.policy != "prefix" or self.autoscaling_config is not None):
             raise ValueError(
                 "router.direct_stream needs router.policy prefix and a fixed num_replicas (Serve's "

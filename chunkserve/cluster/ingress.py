@@ -13,6 +13,7 @@ Errors use OpenAI's body: {"error": {"message", "type", "param", "code"}}.
 import asyncio
 import dataclasses
 import hmac
+import inspect
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ import re
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,15 +67,17 @@ from chunkserve.cluster.protocol import (
     template_tools,
 )
 from chunkserve.cluster.reasoning import ReasoningSplit, think_tags
+from chunkserve.cluster.tenants import RateLimited, Tenant, Tenants, Unauthorized, cache_salt, retry_after
 from chunkserve.cluster.tool_calls import ToolOutput
 from chunkserve.replicas.direct_stream import Address, DirectStream, ReplicaFull, StreamClient, StreamLost
 from chunkserve.replicas.engine_process import EngineDied
 from chunkserve.replicas.guided import load_grammar_engine
 from chunkserve.replicas.model import load_tokenizer
 from chunkserve.replicas.model.tokenizer import PLAIN_TEXT_ROLES
+from chunkserve.replicas.sequence import Tenancy
 from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
 from chunkserve.router import direct as direct_routes
-from chunkserve.router.hashing import chunk_hashes
+from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 logger = logging.getLogger("ray.serve")
 
@@ -542,7 +545,16 @@ def _cancel(started: list[Started]) -> None:
         rest.cancel()
 
 
-async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[str, str]) -> JSONResponse:
+Ended = Callable[[list[GenerateOutput]], None]  # a response's end: each choice's last output
+
+
+def _nothing(lasts: list[GenerateOutput]) -> None:
+    pass
+
+
+async def _whole(
+    started: list[Started], fmt: _CompletionFormat, headers: dict[str, str], ended: Ended = _nothing
+) -> JSONResponse:
     async def outputs(first: GenerateOutput, rest: Outputs) -> list[GenerateOutput]:
         return [first] + [out async for out in rest]
 
@@ -554,6 +566,7 @@ async def _whole(started: list[Started], fmt: _CompletionFormat, headers: dict[s
     except BaseException:
         _cancel(started)  # the client went away: the replicas abort the requests
         raise
+    ended([outs[-1] for outs in choices])
     body = fmt.whole(list(choices)).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
     return JSONResponse(body, headers=headers)
 
@@ -571,7 +584,11 @@ def _server_timing(prepare_s: float, first_output_s: float, replica_s: float) ->
 
 
 def _sse(
-    started: list[Started], fmt: _CompletionFormat, include_usage: bool, headers: dict[str, str]
+    started: list[Started],
+    fmt: _CompletionFormat,
+    include_usage: bool,
+    headers: dict[str, str],
+    ended: Ended = _nothing,
 ) -> StreamingResponse:
     """Server-sent events: `data: {chunk}` per output (a choice's, with its index, as they come),
     the usage chunk if asked, then `data: [DONE]`. As in vLLM, an output that carries tokens is
@@ -624,6 +641,7 @@ def _sse(
                 task.cancel()
             if not done:
                 _cancel(started)  # the client disconnected (or a replica failed): abort in the engines
+            ended(lasts)  # (what it generated, also when cut short)
         if include_usage:
             yield f"data: {fmt.usage(lasts).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
@@ -641,7 +659,8 @@ class OpenAIIngress:
         if self.tokenizer is not None:  # (structured outputs need one: their grammars parse here)
             load_grammar_engine()
         self.token_texts = TokenTexts(self.tokenizer)  # logprobs' token texts
-        self.api_key = config.resolve_api_key()
+        self.tenants = Tenants(config)  # keys -> tenants, their limits and counts
+        self._metrics_key = None if config.metrics_api_key is None else config.metrics_api_key.get_secret_value()
         # special tokens' text typed in a text prompt or a user's or tool's message is text (not
         # their ids: a user could forge the template's role markers), unless the operator allows it
         self._split_special_tokens = not config.allow_special_tokens_in_prompt
@@ -717,9 +736,19 @@ class OpenAIIngress:
         )
 
     @app.get("/metrics")
-    async def metrics(self) -> Response:
+    async def metrics(self, request: Request) -> Response:
         """Prometheus text: every replica's chunkserve_* metrics (chunkserve/cluster/metrics.py). As vLLM's
-        /metrics, it needs no API key (scrapers carry none; it tells no request's content)."""
+        /metrics, it needs no API key (it tells no request's content), unless metrics_api_key is
+        set: its per-tenant series tell each tenant's volumes and hit rates."""
+        if self._metrics_key is not None:
+            _, _, token = request.headers.get("authorization", "").partition(" ")
+            if not hmac.compare_digest(token.strip().encode(), self._metrics_key.encode()):
+                raise APIError(
+                    401,
+                    "/metrics needs the metrics key (metrics_api_key): send `Authorization: Bearer <key>`",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
         return Response(await self._metrics.text(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/v1/models")
@@ -734,7 +763,10 @@ class OpenAIIngress:
     @app.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
         entered = time.perf_counter()
-        self._authorize(request)
+        tenant = self._authorize(request)
+        return await self._as_tenant(tenant, self._completions(request, tenant, entered))
+
+    async def _completions(self, request: Request, tenant: Tenant, entered: float) -> Response:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
         if len(body.prompts) * body.n > MAX_PROMPTS:
@@ -747,7 +779,7 @@ class OpenAIIngress:
         await self._check_logit_bias(body)
         await self._check_guide(body)
         limits = [await self._check_length(p, body.max_tokens, param="max_tokens") for p in prompts]
-        rid, reqs = self._generate_request("cmpl", prompts, limits, body)
+        rid, reqs = self._generate_request("cmpl", prompts, limits, body, tenant)
         echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
         tok = self.tokenizer
         fmt = _CompletionFormat(
@@ -761,12 +793,15 @@ class OpenAIIngress:
             [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
             tok.special_ids if tok is not None and body.skip_special_tokens else frozenset(),
         )
-        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered, tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         entered = time.perf_counter()
-        self._authorize(request)
+        tenant = self._authorize(request)
+        return await self._as_tenant(tenant, self._chat_completions(request, tenant, entered))
+
+    async def _chat_completions(self, request: Request, tenant: Tenant, entered: float) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
         if body.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
@@ -786,7 +821,7 @@ class OpenAIIngress:
         )
         # a guided request under a reasoning parser thinks freely first, where the tags are tokens
         think = think_tags(self.tokenizer, self.config.reasoning_parser, body.guide is not None)
-        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, think)
+        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, tenant, think)
         fmt = _ChatFormat(
             rid,
             self.model_name,
@@ -798,7 +833,29 @@ class OpenAIIngress:
             self.config.tool_call_parser,
             None if body.guide is not None and think is None else self.config.reasoning_parser,
         )
-        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered)
+        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered, tenant)
+
+    async def _as_tenant(self, tenant: Tenant, answer: Awaitable[Response]) -> Response:
+        """A completion endpoint's answer for `tenant`: within its rate limits (else 429 with
+        Retry-After, before anything is parsed), its refusals counted by code."""
+        try:
+            try:
+                self.tenants.admit(tenant)
+            except RateLimited as e:
+                raise APIError(
+                    429,
+                    str(e),
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                    headers={"Retry-After": retry_after(e.retry_after_s)},
+                ) from None
+            return await answer
+        except APIError as e:
+            self.tenants.counts.reject(tenant.name, e.detail.code or e.detail.type)
+            raise
+        finally:
+            if inspect.iscoroutine(answer) and inspect.getcoroutinestate(answer) == inspect.CORO_CREATED:
+                answer.close()  # (refused before it ran: never awaited)
 
     @app.post("/tokenize")
     async def tokenize(self, request: Request) -> JSONResponse:
@@ -837,10 +894,18 @@ class OpenAIIngress:
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     async def _respond(
-        self, reqs: list[GenerateRequest], fmt: _CompletionFormat, stream: bool, include_usage: bool, entered: float
+        self,
+        reqs: list[GenerateRequest],
+        fmt: _CompletionFormat,
+        stream: bool,
+        include_usage: bool,
+        entered: float,
+        tenant: Tenant,
     ) -> Response:
         """Start every choice's request (each waits for its first output, so errors get a status
-        code), then answer with all of them. entered: when the endpoint was called (perf_counter)."""
+        code), then answer with all of them. entered: when the endpoint was called (perf_counter).
+        The tenant's prompt tokens count against its limits when sent, its completion tokens
+        when the response ends."""
         sent = time.perf_counter()
         limit = self.config.request_deadline_s
         deadline = None if limit is None else entered + limit
@@ -861,24 +926,26 @@ class OpenAIIngress:
                 sent - entered, first - sent, max(out.first_output_s or 0.0 for out, _ in results)
             ),
         }
+        self.tenants.charge(tenant, sum(len(r.prompt_token_ids) for r in reqs[:: fmt.n]))
+
+        def ended(lasts: list[GenerateOutput]) -> None:
+            usage = Usage.of(lasts, fmt.n)
+            self.tenants.charge(tenant, usage.completion_tokens)
+            self.tenants.counts.served(
+                tenant.name, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens, usage.completion_tokens
+            )
+
         if stream:
-            return _sse(results, fmt, include_usage, headers)
-        return await _whole(results, fmt, headers)
+            return _sse(results, fmt, include_usage, headers, ended)
+        return await _whole(results, fmt, headers, ended)
 
     # -- request checks ---------------------------------------------------------------------
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token:
-            raise APIError(
-                401,
-                "missing API key: send `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        if not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+    def _authorize(self, request: Request) -> Tenant:
+        """The request's tenant, from its key (chunkserve/cluster/tenants.py); 401 without a known key."""
+        try:
+            return self.tenants.authorize(request.headers.get("authorization"))
+        except Unauthorized as e:
+            raise APIError(401, str(e), code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}) from None
 
     async def _parse(self, request: Request, model: type[BaseModel]) -> BaseModel:
         _check_content_type(request)
@@ -1029,10 +1096,13 @@ class OpenAIIngress:
         prompts: list[list[int]],
         limits: list[int],
         body: CompletionRequest | ChatCompletionRequest,
+        tenant: Tenant,
         think: tuple[int | None, int] | None = None,
     ) -> tuple[str, list[GenerateRequest]]:
         """-> (the response's id, one generate request per choice: prompt after prompt, each
-        with its n choices); limits: each prompt's max_tokens; think: SamplingParams.think."""
+        with its n choices); limits: each prompt's max_tokens; think: SamplingParams.think.
+        The tenant's cache policy and the body's cache_salt make the salt its prompts' chunks
+        are hashed (for the router) and cached (in the engine) under."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
@@ -1049,12 +1119,14 @@ class OpenAIIngress:
         rid = f"{kind}-{uuid.uuid4().hex}"
         seed = None if body.n == 1 or body.seed is not None else secrets.randbits(64)
         one = len(prompts) == 1 and body.n == 1
+        salt = cache_salt(tenant, body.cache_salt)
+        tenancy, seed_of_chain = Tenancy(tenant.name, salt, tenant.priority), cache_seed(self.model_name, salt)
         reqs = []
         for p, (prompt, max_tokens) in enumerate(zip(prompts, limits)):
             # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
             # length and params.max_tokens from this request
             hashes = tuple(
-                chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks, self.model_name)
+                chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks, seed_of_chain)
             )
             params = [body.sampling_params(max_tokens, i, seed) for i in range(body.n)]
             if think is not None:
@@ -1069,6 +1141,7 @@ class OpenAIIngress:
                     prefix_hashes=hashes,
                     skip_special_tokens=body.skip_special_tokens,
                     include_stop_str_in_output=body.include_stop_str_in_output,
+                    tenancy=tenancy,
                 )
                 for i in range(body.n)
             ]
@@ -1079,11 +1152,10 @@ class OpenAIIngress:
         response counts, which another ingress replica's /metrics asks for (chunkserve/cluster/metrics.py)."""
         return self.record_http()
 
-    @staticmethod
-    def record_http() -> dict:
+    def record_http(self) -> dict:
         # The counts are chunkserve.cluster.metrics.HTTP of this process, named through the module: Serve ships
         # this class by value (cloudpickle), which would give a global named here a copy of its own.
-        return {"http": cluster_metrics.HTTP.snapshot()}
+        return {"http": cluster_metrics.HTTP.snapshot(), "tenants": self.tenants.counts.snapshot()}
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _replica_states(self) -> dict[str, int]:

@@ -28,6 +28,11 @@ is the application's p99. The names, and vLLM's for the same thing (vLLM's /metr
     chunkserve_http_errors_total                (none: the OpenAI error code of each error response)
     chunkserve_stream_errors_total              (none: error chunks sent in a stream that had begun)
     chunkserve_metrics_replicas                 (none: replicas this scrape reached, or did not)
+    chunkserve_tenant_requests_total            (none: per tenant, the ingress's answered completions;
+    chunkserve_tenant_prompt_tokens_total        prompt, cached prompt and generated tokens; its hit
+    chunkserve_tenant_cached_prompt_tokens_total rate: rate(cached) / rate(prompt); requests refused
+    chunkserve_tenant_generated_tokens_total     by OpenAI error code: 429 rate_limit_exceeded, ...)
+    chunkserve_tenant_rejected_requests_total
 """
 
 from __future__ import annotations
@@ -291,6 +296,7 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         for code, n in http["stream_errors"]:
             stream.add_metric([rid, code], n)
     yield from (responses, errors, stream)
+    yield from _tenant_families(replicas)
     reached = GaugeMetricFamily(
         "chunkserve_metrics_replicas",
         "Replicas this scrape reached (answered: true) or did not (starting, stopping, or timed out), by deployment.",
@@ -301,6 +307,36 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         reached.add_metric([deployment, "true"], answered[deployment])
         reached.add_metric([deployment, "false"], unreached.get(deployment, 0))
     yield reached
+
+
+_TENANT_COUNTERS = {
+    "requests": "Completion requests answered (streams cut short included), by tenant.",
+    "prompt_tokens": "Prompt tokens of those, by tenant (a prompt of n choices once).",
+    "cached_prompt_tokens": "Of those, prompt tokens served from the tenant's cache (its salt's prefix tree).",
+    "generated_tokens": "Tokens generated for the tenant.",
+}
+
+
+def _tenant_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metric]:
+    """Per-tenant counts of every ingress replica (chunkserve/cluster/tenants.py TenantCounts)."""
+    counts = {rid: s["tenants"] for (_, rid), s in sorted(replicas.items()) if "tenants" in s}
+    families = {
+        field: CounterMetricFamily(f"chunkserve_tenant_{field}", doc, labels=["replica", "tenant"])
+        for field, doc in _TENANT_COUNTERS.items()
+    }
+    rejected = CounterMetricFamily(
+        "chunkserve_tenant_rejected_requests",
+        "Completion requests refused, by tenant and OpenAI error code (429 rate_limit_exceeded, 503 overloaded, ...).",
+        labels=["replica", "tenant", "code"],
+    )
+    for rid, tenants in counts.items():
+        for tenant, *values in tenants["totals"]:
+            for field, value in zip(_TENANT_COUNTERS, values):
+                families[field].add_metric([rid, tenant], value)
+        for tenant, code, n in tenants["rejected"]:
+            rejected.add_metric([rid, tenant, code], n)
+    yield from families.values()
+    yield rejected
 
 
 def _bound(b: float) -> str:

@@ -153,7 +153,10 @@ class _SamplingRequest(_NullMeansDefault):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
     return_token_ids: bool = False  # extension (as vLLM): token ids beside the text
-    user: str | None = None
+    user: str | None = None  # accepted, unused (OpenAI's end-user id): it isolates nothing, cache_salt does
+    # vLLM's: prompts share cached chunks only with requests of the same salt (and the tenant's
+    # cache policy: chunkserve/cluster/tenants.py), so another client cannot time whether they are cached
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     repetition_penalty: float = Field(1.0, gt=0, le=100)  # extension (vLLM)

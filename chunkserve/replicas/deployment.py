@@ -135,7 +135,7 @@ class LLMReplica:
         engine_done = False
         sent_at = None  # when the last output went (the first goes at once)
         try:
-            self.core.add(rid, list(request.prompt_token_ids), request.params)
+            self.core.add(rid, list(request.prompt_token_ids), request.params, request.tenancy)
             await stream.accepted  # the engine's ValueError for a bad request surfaces here
             while not engine_done:
                 batch = [await stream.outputs.get()]

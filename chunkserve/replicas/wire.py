@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.sequence import SamplingParams, Tenancy
 
 __all__ = ["GenerateOutput", "GenerateRequest"]
 
@@ -23,6 +23,9 @@ class GenerateRequest:
     prefix_hashes: tuple[int, ...] = ()  # chained chunk hashes of the prompt's head, for the router
     skip_special_tokens: bool = True  # the text without special tokens' (vLLM's)
     include_stop_str_in_output: bool = False  # the text through the stop string (vLLM's)
+    # its tenant, cache salt (the prefix tree it shares; prefix_hashes are seeded by it too) and
+    # priority (chunkserve/cluster/tenants.py)
+    tenancy: Tenancy = Tenancy()
 
 
 @dataclass(frozen=True)
