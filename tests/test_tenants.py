@@ -141,3 +141,16 @@ def test_the_routers_index_sees_a_salted_prefix_only_under_its_salt():
     assert index.depth("r0", chain(globex)) == 0
     assert index.depth("r0", chain(DEFAULT)) == 0
     assert index.depth("r0", chain(acme, "another")) == 0
+
+
+def test_the_readmes_tenant_table_is_a_valid_config():
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"```yaml\n(.*?)```", text[text.index("## Tenants") :], re.S).group(1)
+    config = AppConfig.model_validate(yaml.safe_load(block)["args"])
+    assert [t.name for t in config.tenants] == ["acme", "globex"]
+    assert config.tenants[1].cache == "group:partners"
