@@ -86,18 +86,17 @@ class Scheduler:
         if not self._classes[key]:
             del self._classes[key]
 
-    def _next_waiting(self) -> Sequence:
+    def _next_waiting(self, running: Counter[str | None] | None) -> Sequence:
         """The waiting sequence to admit next: the first (FCFS) while all are of one class
         (priority, tenant); else the first of each class, ranked by priority, then its tenant's
-        running sequences, then arrival."""
-        if len(self._classes) == 1:
+        running sequences (`running`: counts by tenant, kept by the caller), then arrival."""
+        if running is None:
             return self.waiting[0]
         firsts: dict[tuple[int, str | None], Sequence] = {}
         for seq in self.waiting:  # (stops once every class's first is found: usually early)
             firsts.setdefault(_class(seq), seq)
             if len(firsts) == len(self._classes):
                 break
-        running = Counter(s.tenancy.tenant for s in self.running)
         return min(firsts.values(), key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival))
 
     def _victim(self) -> Sequence:
@@ -212,12 +211,17 @@ class Scheduler:
             self._reserve_ahead([s for s, n in planned.items() if s.num_pending == 1 and n == 1])
         # after a preemption the pool is short: admitting now would only thrash
         admit = self.counters.preemptions == preemptions_before
+        running: Counter[str | None] | None = None  # by tenant, once several classes wait
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+            if running is None and len(self._classes) > 1:
+                running = Counter(s.tenancy.tenant for s in self.running)
+            seq = self._next_waiting(running)
             n = self._admit(seq, budget)
             if n == 0:
                 break
             self._unwait(seq)
+            if running is not None:
+                running[seq.tenancy.tenant] += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
             planned[seq] = n
