@@ -191,7 +191,6 @@ def _deep(depth: int) -> dict:
         ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
-        ({"prompt": "x", "stop": ["s"] * 65}, "stop"),  # each stop string is searched for at every token
         ({"prompt": "x", "stop_token_ids": [1] * 4097}, "stop_token_ids"),
         ({"prompt": None}, "prompt"),  # null is no prompt, not a default
         ({"prompt": "x", "seed": 2**64}, "seed"),
@@ -229,6 +228,24 @@ def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
         CompletionRequest.model_validate(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+def test_stop_strings_past_the_servers_limits_are_a_400_naming_them():
+    """How many stop strings a request gives and their characters in all are the config's
+    (max_stop_strings, max_stop_chars): the schema takes any, the ingress refuses past them."""
+    from chunkserve.cluster.ingress import APIError, _check_stop
+
+    config = AppConfig()
+    assert (config.max_stop_strings, config.max_stop_chars) == (64, 8192)
+    long = CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 65 + ["x" * 10**6]})
+    assert len(long.stop_strings) == 66
+    _check_stop(("s",) * 64, config)  # at the limits: taken
+    _check_stop(("a" * 8000, "b" * 192), config)
+    for stop, limit in ((("s",) * 65, "max_stop_strings"), (("a" * 8000, "b" * 193), "max_stop_chars")):
+        with pytest.raises(APIError) as e:
+            _check_stop(stop, config)
+        assert (e.value.status, e.value.detail.param) == (400, "stop") and limit in e.value.detail.message
+    _check_stop(("s",) * 65 + ("x" * 10**6,), AppConfig(max_stop_strings=100, max_stop_chars=2 * 10**6))
 
 
 def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():

@@ -182,6 +182,32 @@ def test_no_error_body_tells_of_the_cluster(url):
         assert not LEAKS.search(r.text), (name, r.text)
 
 
+@pytest.mark.parametrize("path", ENDPOINTS)
+def test_stop_strings_past_the_limits_are_a_400_and_within_them_stop(url, path):
+    """The default limits: 64 stop strings of 8192 characters in all (AppConfig.max_stop_strings,
+    max_stop_chars). Past either, a 400 naming the limit and `stop`, before anything runs; at
+    them the request is served and its stop string still ends the text."""
+    for stop, limit in ((["s"] * 65, "max_stop_strings"), (["q" * 8000, "r" * 193], "max_stop_chars")):
+        error = _openai_error(
+            httpx.post(f"{url}{path}", json={**_body(path, "Hi"), "stop": stop}, timeout=TIMEOUT), 400
+        )
+        assert error["param"] == "stop" and limit in error["message"], error
+    greedy = {**_body(path, "Hello"), "max_tokens": 40, "ignore_eos": True, "temperature": 0}
+
+    def text(body: dict) -> str:
+        r = httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+    full = text(greedy)
+    stop = full[5:8]
+    assert len(stop) == 3, full
+    # 64 stop strings of 8192 characters in all, the one that matches among them
+    others = ["\x01" * 127] * 62 + ["\x02" * (8192 - 62 * 127 - len(stop))]
+    assert text({**greedy, "stop": [*others[:40], stop, *others[40:]]}) == full[: full.index(stop)]
+
+
 def _replica_pids(app: str = "hostile") -> list[int]:
     """The pids of app's live LLMReplica actors (their names: SERVE_REPLICA::<app>#LLMReplica#<id>)."""
     pids = []

@@ -183,6 +183,15 @@ class AppConfig(_Strict):
     # markers are special either way
     allow_special_tokens_in_prompt: bool = False
 
+    # Stop strings a request may give, and their characters in all. The ingress sends them with
+    # each of the request's prompts x n choices, and each choice's stream searches its text for
+    # every one at every token, holding back as much text as the longest could begin. OpenAI takes
+    # 4 stop strings; 64 of up to 8192 characters in all cover any ordinary use (words, markers,
+    # a template's end tags) and refuse megabyte-sized ones, whose copies cost the ingress and the
+    # replica gigabytes (issue #45). Past either: a 400 naming the limit
+    max_stop_strings: PositiveInt = 64
+    max_stop_chars: PositiveInt = 8192
+
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
     api_key_env: str | None = None  # or: the name of an environment variable holding the key
     max_request_bytes: PositiveInt = 10 * 2**20  # larger bodies get 413

@@ -291,6 +291,26 @@ async def _off_loop_if(big: bool, fn, *args):
     return await asyncio.to_thread(fn, *args) if big else fn(*args)
 
 
+def _check_stop(stop: tuple[str, ...], config: AppConfig) -> None:
+    """400 naming the limit when a request's stop strings are more, or longer in all, than the
+    config allows (AppConfig.max_stop_strings, max_stop_chars)."""
+    if len(stop) > config.max_stop_strings:
+        raise APIError(
+            400,
+            f"{len(stop)} stop strings are more than this server takes: at most "
+            f"{config.max_stop_strings} (max_stop_strings)",
+            param="stop",
+        )
+    chars = sum(map(len, stop))
+    if chars > config.max_stop_chars:
+        raise APIError(
+            400,
+            f"stop strings of {chars} characters in all are longer than this server takes: at most "
+            f"{config.max_stop_chars} characters over all of a request's stop strings (max_stop_chars)",
+            param="stop",
+        )
+
+
 class _Late(Exception):
     """No first output by the request's deadline."""
 
@@ -769,6 +789,7 @@ class OpenAIIngress:
     async def _completions(self, request: Request, tenant: Tenant, entered: float) -> Response:
         body = await self._parse(request, CompletionRequest)
         self._check_model(body.model)
+        _check_stop(body.stop_strings, self.config)
         if len(body.prompts) * body.n > MAX_PROMPTS:
             raise APIError(
                 400,
@@ -804,6 +825,7 @@ class OpenAIIngress:
     async def _chat_completions(self, request: Request, tenant: Tenant, entered: float) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         self._check_model(body.model)
+        _check_stop(body.stop_strings, self.config)
         if body.effective_tool_choice == "auto" and self.config.tool_call_parser is None:
             raise APIError(
                 400,

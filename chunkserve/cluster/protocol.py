@@ -37,7 +37,6 @@ from chunkserve.replicas.wire import GenerateOutput
 
 # -- requests --------------------------------------------------------------------------------
 
-MAX_STOP_STRINGS = 64  # each one is searched for in the text at every token (OpenAI allows 4)
 MAX_STOP_TOKEN_IDS = 4096
 MAX_LOGIT_BIAS = 1024  # tokens a request may bias
 MAX_N = 16  # choices a request may ask for
@@ -181,10 +180,9 @@ class _SamplingRequest(_NullMeansDefault):
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        # (how many, and how long in all: the server's limits, checked by the ingress)
         if stop is not None and any(s == "" for s in ([stop] if isinstance(stop, str) else stop)):
             raise ValueError("stop strings must not be empty")
-        if isinstance(stop, list) and len(stop) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
         return stop
 
     @field_validator("logit_bias")
