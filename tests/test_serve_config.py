@@ -433,6 +433,54 @@ def test_text_stream_stop_strings_and_utf8():
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
 
 
+def test_text_stream_keeps_only_the_text_not_yet_sent():
+    """A stop string can only begin in the held-back text, so nothing before it is kept or searched
+    again: each token's search covers the stop strings' lengths and the new text (once, all the
+    text so far, for each stop string at each token)."""
+    tok = load_tokenizer("tiny")
+    stops = ("abc", "z" * 40)
+    stream, sent, kept = _TextStream(tok, tuple(tok.encode("p")), stops), "", 0
+    text = "lorem ipsum dolor sit amet, " * 200  # 5600 byte tokens, no stop string
+    for t in tok.encode(text, add_special_tokens=False):
+        new, stopped = stream.push((t,), final=False)
+        sent, kept = sent + new, max(kept, len(stream._text))
+        assert not stopped
+    assert sent + stream._text == text and kept == 39  # (the longest stop string but one: held back)
+    # the held-back text and the new: a stop string is found there, and the text ends before it
+    assert stream.push(tuple(tok.encode("xabcy", add_special_tokens=False)), final=False) == (text[-39:] + "x", True)
+
+
+def test_a_requests_choices_hold_one_copy_of_its_stop_strings_in_the_replica():
+    """Each of a request's n choices is a call of its own, which pickles its GenerateRequest (Ray's
+    serialization; a direct stream's pickle): unpickled, every choice's stop strings are one tuple
+    object, which the replica's text streams share, dropped with the last request holding it."""
+    import gc
+    import pickle
+
+    from ray import cloudpickle
+
+    from chunkserve.replicas.sequence import SamplingParams
+    from chunkserve.replicas.wire import HELD_STOPS, GenerateRequest
+
+    tok = load_tokenizer("tiny")
+    stop = ("q" * 100_000, "STOP")
+    sent = [GenerateRequest(f"r-{i}", (1, 2, 3), SamplingParams(max_tokens=4), stop, "tiny") for i in range(16)]
+    got = [
+        (pickle if i % 2 else cloudpickle).loads((pickle if i % 2 else cloudpickle).dumps(r))
+        for i, r in enumerate(sent)
+    ]
+    assert got == sent and got[0].stop == stop and got[0].stop is not stop  # (a copy of this process's own)
+    assert all(r.stop is got[0].stop for r in got) and len(HELD_STOPS) == 1
+    streams = [_TextStream(tok, r.prompt_token_ids, r.stop) for r in got]
+    assert all(s._stop is got[0].stop for s in streams)
+    other = pickle.loads(pickle.dumps(dataclasses.replace(sent[0], stop=("other",))))
+    assert other.stop == ("other",) and len(HELD_STOPS) == 2
+    del got, streams, other
+    gc.collect()
+    assert len(HELD_STOPS) == 0  # (given back with the requests)
+    assert pickle.loads(pickle.dumps(dataclasses.replace(sent[0], stop=()))).stop == () and len(HELD_STOPS) == 0
+
+
 def _outputs(
     ids: list[int], per_step: int, finish: str | None, prompt: int = 3, logprobs: bool = False
 ) -> list[RequestOutput]:

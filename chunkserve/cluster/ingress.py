@@ -1139,6 +1139,7 @@ class OpenAIIngress:
         # keys come from its seed and the request's arrival, alike on every replica, so choices on
         # two replicas could draw alike)
         rid = f"{kind}-{uuid.uuid4().hex}"
+        stop = body.stop_strings  # (one tuple for all: each call pickles it, the replica keeps one copy)
         seed = None if body.n == 1 or body.seed is not None else secrets.randbits(64)
         one = len(prompts) == 1 and body.n == 1
         salt = cache_salt(tenant, body.cache_salt)
@@ -1158,7 +1159,7 @@ class OpenAIIngress:
                     request_id=rid if one else f"{rid}-{p * body.n + i}",
                     prompt_token_ids=tuple(prompt),
                     params=params[i],
-                    stop=body.stop_strings,
+                    stop=stop,
                     model=self.model_name,
                     prefix_hashes=hashes,
                     skip_special_tokens=body.skip_special_tokens,

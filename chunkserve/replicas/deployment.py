@@ -437,6 +437,11 @@ class _TextStream:
     min_tokens-th token on (vLLM: text before it is not searched again). vLLM's options:
     skip_special_tokens=False renders special tokens' text; include_stop=True ends the text after
     the stop string instead.
+
+    Only the text not yet sent is kept: a stop string found now ends in the new text, so it
+    begins in the held-back part at the earliest, and each token's search covers, per stop
+    string, its length and the new text, never the text before (bounded by the ingress's
+    max_stop_chars).
     """
 
     def __init__(
@@ -456,8 +461,7 @@ class _TextStream:
         self._stop, self._include_stop = stop, include_stop
         self._min_tokens, self._tokens = min_tokens, 0
         self._hold = max(map(len, stop), default=1) - 1
-        self._text = ""
-        self._sent = 0  # chars of _text already returned
+        self._text = ""  # not yet sent: at most _hold chars between pushes
 
     def push(self, token_ids: tuple[int, ...], final: bool) -> tuple[str, bool]:
         """-> (text to send now, whether a stop string ended the text)."""
@@ -469,17 +473,19 @@ class _TextStream:
         if final:
             self._text += self._detok.flush()
         stopped = self._tokens >= self._min_tokens and self._cut_at_stop(checked)
-        end = len(self._text) if final or stopped else max(self._sent, len(self._text) - self._hold)
-        new, self._sent = self._text[self._sent : end], end
+        end = len(self._text) if final or stopped else max(0, len(self._text) - self._hold)
+        new, self._text = self._text[:end], self._text[end:]
         return new, stopped
 
     def _cut_at_stop(self, checked: int) -> bool:
-        # A stop string found now ends in the new text, so it starts after checked - len(stop).
-        hits = [(i, len(s)) for s in self._stop if (i := self._text.find(s, max(0, checked - len(s) + 1))) >= 0]
+        # A stop string found now ends in the new text (after `checked`), so it starts after
+        # checked - len(stop), inside what was held back (_hold >= len(stop) - 1 chars).
+        text = self._text
+        hits = [(i, len(s)) for s in self._stop if (i := text.find(s, max(0, checked - len(s) + 1))) >= 0]
         if not hits:
             return False
         start, length = min(hits)  # (of stop strings found at one place, the shortest)
-        self._text = self._text[: start + length if self._include_stop else start]
+        self._text = text[: start + length if self._include_stop else start]
         return True
 
 

@@ -6,6 +6,9 @@ chunkserve/cluster/protocol.py.
 
 from __future__ import annotations
 
+import dataclasses
+import threading
+import weakref
 from dataclasses import dataclass
 
 from chunkserve.replicas.sequence import SamplingParams, Tenancy
@@ -15,6 +18,10 @@ __all__ = ["GenerateOutput", "GenerateRequest"]
 
 @dataclass(frozen=True)
 class GenerateRequest:
+    """One choice of one prompt. A request's choices carry the same stop strings, and each call
+    pickles its own copy: unpickled, a request's stop strings are the process's one copy of
+    that tuple (_HeldStops), so a replica holds them once however many choices use them."""
+
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
@@ -26,6 +33,48 @@ class GenerateRequest:
     # its tenant, cache salt (the prefix tree it shares; prefix_hashes are seeded by it too) and
     # priority (chunkserve/cluster/tenants.py)
     tenancy: Tenancy = Tenancy()
+
+    def __reduce__(self):
+        return _received, tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+class _HeldStops:
+    """The stop-string tuples of the GenerateRequests this process has unpickled and still holds:
+    one copy per distinct tuple, dropped when the last request holding it is."""
+
+    def __init__(self) -> None:
+        self._held: dict[tuple[str, ...], list] = {}  # tuple -> [the copy held, requests holding it]
+        self._lock = threading.RLock()  # (unpickled on Ray's threads; a release may run inside a take's GC)
+
+    def take(self, stop: tuple[str, ...]) -> tuple[str, ...]:
+        with self._lock:
+            held = self._held.setdefault(stop, [stop, 0])
+            held[1] += 1
+            return held[0]
+
+    def release(self, stop: tuple[str, ...]) -> None:
+        with self._lock:
+            held = self._held.get(stop)
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._held[stop]
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+
+HELD_STOPS = _HeldStops()
+
+
+def _received(*fields) -> GenerateRequest:
+    """A GenerateRequest as unpickled: its stop strings the process's held copy (HELD_STOPS)."""
+    request = GenerateRequest(*fields)
+    if request.stop:
+        held = HELD_STOPS.take(request.stop)
+        object.__setattr__(request, "stop", held)  # (frozen for its users; this is its construction)
+        weakref.finalize(request, HELD_STOPS.release, held)
+    return request
 
 
 @dataclass(frozen=True)
