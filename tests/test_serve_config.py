@@ -248,6 +248,34 @@ def test_stop_strings_past_the_servers_limits_are_a_400_naming_them():
     _check_stop(("s",) * 65 + ("x" * 10**6,), AppConfig(max_stop_strings=100, max_stop_chars=2 * 10**6))
 
 
+def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it():
+    """Per choice, (k + 1) entries for each token it may generate and, with echo and logprobs, each
+    prompt token (AppConfig.max_logprob_entries, 2**18): the issue's 4 echoed 3900-token prompts
+    with 20 each (a 15 KB request, a 3.2 MB response) are refused, one choice of a whole 8K
+    context with 20 is not, nor anything without logprobs."""
+    from chunkserve.cluster.ingress import APIError, _check_logprob_entries
+
+    most = AppConfig().max_logprob_entries
+    assert most == 2**18
+    prompts = [[1] * 3900] * 4
+    echoed = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16})
+    with pytest.raises(APIError) as e:
+        _check_logprob_entries(echoed, prompts, [16] * 4, most)
+    assert (e.value.status, e.value.detail.param) == (400, "logprobs")
+    assert "max_logprob_entries" in e.value.detail.message and str(4 * 3916 * 21) in e.value.detail.message
+    _check_logprob_entries(echoed, prompts, [16] * 4, 4 * 3916 * 21)  # at the limit: taken
+    plain = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "max_tokens": 16, "n": 16})
+    _check_logprob_entries(plain, prompts, [16] * 4, 1)
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20}
+    _check_logprob_entries(ChatCompletionRequest.model_validate(chat), [[1] * 100], [8092], most)
+    with pytest.raises(APIError) as e:  # n choices each
+        _check_logprob_entries(ChatCompletionRequest.model_validate({**chat, "n": 2}), [[1] * 100], [8092], most)
+    assert e.value.detail.param == "top_logprobs"
+    # the echoed prompts' entries only with logprobs; without echo, only the generated tokens'
+    one = CompletionRequest.model_validate({"prompt": [1] * 3900, "logprobs": 20, "max_tokens": 16})
+    _check_logprob_entries(one, [[1] * 3900], [16], 16 * 21)
+
+
 def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert CompletionRequest.model_validate({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH)}).guide

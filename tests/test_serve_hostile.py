@@ -208,6 +208,30 @@ def test_stop_strings_past_the_limits_are_a_400_and_within_them_stop(url, path):
     assert text({**greedy, "stop": [*others[:40], stop, *others[40:]]}) == full[: full.index(stop)]
 
 
+def test_logprobs_past_the_limit_are_a_400_and_within_it_are_right(url):
+    """More logprob entries than max_logprob_entries (2**18) in one response: a 400 naming the limit
+    and the field, before anything runs (8 echoed 2000-token prompts with 20 each; a chat's 16
+    choices with 20 each over what the context leaves). Within it echo and logprobs are served:
+    each prompt token's entry (the first null) and the completion's, with their 5 most likely."""
+    prompts = [[(p * 31 + i) % 250 + 1 for i in range(2000)] for p in range(8)]
+    big = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16}
+    error = _openai_error(httpx.post(f"{url}/v1/completions", json=big, timeout=TIMEOUT), 400)
+    assert error["param"] == "logprobs" and "max_logprob_entries" in error["message"], error
+    chat = {**CHAT, "max_tokens": None, "n": 16, "logprobs": True, "top_logprobs": 20}
+    error = _openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT), 400)
+    assert error["param"] == "top_logprobs" and "max_logprob_entries" in error["message"], error
+    ok = {"prompt": [p[:50] for p in prompts[:2]], "echo": True, "logprobs": 5, "max_tokens": 3, "ignore_eos": True}
+    r = httpx.post(f"{url}/v1/completions", json=ok, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    for choice in r.json()["choices"]:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == 50 + 3
+        assert logprobs["token_logprobs"][0] is None and all(v <= 0 for v in logprobs["token_logprobs"][1:])
+        # (5 tokens' texts: fewer keys where pieces of characters all read U+FFFD)
+        assert logprobs["top_logprobs"][0] is None and all(1 <= len(t) <= 5 for t in logprobs["top_logprobs"][1:])
+        assert len(logprobs["text_offset"]) == 53 and choice["finish_reason"] == "length"
+
+
 def _replica_pids(app: str = "hostile") -> list[int]:
     """The pids of app's live LLMReplica actors (their names: SERVE_REPLICA::<app>#LLMReplica#<id>)."""
     pids = []
@@ -371,6 +395,12 @@ def test_no_request_stalls_the_event_loop(urls, path):
         # 9.4 MB on 16 prompts x n 16: 28 s, the replica 1.5 GB larger, the stream's gaps up to 1.4 s)
         ("/v1/completions", {"prompt": ["x"] * 16, "n": 16, "max_tokens": 2, "stop": ["q" * 9_400_000]}, "stop"),
         ("/v1/chat/completions", {**CHAT, "stop": [f"{i:02d}" + "q" * 60_000 for i in range(64)]}, "stop"),
+        # past max_logprob_entries: 8 echoed 2000-token prompts with their 20 most likely tokens each
+        (
+            "/v1/completions",
+            {"prompt": [[i % 250 + 1] * 2000 for i in range(8)], "echo": True, "logprobs": 20, "max_tokens": 2},
+            "logprobs",
+        ),
     ]
     burst = 1000
     spawn = multiprocessing.get_context("spawn")

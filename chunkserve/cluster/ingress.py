@@ -311,6 +311,32 @@ def _check_stop(stop: tuple[str, ...], config: AppConfig) -> None:
         )
 
 
+def _check_logprob_entries(
+    body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], limits: list[int], most: int
+) -> None:
+    """400 naming the limit when the response could carry more logprob entries than `most`
+    (AppConfig.max_logprob_entries): per choice, k + 1 for each token it may generate (limits:
+    each prompt's max_tokens) and, with echo and logprobs, for each prompt token."""
+    k, k_prompt = body.top_logprobs_wanted, body.prompt_logprobs_wanted
+    if k is None and k_prompt is None:
+        return
+    entries = body.n * sum(
+        (0 if k is None else (k + 1) * most_tokens) + (0 if k_prompt is None else (k_prompt + 1) * len(prompt))
+        for prompt, most_tokens in zip(prompts, limits)
+    )
+    if entries > most:
+        echoed = "" if k_prompt is None else " and each echoed prompt token"
+        raise APIError(
+            400,
+            f"this request could return {entries} logprob entries, more than this server sends in one "
+            f"response: at most {most} (max_logprob_entries). Per choice ({len(prompts)} prompt(s) x "
+            f"n={body.n}), each token's and its {k if k is not None else k_prompt} most likely tokens', "
+            f"for each of up to max_tokens={max(limits)} generated tokens{echoed}; lower max_tokens, n, "
+            "the logprobs asked for or the prompts sent at once",
+            param="top_logprobs" if isinstance(body, ChatCompletionRequest) and body.top_logprobs else "logprobs",
+        )
+
+
 class _Late(Exception):
     """No first output by the request's deadline."""
 
@@ -1127,6 +1153,7 @@ class OpenAIIngress:
         are hashed (for the router) and cached (in the engine) under."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
+        _check_logprob_entries(body, prompts, limits, self.config.max_logprob_entries)
         if body.min_tokens > min(limits):  # (max_tokens: the request's, or what the context leaves)
             raise APIError(
                 400,

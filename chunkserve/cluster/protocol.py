@@ -252,6 +252,11 @@ class _SamplingRequest(_NullMeansDefault):
         drawn one's), None: no logprobs."""
         return None
 
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        """SamplingParams.prompt_logprobs: the same for each prompt token (None: not wanted)."""
+        return None
+
     def sampling_params(self, max_tokens: int, choice: int = 0, seed: int | None = None) -> SamplingParams:
         """The params of choice `choice` (0 .. n - 1): choice i draws with seed + i, the seed the
         request's, else `seed` (None: the engine keys it)."""
@@ -367,10 +372,14 @@ class CompletionRequest(_SamplingRequest):
     def top_logprobs_wanted(self) -> int | None:
         return self.logprobs
 
+    @property
+    def prompt_logprobs_wanted(self) -> int | None:
+        return self.logprobs if self.echo else None  # the prompt's logprobs too (its whole prompt computed)
+
     def sampling_params(self, max_tokens: int, choice: int = 0, seed: int | None = None) -> SamplingParams:
         params = super().sampling_params(max_tokens, choice, seed)
-        if self.echo and self.logprobs is not None:  # the prompt's logprobs too (its whole prompt computed)
-            params = dataclasses.replace(params, prompt_logprobs=self.logprobs)
+        if self.prompt_logprobs_wanted is not None:
+            params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs_wanted)
         return params
 
     @field_validator("prompt")
