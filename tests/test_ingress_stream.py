@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 
 import pytest
 
-from chunkserve.cluster.ingress import TIMING_HEADER, _CompletionFormat, _server_timing, _sse
+from chunkserve.cluster.ingress import TIMING_HEADER, _CompletionFormat, _exclude, _server_timing, _sse, _whole
 from chunkserve.cluster.loadtest import client
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.replicas.wire import GenerateOutput
@@ -129,3 +130,54 @@ def test_first_output_past_its_deadline_is_late_on_a_loop_whose_timers_run_early
         loop.run_until_complete(main())
     finally:
         loop.close()
+
+
+class _Recording(_CompletionFormat):
+    """A completions format noting the thread each body and chunk is formatted on."""
+
+    def __init__(self, prompts: list[list[int]]):
+        super().__init__("cmpl-1", "m", prompts, 1, False, TokenTexts(None), ["p"] * len(prompts))
+        self.threads: list[threading.Thread] = []
+
+    def whole(self, choices):
+        self.threads.append(threading.current_thread())
+        return super().whole(choices)
+
+    def chunk(self, out, index):
+        self.threads.append(threading.current_thread())
+        return super().chunk(out, index)
+
+
+def _echoed(prompt_tokens: int) -> list[GenerateOutput]:
+    """A choice whose first output carries its echoed prompt's logprobs (5 most likely each)."""
+    entry = (-1.0, tuple((t, -1.0 - t) for t in range(5)))
+    first = GenerateOutput(
+        "r1", "a", (7,), None, prompt_tokens, 0, 1, (entry,), (None,) + (entry,) * (prompt_tokens - 1)
+    )
+    return [first, GenerateOutput("r1", "b", (8,), "length", prompt_tokens, 0, 2, (entry,))]
+
+
+@pytest.mark.parametrize("prompt_tokens, off_loop", [(4, False), (3000, True)])
+def test_large_bodies_and_chunks_are_formatted_off_the_event_loop(prompt_tokens, off_loop):
+    """The event loop drives every open stream: a whole response or a chunk as large as an echo's
+    logprobs (3000 prompt tokens, each with its 5 most likely: 21000 values) is formatted in a
+    worker thread, a small one on the loop; the body is the format's either way."""
+    outs = _echoed(prompt_tokens)
+    prompts = [list(range(prompt_tokens))]
+    fmt = _Recording(prompts)
+    response = asyncio.run(_whole([(outs[0], _Outputs(outs[1:]))], fmt, {}))
+    want = _Recording(prompts).whole([outs]).model_dump(exclude=_exclude(False, usage=True))
+    assert json.loads(response.body) == want and response.media_type == "application/json"
+    assert (fmt.threads[0] is not threading.main_thread()) == off_loop
+
+    fmt = _Recording(prompts)
+    streamed = _sse([(outs[0], _Outputs(outs[1:]))], fmt, include_usage=False, headers={})
+
+    async def body() -> list[str]:
+        return [piece async for piece in streamed.body_iterator]
+
+    events = asyncio.run(body())
+    assert len(events) == 3 and events[-1] == "data: [DONE]\n\n"
+    first = json.loads(events[0][len("data: ") :])["choices"][0]
+    assert len(first["logprobs"]["tokens"]) == prompt_tokens + 1
+    assert [t is not threading.main_thread() for t in fmt.threads] == [off_loop, False]  # (the second: 1 token)

@@ -598,9 +598,32 @@ def _nothing(lasts: list[GenerateOutput]) -> None:
     pass
 
 
+def _weight(out: GenerateOutput) -> int:
+    """About how many values formatting `out` writes (against _OFF_LOOP_SIZE): its text's
+    characters and token ids, and each logprob entry's token and its most likely tokens."""
+    weight = len(out.text) + len(out.token_ids)
+    for entries in (out.logprobs, out.prompt_logprobs):
+        if entries and entries[-1] is not None:  # (a prompt's first entry is None)
+            weight += len(entries) * (2 + len(entries[-1][1]))
+    return weight
+
+
+def _whole_body(fmt: _CompletionFormat, choices: list[list[GenerateOutput]], headers: dict[str, str]) -> Response:
+    # pydantic's own JSON (its Rust serializer: a 4.7 MB body of logprobs in 43 ms, where
+    # model_dump and json.dumps took 380, the interpreter held throughout)
+    body = fmt.whole(choices).model_dump_json(exclude=_exclude(fmt.token_ids, usage=True))
+    return Response(body, media_type="application/json", headers=headers)
+
+
+def _event(fmt: _CompletionFormat, out: GenerateOutput, index: int, exclude: dict) -> str | None:
+    """A choice's output as a `data:` event; None: nothing to send yet (_ChatFormat.chunk)."""
+    chunk = fmt.chunk(out, index)
+    return None if chunk is None else f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+
+
 async def _whole(
     started: list[Started], fmt: _CompletionFormat, headers: dict[str, str], ended: Ended = _nothing
-) -> JSONResponse:
+) -> Response:
     async def outputs(first: GenerateOutput, rest: Outputs) -> list[GenerateOutput]:
         return [first] + [out async for out in rest]
 
@@ -613,8 +636,10 @@ async def _whole(
         _cancel(started)  # the client went away: the replicas abort the requests
         raise
     ended([outs[-1] for outs in choices])
-    body = fmt.whole(list(choices)).model_dump(exclude=_exclude(fmt.token_ids, usage=True))
-    return JSONResponse(body, headers=headers)
+    # a large body (an echo's logprobs: up to max_logprob_entries) is formatted in a thread, off
+    # the event loop that drives every open stream
+    big = sum(_weight(out) for outs in choices for out in outs) > _OFF_LOOP_SIZE
+    return await _off_loop_if(big, _whole_body, fmt, list(choices), headers)
 
 
 def _server_timing(prepare_s: float, first_output_s: float, replica_s: float) -> str:
@@ -659,8 +684,10 @@ def _sse(
         pumps: list[asyncio.Task] = []
         done = False
         try:
-            for i, first in enumerate(lasts):
-                yield f"data: {fmt.chunk(first, i).model_dump_json(exclude=exclude)}\n\n"
+            for i, first in enumerate(lasts):  # (a first output may carry an echo's logprobs: a thread's)
+                event = await _off_loop_if(_weight(first) > _OFF_LOOP_SIZE, _event, fmt, first, i, exclude)
+                if event is not None:
+                    yield event
             pumps = [asyncio.create_task(pump(i, rest)) for i, (_, rest) in enumerate(started)]
             running = len(pumps)
             while running:
@@ -672,9 +699,9 @@ def _sse(
                     raise out
                 lasts[i] = out
                 if out.text or out.token_ids or out.finish_reason is not None:
-                    chunk = fmt.chunk(out, i)
-                    if chunk is not None:
-                        yield f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
+                    event = await _off_loop_if(_weight(out) > _OFF_LOOP_SIZE, _event, fmt, out, i, exclude)
+                    if event is not None:
+                        yield event
             done = True
         except Exception as e:  # a replica failed mid-stream: the status is sent, so say it in the stream
             error = _server_error(e, request_id).detail
