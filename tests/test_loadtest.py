@@ -424,3 +424,50 @@ def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
 
     with pytest.raises(httpx.ConnectError):  # and it is down again
         httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
+
+
+@pytest.mark.slow
+def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
+    # the peer launcher around a real OpenAI-compatible server: ours, `serve run` of local.yaml
+    # (tiny, on free ports), as any command line; the report's label names its command, and the server is gone
+    import os
+    import shlex
+    from pathlib import Path
+
+    import httpx
+    import yaml
+
+    from chunkserve.replicas.distributed import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    config = yaml.safe_load((root / "configs/local.yaml").read_text())
+    port, proxy = free_port(), free_port()  # (not local.yaml's: another server may hold them)
+    config["http_options"]["port"] = proxy
+    config["applications"][0]["args"].update(model="tiny", ingress={"http_port": port})
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(config))
+    url = f"http://127.0.0.1:{port}"
+    serve = f"{sys.executable} -c 'from ray.serve.scripts import cli; cli()' run {path}"
+    out = tmp_path / "r.jsonl"
+    p = subprocess.run(
+        [sys.executable, "-m", "chunkserve.cluster.loadtest.peer", "--serve", serve,
+         "--url", url, "--log", str(tmp_path / "peer.log"), "--",
+         "--num-prompts", "6", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3",
+         "--gsp-system-prompt-len", "64", "--gsp-question-len", "8", "--gsp-output-len", "4",
+         "--request-rate", "20", "--no-progress", "--save-result", str(out)],
+        cwd=root, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    (report,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert report["completed"] == 6 and report["failed"] == 0
+    # (ours has no /version, vLLM's has: then its version follows the name)
+    assert report["label"] == f"{os.path.basename(sys.executable)}: {shlex.join(shlex.split(serve))}"
+    deadline = time.monotonic() + 60  # (Ray's workers, the front's among them, go just after serve run)
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"{url}/v1/models", timeout=5)
+        except httpx.TransportError:
+            break
+        time.sleep(1)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{url}/v1/models", timeout=5)
