@@ -6,8 +6,9 @@
 
 `--set PATH=VALUE` overrides a field of the (first) application's `args:` (YAML values: true,
 16, pow2). The application is started with `serve run` in a process group of its own, the load
-test (`python -m chunkserve.cluster.loadtest` with the arguments after `--`) runs once `/v1/models`
-answers, and the application and its Ray instance are stopped after, whatever happened.
+test (`python -m chunkserve.cluster.loadtest` with the arguments after `--`) runs once `/ready`
+answers (a model replica is up; it needs no API key, so configs with keys or tenants start too),
+and the application and its Ray instance are stopped after, whatever happened.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ def apply_overrides(config: dict, sets: list[str]) -> dict:
 
 
 def wait_ready(url: str, timeout: float, proc: subprocess.Popen) -> float:
-    """Seconds until url/v1/models answers 200 (the replicas are up); raises if serve exits first."""
+    """Seconds until url/ready answers 200 (a model replica is up: the ingress's readiness, which
+    needs no API key); raises if serve exits first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"serve run exited with {proc.returncode} before the application was ready")
         try:
-            if httpx.get(url + "/v1/models", timeout=5).status_code == 200:
+            if httpx.get(url + "/ready", timeout=5).status_code == 200:
                 return time.monotonic() - t0
         except httpx.HTTPError:
             pass
