@@ -174,6 +174,8 @@ def test_a_malformed_trace_line_is_named(tmp_path, line, message, capsys):
         (["--token-range", "9:3"], "0 <= LO < HI"),
         (["--replay"], "--replay takes a --dataset"),
         (["--dataset", "/nonexistent/trace.jsonl"], "cannot read the trace"),
+        (["--tenant-keys", "/nonexistent/keys.json"], "cannot read a JSON object"),
+        (["--tenant-keys", "k.json", "--tenant-key-prefix", "key-"], "not allowed with argument"),
     ],
 )
 def test_bad_arguments_exit_2_with_a_clear_message(argv, message, capsys):
@@ -471,3 +473,160 @@ def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
         time.sleep(1)
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{url}/v1/models", timeout=5)
+
+
+# -- tenants: keys, salts, 429s, the per-tenant report ------------------------------------
+def _rec(i, tenant, *, ttft=None, e2el=None, out=None, prompt=None, cached=None, status=200, kind=None, wait=None):
+    from chunkserve.cluster.loadtest.client import Record
+
+    return Record(
+        i, 0.0, tenant, sent=0.0, ttft=ttft, e2el=e2el, output_tokens=out, prompt_tokens=prompt,
+        cached_tokens=cached, status=status, error_kind=kind, retry_after=wait,
+    )  # fmt: skip
+
+
+def test_the_per_tenant_report_from_recorded_requests():
+    from chunkserve.cluster.loadtest.client import ClientResult
+
+    records = [
+        _rec(0, "t0", ttft=0.1, e2el=1.1, out=11, prompt=100, cached=0),
+        _rec(1, "t0", ttft=0.3, e2el=2.3, out=11, prompt=100, cached=64),
+        _rec(2, "t0", ttft=0.2, e2el=0.2, out=1, prompt=100, cached=64),
+        _rec(3, "t1", status=429, kind="429", wait=7.0),
+        _rec(4, "t1", status=429, kind="429", wait=3.0),
+        _rec(5, "t1", ttft=0.5, e2el=0.9, out=5, prompt=40, cached=32),
+        _rec(6, "t1", status=None, kind="connect"),
+        _rec(7, None, ttft=0.5, e2el=0.6, out=2, prompt=10, cached=0),
+    ]
+    report = summarize([ClientResult(records, 3.0, 0.1)])
+    assert report["completed"] == 5 and report["failed"] == 3  # (vLLM's keys as before: 429s failed)
+    assert report["errors_by_kind"] == {"429": 2, "connect": 1} and report["rate_limited"] == 2
+    t0, t1 = report["tenants"]["t0"], report["tenants"]["t1"]
+    assert set(report["tenants"]) == {"t0", "t1"}  # (a request without a tenant: in no tenant's row)
+    assert t0 == {
+        "requests": 3,
+        "completed": 3,
+        "prompt_tokens": 300,
+        "cached_tokens": 128,
+        "hit_rate": 128 / 300,
+        "rate_limited": 0,
+        "max_retry_after_s": None,
+        "failed": 0,
+        "median_ttft_ms": pytest.approx(200.0),
+        "p99_ttft_ms": pytest.approx(298.0),
+        "median_tpot_ms": pytest.approx(150.0),  # (1.0 / 10, 2.0 / 10; the one-token output has none)
+    }
+    assert t1["requests"] == 4 and t1["completed"] == 1 and t1["rate_limited"] == 2 and t1["failed"] == 1
+    assert t1["max_retry_after_s"] == 7.0 and t1["hit_rate"] == 32 / 40
+    assert t1["median_ttft_ms"] == pytest.approx(500.0) and t1["median_tpot_ms"] == pytest.approx(100.0)
+
+
+def test_retry_after_in_seconds_or_as_a_date():
+    import email.utils
+
+    from chunkserve.cluster.loadtest.client import retry_after_s
+
+    assert retry_after_s("7") == 7.0 and retry_after_s(" 2.5 ") == 2.5 and retry_after_s(None) is None
+    now = 1_800_000_000.0
+    assert retry_after_s(email.utils.formatdate(now + 30, usegmt=True), now=now) == 30.0
+    assert retry_after_s(email.utils.formatdate(now - 30, usegmt=True), now=now) == 0.0
+    assert retry_after_s("soon") is None
+
+
+class _TenantServer:
+    """A small real HTTP server on loopback standing for a server with tenants: keys `key-<name>`
+    name tenants; tenant `t1` is over its limit (429, Retry-After: 7); the others get a stream
+    of 3 tokens. It records each completion's Authorization header and body."""
+
+    def __init__(self):
+        import http.server
+
+        self.seen: list[tuple[str | None, dict]] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status, body: bytes, ctype="application/json", headers=()):
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(body)))
+                for k, v in headers:
+                    self.send_header(k, v)
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                auth = self.headers.get("authorization")
+                owner.seen.append((auth, body))
+                tenant = (auth or "").removeprefix("Bearer key-")
+                if tenant == "t1":
+                    error = {"error": {"message": "rate limit reached", "code": "rate_limit_exceeded"}}
+                    return self._send(429, json.dumps(error).encode(), headers=[("Retry-After", "7")])
+                chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
+                usage = {"prompt_tokens": 20, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
+                events = [chunk] * 3 + [json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+                self._send(200, "".join(f"data: {e}\n\n" for e in events).encode(), "text/event-stream")
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _tenant_run(url: str, tmp_path, *argv: str) -> dict:
+    out = tmp_path / "r.jsonl"
+    code = main(
+        ["--url", url, "--model", "stub", "--prompt-format", "tokens", "--workload", "tenants", "--tenants", "2"]
+        + ["--tenant-prompt-len", "16", "--tenant-turns", "2", "--tenant-turn-len", "4", "--tenant-output-len", "3"]
+        + ["--num-prompts", "16", "--request-rate", "200", "--no-progress", "--save-result", str(out), *argv]
+    )
+    assert code == 0
+    return json.loads(out.read_text().splitlines()[0])
+
+
+def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections(tmp_path):
+    server = _TenantServer()
+    try:
+        report = _tenant_run(server.url, tmp_path, "--tenant-key-prefix", "key-", "--cache-salt-per-tenant")
+    finally:
+        server.close()
+    sent = Counter(body["cache_salt"] for _, body in server.seen)
+    assert set(sent) == {"t0", "t1"} and sum(sent.values()) == 16
+    assert all(auth == f"Bearer key-{body['cache_salt']}" for auth, body in server.seen)
+    records = {r["index"]: r for r in report["records"]}
+    for r in records.values():
+        if r["tenant"] == "t1":  # over its limit: a rejection with its Retry-After, the run went on
+            assert r["status"] == 429 and r["error_kind"] == "429" and r["retry_after"] == 7.0
+        else:
+            assert r["status"] == 200 and r["error_kind"] is None and r["retry_after"] is None
+    n0, n1 = sent["t0"], sent["t1"]
+    assert report["completed"] == n0 and report["rate_limited"] == n1 and report["errors_by_kind"] == {"429": n1}
+    t0, t1 = report["tenants"]["t0"], report["tenants"]["t1"]
+    assert (t0["requests"], t0["completed"], t0["rate_limited"], t0["hit_rate"]) == (n0, n0, 0, 16 / 20)
+    assert (t1["requests"], t1["completed"], t1["rate_limited"], t1["max_retry_after_s"]) == (n1, 0, n1, 7.0)
+
+
+def test_tenant_keys_from_a_file(tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"t0": "key-t0"}))  # t1 unnamed: the run's own --api-key
+    server = _TenantServer()
+    try:
+        report = _tenant_run(server.url, tmp_path, "--tenant-keys", str(keys), "--api-key", "key-other")
+    finally:
+        server.close()
+    by_auth = Counter(auth for auth, body in server.seen)
+    assert set(by_auth) == {"Bearer key-t0", "Bearer key-other"} and "cache_salt" not in server.seen[0][1]
+    assert report["tenants"]["t0"]["requests"] == by_auth["Bearer key-t0"]
+    assert report["rate_limited"] == 0 and report["completed"] == 16

@@ -9,6 +9,10 @@ JSON-lines trace) at Poisson or gamma arrivals (`--request-rate`, `--burstiness`
 capped (`--max-concurrency`), as streaming OpenAI requests (`client`), and prints one JSON
 report per run (`metrics`: vLLM's `bench serve` keys where the metric is the same, plus cached
 fraction, per-tenant hit rates, per-replica load, errors by kind, goodput, client overhead).
+Tenants: each tenant's requests may carry its own API key (`--tenant-key-prefix`: PREFIX + the
+tenant's label; `--tenant-keys FILE`: a JSON object label -> key) and its label as `cache_salt`
+(`--cache-salt-per-tenant`); a 429 is recorded as a rate-limited rejection with its
+Retry-After; the report's `tenants` counts them per tenant.
 `--sweep` runs several rates, `--search-goodput` finds the highest rate meeting SLOs,
 `--save-result` keeps the reports with their per-request lists, `--plot` draws them.
 With `--address` the requests are shared among client actors on the cluster's nodes

@@ -83,6 +83,23 @@ def parser() -> argparse.ArgumentParser:
         default=os.environ.get("CHUNKSERVE_API_KEY") or os.environ.get("OPENAI_API_KEY"),
         help="sent as a Bearer token (default: $CHUNKSERVE_API_KEY or $OPENAI_API_KEY)",
     )
+    keys = g.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--tenant-key-prefix",
+        help="send each tenant's requests with key PREFIX + its label (the tenants workload's t0, t1, ...; "
+        "gsp's g0, ...; a trace's tenant); requests without a tenant use --api-key",
+    )
+    keys.add_argument(
+        "--tenant-keys",
+        metavar="FILE",
+        help='a JSON object {"<tenant label>": "<its API key>", ...}: each tenant\'s requests sent with its '
+        "key (tenants it does not name: --api-key)",
+    )
+    g.add_argument(
+        "--cache-salt-per-tenant",
+        action="store_true",
+        help="send each request's tenant label as its cache_salt (vLLM's): tenants' prompts never share cache",
+    )
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", choices=wl.WORKLOADS, default="gsp")
     g.add_argument(
@@ -216,6 +233,17 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--metric-percentiles takes numbers, e.g. 90,99; got {args.metric_percentiles!r}")
     if not all(0 < p < 100 for p in args.percentiles):
         ap.error(f"--metric-percentiles must be in (0, 100), got {args.metric_percentiles!r}")
+    args.tenant_key_map = {}
+    if args.tenant_keys:
+        try:
+            keys = json.loads(Path(args.tenant_keys).read_text())
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            ap.error(f"--tenant-keys {args.tenant_keys}: cannot read a JSON object: {e}")
+        if not isinstance(keys, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and v for k, v in keys.items()
+        ):
+            ap.error(f'--tenant-keys {args.tenant_keys}: must be a JSON object {{"<tenant label>": "<key>", ...}}')
+        args.tenant_key_map = keys
     args.urls = [u.rstrip("/") for arg in args.url or [] for u in arg.split(",") if u]
     for u in args.urls:
         if not u.startswith(("http://", "https://")):
@@ -267,7 +295,12 @@ class Runner:
             ignore_eos=args.ignore_eos,
             request_timeout=args.request_timeout,
             extra_body={"return_token_ids": True} if args.token_ids else {},
+            tenant_keys=args.tenant_key_map,
+            tenant_key_prefix=args.tenant_key_prefix,
+            cache_salt_per_tenant=args.cache_salt_per_tenant,
         )
+        # the server's own requests (/v1/models, /tokenize): the run's key, else the first tenant's
+        self.prep_tenant = None if args.api_key else next((s.tenant for s in specs if s.tenant is not None), None)
         self.urls = args.urls
         if args.address:
             from chunkserve.cluster.loadtest.distributed import node_urls  # Ray only where a cluster is asked for
@@ -282,7 +315,7 @@ class Runner:
     async def _prepare(self, seed: int) -> list[Request]:
         """The model name and prompt format (asked of the server once), then this run's requests."""
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
-            headers = self.options.headers()
+            headers = self.options.headers(self.prep_tenant)
             if self.options.model is None:
                 try:
                     r = await client.get(self.prep_url + "/v1/models", headers=headers)

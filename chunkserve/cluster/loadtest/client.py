@@ -6,6 +6,12 @@ it (ITL), E2EL to the end of the stream. Token counts come from the stream's `us
 (`stream_options.include_usage`), the serving replica from the `x-chunkserve-replica` header,
 and the server's account of the time to first output from its `Server-Timing` header.
 
+Tenants: a request of a tenant label (the workload's: `t0`, `t1`, ... of `tenants`) is sent
+with that tenant's API key where one is given (`ClientOptions.tenant_keys`, or
+`tenant_key_prefix` + the label), else the run's own (`api_key`), and with `cache_salt` = its
+label if asked (`cache_salt_per_tenant`). A 429 is recorded as a rate-limited rejection
+(`Record.rate_limited`) with its `Retry-After` in seconds, not retried: the schedule goes on.
+
 Bounded: each request has a timeout, and the whole run `max_duration`: what is still in
 flight then is cancelled and recorded as such, what was never sent as `not_sent`, so every
 request is accounted for. A session's turn waits for its previous turn (`Request.after`) when
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import email.utils
 import json
 import time
 from collections.abc import Callable
@@ -70,10 +77,16 @@ class Record:
     replica: str | None = None
     server_timing: dict[str, float] | None = None  # the response's Server-Timing, seconds by metric
     dispatch_lag: float | None = None  # how late the client got to it past its scheduled time
+    retry_after: float | None = None  # a 429's Retry-After, seconds (None: no 429, or no header)
 
     @property
     def ok(self) -> bool:
         return self.error_kind is None and self.e2el is not None
+
+    @property
+    def rate_limited(self) -> bool:
+        """Refused by the server's rate limits (429): a rejection, not a broken request."""
+        return self.status == 429
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -92,9 +105,22 @@ class ClientOptions:
     request_timeout: float = 300.0  # seconds a request may take in all
     connect_timeout: float = 10.0
     extra_body: dict = field(default_factory=dict)
+    tenant_keys: dict[str, str] = field(default_factory=dict)  # tenant label -> its API key
+    tenant_key_prefix: str | None = None  # else: a labelled request's key is this + its label
+    cache_salt_per_tenant: bool = False  # send `cache_salt`: the request's tenant label
 
-    def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+    def key(self, tenant: str | None = None) -> str | None:
+        """The API key a request of `tenant` (a workload's label, None: none) is sent with."""
+        if tenant is not None:
+            if tenant in self.tenant_keys:
+                return self.tenant_keys[tenant]
+            if self.tenant_key_prefix is not None:
+                return self.tenant_key_prefix + tenant
+        return self.api_key
+
+    def headers(self, tenant: str | None = None) -> dict[str, str]:
+        key = self.key(tenant)
+        return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass
@@ -124,6 +150,8 @@ def request_body(req: Request, options: ClientOptions) -> dict:
     }
     if options.model:
         body["model"] = options.model
+    if options.cache_salt_per_tenant and req.tenant is not None:
+        body["cache_salt"] = req.tenant
     if req.messages is not None:
         body["messages"] = req.messages
     else:
@@ -145,11 +173,13 @@ async def send(
     done = False
     try:
         async with client.stream(
-            "POST", url + req.path, json=request_body(req, options), headers=options.headers()
+            "POST", url + req.path, json=request_body(req, options), headers=options.headers(req.tenant)
         ) as resp:
             rec.status = resp.status_code
             rec.replica = resp.headers.get(REPLICA_HEADER)
             rec.server_timing = server_timing(resp.headers.get(TIMING_HEADER))
+            if resp.status_code == 429:
+                rec.retry_after = retry_after_s(resp.headers.get("retry-after"))
             if resp.status_code != 200:
                 rec.error_kind, rec.error = str(resp.status_code), _message(await resp.aread())
                 return
@@ -192,6 +222,21 @@ async def send(
         rec.error_kind, rec.error = "timeout", f"{type(e).__name__} after {clock() - start:.1f} s"
     except (httpx.HTTPError, json.JSONDecodeError, UnicodeDecodeError) as e:
         rec.error_kind, rec.error = "disconnected", f"{type(e).__name__}: {e}"
+
+
+def retry_after_s(header: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header in seconds: delay-seconds, or an HTTP date (seconds from `now`, wall
+    clock, at least 0); None without one or unparsable."""
+    if not header:
+        return None
+    header = header.strip()
+    with contextlib.suppress(ValueError):
+        return max(0.0, float(header))
+    try:
+        when = email.utils.parsedate_to_datetime(header)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
 def _message(body: bytes) -> str:

@@ -9,6 +9,9 @@ ChunkAttention paper's figure), the cached fraction and per-tenant hit rates fro
 usage, requests and tokens per replica, errors by kind, goodput against SLOs, the server's
 split of the time to first output (its Server-Timing header), and the client's own overhead
 (how late it dispatched, its CPU use).
+
+Per tenant (`tenants`), by the workload's tenant label: requests, completed, rate-limited 429s,
+TTFT and TPOT percentiles, hit rate from usage.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ def summarize(
         "goodput_fraction": None if good is None else good / max(1, len(records)),
         "slo": None if slo is None else slo.as_dict(),
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
+        "rate_limited": sum(r.rate_limited for r in records),
         "tenants": _tenants(records),
         **_replicas(ok),
         "server_timing": _server_timing(ok),
@@ -167,20 +171,34 @@ def summarize(
 
 
 def _tenants(records: list[Record]) -> dict:
-    """Per tenant label: requests, completed, prompt and cached tokens, hit rate (cached / prompt)."""
-    out: dict = defaultdict(lambda: {"requests": 0, "completed": 0, "prompt_tokens": 0, "cached_tokens": 0})
+    """Per tenant label: requests, completed, rate_limited (429s; the longest Retry-After),
+    prompt and cached tokens, hit rate (cached / prompt, from usage), TTFT p50 / p99 and TPOT
+    p50 of its completed requests."""
+    per: dict[str, list[Record]] = defaultdict(list)
     for r in records:
-        if r.tenant is None:
-            continue
-        t = out[r.tenant]
-        t["requests"] += 1
-        if r.ok:
-            t["completed"] += 1
-            t["prompt_tokens"] += r.prompt_tokens or 0
-            t["cached_tokens"] += r.cached_tokens or 0
-    for t in out.values():
-        t["hit_rate"] = t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else 0.0
-    return dict(sorted(out.items()))
+        if r.tenant is not None:
+            per[r.tenant].append(r)
+    out = {}
+    for tenant, recs in sorted(per.items()):
+        ok = [r for r in recs if r.ok]
+        prompt, cached = sum(r.prompt_tokens or 0 for r in ok), sum(r.cached_tokens or 0 for r in ok)
+        waits = [r.retry_after for r in recs if r.rate_limited and r.retry_after is not None]
+        ttfts = np.asarray([r.ttft for r in ok], dtype=float) * 1e3
+        tpots = np.asarray([tpot(r) for r in ok if (r.output_tokens or 0) > 1], dtype=float) * 1e3
+        out[tenant] = {
+            "requests": len(recs),
+            "completed": len(ok),
+            "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "rate_limited": sum(r.rate_limited for r in recs),
+            "max_retry_after_s": max(waits, default=None),
+            "failed": sum(not r.ok and not r.rate_limited for r in recs),
+            "median_ttft_ms": float(np.median(ttfts)) if ttfts.size else 0.0,
+            "p99_ttft_ms": float(np.percentile(ttfts, 99)) if ttfts.size else 0.0,
+            "median_tpot_ms": float(np.median(tpots)) if tpots.size else 0.0,
+        }
+    return out
 
 
 def _replicas(ok: list[Record]) -> dict:
