@@ -476,6 +476,62 @@ def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
 
 
 # -- tenants: keys, salts, 429s, the per-tenant report ------------------------------------
+def _ingress_text(counts) -> str:
+    """/metrics text as chunkserve's ingress writes it, for ingress replicas' TenantCounts."""
+    from chunkserve.cluster.metrics import exposition
+
+    return exposition(
+        "m", {("OpenAIIngress", rid): {"tenants": c.snapshot()} for rid, c in counts.items()}, {}
+    ).decode()
+
+
+def test_per_tenant_deltas_from_the_servers_metrics_text():
+    from chunkserve.cluster.loadtest.metrics import tenant_counters, tenant_deltas
+    from chunkserve.cluster.tenants import TenantCounts
+
+    a, b = TenantCounts(), TenantCounts()
+    a.served("alice", 100, 64, 8)
+    a.reject("bob", "rate_limit_exceeded")
+    b.served("bob", 50, 0, 4)
+    b.served("carol", 10, 0, 1)
+    before = tenant_counters(_ingress_text({"r1": a, "r2": b}))
+    assert before is not None and before[("chunkserve_tenant_requests_total", "alice", None, "r1")] == 1
+    assert before[("chunkserve_tenant_rejected_requests_total", "bob", "rate_limit_exceeded", "r1")] == 1
+    # the run: alice on both replicas, bob refused on both, carol not at all; r2 restarted
+    # (its counters begin again: what it holds after is what it counted)
+    a.served("alice", 100, 96, 8)
+    a.reject("bob", "rate_limit_exceeded")
+    a.reject("bob", "overloaded")
+    b2 = TenantCounts()
+    b2.served("alice", 200, 128, 16)
+    b2.reject("bob", "rate_limit_exceeded")
+    after = tenant_counters(_ingress_text({"r1": a, "r2": b2}))
+    assert tenant_deltas(before, after) == {
+        "alice": {
+            "requests": 2,
+            "prompt_tokens": 300,
+            "cached_prompt_tokens": 224,
+            "hit_rate": 224 / 300,
+            "generated_tokens": 24,
+            "rejected": {},
+        },
+        "bob": {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "hit_rate": 0.0,
+            "generated_tokens": 0,
+            "rejected": {"overloaded": 1, "rate_limit_exceeded": 2},
+        },
+    }
+    # a server without the series: an empty section, not an error
+    assert tenant_counters(_ingress_text({})) == {}  # chunkserve's, before any tenant was counted
+    assert tenant_deltas(tenant_counters(_ingress_text({})), after)["alice"]["requests"] == 3
+    vllm = '# HELP vllm:prompt_tokens_total x\n# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="m"} 5.0\n'
+    assert tenant_counters(vllm) is None and tenant_deltas(None, None) == {}
+    assert tenant_counters('data: {"choices": []}\n\ndata: [DONE]\n') is None
+
+
 def _rec(i, tenant, *, ttft=None, e2el=None, out=None, prompt=None, cached=None, status=200, kind=None, wait=None):
     from chunkserve.cluster.loadtest.client import Record
 
@@ -498,7 +554,7 @@ def test_the_per_tenant_report_from_recorded_requests():
         _rec(6, "t1", status=None, kind="connect"),
         _rec(7, None, ttft=0.5, e2el=0.6, out=2, prompt=10, cached=0),
     ]
-    report = summarize([ClientResult(records, 3.0, 0.1)])
+    report = summarize([ClientResult(records, 3.0, 0.1)], server_tenants={"t0": {"requests": 3}})
     assert report["completed"] == 5 and report["failed"] == 3  # (vLLM's keys as before: 429s failed)
     assert report["errors_by_kind"] == {"429": 2, "connect": 1} and report["rate_limited"] == 2
     t0, t1 = report["tenants"]["t0"], report["tenants"]["t1"]
@@ -519,6 +575,8 @@ def test_the_per_tenant_report_from_recorded_requests():
     assert t1["requests"] == 4 and t1["completed"] == 1 and t1["rate_limited"] == 2 and t1["failed"] == 1
     assert t1["max_retry_after_s"] == 7.0 and t1["hit_rate"] == 32 / 40
     assert t1["median_ttft_ms"] == pytest.approx(500.0) and t1["median_tpot_ms"] == pytest.approx(100.0)
+    assert report["server_tenants"] == {"t0": {"requests": 3}} and report["server_metrics_error"] is None
+    assert summarize([ClientResult(records, 3.0, 0.1)])["server_tenants"] == {}
 
 
 def test_retry_after_in_seconds_or_as_a_date():
@@ -536,12 +594,16 @@ def test_retry_after_in_seconds_or_as_a_date():
 class _TenantServer:
     """A small real HTTP server on loopback standing for a server with tenants: keys `key-<name>`
     name tenants; tenant `t1` is over its limit (429, Retry-After: 7); the others get a stream
-    of 3 tokens. It records each completion's Authorization header and body."""
+    of 3 tokens. It records each completion's Authorization header and body, and counts by
+    tenant as chunkserve's ingress does, on a /metrics that needs `metrics-key`."""
 
     def __init__(self):
         import http.server
 
+        from chunkserve.cluster.tenants import TenantCounts
+
         self.seen: list[tuple[str | None, dict]] = []
+        self.counts = TenantCounts()
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -560,6 +622,10 @@ class _TenantServer:
                 self.wfile.write(body)
 
             def do_GET(self):
+                if self.path == "/metrics":
+                    if self.headers.get("authorization") != "Bearer metrics-key":
+                        return self._send(401, b'{"error": {"message": "needs the metrics key"}}')
+                    return self._send(200, _ingress_text({"i0": owner.counts}).encode(), "text/plain")
                 self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
 
             def do_POST(self):
@@ -568,11 +634,13 @@ class _TenantServer:
                 owner.seen.append((auth, body))
                 tenant = (auth or "").removeprefix("Bearer key-")
                 if tenant == "t1":
+                    owner.counts.reject(tenant, "rate_limit_exceeded")
                     error = {"error": {"message": "rate limit reached", "code": "rate_limit_exceeded"}}
                     return self._send(429, json.dumps(error).encode(), headers=[("Retry-After", "7")])
                 chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
                 usage = {"prompt_tokens": 20, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
                 events = [chunk] * 3 + [json.dumps({"choices": [], "usage": usage}), "[DONE]"]
+                owner.counts.served(tenant, 20, 16, 3)
                 self._send(200, "".join(f"data: {e}\n\n" for e in events).encode(), "text/event-stream")
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -596,10 +664,18 @@ def _tenant_run(url: str, tmp_path, *argv: str) -> dict:
     return json.loads(out.read_text().splitlines()[0])
 
 
-def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections(tmp_path):
+def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections_read_back_from_metrics(tmp_path):
     server = _TenantServer()
     try:
-        report = _tenant_run(server.url, tmp_path, "--tenant-key-prefix", "key-", "--cache-salt-per-tenant")
+        report = _tenant_run(
+            server.url,
+            tmp_path,
+            "--tenant-key-prefix",
+            "key-",
+            "--cache-salt-per-tenant",
+            "--metrics-key",
+            "metrics-key",
+        )
     finally:
         server.close()
     sent = Counter(body["cache_salt"] for _, body in server.seen)
@@ -616,9 +692,29 @@ def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections(tmp_path):
     t0, t1 = report["tenants"]["t0"], report["tenants"]["t1"]
     assert (t0["requests"], t0["completed"], t0["rate_limited"], t0["hit_rate"]) == (n0, n0, 0, 16 / 20)
     assert (t1["requests"], t1["completed"], t1["rate_limited"], t1["max_retry_after_s"]) == (n1, 0, n1, 7.0)
+    # the server's side, read from its /metrics before and after the run
+    assert report["server_metrics_error"] is None
+    assert report["server_tenants"] == {
+        "t0": {
+            "requests": n0,
+            "prompt_tokens": 20 * n0,
+            "cached_prompt_tokens": 16 * n0,
+            "hit_rate": 0.8,
+            "generated_tokens": 3 * n0,
+            "rejected": {},
+        },
+        "t1": {
+            "requests": 0,
+            "prompt_tokens": 0,
+            "cached_prompt_tokens": 0,
+            "hit_rate": 0.0,
+            "generated_tokens": 0,
+            "rejected": {"rate_limit_exceeded": n1},
+        },
+    }
 
 
-def test_tenant_keys_from_a_file(tmp_path):
+def test_tenant_keys_from_a_file_and_a_metrics_endpoint_that_refuses(tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"t0": "key-t0"}))  # t1 unnamed: the run's own --api-key
     server = _TenantServer()
@@ -630,3 +726,63 @@ def test_tenant_keys_from_a_file(tmp_path):
     assert set(by_auth) == {"Bearer key-t0", "Bearer key-other"} and "cache_salt" not in server.seen[0][1]
     assert report["tenants"]["t0"]["requests"] == by_auth["Bearer key-t0"]
     assert report["rate_limited"] == 0 and report["completed"] == 16
+    # /metrics without its key: no server section, and why, in a run that still completes
+    assert report["server_tenants"] == {} and "HTTP 401" in report["server_metrics_error"]
+
+
+@pytest.mark.slow  # serve run on a Ray of its own, two tenants: a few minutes on 2 cores
+def test_stack_with_two_tenants_reports_the_servers_per_tenant_counts(tmp_path):
+    import os
+    import socket
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    root = Path(__file__).resolve().parents[1]
+    out, config = tmp_path / "r.jsonl", tmp_path / "local.yaml"
+    # configs/local.yaml on ports of its own and a Ray of its own (its temp directory apart): it
+    # neither meets nor joins another server on the machine
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    local = yaml.safe_load((root / "configs/local.yaml").read_text())
+    local["http_options"]["port"] = ports[0]
+    local["applications"][0]["args"]["ingress"]["http_port"] = ports[1]
+    config.write_text(yaml.safe_dump(local))
+    # t1 may send one request a minute's tenth (a bucket of one): the rest of its burst gets 429
+    tenants = "[{name: t0, api_keys: [key-t0]}, {name: t1, api_keys: [key-t1], requests_per_minute: 6}]"
+    p = subprocess.run(
+        [sys.executable, "-m", "chunkserve.cluster.loadtest.stack", str(config)]
+        + ["--set", "num_replicas=1", "--set", f"tenants={tenants}", "--set", "metrics_api_key=mk"]
+        + ["--log", str(tmp_path / "serve.log"), "--"]
+        + ["--workload", "tenants", "--tenants", "2", "--tenant-prompt-len", "128", "--tenant-turns", "2"]
+        + ["--tenant-turn-len", "8", "--tenant-output-len", "4", "--num-prompts", "16", "--request-rate", "20"]
+        + ["--tenant-key-prefix", "key-", "--cache-salt-per-tenant", "--metrics-key", "mk"]
+        + ["--no-progress", "--save-result", str(out)],
+        cwd=root,
+        env=dict(os.environ, RAY_TMPDIR=tempfile.mkdtemp(prefix="ray")),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    (report,) = [json.loads(line) for line in out.read_text().splitlines()]
+    records = report["records"]
+    client, server = report["tenants"], report["server_tenants"]
+    assert set(client) == set(server) == {"t0", "t1"} and report["server_metrics_error"] is None
+    assert client["t0"]["completed"] == client["t0"]["requests"] and client["t0"]["rate_limited"] == 0
+    assert client["t1"]["rate_limited"] >= 1 and client["t1"]["completed"] >= 1
+    assert client["t1"]["completed"] + client["t1"]["rate_limited"] == client["t1"]["requests"]
+    assert all(r["retry_after"] >= 1 for r in records if r["status"] == 429)
+    for name in ("t0", "t1"):  # the server counted what the client saw, tenant by tenant
+        ok = [r for r in records if r["tenant"] == name and r["error_kind"] is None]
+        assert server[name]["requests"] == len(ok)
+        assert server[name]["prompt_tokens"] == sum(r["prompt_tokens"] for r in ok)
+        assert server[name]["cached_prompt_tokens"] == sum(r["cached_tokens"] for r in ok)
+        assert server[name]["generated_tokens"] == sum(r["output_tokens"] for r in ok)
+    assert server["t0"]["rejected"] == {}
+    assert server["t1"]["rejected"] == {"rate_limit_exceeded": client["t1"]["rate_limited"]}
+    assert server["t0"]["hit_rate"] > 0  # t0's second turns find their first cached

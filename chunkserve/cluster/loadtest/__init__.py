@@ -12,7 +12,9 @@ fraction, per-tenant hit rates, per-replica load, errors by kind, goodput, clien
 Tenants: each tenant's requests may carry its own API key (`--tenant-key-prefix`: PREFIX + the
 tenant's label; `--tenant-keys FILE`: a JSON object label -> key) and its label as `cache_salt`
 (`--cache-salt-per-tenant`); a 429 is recorded as a rate-limited rejection with its
-Retry-After; the report's `tenants` counts them per tenant.
+Retry-After. The report's `tenants` is the client's view per tenant, `server_tenants` the
+server's: its `chunkserve_tenant_*` counters on /metrics (`--metrics-key`) before and after the
+run, their growth summed over replicas ({} for a server without them).
 `--sweep` runs several rates, `--search-goodput` finds the highest rate meeting SLOs,
 `--save-result` keeps the reports with their per-request lists, `--plot` draws them.
 With `--address` the requests are shared among client actors on the cluster's nodes

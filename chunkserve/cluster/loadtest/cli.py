@@ -9,6 +9,7 @@ import json
 import math
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -16,8 +17,16 @@ from pathlib import Path
 import httpx
 
 from chunkserve.cluster.loadtest import workloads as wl
-from chunkserve.cluster.loadtest.client import ClientOptions, ClientResult, http_client, run_client
-from chunkserve.cluster.loadtest.metrics import Slo, summarize, sweep_summary
+from chunkserve.cluster.loadtest.client import (
+    METRICS_CACHE_S,
+    ClientOptions,
+    ClientResult,
+    Record,
+    http_client,
+    run_client,
+    scrape_metrics,
+)
+from chunkserve.cluster.loadtest.metrics import Slo, summarize, sweep_summary, tenant_counters, tenant_deltas
 from chunkserve.cluster.loadtest.render import ENDPOINTS, FORMATS, Renderer, Request, server_has_tokenizer
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -99,6 +108,18 @@ def parser() -> argparse.ArgumentParser:
         "--cache-salt-per-tenant",
         action="store_true",
         help="send each request's tenant label as its cache_salt (vLLM's): tenants' prompts never share cache",
+    )
+    g.add_argument(
+        "--metrics-key",
+        default=os.environ.get("CHUNKSERVE_METRICS_KEY"),
+        help="Bearer token for the server's /metrics, read before and after each run for the per-tenant "
+        "server counts (a chunkserve server's metrics_api_key; default: $CHUNKSERVE_METRICS_KEY)",
+    )
+    g.add_argument(
+        "--metrics-settle",
+        type=float,
+        default=10.0,
+        help="seconds to wait after a run for the server's /metrics to count every answered request",
     )
     g = ap.add_argument_group("workload")
     g.add_argument("--workload", choices=wl.WORKLOADS, default="gsp")
@@ -233,6 +254,8 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error(f"--metric-percentiles takes numbers, e.g. 90,99; got {args.metric_percentiles!r}")
     if not all(0 < p < 100 for p in args.percentiles):
         ap.error(f"--metric-percentiles must be in (0, 100), got {args.metric_percentiles!r}")
+    if args.metrics_settle < 0:
+        ap.error(f"--metrics-settle must be >= 0, got {args.metrics_settle}")
     args.tenant_key_map = {}
     if args.tenant_keys:
         try:
@@ -339,6 +362,7 @@ class Runner:
         self.runs += 1
         requests = asyncio.run(self._prepare(seed))
         offsets = wl.Arrivals(rate, args.burstiness, args.replay, args.seed).offsets(self.specs)
+        before = asyncio.run(self._scrape())
         bar = _progress(len(requests), args.no_progress)
         if args.address:
             from chunkserve.cluster.loadtest.distributed import run_on_cluster
@@ -358,9 +382,55 @@ class Runner:
         else:
             results = [self._in_process(requests, offsets, bar.step)]
         bar.close()
+        server, error = asyncio.run(self._server_tenants(before, [r for res in results for r in res.records]))
         return summarize(
-            results, percentiles=args.percentiles, slo=args.goodput, detail=True, info=self._info(rate, len(results))
+            results,
+            percentiles=args.percentiles,
+            slo=args.goodput,
+            detail=True,
+            info=self._info(rate, len(results)),
+            server_tenants=server,
+            server_metrics_error=error,
         )
+
+    async def _scrape(self) -> tuple[str | None, str | None, float]:
+        """The server's /metrics now: (its text, None) or (None, why not), and when (monotonic)."""
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+            text, error = await scrape_metrics(client, self.prep_url, self.args.metrics_key)
+        return text, error, time.monotonic()
+
+    async def _server_tenants(
+        self, before: tuple[str | None, str | None, float], records: list[Record]
+    ) -> tuple[dict, str | None]:
+        """The server's per-tenant counts over the run: its /metrics after less before. A server
+        counts a request when its response has ended, so the text is read again (past the
+        server's cache) until it has counted the requests it answered here (status 200 or 429),
+        for at most --metrics-settle seconds. -> (per tenant, why it is empty or short, if so);
+        ({}, None) for a server without per-tenant series (vLLM)."""
+        text, error, at = before
+        if text is None:
+            return {}, error
+        first = tenant_counters(text)
+        if first is None:
+            return {}, None
+        answered = sum(r.status in (200, 429) for r in records)
+        deadline = time.monotonic() + self.args.metrics_settle
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
+            while True:
+                await asyncio.sleep(max(0.0, at + METRICS_CACHE_S + 0.05 - time.monotonic()))
+                text, error = await scrape_metrics(client, self.prep_url, self.args.metrics_key)
+                at = time.monotonic()
+                if text is None:
+                    return {}, error
+                deltas = tenant_deltas(first, tenant_counters(text))
+                counted = sum(t["requests"] + sum(t["rejected"].values()) for t in deltas.values())
+                if counted >= answered:
+                    return deltas, None
+                if at + METRICS_CACHE_S > deadline:
+                    return deltas, (
+                        f"after {self.args.metrics_settle:g} s the server's /metrics counted {counted} of the "
+                        f"{answered} requests it answered"
+                    )
 
     def _in_process(self, requests: list[Request], offsets: list[float], step: Callable) -> ClientResult:
         args = self.args

@@ -224,6 +224,23 @@ async def send(
         rec.error_kind, rec.error = "disconnected", f"{type(e).__name__}: {e}"
 
 
+# (chunkserve.cluster.metrics.CACHE_S: a scrape within this of the last one gets that one's text)
+METRICS_CACHE_S = 1.0
+
+
+async def scrape_metrics(client: httpx.AsyncClient, url: str, key: str | None = None) -> tuple[str | None, str | None]:
+    """GET url/metrics (with `key` as a Bearer token: a server's metrics_api_key) -> (its text,
+    None), or (None, what went wrong): a server without /metrics is no error of the run's."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = await client.get(url + "/metrics", headers=headers)
+    except httpx.HTTPError as e:
+        return None, f"GET {url}/metrics: {type(e).__name__}: {e}"
+    if r.status_code != 200:
+        return None, f"GET {url}/metrics: HTTP {r.status_code}: {_message(r.content)[:200]}"
+    return r.text, None
+
+
 def retry_after_s(header: str | None, now: float | None = None) -> float | None:
     """A Retry-After header in seconds: delay-seconds, or an HTTP date (seconds from `now`, wall
     clock, at least 0); None without one or unparsable."""

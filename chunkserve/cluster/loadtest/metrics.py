@@ -10,8 +10,11 @@ usage, requests and tokens per replica, errors by kind, goodput against SLOs, th
 split of the time to first output (its Server-Timing header), and the client's own overhead
 (how late it dispatched, its CPU use).
 
-Per tenant (`tenants`), by the workload's tenant label: requests, completed, rate-limited 429s,
-TTFT and TPOT percentiles, hit rate from usage.
+Per tenant, two views. `tenants`: the client's, by the workload's tenant label (requests,
+completed, rate-limited 429s, TTFT and TPOT percentiles, hit rate from usage). `server_tenants`:
+the server's, by its tenant name: the change of each `chunkserve_tenant_*` counter of its
+/metrics (chunkserve/cluster/metrics.py) over the run, summed over replicas (`tenant_counters`
+reads the text, `tenant_deltas` subtracts); {} for a server without those series (vLLM).
 """
 
 from __future__ import annotations
@@ -116,9 +119,13 @@ def summarize(
     slo: Slo | None = None,
     info: dict | None = None,
     detail: bool = False,
+    server_tenants: dict | None = None,
+    server_metrics_error: str | None = None,
 ) -> dict:
     """One run's report from every client's records. detail: also the raw per-request lists
-    (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges."""
+    (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges.
+    server_tenants: the server's per-tenant counts over the run (`tenant_deltas`); and why
+    they could not be read, if so."""
     records = [r for res in results for r in res.records]
     duration = max((res.duration for res in results), default=0.0) or 1e-9
     ok = [r for r in records if r.ok]
@@ -153,6 +160,8 @@ def summarize(
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
         "rate_limited": sum(r.rate_limited for r in records),
         "tenants": _tenants(records),
+        "server_tenants": server_tenants or {},
+        "server_metrics_error": server_metrics_error,
         **_replicas(ok),
         "server_timing": _server_timing(ok),
         **_client_overhead(results),
@@ -199,6 +208,82 @@ def _tenants(records: list[Record]) -> dict:
             "median_tpot_ms": float(np.median(tpots)) if tpots.size else 0.0,
         }
     return out
+
+
+# -- the server's per-tenant counters (its /metrics) -----------------------------------------
+_TENANT_SAMPLES = {
+    "chunkserve_tenant_requests_total": "requests",
+    "chunkserve_tenant_prompt_tokens_total": "prompt_tokens",
+    "chunkserve_tenant_cached_prompt_tokens_total": "cached_prompt_tokens",
+    "chunkserve_tenant_generated_tokens_total": "generated_tokens",
+    "chunkserve_tenant_rejected_requests_total": "rejected",
+}
+_SAMPLE = re.compile(r"^(chunkserve_tenant_\w+_total)\{(.*)\}\s+(\S+)(?:\s+\S+)?$")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
+
+# (sample, tenant, code or None, replica) -> value
+TenantCounters = dict[tuple[str, str, str | None, str | None], float]
+
+
+def tenant_counters(text: str) -> TenantCounters | None:
+    """The chunkserve_tenant_* samples of Prometheus text ({(sample, tenant, code, replica):
+    value}); None when the text declares none of those families (a server without them, or not
+    Prometheus text at all). Lines it does not know are passed over."""
+    declared, out = False, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE chunkserve_tenant_"):
+            declared = True
+            continue
+        m = _SAMPLE.match(line)
+        if m is None or m.group(1) not in _TENANT_SAMPLES:
+            continue
+        labels = {k: re.sub(r'\\[\\"n]', lambda e: _UNESCAPE[e.group(0)], v) for k, v in _LABEL.findall(m.group(2))}
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        if "tenant" in labels:
+            declared = True
+            out[m.group(1), labels["tenant"], labels.get("code"), labels.get("replica")] = value
+    return out if declared else None
+
+
+def tenant_deltas(before: TenantCounters | None, after: TenantCounters | None) -> dict:
+    """Per tenant, what its counters grew by between two scrapes, summed over replicas: requests,
+    prompt_tokens, cached_prompt_tokens, hit_rate (cached / prompt), generated_tokens, rejected
+    {code: n}. A series that went down is a replica restarted (a counter reset): its growth is
+    its value after. Tenants whose counters did not grow are left out; {} without counters."""
+    if after is None:
+        return {}
+    before = before or {}
+    grown: dict[str, dict] = {}
+    for key, value in after.items():
+        sample, tenant, code, _ = key
+        prev = before.get(key, 0.0)
+        delta = value - prev if value >= prev else value
+        if delta <= 0:
+            continue
+        t = grown.setdefault(tenant, {})
+        field = _TENANT_SAMPLES[sample]
+        if field == "rejected":
+            rejected = t.setdefault("rejected", {})
+            rejected[code or "unknown"] = rejected.get(code or "unknown", 0) + delta
+        else:
+            t[field] = t.get(field, 0) + delta
+    out = {}
+    for tenant, t in sorted(grown.items()):
+        row = {f: _num(t.get(f, 0)) for f in ("requests", "prompt_tokens", "cached_prompt_tokens")}
+        row["hit_rate"] = row["cached_prompt_tokens"] / row["prompt_tokens"] if row["prompt_tokens"] else 0.0
+        row["generated_tokens"] = _num(t.get("generated_tokens", 0))
+        row["rejected"] = {code: _num(n) for code, n in sorted(t.get("rejected", {}).items())}
+        out[tenant] = row
+    return out
+
+
+def _num(x: float) -> int | float:
+    """Counts as ints (the text writes them as floats: 4.0)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def _replicas(ok: list[Record]) -> dict:
