@@ -192,6 +192,10 @@ def test_dashboard_asks_only_for_exposed_metrics(app):
         "Requests running / waiting",
         "Tokens per second",
         "Errors by status and code",
+        "Requests per second by tenant",
+        "Tokens per second by tenant",
+        "Cached prompt fraction by tenant",
+        "Rejected requests by tenant and code",
     ):
         assert title in exprs
     for title, queries in exprs.items():
