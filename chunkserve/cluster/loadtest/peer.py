@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         ap.error(f"--serve: cannot start {command[0]!r}: {e}")
     try:
-        ready_s = wait_ready(args.url, args.ready_timeout, proc)
+        ready_s = wait_ready(args.url, args.ready_timeout, proc, "/v1/models")  # (vLLM has no /ready)
         print(f"# {args.serve}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
         label = [] if "--label" in rest else ["--label", peer_label(args.url, command)]
         return loadtest(["--url", args.url, *label, *rest])

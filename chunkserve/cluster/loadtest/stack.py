@@ -42,15 +42,15 @@ def apply_overrides(config: dict, sets: list[str]) -> dict:
     return config
 
 
-def wait_ready(url: str, timeout: float, proc: subprocess.Popen) -> float:
-    """Seconds until url/ready answers 200 (a model replica is up: the ingress's readiness, which
-    needs no API key); raises if serve exits first."""
+def wait_ready(url: str, timeout: float, proc: subprocess.Popen, path: str = "/ready") -> float:
+    """Seconds until url + path answers 200 (ours: /ready, a model replica is up: the ingress's
+    readiness, which needs no API key); raises if the server's process exits first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise RuntimeError(f"serve run exited with {proc.returncode} before the application was ready")
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(url + "/ready", timeout=5).status_code == 200:
+            if httpx.get(url + path, timeout=5).status_code == 200:
                 return time.monotonic() - t0
         except httpx.HTTPError:
             pass
