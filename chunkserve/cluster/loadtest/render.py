@@ -1,11 +1,13 @@
 """Workload specs -> the requests a client sends: token ids, or real text where the server has a tokenizer.
 
 - tokens: each piece is `length` ids drawn from `token_range` by a generator seeded with the
-  run's seed and the piece's key (pieces with one key get the same ids). Sent to
-  /v1/completions as a prompt of ids; a chat spec's turns are concatenated.
+  run's seed and the piece's key (pieces with one key get the same ids; a shorter one the first
+  of them: a trace's partial last block). Sent to /v1/completions as a prompt of ids; a chat
+  spec's turns are concatenated.
 - text: each piece is real text of about `length` tokens of the served model: one /tokenize of
   a seeded corpus of English words, then per distinct piece a run of its tokens (at an offset
-  of the piece's own) turned back into text by /detokenize. Chat specs go to
+  of the piece key's own; a shorter piece of one key the first of those tokens) turned back
+  into text by /detokenize. Chat specs go to
   /v1/chat/completions as messages, others as text prompts.
 """
 
@@ -75,12 +77,16 @@ class Renderer:
         if endpoint == "chat" and fmt == "tokens":
             raise ValueError("the chat endpoint takes text: use the text prompt format")
         self.fmt, self.seed, self.token_range, self.endpoint = fmt, seed, token_range, endpoint
-        self._texts: dict[str, str] = {}  # text format: each piece key's text
+        self._texts: dict[tuple[str, int], str] = {}  # text format: each (piece key, length)'s text
+        self._ids: dict[str, list[int]] = {}  # each piece key's ids, as many as its longest piece's
 
     def ids(self, piece: Piece) -> list[int]:
-        rng = random.Random(f"{self.seed}/{piece.key}")
-        lo, hi = self.token_range
-        return [rng.randrange(lo, hi) for _ in range(piece.length)]
+        got = self._ids.get(piece.key)
+        if got is None or len(got) < piece.length:
+            rng = random.Random(f"{self.seed}/{piece.key}")
+            lo, hi = self.token_range
+            got = self._ids[piece.key] = [rng.randrange(lo, hi) for _ in range(piece.length)]
+        return got[: piece.length]
 
     async def prepare(
         self,
@@ -95,12 +101,12 @@ class Renderer:
         if self.fmt != "text":
             return
         pieces = sorted(
-            {p.key: p for s in specs for _, content in s.turns for p in content if isinstance(p, Piece)}.values(),
-            key=lambda p: p.key,
+            {(p.key, p.length) for s in specs for _, content in s.turns for p in content if isinstance(p, Piece)}
         )
         if not pieces:
             return
-        need = max(p.length for p in pieces) + len(pieces)
+        keys = sorted({key for key, _ in pieces})
+        need = max(length for _, length in pieces) + len(keys)
         ids: list[int] = []
         chars = 16 * need
         while len(ids) < need and chars < 64 * need:  # (a tokenizer of many characters a token)
@@ -112,18 +118,21 @@ class Renderer:
             ids = await _post(client, url, "/tokenize", body, headers, "tokens")
             chars *= 4
         rng = random.Random(f"offsets/{self.seed}")
-        # distinct pieces start at distinct places (pieces of equal start would share a prefix)
-        starts = (
-            rng.sample(range(len(ids)), len(pieces))
-            if len(pieces) <= len(ids)
-            else [rng.randrange(len(ids)) for _ in pieces]
+        # distinct keys start at distinct places (pieces of equal start would share a prefix)
+        starts = dict(
+            zip(
+                keys,
+                rng.sample(range(len(ids)), len(keys))
+                if len(keys) <= len(ids)
+                else [rng.randrange(len(ids)) for _ in keys],
+            )
         )
         sem = asyncio.Semaphore(concurrency)
 
-        async def one(piece: Piece, start: int) -> None:
-            run = [ids[(start + i) % len(ids)] for i in range(piece.length)]
+        async def one(key: str, length: int) -> None:
+            run = [ids[(starts[key] + i) % len(ids)] for i in range(length)]
             async with sem:
-                self._texts[piece.key] = await _post(
+                self._texts[key, length] = await _post(
                     client,
                     url,
                     "/detokenize",
@@ -132,7 +141,7 @@ class Renderer:
                     "prompt",
                 )
 
-        await asyncio.gather(*(one(p, s) for p, s in zip(pieces, starts)))
+        await asyncio.gather(*(one(key, length) for key, length in pieces))
 
     def request(self, spec: Spec) -> Request:
         labels = dict(
@@ -158,9 +167,9 @@ class Renderer:
     def _text(self, x: Piece | str) -> str:
         if isinstance(x, str):
             return x
-        if x.key not in self._texts:
+        if (x.key, x.length) not in self._texts:
             raise RuntimeError("text prompts need Renderer.prepare against the server first")
-        return self._texts[x.key]
+        return self._texts[x.key, x.length]
 
 
 async def _post(client: httpx.AsyncClient, url: str, path: str, body: dict, headers: dict[str, str], field: str):
