@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from chunkserve.cluster.loadtest import traces
 from chunkserve.cluster.loadtest import workloads as wl
 from chunkserve.cluster.loadtest.client import (
     METRICS_CACHE_S,
@@ -61,6 +62,13 @@ def _token_range(text: str) -> tuple[int, int]:
     if not 0 <= lo < hi:
         raise argparse.ArgumentTypeError(f"--token-range needs 0 <= LO < HI, got {text!r}")
     return lo, hi
+
+
+def _window(text: str) -> tuple[float, float]:
+    try:
+        return traces.parse_window(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _slo(text: str) -> Slo:
@@ -125,7 +133,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--workload", choices=wl.WORKLOADS, default="gsp")
     g.add_argument(
         "--dataset",
-        help="a JSON-lines trace instead of a workload (prompt or messages, max_tokens, optional timestamp and tenant)",
+        help="a JSON-lines trace instead of a workload (prompt or messages, max_tokens, optional timestamp and "
+        "tenant), or Mooncake's or Bailian's block trace (--trace-format)",
     )
     g.add_argument("--num-prompts", type=pint, help="requests per run (default: the workload's own)")
     g.add_argument("--seed", type=int, default=0)
@@ -163,6 +172,31 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--random-range-ratio", type=float, default=wl.Random_.range_ratio)
     g.add_argument("--random-prefix-len", type=int, default=wl.Random_.prefix_len)
     g.add_argument("--output-len", type=pint, default=128, help="a trace line's max_tokens when it has none")
+    g.add_argument(
+        "--trace-format",
+        choices=traces.FORMATS,
+        default="auto",
+        help="the --dataset's format: jsonl (above), mooncake or bailian (block traces: timestamp, "
+        "input_length, output_length, hash_ids); auto: from its first line",
+    )
+    g.add_argument(
+        "--trace-block-size",
+        type=pint,
+        help="tokens per hash id of a block trace (default the format's: mooncake 512, bailian 16)",
+    )
+    g.add_argument(
+        "--trace-window",
+        type=_window,
+        metavar="START:END",
+        help="only the trace's requests in these seconds of it (from its first request; either side "
+        "may be left out), the first sent at 0",
+    )
+    g.add_argument(
+        "--max-input-len",
+        type=pint,
+        help="drop a block trace's requests of longer prompts (counted in the report)",
+    )
+    ap.set_defaults(trace_info={})
     g = ap.add_argument_group("arrivals")
     g.add_argument(
         "--request-rate", type=pfloat, default=math.inf, help="requests per second (default inf: all at once)"
@@ -171,6 +205,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--max-concurrency", type=pint, help="requests in flight at most (over all clients)")
     g.add_argument("--sweep", type=_rates, help="run each of these rates in turn, e.g. 2,4,8,16")
     g.add_argument("--replay", action="store_true", help="a trace's timestamps set the send times")
+    g.add_argument(
+        "--replay-speed", type=pfloat, default=1.0, help="with --replay: the trace's pace times this (2: twice as fast)"
+    )
     g.add_argument(
         "--same-prompts",
         action="store_true",
@@ -242,6 +279,16 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         ap.error("--search-goodput chooses the rates itself: drop --sweep")
     if args.replay and (args.dataset is None or args.sweep or args.search_goodput):
         ap.error("--replay takes a --dataset's timestamps, without --sweep or --search-goodput")
+    if args.replay_speed != 1.0 and not args.replay:
+        ap.error("--replay-speed paces --replay: give --replay")
+    trace_flags = {
+        "--trace-format": args.trace_format != "auto",
+        "--trace-block-size": args.trace_block_size is not None,
+        "--trace-window": args.trace_window is not None,
+        "--max-input-len": args.max_input_len is not None,
+    }
+    if args.dataset is None and any(trace_flags.values()):
+        ap.error(f"{', '.join(k for k, v in trace_flags.items() if v)} read a trace: give --dataset")
     if args.clients and not args.address:
         ap.error("--clients places client actors on a Ray cluster: give --address")
     if args.random_range_ratio < 0 or args.random_range_ratio >= 1:
@@ -275,7 +322,18 @@ def _check(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def workload(args: argparse.Namespace) -> list[wl.Spec]:
     if args.dataset:
-        return wl.load_trace(args.dataset, args.output_len, args.num_prompts)
+        specs, args.trace_info = traces.load(
+            args.dataset,
+            args.trace_format,
+            block_size=args.trace_block_size,
+            default_max_tokens=args.output_len,
+            window=args.trace_window,
+            max_input_len=args.max_input_len,
+            num=args.num_prompts,
+        )
+        if args.replay:
+            args.trace_info["replay_speed"] = args.replay_speed
+        return specs
     if args.workload == "gsp":
         gen = wl.Gsp(
             args.gsp_num_groups,
@@ -361,7 +419,7 @@ class Runner:
         seed = args.seed if args.same_prompts else args.seed + self.runs
         self.runs += 1
         requests = asyncio.run(self._prepare(seed))
-        offsets = wl.Arrivals(rate, args.burstiness, args.replay, args.seed).offsets(self.specs)
+        offsets = wl.Arrivals(rate, args.burstiness, args.replay, args.seed, args.replay_speed).offsets(self.specs)
         before = asyncio.run(self._scrape())
         bar = _progress(len(requests), args.no_progress)
         if args.address:
@@ -470,6 +528,7 @@ class Runner:
             "seed": args.seed,
             "num_clients": clients,
             "urls": self.urls or f"each node's :{args.port}",
+            **args.trace_info,
         }
 
 

@@ -14,7 +14,8 @@ the served model; `chunkserve.cluster.loadtest.render` turns pieces into token i
 - prefix_repetition: vLLM's: a few prefixes, each repeated with suffixes of their own;
 - random: vLLM's: nothing shared (but an optional common prefix);
 - a trace (`load_trace`): JSON lines with `prompt` (text or token ids) or `messages`,
-  `max_tokens`, optional `timestamp` (seconds; replayed at the recorded times) and `tenant`.
+  `max_tokens`, optional `timestamp` (seconds; replayed at the recorded times) and `tenant`;
+  Mooncake's and Bailian's block traces are read by `chunkserve.cluster.loadtest.traces`.
 """
 
 from __future__ import annotations
@@ -289,18 +290,21 @@ class Arrivals:
 
     rate: requests per second (inf: all at once); burstiness: the gamma shape of the gaps
     (1: Poisson; below 1 burstier, above steadier: vLLM's --burstiness); replay: a trace's own
-    timestamps instead."""
+    timestamps instead, divided by speed (2: twice as fast)."""
 
     rate: float = math.inf
     burstiness: float = 1.0
     replay: bool = False
     seed: int = 0
+    speed: float = 1.0
 
     def offsets(self, specs: list[Spec]) -> list[float]:
         if self.replay:
             if any(s.timestamp is None for s in specs):
                 raise ValueError("replay needs a trace with a timestamp on every line")
-            return [s.timestamp for s in specs]
+            if not self.speed > 0:
+                raise ValueError(f"replay speed must be > 0, got {self.speed}")
+            return [(s.timestamp or 0.0) / self.speed for s in specs]  # (none is None: checked above)
         return poisson_offsets(len(specs), self.rate, self.burstiness, self.seed)
 
 
