@@ -126,6 +126,57 @@ def test_a_disconnect_through_the_front_aborts_the_request(urls):
     assert s["generated_tokens"] - generated < 900  # stopped, not run to its end
 
 
+ABORT_WAIT_S = 1.0  # an abandoned request's sequences are gone this soon after its client (running them out: ~15 s)
+
+
+@pytest.mark.parametrize("port", ["front", "proxy"])
+def test_an_abandoned_whole_response_is_aborted(urls, port):
+    # a non-streaming request sends nothing until every choice ends: only the connection's close
+    # (the ASGI receive's http.disconnect on the front, Serve's cancellation through the proxy)
+    # tells the ingress that no one waits for it
+    proxy, front, handle = urls
+    url = front if port == "front" else proxy
+    stats = lambda: handle.stats.remote().result(timeout_s=60)  # noqa: E731
+    deadline = time.monotonic() + 120
+    while (s := stats())["running"] or s["waiting"]:  # (no other test's request left running)
+        assert time.monotonic() < deadline, f"the engine never went idle: {s}"
+        time.sleep(0.2)
+    generated = s["generated_tokens"]
+    body = {"prompt": ["x" * 50, "y" * 50], "n": 4, "max_tokens": 900, "ignore_eos": True}
+
+    async def abandon():
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            sent = asyncio.create_task(client.post(f"{url}/v1/completions", json=body, headers=AUTH))
+            deadline = time.monotonic() + 120
+            while (await asyncio.to_thread(stats))["running"] < 8:  # all 8 choices decode
+                assert not sent.done(), sent.result()
+                assert time.monotonic() < deadline, "the request's choices never all ran"
+                await asyncio.sleep(0.05)
+            sent.cancel()  # the client gives up: httpx closes the connection
+            await asyncio.gather(sent, return_exceptions=True)
+
+    asyncio.run(abandon())
+    gone = time.monotonic()
+    while (s := stats())["running"] or s["kv_chunks_used"]:
+        assert time.monotonic() - gone < ABORT_WAIT_S, f"the abandoned request still runs: {s}"
+        time.sleep(0.05)
+    assert s["generated_tokens"] - generated < 8 * 900  # stopped, not run to its end
+
+
+def test_whole_responses_of_many_choices_are_served_on_both_ports(urls):
+    # (watching for the client's disconnect must not end a request whose client waits)
+    proxy, front, _ = urls
+    bodies = []
+    for url in (proxy, front):
+        r = _completion(url, prompt=["a b", "c d"], n=3, max_tokens=40, temperature=1.0, seed=5)
+        assert r.status_code == 200, r.text
+        bodies.append(r.json())
+        assert [c["index"] for c in r.json()["choices"]] == list(range(6))
+        assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
+        assert r.json()["usage"]["completion_tokens"] == 6 * 40
+    assert [c["text"] for c in bodies[0]["choices"]] == [c["text"] for c in bodies[1]["choices"]]  # (seeded)
+
+
 def test_the_proxys_own_port_is_refused_naming_both(urls):
     proxy, _, _ = urls
     proxy_port = int(proxy.split(":")[2].split("/")[0])

@@ -36,6 +36,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.types import Receive
 
 from chunkserve.cluster import metrics as cluster_metrics
 from chunkserve.cluster.config import AppConfig
@@ -621,19 +622,68 @@ def _event(fmt: _CompletionFormat, out: GenerateOutput, index: int, exclude: dic
     return None if chunk is None else f"data: {chunk.model_dump_json(exclude=exclude)}\n\n"
 
 
+def _abandon(starts: list[asyncio.Future]) -> None:
+    """Cancel every choice's _start: one still waiting cancels its call itself, one that has
+    started is aborted (_cancel) as it ends."""
+
+    def abort(start: asyncio.Future) -> None:
+        if not start.cancelled() and start.exception() is None:
+            _cancel([start.result()])
+
+    for start in starts:
+        start.cancel()
+        start.add_done_callback(abort)
+
+
+async def _until_gone(receive: Receive) -> bool:
+    """True once the client has disconnected: the request's ASGI receive, its body read, gives
+    http.disconnect then and nothing before (uvicorn's on the front: the connection closed;
+    Serve's in a replica: the proxy's own receive forwarded, so never while the proxy's client
+    waits). False (no longer watching) if receive fails."""
+    try:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # noqa: BLE001 - no disconnect known: the request goes on
+        return False
+    return True
+
+
+async def _unless_gone(work: asyncio.Future, gone: asyncio.Future) -> Any:
+    """work's result, or ClientDisconnect (work cancelled) once `gone` (_until_gone) says the
+    client has left. A disconnect through Serve's proxy also cancels the handler's task; the
+    front's uvicorn cancels nothing, so a whole response's only sign there is receive's."""
+    try:
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        work.cancel()
+        raise
+    if not work.done() and gone.result():
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise ClientDisconnect()
+    return await work
+
+
 async def _whole(
-    started: list[Started], fmt: _CompletionFormat, headers: dict[str, str], ended: Ended = _nothing
+    started: list[Started],
+    fmt: _CompletionFormat,
+    headers: dict[str, str],
+    gone: asyncio.Future,
+    ended: Ended = _nothing,
 ) -> Response:
     async def outputs(first: GenerateOutput, rest: Outputs) -> list[GenerateOutput]:
         return [first] + [out async for out in rest]
 
     try:
-        choices = await asyncio.gather(*(outputs(first, rest) for first, rest in started))
+        gathered = asyncio.gather(*(outputs(first, rest) for first, rest in started))
+        choices = await _unless_gone(gathered, gone)
     except Exception as e:
-        _cancel(started)  # a replica failed: the others abort their requests
+        _cancel(started)  # the client went away, or a replica failed: the replicas abort the requests
+        if isinstance(e, ClientDisconnect):
+            raise
         raise _server_error(e) from None
     except BaseException:
-        _cancel(started)  # the client went away: the replicas abort the requests
+        _cancel(started)  # the handler cancelled (the client went away through Serve's proxy)
         raise
     ended([outs[-1] for outs in choices])
     # a large body (an echo's logprobs: up to max_logprob_entries) is formatted in a thread, off
@@ -867,7 +917,7 @@ class OpenAIIngress:
             [self._echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
             tok.special_ids if tok is not None and body.skip_special_tokens else frozenset(),
         )
-        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered, tenant)
+        return await self._respond(request, reqs, fmt, body.stream, body.include_usage, entered, tenant)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
@@ -908,7 +958,7 @@ class OpenAIIngress:
             self.config.tool_call_parser,
             None if body.guide is not None and think is None else self.config.reasoning_parser,
         )
-        return await self._respond(reqs, fmt, body.stream, body.include_usage, entered, tenant)
+        return await self._respond(request, reqs, fmt, body.stream, body.include_usage, entered, tenant)
 
     async def _as_tenant(self, tenant: Tenant, answer: Awaitable[Response]) -> Response:
         """A completion endpoint's answer for `tenant`: within its rate limits (else 429 with
@@ -970,6 +1020,7 @@ class OpenAIIngress:
 
     async def _respond(
         self,
+        request: Request,
         reqs: list[GenerateRequest],
         fmt: _CompletionFormat,
         stream: bool,
@@ -979,6 +1030,9 @@ class OpenAIIngress:
     ) -> Response:
         """Start every choice's request (each waits for its first output, so errors get a status
         code), then answer with all of them. entered: when the endpoint was called (perf_counter).
+        Until a stream begins (StreamingResponse then watches the connection itself) or the whole
+        response is ready, a client's disconnect (its body read, `request.receive` says so)
+        aborts every choice: the front's uvicorn does not cancel the handler as Serve's proxy does.
         The tenant's prompt tokens count against its limits when sent, its completion tokens
         when the response ends."""
         sent = time.perf_counter()
@@ -986,9 +1040,32 @@ class OpenAIIngress:
         deadline = None if limit is None else entered + limit
         if deadline is not None and sent >= deadline:  # (its own checks took the time: nothing sent)
             raise self._deadline_exceeded()
-        results = await asyncio.gather(
-            *(self._start(req, own_id=len(reqs) > 1, deadline=deadline) for req in reqs), return_exceptions=True
-        )
+        gone = asyncio.ensure_future(_until_gone(request.receive))
+        try:
+            return await self._respond_unless_gone(
+                reqs, fmt, stream, include_usage, entered, sent, deadline, gone, tenant
+            )
+        finally:
+            gone.cancel()  # (one receiver at a time: a stream's response listens from here on)
+
+    async def _respond_unless_gone(
+        self,
+        reqs: list[GenerateRequest],
+        fmt: _CompletionFormat,
+        stream: bool,
+        include_usage: bool,
+        entered: float,
+        sent: float,
+        deadline: float | None,
+        gone: asyncio.Future,
+        tenant: Tenant,
+    ) -> Response:
+        starts = [asyncio.ensure_future(self._start(req, own_id=len(reqs) > 1, deadline=deadline)) for req in reqs]
+        try:
+            results = await _unless_gone(asyncio.gather(*starts, return_exceptions=True), gone)
+        except BaseException:
+            _abandon(starts)  # the client went away while the choices waited for their first outputs
+            raise
         first = time.perf_counter()
         failed = [r for r in results if isinstance(r, BaseException)]
         if failed:
@@ -1012,7 +1089,7 @@ class OpenAIIngress:
 
         if stream:
             return _sse(results, fmt, include_usage, headers, ended)
-        return await _whole(results, fmt, headers, ended)
+        return await _whole(results, fmt, headers, gone, ended)
 
     # -- request checks ---------------------------------------------------------------------
     def _authorize(self, request: Request) -> Tenant:
