@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 
 import httpx
 import pytest
 from ray.serve import context as serve_context
+from starlette.requests import ClientDisconnect
 
 from chunkserve.cluster.front import HTTPFront, bind
 from chunkserve.replicas.distributed import free_port
@@ -110,3 +112,30 @@ def test_a_front_that_stops_by_itself_is_a_failure():
         assert front.failed() is None
 
     asyncio.run(main())
+
+
+def test_a_client_gone_is_no_server_error(caplog):
+    # the ingress answers a client's disconnect (ClientDisconnect, re-raised by Starlette after
+    # its 499) as no server error: uvicorn logs no traceback for it
+    async def leaves(scope, receive, send) -> None:
+        await send({"type": "http.response.start", "status": 499, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+        raise ClientDisconnect()
+
+    async def fails(scope, receive, send) -> None:
+        raise RuntimeError("a bug")
+
+    async def main(app) -> int:
+        port = free_port()
+        front = HTTPFront("127.0.0.1", port)
+        front.start(lambda: app, "app")
+        async with httpx.AsyncClient(timeout=10) as client:
+            status = (await client.get(f"http://127.0.0.1:{port}/")).status_code
+        await front.stop(5)
+        return status
+
+    with caplog.at_level(logging.ERROR, logger="uvicorn.error"):
+        assert asyncio.run(main(leaves)) == 499
+        assert not [r for r in caplog.records if r.name == "uvicorn.error"]
+        assert asyncio.run(main(fails)) == 500  # a server error still is one
+        assert [r.message for r in caplog.records if r.name == "uvicorn.error"] == ["Exception in ASGI application\n"]

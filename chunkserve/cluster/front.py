@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 from ray.serve import context as serve_context
+from starlette.requests import ClientDisconnect
 
 logger = logging.getLogger("ray.serve")
 
@@ -88,7 +89,12 @@ def with_request_context(app: ASGIApp, app_name: str) -> ASGIApp:
                 message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request_id.encode())]}
             await send(message)
 
-        await app(scope, receive, send_with_id)
+        try:
+            await app(scope, receive, send_with_id)
+        except ClientDisconnect:
+            # the client left (the app has answered it, a 499 no one reads; Starlette re-raises
+            # after answering): no server error for uvicorn to log with a traceback
+            logger.debug("request %s: the client disconnected", request_id)
 
     return wrapped
 
