@@ -139,3 +139,64 @@ def test_a_client_gone_is_no_server_error(caplog):
         assert not [r for r in caplog.records if r.name == "uvicorn.error"]
         assert asyncio.run(main(fails)) == 500  # a server error still is one
         assert [r.message for r in caplog.records if r.name == "uvicorn.error"] == ["Exception in ASGI application\n"]
+
+
+async def _ok_app(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+async def _read_to_eof(reader: asyncio.StreamReader) -> bytes:
+    """What the server sends until it closes the connection (a test's bound: 30 s)."""
+    return await asyncio.wait_for(reader.read(), 30)
+
+
+def test_a_request_head_not_complete_within_the_header_timeout_is_closed():
+    async def main():
+        port = free_port()
+        front = HTTPFront("127.0.0.1", port, header_timeout_s=1.0)
+        front.start(lambda: _ok_app, "app")
+        await asyncio.sleep(0.05)
+        partial = await asyncio.open_connection("127.0.0.1", port)
+        partial[1].write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")  # and no more
+        silent = await asyncio.open_connection("127.0.0.1", port)  # sends nothing at all
+        closed = asyncio.ensure_future(_read_to_eof(partial[0]))
+        closed_silent = asyncio.ensure_future(_read_to_eof(silent[0]))
+        async with httpx.AsyncClient(timeout=10) as client:  # meanwhile another connection is served
+            r = await client.get(f"http://127.0.0.1:{port}/")
+            assert r.status_code == 200 and r.text == "ok"
+        assert not closed.done() and not closed_silent.done()  # (the slow ones are held until their timeout)
+        assert (await closed).startswith(b"HTTP/1.1 408 ")  # then told and closed
+        assert await closed_silent == b""  # (nothing sent: nothing to answer, closed)
+        for _, writer in (partial, silent):
+            writer.close()
+        await front.stop(5)
+
+    asyncio.run(main())
+
+
+def test_a_slow_head_finished_within_the_timeout_is_served_and_each_request_gets_its_own():
+    async def main():
+        port = free_port()
+        front = HTTPFront("127.0.0.1", port, header_timeout_s=2.0)
+        front.start(lambda: _ok_app, "app")
+        await asyncio.sleep(0.05)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\r\n"
+        for i in range(0, len(head), 8):  # a byte at a time, in pieces, ~0.6 s in all
+            writer.write(head[i : i + 8])
+            await asyncio.sleep(0.1)
+        first = await asyncio.wait_for(reader.readuntil(b"\r\n0\r\n\r\n"), 30)  # (its last chunk)
+        assert first.startswith(b"HTTP/1.1 200 ") and b"\r\nok\r\n" in first
+        await asyncio.sleep(1.5)  # kept alive past the first head's timeout: the next head's is its own
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n")
+        assert (await _read_to_eof(reader)).startswith(b"HTTP/1.1 408 ")
+        writer.close()
+        await front.stop(5)
+
+    asyncio.run(main())
+
+
+def test_the_header_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="header timeout must be > 0 s, got 0"):
+        HTTPFront("127.0.0.1", free_port(), header_timeout_s=0)

@@ -53,6 +53,7 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"block": 64, "stride": 8}}},  # 8 rows of a block scored
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
+        {"ingress": {"header_timeout_s": 0}},
     ],
 )
 def test_bad_values_are_errors(args):

@@ -30,7 +30,7 @@ def _app(port: int, **over) -> dict:
         "num_replicas": 1,
         "api_key": KEY,
         "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "max_num_seqs": 16},
-        "ingress": {"num_replicas": 2, "http_port": port},
+        "ingress": {"num_replicas": 2, "http_port": port, "header_timeout_s": 2.0},
         **over,
     }
 
@@ -175,6 +175,19 @@ def test_whole_responses_of_many_choices_are_served_on_both_ports(urls):
         assert all(c["finish_reason"] == "length" for c in r.json()["choices"])
         assert r.json()["usage"]["completion_tokens"] == 6 * 40
     assert [c["text"] for c in bodies[0]["choices"]] == [c["text"] for c in bodies[1]["choices"]]  # (seeded)
+
+
+def test_a_head_sent_too_slowly_is_closed_by_the_front(urls):
+    _, front, _ = urls
+    host, port = front.removeprefix("http://").split(":")
+
+    async def main():
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the head never ends
+        assert (await asyncio.wait_for(reader.read(), 60)).startswith(b"HTTP/1.1 408 ")  # ingress.header_timeout_s
+        writer.close()
+
+    asyncio.run(main())
 
 
 def test_the_proxys_own_port_is_refused_naming_both(urls):

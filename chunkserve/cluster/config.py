@@ -98,6 +98,10 @@ class IngressOptions(_Strict):
     # (route_prefix is the proxy's). None: through the proxy alone
     http_port: int | None = Field(None, ge=1, le=65535)
     http_host: str = "127.0.0.1"  # the front's address: 0.0.0.0 to take requests from other hosts
+    # the front closes a connection that has not sent a complete request head this long after it
+    # opened (or after a kept-alive one's next request began), with a 408 if part of one came:
+    # uvicorn has no such timeout, so slow-header clients could hold connections open indefinitely
+    header_timeout_s: float = Field(10, gt=0)
 
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"

@@ -11,6 +11,9 @@ keeps its own port (`http_options.port`) and serves the same API.
 A request through the front gets what the proxy would give it: a Serve request context (its
 `x-request-id` header or a fresh id, the route, the application), so handle calls, logs and
 cancellation behave alike, and the `x-request-id` response header.
+
+uvicorn reads a request's head without a time limit; the front's protocol (_HeadTimeout) closes
+a connection whose head is not complete within `ingress.header_timeout_s`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import uvicorn
 from ray.serve import context as serve_context
 from starlette.requests import ClientDisconnect
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 logger = logging.getLogger("ray.serve")
 
@@ -51,6 +55,63 @@ def bind(host: str, port: int) -> socket.socket:
         ) from None
     sock.setblocking(False)
     return sock
+
+
+class _HeadTimeout(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a header read timeout, which uvicorn lacks: a connection
+    must send a complete request head within `head_timeout_s` of its opening, and each next
+    request's within that of its first byte (uvicorn's keep-alive timeout bounds the idle time
+    between requests). Else it is closed, after a 408 if part of a head came (a slow client's
+    connections are not held open by a few bytes at a time). A head late behind a response still
+    being sent (pipelined) lets that response finish, then closes."""
+
+    head_timeout_s = 10.0  # (HTTPFront makes a subclass with its own)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_begun = False  # bytes of a request head came
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_begun = True
+        if self._head_timer is None:  # (the connection's first request: armed at its opening)
+            self._arm_head()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_head()
+        self._head_begun = False
+        super().on_headers_complete()
+
+    def _arm_head(self) -> None:
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _disarm_head(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # (closes once the response in progress is sent)
+            return
+        if self._head_begun:
+            self.transport.write(_REQUEST_TIMEOUT)
+        self.transport.close()
+
+
+_REQUEST_TIMEOUT = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 
 
 class _Server(uvicorn.Server):
@@ -104,8 +165,12 @@ class HTTPFront:
     constructor (a taken port fails the deployment there, naming it), started from it too;
     stop() before the replica goes, failed() for its health check."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, header_timeout_s: float = 10.0):
+        if not header_timeout_s > 0:
+            raise ValueError(f"the front's header timeout must be > 0 s, got {header_timeout_s}")
         self.host, self.port = host, port
+        # uvicorn makes a protocol per connection from the class: this front's timeout on one of its own
+        self._protocol = type("HeadTimeout", (_HeadTimeout,), {"head_timeout_s": header_timeout_s})
         self._sock = bind(host, port)
         self._server: _Server | None = None
         self._task: asyncio.Task | None = None
@@ -125,6 +190,7 @@ class HTTPFront:
             log_config=None,
             access_log=False,
             timeout_keep_alive=30,
+            http=self._protocol,
         )
         self._server = _Server(config)
         self._server.should_exit = self._stopping

@@ -814,7 +814,9 @@ class OpenAIIngress:
             raise ValueError(
                 f"ingress.http_port {opts.http_port} is Serve's own http_options.port: give one of them another port"
             )
-        self._front = None if opts.http_port is None else HTTPFront(opts.http_host, opts.http_port)
+        self._front = (
+            None if opts.http_port is None else HTTPFront(opts.http_host, opts.http_port, opts.header_timeout_s)
+        )
         if self._front is not None:
             self._front.start(lambda: self.app, ctx.app_name)
 
