@@ -54,6 +54,7 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
         {"ingress": {"header_timeout_s": 0}},
+        {"openapi_docs": "yes"},  # off, key or open
     ],
 )
 def test_bad_values_are_errors(args):

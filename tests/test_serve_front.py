@@ -190,6 +190,48 @@ def test_a_head_sent_too_slowly_is_closed_by_the_front(urls):
     asyncio.run(main())
 
 
+DOCS = ("/docs", "/redoc", "/openapi.json")
+
+
+def _check_docs(base: str, root: str, headers: dict) -> None:
+    """The three docs pages answer at base, their pages pointing at root/openapi.json."""
+    pages = {path: httpx.get(f"{base}{path}", headers=headers, timeout=TIMEOUT) for path in DOCS}
+    assert {path: r.status_code for path, r in pages.items()} == dict.fromkeys(DOCS, 200)
+    assert f"url: '{root}/openapi.json'" in pages["/docs"].text  # (Swagger UI's)
+    assert f'spec-url="{root}/openapi.json"' in pages["/redoc"].text
+    schema = pages["/openapi.json"].json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models"} <= set(schema["paths"])
+    assert not set(DOCS) & set(schema["paths"])
+    assert schema.get("servers", [{"url": ""}])[0]["url"] == root
+
+
+def test_api_docs_are_behind_the_api_key_by_default(urls):
+    proxy, front, _ = urls
+    for base, root in ((proxy, "/front"), (front, "")):
+        for path in DOCS:
+            r = httpx.get(f"{base}{path}", timeout=TIMEOUT)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", path
+        _check_docs(base, root, AUTH)
+
+
+@pytest.mark.parametrize("mode", ["off", "open"])
+def test_api_docs_off_or_open(urls, mode):
+    proxy, _, _ = urls
+    base = f"{proxy.rsplit('/', 1)[0]}/docs-{mode}"
+    args = {**_app(0), "api_key": KEY, "openapi_docs": mode, "ingress": {"num_replicas": 1}}
+    serve.run(build_app(args), name=f"docs-{mode}", route_prefix=f"/docs-{mode}")
+    try:
+        if mode == "open":  # no key needed, though the API has one
+            _check_docs(base, f"/docs-{mode}", {})
+            assert httpx.get(f"{base}/v1/models", timeout=TIMEOUT).status_code == 401
+        else:  # not there, key or not
+            for path in DOCS:
+                r = httpx.get(f"{base}{path}", headers=AUTH, timeout=TIMEOUT)
+                assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", path
+    finally:
+        serve.delete(f"docs-{mode}")
+
+
 def test_the_proxys_own_port_is_refused_naming_both(urls):
     proxy, _, _ = urls
     proxy_port = int(proxy.split(":")[2].split("/")[0])

@@ -205,6 +205,10 @@ class AppConfig(_Strict):
     max_logprob_entries: PositiveInt = 2**18
 
     api_key: SecretStr | None = None  # clients must send `Authorization: Bearer <key>`
+    # FastAPI's API docs (GET /docs: Swagger UI, /redoc, /openapi.json): `key` behind the API key
+    # as /v1/models (open when there is no key), `open` to anyone (FastAPI's and vLLM's default,
+    # which has no key on them), `off` a 404 (vLLM's --disable-fastapi-docs)
+    openapi_docs: Literal["off", "key", "open"] = "key"
     api_key_env: str | None = None  # or: the name of an environment variable holding the key
     max_request_bytes: PositiveInt = 10 * 2**20  # larger bodies get 413
     # tenants (chunkserve/cluster/tenants.py): keys -> tenant, cache policy, limits, priority. Empty:

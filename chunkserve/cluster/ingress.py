@@ -1,7 +1,8 @@
 """OpenAIIngress: the HTTP front of the application (FastAPI inside a Serve deployment).
 
     POST /v1/completions, POST /v1/chat/completions (stream: true -> SSE), GET /v1/models, GET /health,
-    GET /ready, GET /metrics, POST /tokenize, POST /detokenize
+    GET /ready, GET /metrics, POST /tokenize, POST /detokenize; GET /docs, /redoc, /openapi.json
+    (as AppConfig.openapi_docs says)
 
 It checks the key, parses and validates the body, tokenizes (chat through the model's chat
 template), and checks the context length, so bad input is answered here and never reaches a
@@ -26,7 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from ray import serve
 from ray.exceptions import RayActorError, RayError, RayTaskError, TaskCancelledError
@@ -86,7 +88,15 @@ FRONT_DRAIN_S = 15.0  # a stopping replica's front finishes its open requests th
 REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
 TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
 
-app = FastAPI(title="chunkserve", summary="OpenAI-compatible LLM serving for prompts sharing long prefixes")
+# FastAPI's own /docs, /redoc and /openapi.json answer anyone; the deployment serves them itself,
+# as its config's `openapi_docs` says (OpenAIIngress.openapi), which is not known yet here
+app = FastAPI(
+    title="chunkserve",
+    summary="OpenAI-compatible LLM serving for prompts sharing long prefixes",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 
 
 def _client_left(e: Exception) -> bool:
@@ -875,6 +885,38 @@ class OpenAIIngress:
                     headers={"WWW-Authenticate": "Bearer"},
                 )
         return Response(await self._metrics.text(), media_type=METRICS_CONTENT_TYPE)
+
+    # -- API docs (AppConfig.openapi_docs: off, behind the API key, or open) ----------------------
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi(self, request: Request) -> JSONResponse:
+        """The OpenAPI schema of these routes (FastAPI's, with the route prefix as its server)."""
+        root = self._docs_root(request)
+        schema = self.app.openapi()
+        if root:
+            schema = {**schema, "servers": [{"url": root}]}
+        return JSONResponse(schema)
+
+    @app.get("/docs", include_in_schema=False)
+    async def swagger_ui(self, request: Request) -> HTMLResponse:
+        """Swagger UI of the schema (its script and styles from FastAPI's default CDN)."""
+        root = self._docs_root(request)
+        return get_swagger_ui_html(openapi_url=f"{root}/openapi.json", title="chunkserve - Swagger UI")
+
+    @app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> HTMLResponse:
+        """ReDoc of the schema."""
+        root = self._docs_root(request)
+        return get_redoc_html(openapi_url=f"{root}/openapi.json", title="chunkserve - ReDoc")
+
+    def _docs_root(self, request: Request) -> str:
+        """The path the app is served under (Serve's route prefix; "" on the front), once
+        openapi_docs lets the request see the docs: 404 when off, the key's 401 when behind it."""
+        mode = self.config.openapi_docs
+        if mode == "off":
+            raise StarletteHTTPException(404)  # (as any unknown path)
+        if mode == "key":
+            self._authorize(request)
+        return request.scope.get("root_path", "").rstrip("/")
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
