@@ -3,6 +3,7 @@ configs/local.yaml` (real Serve, real HTTP, the smollm2-135m preset): one server
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -49,7 +50,7 @@ def serve_run():
         [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(ROOT / "configs/local.yaml")],
         cwd=ROOT,
         start_new_session=True,
-        env=dict(os.environ, RAY_TMPDIR=ray_tmp),
+        env=dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),  # (the quick start's)
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -65,7 +66,7 @@ def serve_run():
             assert time.monotonic() < deadline, "serve run was not ready in time"
             time.sleep(1)
         print(f"serve run configs/local.yaml answered after {time.monotonic() - start:.0f} s")
-        yield
+        yield serve
     finally:
         os.killpg(serve.pid, signal.SIGINT)
         try:
@@ -73,6 +74,36 @@ def serve_run():
         except subprocess.TimeoutExpired:
             os.killpg(serve.pid, signal.SIGKILL)
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def _loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def test_the_quick_starts_ray_listens_on_loopback_only(serve_run):
+    # Ray's single-node mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, README: What the ports expose):
+    # every port of serve run's processes (Ray's GCS, raylet, agents, metrics exports, workers, the
+    # API's two) listens on loopback, but Serve's inter-deployment gRPC server, one per replica,
+    # which Serve binds to [::] itself
+    import psutil
+
+    root = psutil.Process(serve_run.pid)
+    listening: dict[str, list[tuple[str, int]]] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            name = " ".join(proc.cmdline())
+            conns = proc.net_connections(kind="tcp")
+        except psutil.NoSuchProcess:
+            continue
+        listening[f"{proc.pid} {name[:80]}"] = [c.laddr[:2] for c in conns if c.status == psutil.CONN_LISTEN]
+    ports = {port for addrs in listening.values() for _, port in addrs}
+    assert {8000, 8001} <= ports and len(ports) > 10, listening  # (the API's, and Ray's many)
+    wide = {proc: [a for a in addrs if not _loopback(a[0])] for proc, addrs in listening.items()}
+    wide = {proc: addrs for proc, addrs in wide.items() if addrs}
+    assert wide, "Serve's replicas' gRPC servers bind [::]: this test's exception is stale"
+    for proc, addrs in wide.items():
+        assert "ray::ServeReplica" in proc and len(addrs) == 1 and addrs[0][0] in ("::", "0.0.0.0"), wide
 
 
 def test_capital_of_france_through_the_openai_client(serve_run):
