@@ -165,7 +165,11 @@ def test_large_bodies_and_chunks_are_formatted_off_the_event_loop(prompt_tokens,
     outs = _echoed(prompt_tokens)
     prompts = [list(range(prompt_tokens))]
     fmt = _Recording(prompts)
-    response = asyncio.run(_whole([(outs[0], _Outputs(outs[1:]))], fmt, {}))
+
+    async def whole():  # (a client that stays: its disconnect never comes)
+        return await _whole([(outs[0], _Outputs(outs[1:]))], fmt, {}, asyncio.get_running_loop().create_future())
+
+    response = asyncio.run(whole())
     want = _Recording(prompts).whole([outs]).model_dump(exclude=_exclude(False, usage=True))
     assert json.loads(response.body) == want and response.media_type == "application/json"
     assert (fmt.threads[0] is not threading.main_thread()) == off_loop
