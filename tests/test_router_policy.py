@@ -366,3 +366,39 @@ def test_prefix_work_tracks_in_flight_and_recent_work_on_a_shared_clock():
     assert work.get(1, 4.0) == (0.0, 0.0) and work.get(3, 4.0) == (1.0, 1.0)
     far = 4.0 + 2 * 100  # across a rebase of the shared clock: both sums rescaled
     assert work.get(2, far) == pytest.approx((1.0, 2.0**-100)) and rate.get("x", far) == pytest.approx(2.0**-101)
+
+
+# -- session hint ----------------------------------------------------------------------------------
+
+
+def test_a_session_stays_on_its_replica_while_load_allows():
+    # a session's turns whose hashed chunks differ (its history past the hashed head) would go
+    # where each prompt's first chunk maps; with the session's key they follow its first turn's
+    # replica, until that replica's load passes the bound
+    rng = random.Random(5)
+    policy = PrefixPolicy(PolicyConfig(chunk_size=C), [f"r{i}" for i in range(8)])
+    first = policy.choose(_chain(rng), 1024, 16, 0.0, session=7)[0]
+    policy.on_routed(first, _chain(rng), 1024, 16, 0.0, session=7)
+    unhinted = [policy.choose(_chain(rng), 1024, 16, 0.0)[0] for _ in range(20)]
+    assert len(set(unhinted)) > 2  # (without the hint the turns would spread)
+    for _ in range(20):
+        chain = _chain(rng)
+        ranked = policy.choose(chain, 1024, 16, 0.0, session=7)
+        assert ranked[0] == first and len(set(ranked)) == len(ranked)
+        ticket = policy.on_routed(ranked[0], chain, 1024, 16, 0.0, session=7)
+        policy.on_finished(ticket)
+    # the session's replica loaded far past the mean: the hint gives way to the prefix's choice
+    policy.update_replicas(ReplicaView(f"r{i}", 1e6 if f"r{i}" == first else 0.0) for i in range(8))
+    assert policy.choose(_chain(rng), 1024, 16, 0.0, session=7)[0] != first
+    # an unknown session, or a departed replica, changes nothing
+    chain = _chain(rng)
+    assert policy.choose(chain, 1024, 16, 0.0, session=99) == policy.choose(chain, 1024, 16, 0.0)
+    policy.update_replicas(ReplicaView(f"r{i}") for i in range(8) if f"r{i}" != first)
+    assert first not in policy.choose(chain, 1024, 16, 0.0, session=7)
+
+
+def test_sessions_are_remembered_lru_bounded():
+    policy = PrefixPolicy(PolicyConfig(chunk_size=C, session_entries=4), ["a", "b"])
+    for s in range(6):
+        policy.on_routed("a", (), 10, 1, 0.0, session=s)
+    assert list(policy._sessions) == [2, 3, 4, 5]

@@ -243,3 +243,29 @@ def test_a_flood_at_ten_times_its_limit_gets_429s_and_leaves_another_tenant_alon
     from ray import serve
 
     serve.delete("fair")
+
+
+def test_a_session_header_keeps_a_sessions_turns_on_one_replica(cluster):
+    # two replicas, the prefix router: 8 prompts that share nothing spread over both; the same 8
+    # sent with one x-session-id all go to the replica of the session's first
+    from chunkserve.cluster.ingress import REPLICA_HEADER
+
+    url = _deploy(cluster, "sessions", 2)
+
+    def replicas(session: str | None, seed: int) -> list[str]:
+        headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+        if session is not None:
+            headers["x-session-id"] = session
+        out = []
+        for i in range(8):
+            body = {"prompt": _tokens(seed + i, 256), "max_tokens": 1, "temperature": 0}
+            r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+            assert r.status_code == 200, r.text
+            out.append(r.headers[REPLICA_HEADER])
+        return out
+
+    assert len(set(replicas(None, 300))) == 2
+    assert len(set(replicas("chat-1", 400))) == 1
+    from ray import serve
+
+    serve.delete("sessions")

@@ -154,3 +154,13 @@ def test_the_readmes_tenant_table_is_a_valid_config():
     config = AppConfig.model_validate(yaml.safe_load(block)["args"])
     assert [t.name for t in config.tenants] == ["acme", "globex"]
     assert config.tenants[1].cache == "group:partners"
+
+
+def test_session_keys_are_per_tenant():
+    from chunkserve.cluster.tenants import session_key
+
+    t = tenants()
+    acme, hooli = t.authorize("Bearer key-acme"), t.authorize("Bearer key-hooli")
+    assert session_key(acme, None) is None and session_key(acme, "") is None
+    assert session_key(acme, "s1") == session_key(acme, "s1") != session_key(acme, "s2")
+    assert session_key(acme, "s1") != session_key(hooli, "s1")  # two tenants' equal ids: two sessions

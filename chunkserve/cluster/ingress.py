@@ -70,7 +70,16 @@ from chunkserve.cluster.protocol import (
     template_tools,
 )
 from chunkserve.cluster.reasoning import ReasoningSplit, think_tags
-from chunkserve.cluster.tenants import RateLimited, Tenant, Tenants, Unauthorized, cache_salt, retry_after
+from chunkserve.cluster.tenants import (
+    SESSION_HEADER,
+    RateLimited,
+    Tenant,
+    Tenants,
+    Unauthorized,
+    cache_salt,
+    retry_after,
+    session_key,
+)
 from chunkserve.cluster.tool_calls import ToolOutput
 from chunkserve.replicas.direct_stream import Address, DirectStream, ReplicaFull, StreamClient, StreamLost
 from chunkserve.replicas.engine_process import EngineDied
@@ -947,7 +956,8 @@ class OpenAIIngress:
         await self._check_logit_bias(body)
         await self._check_guide(body)
         limits = [await self._check_length(p, body.max_tokens, param="max_tokens") for p in prompts]
-        rid, reqs = self._generate_request("cmpl", prompts, limits, body, tenant)
+        session = session_key(tenant, request.headers.get(SESSION_HEADER))
+        rid, reqs = self._generate_request("cmpl", prompts, limits, body, tenant, session=session)
         echo = [self._echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
         tok = self.tokenizer
         fmt = _CompletionFormat(
@@ -990,7 +1000,8 @@ class OpenAIIngress:
         )
         # a guided request under a reasoning parser thinks freely first, where the tags are tokens
         think = think_tags(self.tokenizer, self.config.reasoning_parser, body.guide is not None)
-        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, tenant, think)
+        session = session_key(tenant, request.headers.get(SESSION_HEADER))
+        rid, reqs = self._generate_request("chatcmpl", [prompt], [max_tokens], body, tenant, think, session)
         fmt = _ChatFormat(
             rid,
             self.model_name,
@@ -1294,11 +1305,13 @@ class OpenAIIngress:
         body: CompletionRequest | ChatCompletionRequest,
         tenant: Tenant,
         think: tuple[int | None, int] | None = None,
+        session: int | None = None,
     ) -> tuple[str, list[GenerateRequest]]:
         """-> (the response's id, one generate request per choice: prompt after prompt, each
         with its n choices); limits: each prompt's max_tokens; think: SamplingParams.think.
         The tenant's cache policy and the body's cache_salt make the salt its prompts' chunks
-        are hashed (for the router) and cached (in the engine) under."""
+        are hashed (for the router) and cached (in the engine) under; session: the router's
+        session hint (tenants.session_key)."""
         if body.stop_strings and self.tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; use stop_token_ids", param="stop")
         _check_logprob_entries(body, prompts, limits, self.config.max_logprob_entries)
@@ -1340,6 +1353,7 @@ class OpenAIIngress:
                     skip_special_tokens=body.skip_special_tokens,
                     include_stop_str_in_output=body.include_stop_str_in_output,
                     tenancy=tenancy,
+                    session=session,
                 )
                 for i in range(body.n)
             ]

@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import xxhash
+
 from chunkserve.cluster.config import DEFAULT_TENANT, AppConfig, TenantOptions
 
 
@@ -46,6 +48,18 @@ def cache_salt(tenant: Tenant, request_salt: str | None) -> str | None:
     if tenant.namespace is None and request_salt is None:
         return None
     return json.dumps([tenant.namespace, request_salt], ensure_ascii=False)
+
+
+SESSION_HEADER = "x-session-id"  # a multi-turn session's id (Ray's consistent-hash router and load generators send it)
+
+
+def session_key(tenant: Tenant, session_id: str | None) -> int | None:
+    """The router's session hint (chunkserve.router.policy.PrefixPolicy.choose): the tenant and
+    its client's session id hashed together, so two tenants' equal ids are two sessions; None
+    without one."""
+    if not session_id:
+        return None
+    return xxhash.xxh3_64_intdigest(f"{tenant.name}\0{session_id}".encode("utf-8", "surrogatepass"))
 
 
 def _sha256(key: str) -> str:

@@ -33,6 +33,9 @@ class GenerateRequest:
     # its tenant, cache salt (the prefix tree it shares; prefix_hashes are seeded by it too) and
     # priority (chunkserve/cluster/tenants.py)
     tenancy: Tenancy = Tenancy()
+    # the router's session hint: a hash of the tenant and the request's x-session-id header (a
+    # session's requests stay on its replica while load allows); None: none
+    session: int | None = None
 
     def __reduce__(self):
         return _received, tuple(getattr(self, f.name) for f in dataclasses.fields(self))

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -350,6 +351,7 @@ class PolicyConfig:
     max_holders: int = 2  # replicas the index says hold the prefix, scored besides the window
     index_roots: int = 4096  # per replica: LRU bound of the router's own decision memory, in prefixes
     prefix_entries: int = 1 << 16  # prefixes whose in-flight and recent work is tracked (LRU)
+    session_entries: int = 1 << 16  # sessions (x-session-id) whose last replica is kept (LRU)
 
 
 @dataclass(frozen=True)
@@ -394,6 +396,7 @@ class PrefixPolicy:
         self._prefix = PrefixWork(clock, config.prefix_entries)  # prefix key -> in-flight, recent work
         self._rng = random.Random(seed)  # only for prompts with no full chunk, and wide homes
         self._last: tuple[tuple[int, ...], list] = ((), [])  # choose's chain and candidates
+        self._sessions: OrderedDict[int, str] = OrderedDict()  # session key -> its last replica (LRU)
         self.update_replicas(ReplicaView(r) for r in replicas)
 
     # -- membership and load ------------------------------------------------------------------
@@ -485,9 +488,33 @@ class PrefixPolicy:
         return 1 + int(by_load if by_load > by_rate else by_rate)
 
     def choose(
+        self,
+        prefix_hashes: Sequence[int],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        now: float,
+        session: int | None = None,
+    ) -> tuple[str, ...]:
+        """Replica ids, best first: the choice, then the other scored candidates by preference.
+        session: a session's key (the ingress's hash of its tenant and `x-session-id`): its last
+        replica goes first while its load is under the bound, whatever the prefix prefers (a
+        multi-turn session's history may lie past the hashed chunks)."""
+        ranked = self._choose(prefix_hashes, num_prompt_tokens, max_tokens, now)
+        if session is None:
+            return ranked
+        last = self._sessions.get(session)
+        p = None if last is None or (ranked and ranked[0] == last) else self._pos.get(last)
+        if p is None:
+            return ranked
+        cfg = self.config
+        bound = (1.0 + cfg.epsilon) * self._total / len(self._pos) + num_prompt_tokens + cfg.decode_weight * max_tokens
+        if self._load[p] > bound:
+            return ranked  # load forbids: the session moves with the prefix's choice
+        return (last, *(r for r in ranked if r != last))
+
+    def _choose(
         self, prefix_hashes: Sequence[int], num_prompt_tokens: int, max_tokens: int, now: float
     ) -> tuple[str, ...]:
-        """Replica ids, best first: the choice, then the other scored candidates by preference."""
         chain = tuple(prefix_hashes)
         cfg, index = self.config, self.index
         n = len(self._pos)
@@ -587,9 +614,22 @@ class PrefixPolicy:
         return best if load(best) <= bound else min(self._pos, key=load)
 
     def on_routed(
-        self, replica_id: str, prefix_hashes: Sequence[int], num_prompt_tokens: int, max_tokens: int, now: float
+        self,
+        replica_id: str,
+        prefix_hashes: Sequence[int],
+        num_prompt_tokens: int,
+        max_tokens: int,
+        now: float,
+        session: int | None = None,
     ) -> Ticket:
-        """The request went to `replica_id` (Serve may pick another than `choose`'s first)."""
+        """The request went to `replica_id` (Serve may pick another than `choose`'s first); a
+        session's next request prefers it."""
+        if session is not None:
+            sessions = self._sessions
+            sessions[session] = replica_id
+            sessions.move_to_end(session)
+            if len(sessions) > self.config.session_entries:
+                sessions.popitem(last=False)
         chain, cfg = tuple(prefix_hashes), self.config
         depth = -1
         last_chain, cands = self._last

@@ -211,7 +211,7 @@ class PrefixAffinityRouter(RequestRouter):
         by_uid = self._by_uid
         if req is not None and self._policy_ids:
             ranked = self._policy.choose(
-                req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic()
+                req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, time.monotonic(), req.session
             )
             ranks = [[by_uid[uid]] for uid in ranked if uid in by_uid]
             if ranks:
@@ -242,7 +242,9 @@ class PrefixAffinityRouter(RequestRouter):
         if not self._policy_ids:
             return None
         now = time.monotonic()
-        ranked = self._policy.choose(req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        ranked = self._policy.choose(
+            req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now, req.session
+        )
         replica = self._by_uid.get(ranked[0]) if ranked else None
         address = (replica.routing_stats or {}).get("stream_address") if replica is not None else None
         if address is None:
@@ -254,7 +256,9 @@ class PrefixAffinityRouter(RequestRouter):
         return DirectRoute(uid, address, lambda: _call_soon(loop, self._policy.on_finished, ticket))
 
     def _routed(self, uid: str, req: Any, now: float) -> Ticket:
-        ticket = self._policy.on_routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now)
+        ticket = self._policy.on_routed(
+            uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now, req.session
+        )
         self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
         return ticket
 
