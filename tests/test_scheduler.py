@@ -261,6 +261,12 @@ def test_random_traffic_keeps_the_tree_and_pool_whole(sharing, tenants):
             if len(seq.output_ids) >= seq.params.max_tokens:
                 s.finish(seq, "length")
         s.tree.check(s.running, s.last_decode_paths)
+        # the per-class queues hold exactly the waiting sequences, each in arrival order
+        assert sorted(q.request_id for queue in s._queues.values() for q in queue) == sorted(
+            q.request_id for q in s.waiting
+        )
+        for queue in s._queues.values():
+            assert queue and [q.arrival for q in queue] == sorted(q.arrival for q in queue)
     for seq in live:
         if seq.status is not Status.FINISHED:
             s.finish(seq, "abort")

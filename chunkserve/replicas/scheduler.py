@@ -11,7 +11,8 @@ Policy (FCFS, SARATHI-style chunked prefill under one token budget):
    sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
    it re-queues in arrival order); among tenants, the newest of the highest priority value and
    the tenant running the most. The request first in that order therefore always progresses:
-   no deadlock, and no request waits forever.
+   no deadlock, and at one priority no request waits forever (a higher priority value waits
+   while lower ones keep coming, as under vLLM's priority scheduling).
 The decode rows are ordered by tree path (DFS), so each node's sequences are one row range.
 """
 
@@ -68,7 +69,9 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.sharing = enable_prefix_sharing
         self.waiting: deque[Sequence] = deque()  # arrival order
-        self._classes: Counter[tuple[int, str | None]] = Counter()  # waiting sequences by (priority, tenant)
+        # the waiting sequences by class (priority, tenant), each in arrival order: a class's first is
+        # its queue's head, so a fair admission reads one sequence a class, not the whole queue
+        self._queues: dict[tuple[int, str | None], deque[Sequence]] = {}
         self.running: list[Sequence] = []  # arrival order
         self.now = 0  # step counter: the tree's LRU clock
         self.counters = EngineStats() if counters is None else counters
@@ -77,14 +80,27 @@ class Scheduler:
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
-        self._classes[_class(seq)] += 1
+        key = _class(seq)
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = deque()
+        queue.append(seq)
+
+    def _requeue(self, seq: Sequence) -> None:
+        """Back into both queues by arrival (a preempted sequence is older than never-admitted ones)."""
+        for queue in (self.waiting, self._queues.setdefault(_class(seq), deque())):
+            i = 0
+            while i < len(queue) and queue[i].arrival < seq.arrival:
+                i += 1
+            queue.insert(i, seq)
 
     def _unwait(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
+        self.waiting.remove(seq)  # (admission takes a class's first: found at once in FCFS)
         key = _class(seq)
-        self._classes[key] -= 1
-        if not self._classes[key]:
-            del self._classes[key]
+        queue = self._queues[key]
+        queue.remove(seq)
+        if not queue:
+            del self._queues[key]
 
     def _next_waiting(self, running: Counter[str | None] | None) -> Sequence:
         """The waiting sequence to admit next: the first (FCFS) while all are of one class
@@ -92,12 +108,10 @@ class Scheduler:
         running sequences (`running`: counts by tenant, kept by the caller), then arrival."""
         if running is None:
             return self.waiting[0]
-        firsts: dict[tuple[int, str | None], Sequence] = {}
-        for seq in self.waiting:  # (stops once every class's first is found: usually early)
-            firsts.setdefault(_class(seq), seq)
-            if len(firsts) == len(self._classes):
-                break
-        return min(firsts.values(), key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival))
+        return min(
+            (q[0] for q in self._queues.values()),
+            key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival),
+        )
 
     def _victim(self) -> Sequence:
         """The running sequence a preemption takes: the newest (of one class); among several, the
@@ -125,11 +139,7 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         seq.status = Status.WAITING
-        i = 0  # re-queue by arrival (preempted sequences are older than never-admitted ones)
-        while i < len(self.waiting) and self.waiting[i].arrival < seq.arrival:
-            i += 1
-        self.waiting.insert(i, seq)
-        self._classes[_class(seq)] += 1
+        self._requeue(seq)
         self.counters.preemptions += 1
 
     # -- chunks -----------------------------------------------------------------------------
@@ -213,7 +223,7 @@ class Scheduler:
         admit = self.counters.preemptions == preemptions_before
         running: Counter[str | None] | None = None  # by tenant, once several classes wait
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if running is None and len(self._classes) > 1:
+            if running is None and len(self._queues) > 1:
                 running = Counter(s.tenancy.tenant for s in self.running)
             seq = self._next_waiting(running)
             n = self._admit(seq, budget)
