@@ -164,3 +164,20 @@ def test_session_keys_are_per_tenant():
     assert session_key(acme, None) is None and session_key(acme, "") is None
     assert session_key(acme, "s1") == session_key(acme, "s1") != session_key(acme, "s2")
     assert session_key(acme, "s1") != session_key(hooli, "s1")  # two tenants' equal ids: two sessions
+
+
+def test_concurrent_requests_cannot_all_pass_before_the_first_is_charged():
+    # prompts are charged as they are sent, checked and taken at once: of 200 requests of 4000
+    # tokens admitted together, those past the tenant's 10 s of tokens are refused as they are sent
+    t = Tenants(AppConfig.model_validate({"tenants": [{"name": "a", "api_keys": ["k"], "tokens_per_minute": 60000}]}))
+    a = t.authorize("Bearer k")
+    for _ in range(200):
+        t.admit(a)  # (no request limit; the tokens not spent yet)
+    sent = 0
+    for _ in range(200):
+        try:
+            t.take_prompt(a, 4000)
+            sent += 1
+        except RateLimited:
+            pass
+    assert sent == 3  # 10,000 tokens held: 3 prompts of 4000 take it into debt, then none

@@ -1017,11 +1017,13 @@ class OpenAIIngress:
 
     async def _as_tenant(self, tenant: Tenant, answer: Awaitable[Response]) -> Response:
         """A completion endpoint's answer for `tenant`: within its rate limits (else 429 with
-        Retry-After, before anything is parsed), its refusals counted by code."""
+        Retry-After: before the body is read, or as its prompt is sent when its tokens a minute are
+        spent), its refusals counted by code."""
         try:
             try:
                 self.tenants.admit(tenant)
-            except RateLimited as e:
+                return await answer
+            except RateLimited as e:  # (admit's, before the body is read; or its prompt's tokens, as sent)
                 raise APIError(
                     429,
                     str(e),
@@ -1029,7 +1031,6 @@ class OpenAIIngress:
                     code="rate_limit_exceeded",
                     headers={"Retry-After": retry_after(e.retry_after_s)},
                 ) from None
-            return await answer
         except APIError as e:
             self.tenants.counts.reject(tenant.name, e.detail.code or e.detail.type)
             raise
@@ -1095,6 +1096,7 @@ class OpenAIIngress:
         deadline = None if limit is None else entered + limit
         if deadline is not None and sent >= deadline:  # (its own checks took the time: nothing sent)
             raise self._deadline_exceeded()
+        self.tenants.take_prompt(tenant, sum(len(r.prompt_token_ids) for r in reqs[:: fmt.n]))
         gone = asyncio.ensure_future(_until_gone(request.receive))
         try:
             return await self._respond_unless_gone(
@@ -1133,7 +1135,6 @@ class OpenAIIngress:
                 sent - entered, first - sent, max(out.first_output_s or 0.0 for out, _ in results)
             ),
         }
-        self.tenants.charge(tenant, sum(len(r.prompt_token_ids) for r in reqs[:: fmt.n]))
 
         def ended(lasts: list[GenerateOutput]) -> None:
             usage = Usage.of(lasts, fmt.n)

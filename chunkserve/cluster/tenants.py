@@ -178,6 +178,24 @@ class Tenants:
             if tenant.requests_per_minute is not None:
                 self._bucket(tenant, "requests", tenant.requests_per_minute).take(1, now)
 
+    def take_prompt(self, tenant: Tenant, tokens: int) -> None:
+        """Charge a request's prompt tokens as it is sent; RateLimited (nothing taken) when the
+        tenant's tokens a minute are spent. Checked and taken at once, so concurrent requests
+        cannot all pass before the first is charged."""
+        if tenant.tokens_per_minute is None:
+            return
+        now = time.monotonic()
+        with self._lock:
+            bucket = self._bucket(tenant, "tokens", tenant.tokens_per_minute)
+            wait = bucket.wait_s(1e-9, now)
+            if wait > 0:
+                raise RateLimited(
+                    f"rate limit reached for tenant {tenant.name!r}: {tenant.tokens_per_minute} tokens per minute; "
+                    "retry later",
+                    wait,
+                )
+            bucket.take(tokens, now)
+
     def charge(self, tenant: Tenant, tokens: int) -> None:
         """Count `tokens` against the tenant's tokens a minute (it may go into debt)."""
         if tenant.tokens_per_minute is not None and tokens > 0:
