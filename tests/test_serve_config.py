@@ -254,7 +254,8 @@ def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it(
     """Per choice, (k + 1) entries for each token it may generate and, with echo and logprobs, each
     prompt token (AppConfig.max_logprob_entries, 2**18): the issue's 4 echoed 3900-token prompts
     with 20 each (a 15 KB request, a 3.2 MB response) are refused, one choice of a whole 8K
-    context with 20 is not, nor anything without logprobs."""
+    context with 20 is not, nor anything without logprobs, nor a request that sets no max_tokens
+    (its output's entries are not counted up front)."""
     from chunkserve.cluster.ingress import APIError, _check_logprob_entries
 
     most = AppConfig().max_logprob_entries
@@ -268,8 +269,10 @@ def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it(
     _check_logprob_entries(echoed, prompts, [16] * 4, 4 * 3916 * 21)  # at the limit: taken
     plain = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "max_tokens": 16, "n": 16})
     _check_logprob_entries(plain, prompts, [16] * 4, 1)
-    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20}
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20, "max_tokens": 8092}
     _check_logprob_entries(ChatCompletionRequest.model_validate(chat), [[1] * 100], [8092], most)
+    unset = {**chat, "max_tokens": None, "n": 16}  # OpenAI's clients often send none: the rest of the context
+    _check_logprob_entries(ChatCompletionRequest.model_validate(unset), [[1] * 100], [32668], most)
     with pytest.raises(APIError) as e:  # n choices each
         _check_logprob_entries(ChatCompletionRequest.model_validate({**chat, "n": 2}), [[1] * 100], [8092], most)
     assert e.value.detail.param == "top_logprobs"

@@ -211,13 +211,13 @@ def test_stop_strings_past_the_limits_are_a_400_and_within_them_stop(url, path):
 def test_logprobs_past_the_limit_are_a_400_and_within_it_are_right(url):
     """More logprob entries than max_logprob_entries (2**18) in one response: a 400 naming the limit
     and the field, before anything runs (8 echoed 2000-token prompts with 20 each; a chat's 16
-    choices with 20 each over what the context leaves). Within it echo and logprobs are served:
+    choices with 20 each over 800 tokens). Within it echo and logprobs are served:
     each prompt token's entry (the first null) and the completion's, with their 5 most likely."""
     prompts = [[(p * 31 + i) % 250 + 1 for i in range(2000)] for p in range(8)]
     big = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16}
     error = _openai_error(httpx.post(f"{url}/v1/completions", json=big, timeout=TIMEOUT), 400)
     assert error["param"] == "logprobs" and "max_logprob_entries" in error["message"], error
-    chat = {**CHAT, "max_tokens": None, "n": 16, "logprobs": True, "top_logprobs": 20}
+    chat = {**CHAT, "max_tokens": 800, "n": 16, "logprobs": True, "top_logprobs": 20}
     error = _openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT), 400)
     assert error["param"] == "top_logprobs" and "max_logprob_entries" in error["message"], error
     ok = {"prompt": [p[:50] for p in prompts[:2]], "echo": True, "logprobs": 5, "max_tokens": 3, "ignore_eos": True}

@@ -196,8 +196,9 @@ class AppConfig(_Strict):
     max_stop_strings: PositiveInt = 64
     max_stop_chars: PositiveInt = 8192
     # Logprob entries one response may carry (vLLM bounds only their k: max_logprobs): per choice,
-    # for each token it may generate (max_tokens; unset, what the context leaves) and, with echo
-    # and logprobs, each prompt token, the token's entry and its k most likely tokens'. 2**18
+    # for each token it asks to generate (max_tokens; unset, none counted: the output runs to the
+    # context's end, its entries made as it goes) and, with echo and logprobs, each prompt token,
+    # the token's entry and its k most likely tokens'. 2**18
     # passes a whole 8K context of one choice with the 20 most likely tokens (8192 x 21) and
     # lm-eval-harness's loglikelihood requests (echo, logprobs 0 or 1) over 100K prompt tokens;
     # it refuses 4 echoed 3900-token prompts with 20 each (328K entries: megabytes of JSON from a

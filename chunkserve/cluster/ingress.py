@@ -335,11 +335,16 @@ def _check_logprob_entries(
     body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]], limits: list[int], most: int
 ) -> None:
     """400 naming the limit when the response could carry more logprob entries than `most`
-    (AppConfig.max_logprob_entries): per choice, k + 1 for each token it may generate (limits:
-    each prompt's max_tokens) and, with echo and logprobs, for each prompt token."""
+    (AppConfig.max_logprob_entries): per choice, k + 1 for each token it asks to generate
+    (limits: each prompt's max_tokens; a request that sets none, whose output runs to the end of
+    the context, is not refused for it: OpenAI's clients often leave it out, and its entries
+    come as its tokens are made) and, with echo and logprobs, for each prompt token."""
     k, k_prompt = body.top_logprobs_wanted, body.prompt_logprobs_wanted
     if k is None and k_prompt is None:
         return
+    asked = body.requested_max_tokens if isinstance(body, ChatCompletionRequest) else body.max_tokens
+    if asked is None:
+        limits = [0] * len(limits)
     entries = body.n * sum(
         (0 if k is None else (k + 1) * most_tokens) + (0 if k_prompt is None else (k_prompt + 1) * len(prompt))
         for prompt, most_tokens in zip(prompts, limits)
