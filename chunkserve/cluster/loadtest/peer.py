@@ -46,7 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m chunkserve.cluster.loadtest.peer", description=__doc__.split("\n")[0])
     ap.add_argument("--serve", required=True, help="the server's command line (one string, shell words)")
     ap.add_argument("--url", required=True, help="where it answers, e.g. http://127.0.0.1:8010")
-    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for /v1/models")
+    ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for --ready-path")
+    ap.add_argument(
+        "--ready-path", default="/v1/models", help="answers 200 once it serves (/health for a server with a key)"
+    )
     ap.add_argument("--log", help="the server's output to this file (default: inherited)")
     args = ap.parse_args(ours)
     command = shlex.split(args.serve)
@@ -58,14 +61,16 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         ap.error(f"--serve: cannot start {command[0]!r}: {e}")
     try:
-        ready_s = wait_ready(args.url, args.ready_timeout, proc, "/v1/models")  # (vLLM has no /ready)
+        ready_s = wait_ready(args.url, args.ready_timeout, proc, args.ready_path)  # (vLLM has no /ready)
         print(f"# {args.serve}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
         label = [] if "--label" in rest else ["--label", peer_label(args.url, command)]
         return loadtest(["--url", args.url, *label, *rest])
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
         try:
+            os.killpg(proc.pid, signal.SIGINT)
             proc.wait(60)
+        except ProcessLookupError:  # (it exited by itself, its group with it: wait_ready says why)
+            pass
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()

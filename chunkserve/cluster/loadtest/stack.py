@@ -94,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# {args.config} {' '.join(args.set)}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
         return loadtest(["--url", url, *rest])
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the application (and a Ray it started) down
         try:
+            os.killpg(proc.pid, signal.SIGINT)  # serve run shuts the application (and a Ray it started) down
             proc.wait(120)
+        except ProcessLookupError:  # (it exited by itself: wait_ready says why)
+            pass
         except subprocess.TimeoutExpired:  # (then the Ray it started may be left: stopped too)
             os.killpg(proc.pid, signal.SIGKILL)
             subprocess.run(
