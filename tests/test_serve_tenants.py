@@ -47,6 +47,7 @@ def _app(num_replicas: int) -> dict:
         "engine": {"kv_cache_tokens": 16384, "max_model_len": 4096, "chunk_size": C},
         "router": {"policy": "prefix", "routing_stats_period_s": 0.5},
         "tenants": TABLE,
+        "metrics_api_key": "key-metrics",  # (with a tenant table, per-tenant series need it)
     }
 
 
@@ -170,9 +171,11 @@ def test_salts_hold_through_the_router_and_two_replicas(cluster):
         "bob salt x": [0],  # another tenant's same salt: its own namespace
     }, out
     # per-tenant series on /metrics (counted by the ingress): alice's 4 requests, 2 of them cached
+    assert httpx.get(f"{url}/metrics", timeout=30).status_code == 401  # (a tenant's key is no metrics key)
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {KEYS['alice']}"}).status_code == 401
     deadline = time.monotonic() + 10
     while True:
-        text = httpx.get(f"{url}/metrics", timeout=30).text
+        text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer key-metrics"}, timeout=30).text
         series = _tenant_series(text)
         if series.get(("chunkserve_tenant_requests_total", "alice")) == 4 or time.monotonic() > deadline:
             break

@@ -1373,7 +1373,13 @@ class OpenAIIngress:
     def record_http(self) -> dict:
         # The counts are chunkserve.cluster.metrics.HTTP of this process, named through the module: Serve ships
         # this class by value (cloudpickle), which would give a global named here a copy of its own.
-        return {"http": cluster_metrics.HTTP.snapshot(), "tenants": self.tenants.counts.snapshot()}
+        # per-tenant series tell each tenant's volumes and hit rates: with a tenant table, only on a
+        # /metrics that asks for metrics_api_key (else a tenant could read another's)
+        tenants = not self.config.tenants or self._metrics_key is not None
+        return {
+            "http": cluster_metrics.HTTP.snapshot(),
+            **({"tenants": self.tenants.counts.snapshot()} if tenants else {}),
+        }
 
     # -- talking to the replicas ------------------------------------------------------------
     async def _replica_states(self) -> dict[str, int]:
