@@ -29,7 +29,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from chunkserve.cluster.loadtest.workloads import Piece, Spec, TraceError, load_trace
+from chunkserve.cluster.loadtest.workloads import Piece, Spec, TraceError, load_trace, trace_rows
 
 FORMATS = ("auto", "jsonl", "mooncake", "bailian")
 BLOCK_SIZE = {"mooncake": 512, "bailian": 16}  # tokens a hash id stands for, by the trace's own use
@@ -71,21 +71,8 @@ def load_block_trace(path: str | Path, fmt: str, block_size: int | None = None) 
     if not (_int(size) and size >= 1):
         raise ValueError(f"block size must be a positive integer, got {size!r}")
     path = Path(path)
-    try:
-        lines = path.read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise TraceError(f"{path}: cannot read the trace: {e}") from None
     rows: list[tuple[float, tuple[Piece, ...], int, dict]] = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise TraceError(f"{where}: not JSON: {e}") from None
-        if not isinstance(row, dict):
-            raise TraceError(f"{where}: a trace line must be a JSON object, got {type(row).__name__}")
+    for where, row in trace_rows(path):
         missing = [k for k in _REQUIRED if k not in row]
         if fmt == "bailian":
             missing += [k for k in ("chat_id", "parent_chat_id") if k not in row]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -199,16 +200,13 @@ class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
 
 
-def load_trace(path: str | Path, default_max_tokens: int = 128, num: int | None = None) -> list[Spec]:
-    """A JSON-lines trace as specs: `prompt` (text or token ids) or `messages` (OpenAI chat
-    messages with text content), `max_tokens` (else default_max_tokens), optional
-    `timestamp` (seconds, any origin, non-decreasing) and `tenant`. Blank lines are skipped."""
-    path = Path(path)
+def trace_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    """Each non-blank line of a JSON-lines trace as (its `file:line`, its object); TraceError for
+    a file that cannot be read and a line that is not a JSON object."""
     try:
         lines = path.read_text().splitlines()
     except (OSError, UnicodeDecodeError) as e:
         raise TraceError(f"{path}: cannot read the trace: {e}") from None
-    specs, first_ts, last_ts = [], None, None
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -219,6 +217,16 @@ def load_trace(path: str | Path, default_max_tokens: int = 128, num: int | None 
             raise TraceError(f"{where}: not JSON: {e}") from None
         if not isinstance(row, dict):
             raise TraceError(f"{where}: a trace line must be a JSON object, got {type(row).__name__}")
+        yield where, row
+
+
+def load_trace(path: str | Path, default_max_tokens: int = 128, num: int | None = None) -> list[Spec]:
+    """A JSON-lines trace as specs: `prompt` (text or token ids) or `messages` (OpenAI chat
+    messages with text content), `max_tokens` (else default_max_tokens), optional
+    `timestamp` (seconds, any origin, non-decreasing) and `tenant`. Blank lines are skipped."""
+    path = Path(path)
+    specs, first_ts, last_ts = [], None, None
+    for where, row in trace_rows(path):
         unknown = set(row) - {"prompt", "messages", "max_tokens", "timestamp", "tenant", "session"}
         if unknown:
             raise TraceError(f"{where}: unknown field(s) {sorted(unknown)}")
