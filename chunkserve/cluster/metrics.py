@@ -50,6 +50,8 @@ from prometheus_client.exposition import generate_latest
 from ray.serve._private.common import DeploymentID, ReplicaID
 from ray.serve._private.constants import SERVE_NAMESPACE
 
+from chunkserve.cluster.tenants import TenantCounts
+
 # the text format generate_latest writes for names like ours (prometheus_client >= 0.22 calls its default
 # 1.0.0, which differs only for names outside [a-zA-Z_:][a-zA-Z0-9_:]*); what vLLM's /metrics sends
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -331,7 +333,7 @@ def _tenant_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metric]:
     )
     for rid, tenants in counts.items():
         for tenant, *values in tenants["totals"]:
-            for field, value in zip(_TENANT_COUNTERS, values):
+            for field, value in zip(TenantCounts.FIELDS, values):  # (the snapshot's row order)
                 families[field].add_metric([rid, tenant], value)
         for tenant, code, n in tenants["rejected"]:
             rejected.add_metric([rid, tenant, code], n)
