@@ -1,0 +1,183 @@
+"""Where a decode step's time goes: `python -m chunkserve.replicas.tools.profile_decode [options]`
+prints one JSON line per batch size: the step's wall time (unprofiled), the device's busy time
+a step (the union of its kernels' intervals under torch.profiler), the idle rest, the kernel time
+by kind (GEMMs, attention, norm/RoPE, sampling, copies, other) and the top kernels; beside them
+the floor a step cannot beat, the model's weights read once at the bandwidth a large
+device-to-device copy reaches in the same run.
+
+    python -m chunkserve.replicas.tools.profile_decode --model llama3-8b --batch 1,8,16,32,64 \\
+        --prefix 2048 --suffix 64 --kv-cache-tokens 262144
+
+Rows share a `--prefix`-token prompt and have `--suffix` own tokens, as the load test's gsp; the
+engine is the replica's (CUDA graphs, async scheduling: EngineConfig's defaults on the device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
+
+KINDS = (  # first match wins; names as the CUDA kernels are called
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
+    ("attention", re.compile(r"tpp|attn|attention|flash|prefill|paged|decode", re.I)),
+    ("norm_rope", re.compile(r"norm|rope|rotary", re.I)),
+    ("sampler", re.compile(r"sampl|nucleus|philox|argmax|topk|top_k|softmax|multinomial", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+)
+
+
+def kind(name: str) -> str:
+    return next((k for k, pat in KINDS if pat.search(name)), "other")
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 31) -> float:
+    """Bytes a second (read + write) of a device-to-device copy of nbytes: the step's memory floor."""
+    a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    n = 10
+    for _ in range(n):
+        b.copy_(a)
+    torch.cuda.synchronize(device)
+    return 2 * nbytes * n / (time.perf_counter() - t0)
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def profile_batch(engine: LLMEngine, args: argparse.Namespace, batch: int, run: int) -> dict:
+    rng = random.Random(run)
+    prefix = [rng.randrange(256, 30000) for _ in range(args.prefix)]
+    budget = args.warm_steps + 2 * args.steps + 8
+    for i in range(batch):
+        engine.add_request(
+            f"{run}.{i}",
+            prefix + [rng.randrange(256, 30000) for _ in range(args.suffix)],
+            SamplingParams(max_tokens=budget, ignore_eos=True),
+        )
+    sync = torch.cuda.synchronize
+    while any(len(s.output_ids) == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(args.warm_steps):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync()
+    wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        sync()
+    for i in range(batch):
+        engine.abort(f"{run}.{i}")
+    while engine.has_unfinished():
+        engine.step()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / args.steps
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        us = e.time_range.end - e.time_range.start
+        by_kind[kind(e.name)] = by_kind.get(kind(e.name), 0.0) + us
+        by_name.setdefault(e.name, []).append(us)
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+    return {
+        "batch": batch,
+        "wall_ms_per_step": round(wall_ms, 3),
+        "device_busy_ms_per_step": round(busy_ms, 3),
+        "device_idle_ms_per_step": round(max(0.0, wall_ms - busy_ms), 3),
+        "kernels_per_step": round(len(kernels) / args.steps, 1),
+        "kind_ms_per_step": {k: round(v / 1e3 / args.steps, 3) for k, v in sorted(by_kind.items())},
+        "top": [
+            {
+                "name": n[:120],
+                "kind": kind(n),
+                "ms_per_step": round(sum(v) / 1e3 / args.steps, 3),
+                "calls_per_step": len(v) / args.steps,
+            }
+            for n, v in top
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--batch", default="1,8,16,32,64", help="comma-separated batch sizes, one engine")
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--suffix", type=int, default=64)
+    p.add_argument("--chunk-size", type=int, default=64)
+    p.add_argument("--kv-cache-tokens", type=int, default=262144)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=40, help="decode steps timed, then as many profiled")
+    p.add_argument("--warm-steps", type=int, default=8)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode needs a CUDA device")
+    batches = [int(b) for b in args.batch.split(",")]
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model,
+            device="cuda",
+            dtype=args.dtype,
+            chunk_size=args.chunk_size,
+            kv_cache_tokens=args.kv_cache_tokens,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
+    )
+    # every weight a step reads whole (the embedding table only its rows: left out)
+    weight_bytes = sum(
+        t.numel() * t.element_size() for n, t in engine.runner.model.named_parameters() if "embed" not in n
+    )
+    bw = copy_bandwidth(engine.device)
+    floor = {
+        "weight_bytes": weight_bytes,
+        "copy_bytes_per_s": round(bw),
+        "weights_floor_ms": round(1e3 * weight_bytes / bw, 3),
+    }
+    print(
+        json.dumps({"tool": "profile_decode", "model": args.model, "device": torch.cuda.get_device_name(), **floor}),
+        flush=True,
+    )
+    for run, b in enumerate(batches):
+        print(
+            json.dumps(
+                {
+                    "tool": "profile_decode",
+                    "model": args.model,
+                    "prefix": args.prefix,
+                    "suffix": args.suffix,
+                    **profile_batch(engine, args, b, run),
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
