@@ -8,6 +8,7 @@ import json
 import threading
 
 import pytest
+from starlette.requests import ClientDisconnect
 
 from chunkserve.cluster.ingress import TIMING_HEADER, _CompletionFormat, _exclude, _server_timing, _sse, _whole
 from chunkserve.cluster.loadtest import client
@@ -185,3 +186,33 @@ def test_large_bodies_and_chunks_are_formatted_off_the_event_loop(prompt_tokens,
     first = json.loads(events[0][len("data: ") :])["choices"][0]
     assert len(first["logprobs"]["tokens"]) == prompt_tokens + 1
     assert [t is not threading.main_thread() for t in fmt.threads] == [off_loop, False]  # (the second: 1 token)
+
+
+@pytest.mark.parametrize("spec", ["2.4", "2.3"])
+def test_a_client_gone_before_the_body_began_aborts_and_charges(spec):
+    # the client left while the handler waited: sending the response's start fails (ASGI 2.4:
+    # OSError; older: a disconnect is what receive says), so the body's generator never starts and
+    # its own finally never runs; the response must still abort the replica's request and end it
+    fmt = _CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    first = _out("A", (10,), tokens=1)
+    rest = _Outputs([_out("B", (11,), tokens=2)])
+    ended: list[list[GenerateOutput]] = []
+    response = _sse([(first, rest)], fmt, include_usage=False, headers={}, ended=ended.append)
+
+    async def send(message):
+        await asyncio.sleep(0)
+        raise OSError("the client is gone")
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def call():
+        scope = {"type": "http", "asgi": {"spec_version": spec}}
+        try:
+            await response(scope, receive, send)
+        except ClientDisconnect:  # (2.4: the OSError as starlette says it; 2.3: cancelled quietly)
+            pass
+
+    asyncio.run(call())
+    assert rest.cancelled
+    assert ended == [[first]]  # once, with what it had: the first output (1 completion token)

@@ -742,9 +742,19 @@ def _sse(
     happened) is dropped, unless it ends its choice."""
     exclude = _exclude(fmt.token_ids, include_usage)
     request_id = _request_id()
+    lasts = [first for first, _ in started]
+    closed = False
+
+    def close(done: bool) -> None:  # once, from the stream's end or the response's, whichever is first
+        nonlocal closed
+        if closed:
+            return
+        closed = True
+        if not done:
+            _cancel(started)  # the client disconnected (or a replica failed): abort in the engines
+        ended(lasts)  # (what it generated, also when cut short)
 
     async def events() -> AsyncIterator[str]:
-        lasts = [first for first, _ in started]
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, rest: Outputs) -> None:  # choice i's outputs, then None
@@ -786,14 +796,29 @@ def _sse(
         finally:
             for task in pumps:
                 task.cancel()
-            if not done:
-                _cancel(started)  # the client disconnected (or a replica failed): abort in the engines
-            ended(lasts)  # (what it generated, also when cut short)
+            close(done)
         if include_usage:
             yield f"data: {fmt.usage(lasts).model_dump_json()}\n\n"
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return _Stream(events(), lambda: close(False), media_type="text/event-stream", headers=headers)
+
+
+class _Stream(StreamingResponse):
+    """A StreamingResponse that calls `closed` when it ends, however: a client that left before
+    the body began (its http.response.start failed) leaves the generator unstarted, and an
+    unstarted generator's `finally` never runs, so its requests would generate on unaborted and
+    uncharged. `closed` must be idempotent (the generator's own end calls it too)."""
+
+    def __init__(self, content: AsyncIterator[str], closed: Callable[[], None], **kwargs: Any):
+        super().__init__(content, **kwargs)
+        self._closed = closed
+
+    async def __call__(self, scope: Any, receive: Receive, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._closed()
 
 
 @serve.deployment
