@@ -15,6 +15,8 @@ from chunkserve.replicas.engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine_process import EngineDied, EngineProcess
 from chunkserve.replicas.guided import Guide
 from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.router.events import Relay
+from chunkserve.router.hashing import chunk_hashes
 
 CONFIG = EngineConfig(model="tiny", device="cpu", kv_cache_tokens=8192, max_num_seqs=16)
 PROMPTS = [[1, 2, 3, 4, 5] * 20 + [i] for i in range(6)]
@@ -26,11 +28,14 @@ class Front:
 
     def __init__(self, core: EngineProcess, loop: asyncio.AbstractEventLoop):
         self.core, self.tokens, self.done = core, {}, {}
-        self.accepted, self.rejected, self.stats, self.digests, self.death = set(), {}, None, [], None
+        self.accepted, self.rejected, self.stats, self.death = set(), {}, None, None
+        self.relay = Relay()  # the tree's routing events, followed as the replica does
+        if core.info.get("events") is not None:
+            self.relay.apply(core.info["events"])
         self.finished = asyncio.Event()
         core.start_receiving(loop, self.on_step, self.on_death)
 
-    def on_step(self, outputs, accepted, rejected, stats, digest):
+    def on_step(self, outputs, accepted, rejected, stats, events):
         self.accepted |= set(accepted)
         self.rejected |= dict(rejected)
         for out in outputs:
@@ -38,8 +43,8 @@ class Front:
             if out.finished:
                 self.done[out.request_id] = out.finish_reason
         self.stats = stats
-        if digest is not None:
-            self.digests.append(digest)
+        if events is not None:
+            self.relay.apply(events)
         self.finished.set()
 
     def on_death(self, reason):
@@ -59,7 +64,7 @@ class Front:
 
 def test_tokens_equal_the_engines_and_bad_input_is_refused():
     want = LLMEngine(CONFIG).generate(PROMPTS, PARAMS)
-    core = EngineProcess(CONFIG, digest_args=("tiny", 32), digest_period_s=0.0)
+    core = EngineProcess(CONFIG, route_events=("tiny", 32))
     assert core.info["max_model_len"] == 4096 and core.info["vocab_size"] == 512 and core.info["warmup"] is None
 
     async def go():
@@ -79,8 +84,8 @@ def test_tokens_equal_the_engines_and_bad_input_is_refused():
         assert "token ids must be integers in [0, 512)" in front.rejected["bad"]
         assert front.stats["finished_requests"] == len(PROMPTS) and front.stats["running"] == 0
         assert front.stats["cached_prompt_tokens"] == 5 * 64  # the others found r0's full chunk cached
-        digest, as_of = front.digests[-1]  # taken going idle: the tree's final state
-        assert digest and abs(as_of - time.time()) < 60
+        # the routing events followed: the one full chunk the prompts share, hashed as the ingress does
+        assert front.relay.held == {chunk_hashes(PROMPTS[0], 64, 32, "tiny")[0]}
     finally:
         core.close()
     assert core._proc.poll() is not None  # close ends the process

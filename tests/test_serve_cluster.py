@@ -134,13 +134,18 @@ def test_shared_prefix_is_served_from_cache(one):
     assert usage["prompt_tokens"] == 257
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 192
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
-    # the replica publishes the prefix in its routing digest, hashed as the router hashes prompts
+    # the replica publishes the prefix in its routing events, hashed as the router hashes prompts
     from chunkserve.router.hashing import chunk_hashes
+    from chunkserve.router.index import PrefixIndex
 
     want = set(chunk_hashes(prefix + [10], 64, 32, "tiny"))
+    index = PrefixIndex()  # followed as a router follows them (this caller's polls beside Serve's)
     deadline = time.monotonic() + 60
-    while not want <= set((routing := handle.record_routing_stats.remote().result(timeout_s=60))["digest"]):
-        assert time.monotonic() < deadline, f"digest never held the prefix: {routing}"
+    while True:
+        routing = handle.record_routing_stats.remote().result(timeout_s=60)
+        if index.apply_events("r", routing["events"], 0.0) and want <= index.published("r"):
+            break
+        assert time.monotonic() < deadline, f"the events never held the prefix: {routing}"
         time.sleep(0.3)
     assert routing["as_of"] > 0 and routing["kv_chunks_total"] > 0
 

@@ -143,7 +143,7 @@ def test_a_request_completed_before_serve_reports_it_routed_leaves_no_load():
     asyncio.run(main())
 
 
-def test_router_follows_membership_and_digests():
+def test_router_follows_membership_and_events():
     FakeReplica, pending, make = _router_env()
 
     async def main():
@@ -156,8 +156,8 @@ def test_router_follows_membership_and_digests():
         for n in range(2, 6):
             ranks = await router.choose_replicas(router._replicas_list, pending(prefix + [n], n))
             assert home not in {r.replica_id.unique_id for rank in ranks for r in rank}
-        # a newcomer publishing a digest that holds the whole prefix attracts it
-        chain = chunk_hashes(prefix, C, 32, "tiny")
+        # a newcomer whose routing events hold the whole prefix attracts it
+        chain = tuple(chunk_hashes(prefix, C, 32, "tiny"))
         newcomer = FakeReplica(
             "rep-new",
             {
@@ -165,14 +165,15 @@ def test_router_follows_membership_and_digests():
                 "waiting": 0,
                 "kv_chunks_used": 8,
                 "kv_chunks_total": 64,
-                "digest": chain,
+                "events": (1, 1, ((1, 1, chain, ()),), None),  # (epoch 1, seq 1: the chain stored)
                 "as_of": time.time(),
             },
         )
         router.update_replicas([r for r in reps if r.replica_id.unique_id != home] + [newcomer])
-        # nobody else holds the prefix (the choices above were not routed): only the digest points there
+        # nobody else holds the prefix (the choices above were not routed): only the events point there
         assert await _route(router, pending(prefix + [9], 9)) == "rep-new"
-        # stats without a digest (before replicas publish one) are accepted
+        assert router._policy.index.synced("rep-new") == (1, 1, True)
+        # stats without events (before replicas publish them) are accepted
         router.update_replicas([FakeReplica("rep-new", {"running": 1, "waiting": 0})])
         assert await _route(router, pending(prefix + [10], 10)) == "rep-new"
 

@@ -76,7 +76,7 @@ class RouterOptions(_Strict):
     route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
     # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
     policy: Literal["prefix", "pow2"] = "prefix"
-    routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and digest
+    routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and routing events
     # the ingress sends a request to the replica the policy chose over a connection of its own and
     # reads its outputs back there, not through Serve's handle calls (chunkserve/replicas/direct_stream.py);
     # Serve takes the requests a full replica refuses. Needs policy prefix and a fixed replica

@@ -12,7 +12,8 @@ from it:
 
 A request whose caller goes away (client disconnect: Serve cancels the generator), or that a
 stop string ended, is aborted in the engine, which frees its chunks. The engine's stats and its
-cache digest for the router come with its step messages.
+prefix tree's routing events come with its step messages; a Relay (chunkserve/router/events.py) turns the
+events into what each routing-stats poll returns for the routers.
 
 With tensor_parallel_size n > 1 the engine process is rank 0 of n (chunkserve/replicas/parallel.py): the
 replica starts ranks 1 .. n-1 as Ray actors in its placement group's other bundles (build_app
@@ -42,6 +43,7 @@ from chunkserve.replicas.engine_process import EngineDied, EngineProcess
 from chunkserve.replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from chunkserve.replicas.parallel import TPWorker, rank_device, worker_config
 from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.router.events import Events, Relay
 
 
 @dataclass
@@ -54,7 +56,6 @@ class _Stream:
 
 @serve.deployment
 class LLMReplica:
-    DIGEST_PERIOD_S = 1.0  # how often the engine refreshes the cache digest for the router
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
     def __init__(
@@ -77,14 +78,13 @@ class LLMReplica:
         rendezvous, check = None, None
         if engine_config.tp_size > 1:
             engine_config, self._tp_ranks, rendezvous, check = _start_tp_ranks(engine_config, cpus_per_rank)
-        # the router's view of this replica's tree: hashes seeded by the served model name, as the
-        # ingress hashes prompts (chunkserve/router/hashing.py); taken between steps, never during one.
+        # the router's view of this replica's tree: routing events, hashes seeded by the served model
+        # name as the ingress hashes prompts (chunkserve/router/hashing.py), taken between steps.
         # Built and warmed up (kernels compiled) before the replica reports ready: Serve waits for __init__.
         self.core = EngineProcess(
             engine_config,
             warm_up=warm_up,
-            digest_args=(served_model_name or engine_config.model, route_chunks),
-            digest_period_s=self.DIGEST_PERIOD_S,
+            route_events=(served_model_name or engine_config.model, route_chunks),
             tp_rendezvous=rendezvous,
             while_waiting=check,
         )
@@ -95,7 +95,9 @@ class LLMReplica:
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._streams: dict[str, _Stream] = {}
         self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
-        self._digest, self._digest_at = info["digest"]
+        self._relay = Relay()  # the tree's routing events, as each routing-stats poll reports them
+        if info["events"] is not None:
+            self._relay.apply(info["events"])
         self._metrics = _Metrics(self._stats)
         loop = asyncio.get_running_loop()
         self.core.start_receiving(loop, self._on_step, self._on_death)
@@ -194,7 +196,7 @@ class LLMReplica:
         accepted: list[str],
         rejected: list[tuple[str, str]],
         stats: dict,
-        digest: tuple[list[int], float] | None,
+        events: Events | None,
     ) -> None:
         for rid in accepted:
             stream = self._streams.get(rid)
@@ -210,8 +212,8 @@ class LLMReplica:
                 stream.outputs.put_nowait(out)
         self._stats = stats
         self._metrics.update(stats)
-        if digest is not None:
-            self._digest, self._digest_at = digest
+        if events is not None:
+            self._relay.apply(events)
 
     def _on_death(self, reason: str) -> None:
         died = EngineDied(f"the engine failed: {reason}")
@@ -243,8 +245,9 @@ class LLMReplica:
             "waiting": s["waiting"],
             "kv_chunks_used": s["kv_chunks_used"],
             "kv_chunks_total": s["kv_chunks_total"],
-            "digest": self._digest,
-            "as_of": self._digest_at,
+            # the tree's routing events since the last polls (chunkserve/router/events.py), as of now
+            "events": self._relay.report(time.monotonic()),
+            "as_of": time.time(),
             "metrics": self._metrics.snapshot(s),
             **({"stream_address": self._direct.address.as_tuple()} if self._direct is not None else {}),
         }

@@ -34,6 +34,8 @@ from chunkserve.replicas.sampler import unseeded_key
 from chunkserve.replicas.scheduler import Scheduler
 from chunkserve.replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status, Tenancy
 from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.tree_events import RouteEvents
+from chunkserve.router.events import Events
 from chunkserve.router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
@@ -525,6 +527,18 @@ class LLMEngine:
         """The chained chunk hashes (chunkserve.router.hashing, seeded by the served model name) of the
         prefixes this engine's tree holds, for the router. Call between steps."""
         return self.tree.digest(model_seed(model_name), route_chunks, limit)
+
+    def record_route_events(self, model_name: str, route_chunks: int) -> None:
+        """From now on, record the tree's routing events (chunkserve/replicas/tree_events.py): the
+        chained hashes, seeded as `cache_digest`'s, of the chunks it stores and evicts up to
+        `route_chunks` deep, for `take_route_events`. A new epoch starts here."""
+        self.tree.events = RouteEvents(self.tree, model_seed(model_name), route_chunks)
+
+    def take_route_events(self) -> Events | None:
+        """The routing events since the last take (chunkserve/router/events.py: a delta, or a snapshot at an
+        epoch's start or after many changes); None if nothing changed or none are recorded. Call
+        between steps."""
+        return None if self.tree.events is None else self.tree.events.take()
 
     def check(self) -> None:
         """Assert the KV cache's invariants (tests call this after every step)."""

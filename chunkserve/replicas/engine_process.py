@@ -10,13 +10,14 @@ the replica keeps only the front:
 
     replica process (Serve, asyncio)                 engine process (python -m chunkserve.replicas.engine_process)
     EngineProcess.add / abort / compile ──pipe──▶    commands applied between two steps
-    receiver thread ◀──pipe── one message a step:    ("step", outputs, accepted, rejected, stats, digest)
+    receiver thread ◀──pipe── one message a step:    ("step", outputs, accepted, rejected, stats, events)
       └─ loop.call_soon_threadsafe(on_step, ...)      engine.step() back to back while there is work;
                                                       blocked on the pipe while idle
 
 One message per step carries every request's new outputs (batched, one pickle), the adds it
-accepted or refused (the engine's ValueError text), the engine's stats, and, once a
-`digest_period_s` or when it goes idle, its cache digest for the router. Guided requests'
+accepted or refused (the engine's ValueError text), the engine's stats, and the routing events
+of its prefix tree since the last message (chunkserve/router/events.py: the chunk hashes it stored and
+evicted, or a snapshot; None when nothing changed). Guided requests'
 grammars compile in a thread of the engine process (`compile`, answered by ("compiled", ...)),
 so a large schema never holds up the steps.
 
@@ -65,15 +66,16 @@ class EngineProcess:
         config: EngineConfig,
         *,
         warm_up: bool = False,
-        digest_args: tuple[str, int] | None = None,
-        digest_period_s: float = 1.0,
+        route_events: tuple[str, int] | None = None,
         tp_rendezvous: tuple[str, int] | None = None,
         ready_timeout_s: float = 3600.0,
         while_waiting: Callable[[], None] | None = None,
     ):
         """Start the process and wait until its engine is built (and warmed up): raises
-        EngineDied with the engine's error if it fails. while_waiting: called about every
-        second meanwhile (the replica checks its tensor-parallel ranks there)."""
+        EngineDied with the engine's error if it fails. route_events: (served model name,
+        route_chunks) to record the tree's routing events with (LLMEngine.record_route_events),
+        or None. while_waiting: called about every second meanwhile (the replica checks its
+        tensor-parallel ranks there)."""
         ours, theirs = socket.socketpair()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))  # (Ray's working dirs too)
         self._proc = subprocess.Popen(
@@ -88,7 +90,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self.error: str | None = None  # why the engine process is gone, once it is
         self._closed = False
-        self._send(("init", config, warm_up, digest_args, digest_period_s, tp_rendezvous))
+        self._send(("init", config, warm_up, route_events, tp_rendezvous))
         deadline = time.monotonic() + ready_timeout_s
         while not self._conn.poll(1.0):
             if self._proc.poll() is not None:
@@ -106,7 +108,7 @@ class EngineProcess:
         if kind != "ready":
             self.close()
             raise EngineDied(f"the engine failed to start: {payload}")
-        self.info: dict[str, Any] = payload  # max_model_len, vocab_size, warmup, stats, digest
+        self.info: dict[str, Any] = payload  # max_model_len, vocab_size, warmup, stats, events
         self._reader: threading.Thread | None = None
 
     # -- replica -> engine --------------------------------------------------------------------
@@ -143,7 +145,7 @@ class EngineProcess:
     def start_receiving(
         self, loop: asyncio.AbstractEventLoop, on_step: Callable[..., None], on_death: Callable[[str], None]
     ) -> None:
-        """Deliver each step message to on_step(outputs, accepted, rejected, stats, digest) on
+        """Deliver each step message to on_step(outputs, accepted, rejected, stats, events) on
         `loop`, from a receiver thread; on_death(reason) once if the engine process goes."""
 
         def deliver(fn: Callable, *args) -> None:
@@ -233,7 +235,7 @@ class _Core:
             self.conn.send_bytes(data)
 
     def start(self) -> None:
-        kind, config, warm_up, digest_args, digest_period_s, tp = pickle.loads(self.conn.recv_bytes())
+        kind, config, warm_up, route_events, tp = pickle.loads(self.conn.recv_bytes())
         assert kind == "init", kind
         try:
             self.engine = _build(config, tp)
@@ -250,23 +252,16 @@ class _Core:
             self.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             traceback.print_exc()
             os._exit(1)
-        self.digest_args, self.digest_period_s = digest_args, digest_period_s
-        self.digest_at = 0.0
+        if route_events is not None:  # (after warmup: its synthetic requests' chunks are the first snapshot's)
+            self.engine.record_route_events(*route_events)
         info = {
             "max_model_len": self.engine.max_model_len,
             "vocab_size": self.engine.model_config.vocab_size,
             "warmup": warm,
             "stats": self.engine.stats(),
-            "digest": self._digest(),
+            "events": self.engine.take_route_events(),
         }
         self.send(("ready", info))
-
-    def _digest(self) -> tuple[list[int], float] | None:
-        """(the tree's digest, the wall-clock time it was taken: the router's as_of)."""
-        if self.digest_args is None:
-            return None
-        self.digest_at = time.monotonic()
-        return self.engine.cache_digest(*self.digest_args), time.time()
 
     def _compile(self, token: int, guide) -> None:
         try:
@@ -299,9 +294,7 @@ class _Core:
                 elif kind == "close":
                     return
             outputs = engine.step() if engine.has_unfinished() else []
-            going_idle = not engine.has_unfinished()
-            due = going_idle or time.monotonic() - self.digest_at >= self.digest_period_s
-            self.send(("step", outputs, accepted, rejected, engine.stats(), self._digest() if due else None))
+            self.send(("step", outputs, accepted, rejected, engine.stats(), engine.take_route_events()))
 
 
 def _build(config: EngineConfig, tp: tuple[str, int] | None):

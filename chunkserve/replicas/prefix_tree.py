@@ -19,6 +19,7 @@ from collections.abc import Sequence as Seq
 
 from chunkserve.replicas.kv_pool import KVPool
 from chunkserve.replicas.sequence import Sequence
+from chunkserve.replicas.tree_events import RouteEvents
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
@@ -33,7 +34,9 @@ class Node:
         self.children: dict[tuple[int, ...], Node] = {}
         self.ref = 0  # live sequences whose path runs through this node
         self.last_use = 0
-        self.hash: int | None = None  # chained chunk hash (chunkserve.router.hashing), computed for digests
+        # chained chunk hash (chunkserve.router.hashing): made at insertion when routing events are
+        # recorded (to route_chunks deep), else lazily for digests
+        self.hash: int | None = None
 
     def __repr__(self):
         return f"Node(id={self.id}, chunk={self.chunk_id}, ref={self.ref}, children={len(self.children)})"
@@ -51,6 +54,7 @@ class PrefixTree:
         # lazy min-heap of (last_use, id, node) over ref-0 leaves; stale entries skipped on pop
         self._evictable: list[tuple[int, int, Node]] = []
         self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
+        self.events: RouteEvents | None = None  # routing events (DESIGN §6): told of each store and eviction
 
     # -- lookups --------------------------------------------------------------------------
     def root_for(self, salt: str | None) -> Node:
@@ -115,6 +119,8 @@ class PrefixTree:
         self._next_id += 1
         node.ref, node.last_use = 1, now
         parent.children[tokens] = node
+        if self.events is not None:  # routing events: the one insertion point
+            self.events.stored(node, parent)
         return node
 
     def alloc(self) -> int | None:
@@ -145,6 +151,8 @@ class PrefixTree:
             node.parent = None
             self.pool.free(node.chunk_id)
             self.num_cached -= 1
+            if self.events is not None:  # routing events: the one eviction point
+                self.events.evicted(node)
             if parent.chunk_id >= 0 and parent.ref == 0 and not parent.children:
                 self._push_evictable(parent)
             elif parent.chunk_id < 0 and parent is not self.root and not parent.children:
@@ -157,6 +165,8 @@ class PrefixTree:
         n = 0
         while self._evict_one():
             n += 1
+        if self.events is not None:  # a pool reset: a new epoch of routing events
+            self.events.restart()
         return n
 
     # -- routing digest ---------------------------------------------------------------------
@@ -165,10 +175,7 @@ class PrefixTree:
         each tree's salt: `cache_seed`) of the cached paths up to `max_depth` chunks deep: level by
         level, most recently used first, so the list (and any prefix of it) holds every listed
         node's ancestors. At most `limit`."""
-        if seed != self._digest_seed:
-            for n in self.nodes():
-                n.hash = None
-            self._digest_seed = seed
+        self.use_hash_seed(seed)
         out: list[int] = []
         level = [(root, cache_seed(seed, salt)) for salt, root in self.roots.items()]
         depth = 0
@@ -184,6 +191,19 @@ class PrefixTree:
             out.extend(n.hash for n, _ in below[: limit - len(out)])
             level, depth = below, depth + 1
         return out
+
+    def use_hash_seed(self, seed: int) -> None:
+        """Nodes' hashes are `seed`'s from now on (those made with another are dropped); routing
+        events fix it (their nodes' hashes are made once, at insertion)."""
+        if seed != self._digest_seed:
+            if self.events is not None:
+                raise ValueError("the tree's hashes are its routing events' (seeded by the served model name)")
+            for n in self.nodes():
+                n.hash = None
+            self._digest_seed = seed
+
+    def salt_of(self, root: Node) -> str | None:
+        return self._salt_of[root.id]
 
     # -- invariants -------------------------------------------------------------------------
     def nodes(self) -> list[Node]:

@@ -2,22 +2,26 @@
 
 Two sources, merged per replica:
   - own decisions: the chains this router sent to a replica, by root (first chunk hash), LRU-bounded
-    per replica; they bridge the gap until the replica's next digest shows them.
-  - digests: the set of chunk hashes a replica's prefix tree holds, published periodically and
-    replaced wholesale, so evictions are learned. A digest snapshot taken at `as_of` supersedes
-    every own record of that replica last refreshed at or before `as_of`: those are dropped.
+    per replica; they bridge the gap until the replica's published set shows them.
+  - the replica's published set: the chunk hashes its prefix tree holds, kept up to date by its
+    chunk-tree events (chunkserve/router/events.py: numbered deltas, O(changes) each, and snapshots
+    to resync from a gap or a new epoch), or replaced wholesale by a digest (`replace_digest`, the
+    simulator's path). Once the set is exact as of `as_of` (a snapshot, or deltas with no gap), it
+    supersedes every own record of that replica last refreshed at or before `as_of`: those are
+    dropped.
 
-A digest is prefix-closed along every chain (a tree node implies its ancestors), so the depth a
-replica's digest holds is found by binary search over the chain; a recorded chain holds exactly its
-own prefixes, so the depth from own records is the longest common prefix with one of them. Both
+A published set is prefix-closed along every chain (a tree node implies its ancestors), so the
+depth a replica's set holds is found by binary search over the chain; a recorded chain holds exactly
+its own prefixes, so the depth from own records is the longest common prefix with one of them. Both
 searches rest on the hashes being chained (chunkserve/router/hashing.py): a hash names its whole prefix.
 
 Costs: recording a prompt is O(1) dict work (the chain tuple is stored, not its hashes one by one);
-digests keep an exact hash -> replicas reverse map, updated off the request path when one arrives
-(O(hashes) for the diff, plus O(1) per hash that changed). Reads are O(candidates): one lookup by
-root serves a decision's candidates. The LRU maps are plain dicts (re-inserted on use, so oldest
-first), not OrderedDicts: at the decision rate the maps are cold in the CPU caches, and an
-OrderedDict's move-to-end also touches the linked-list neighbours of the entry, each a likely miss.
+published sets keep an exact hash -> replicas reverse map, updated off the request path when a
+report arrives: O(1) per hash that changed (a delta's hashes; a snapshot's or digest's diff costs
+O(hashes) more). Reads are O(candidates): one lookup by root serves a decision's candidates. The
+LRU maps are plain dicts (re-inserted on use, so oldest first), not OrderedDicts: at the decision
+rate the maps are cold in the CPU caches, and an OrderedDict's move-to-end also touches the
+linked-list neighbours of the entry, each a likely miss.
 """
 
 from __future__ import annotations
@@ -111,6 +115,17 @@ def _drop_holder(holders: dict, h: int, replica_id: str) -> None:
             del holders[h]
 
 
+def _add_holder(holders: dict, h: int, replica_id: str) -> None:
+    """Put `replica_id` among the digest holders of hash `h` (not there yet)."""
+    s = holders.get(h)
+    if s is None:
+        holders[h] = (replica_id,)
+    elif type(s) is tuple:
+        holders[h] = (*s, replica_id) if len(s) < _FEW else {*s, replica_id}
+    else:
+        s.add(replica_id)
+
+
 class PrefixIndex:
     """roots_per_replica: prefixes (roots) remembered per replica; chains_per_root: distinct chains
     kept per (replica, root); holders_per_root: most recent replicas per root `holders` offers."""
@@ -126,7 +141,11 @@ class PrefixIndex:
         # first. A lookup reads one small dict for a decision's candidates, and skips the replicas
         # without a record without touching their (cold) per-replica maps.
         self._recorded: dict[int, dict[str, tuple]] = {}
-        self._digest: dict[str, frozenset[int]] = {}  # replica -> its latest published hashes
+        self._digest: dict[str, set[int]] = {}  # replica -> the hashes it published (as of its last report)
+        # replica -> [epoch, seq, exact] of its chunk-tree events applied (chunkserve/router/events.py);
+        # exact: no gap since the epoch's start or the last snapshot
+        self._sync: dict[str, list] = {}
+        self.gaps = 0  # times a replica's events had a gap (missed reports): it waits for a snapshot
         # hash -> the replicas whose digest holds it (reverse of _digest): a tuple while few (most
         # hashes have one holder: a tuple of strings is small and the cyclic GC stops tracking it),
         # a set beyond
@@ -162,21 +181,96 @@ class PrefixIndex:
 
     def replace_digest(self, replica_id: str, hashes: Iterable[int], as_of: float) -> None:
         """`replica_id` published the hashes its tree held at time `as_of` (this router's clock)."""
-        new = frozenset(hashes)
-        old = self._digest.get(replica_id, frozenset())
+        self._sync.pop(replica_id, None)  # (a digest has no epoch: events start afresh)
+        self._replace(replica_id, hashes)
+        self._drop_own_before(replica_id, as_of)
+
+    def apply_events(self, replica_id: str, events: tuple, as_of: float) -> bool:
+        """`replica_id`'s chunk-tree events report (chunkserve/router/events.Events), taken at `as_of`
+        (this router's clock). Applies the deltas after the seq this index holds, O(their
+        hashes); on another epoch first drops what the replica held; on a gap takes the report's
+        snapshot, or applies what it can and waits for one. Returns whether the replica's set is
+        now exact (as of its report)."""
+        epoch, seq, deltas, snapshot = events
+        sync = self._sync.get(replica_id)
+        held = self._digest.get(replica_id)
+        if held is None or sync is None or sync[0] != epoch:  # a new life of the tree (or a first report)
+            if held:
+                self._replace(replica_id, ())
+            held = self._digest[replica_id] = set()
+            sync = self._sync[replica_id] = [epoch, 0, True]
+        at = sync[1]
+        if seq > at:
+            i = len(deltas)
+            while i and deltas[i - 1][1] > at:  # from the newest back: the deltas after `at`
+                i -= 1
+            if sync[2] and i < len(deltas) and deltas[i][0] == at + 1:  # no gap: deltas only
+                for d in deltas[i:]:
+                    self._apply_delta(replica_id, held, d, True)
+            elif snapshot is not None:
+                self._replace(replica_id, snapshot)
+                sync[2] = True
+            else:  # a gap and no snapshot: the deltas it has (approximate) until one comes
+                for d in deltas[i:]:
+                    self._apply_delta(replica_id, held, d, False)
+                if sync[2]:
+                    self.gaps += 1
+                sync[2] = False
+            sync[1] = seq
+        if sync[2]:
+            self._drop_own_before(replica_id, as_of)
+        return sync[2]
+
+    def synced(self, replica_id: str) -> tuple[int, int, bool] | None:
+        """(epoch, seq, exact) of `replica_id`'s events applied, or None."""
+        sync = self._sync.get(replica_id)
+        return None if sync is None else (sync[0], sync[1], sync[2])
+
+    def published(self, replica_id: str) -> frozenset[int]:
+        """The hashes `replica_id`'s reports say it holds (a copy)."""
+        return frozenset(self._digest.get(replica_id, ()))
+
+    def _apply_delta(self, replica_id: str, held: set[int], delta: tuple, exact: bool) -> None:
+        """One delta into `held` and the reverse map, O(its hashes). Exact (no gap before it): its
+        evicted hashes are all held and its stored ones none, so the set work is two C calls and
+        each hash one dict operation (most have this replica as their only holder: inline).
+        After a gap, only what changes anything is applied."""
+        _, _, stored, evicted = delta
+        holders = self._digest_holders
+        if not exact:
+            evicted = held.intersection(evicted)
+            stored = set(stored).difference(held)
+        held.difference_update(evicted)
+        held.update(stored)
+        pop = holders.pop
+        for h in evicted:
+            s = pop(h)
+            if s.__class__ is not tuple or len(s) != 1:  # (shared with other replicas)
+                holders[h] = s
+                _drop_holder(holders, h, replica_id)
+        one = (replica_id,)
+        add = holders.setdefault
+        for h in stored:
+            if add(h, one) is not one:  # (others hold it too)
+                _add_holder(holders, h, replica_id)
+
+    def _replace(self, replica_id: str, hashes: Iterable[int]) -> None:
+        """Make `replica_id`'s published set exactly `hashes`: O(hashes + changes)."""
+        new = set(hashes)
+        old = self._digest.get(replica_id)
+        if old is None:
+            old = set()
         if new != old:  # (an unchanged digest, an idle replica's: no diff)
             holders = self._digest_holders
             for h in old - new:
                 _drop_holder(holders, h, replica_id)
             for h in new - old:
-                s = holders.get(h)
-                if s is None:
-                    holders[h] = (replica_id,)
-                elif type(s) is tuple:
-                    holders[h] = (*s, replica_id) if len(s) < _FEW else {*s, replica_id}
-                else:
-                    s.add(replica_id)
+                _add_holder(holders, h, replica_id)
         self._digest[replica_id] = new
+
+    def _drop_own_before(self, replica_id: str, as_of: float) -> None:
+        """Drop `replica_id`'s own records last refreshed at or before `as_of`: its published set,
+        exact as of then, says what it holds of them."""
         own = self._own.get(replica_id)
         if own:
             stale = []
@@ -202,6 +296,7 @@ class PrefixIndex:
             self._forget(replica_id, own, list(own))
         for h in self._digest.pop(replica_id, ()):
             _drop_holder(self._digest_holders, h, replica_id)
+        self._sync.pop(replica_id, None)
 
     # -- reads ----------------------------------------------------------------------------------
 

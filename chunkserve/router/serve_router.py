@@ -29,10 +29,11 @@ callbacks:
                       join (a router starting against a big deployment) builds the rendezvous table
                       in a worker thread and swaps it in, so the event loop never blocks for long.
                       Routing stats (`record_routing_stats` of chunkserve/replicas/deployment.py, refreshed
-                      every request_routing_stats_period_s) feed PrefixPolicy.update_digest when
-                      they carry a `digest` (chained chunk hashes the replica's tree holds) and the
-                      replica's load either way. Without a digest the policy relies on its own
-                      recent decisions (chunkserve/router/index.py).
+                      every request_routing_stats_period_s) carry the replica's load and its
+                      tree's routing `events` (chunkserve/router/events.py: deltas of the chained
+                      chunk hashes it holds, snapshots now and then), applied to the policy's
+                      index (PrefixIndex.apply_events). Before a replica's events arrive the
+                      policy relies on its own recent decisions (chunkserve/router/index.py).
 
 route_direct        the ingress's direct stream (chunkserve/replicas/direct_stream.py): the same choice made
                       for a request that will not go through Serve (the first rank only, if its
@@ -170,7 +171,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._apply_routing_stats(list(self._by_uid.values()))
 
     def _apply_routing_stats(self, replicas: list[RunningReplica]) -> None:
-        """Feed new routing stats (digest, load) of policy members to the policy. Every broadcast
+        """Feed new routing stats (events, load) of policy members to the policy. Every broadcast
         repeats all replicas' stats; a report is applied once (keyed by its `as_of`, or its
         contents when it has none)."""
         if not self._policy_ids:
@@ -191,12 +192,12 @@ class PrefixAffinityRouter(RequestRouter):
             load = None
             if self._mean_cost > 0 and "running" in stats:
                 load = (stats.get("running", 0) + stats.get("waiting", 0)) * self._mean_cost
-            digest = stats.get("digest")
-            if digest is not None:
+            events = stats.get("events")
+            if events is not None:
                 # the replica's wall clock -> this router's monotonic clock (clocks assumed synced)
                 as_of = mono - max(0.0, wall - float(stats.get("as_of", wall)))
-                self._policy.update_digest(uid, digest, as_of, load)
-            elif load is not None:
+                self._policy.index.apply_events(uid, events, as_of)
+            if load is not None:
                 loads[uid] = load
         if loads:  # one pass over the members, not one per report
             self._policy.update_replicas(ReplicaView(u, loads.get(u)) for u in self._policy_ids)

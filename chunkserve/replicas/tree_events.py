@@ -1,0 +1,65 @@
+"""The prefix tree's routing events: the chained hash of each node it stores or evicts, at most
+`route_chunks` deep, into a ChunkLog (chunkserve/router/events.py; DESIGN §6).
+
+The tree calls `stored` at its one insertion point and `evicted` at its one eviction point
+(PrefixTree.events). A node's hash is made once, when it is stored, from its parent's (kept on
+the node, `Node.hash`), and the log keeps each held hash's (depth, seed), so a change costs one
+xxh3 call and O(1) dict work: events cost O(changes), never a walk of the tree. The hashes are
+the ingress's (chunkserve/router/hashing.chunk_hashes, seeded by the served model and each tree's
+cache salt), so the router matches prompts against them directly.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from chunkserve.router.events import MAX_DELTA, ChunkLog, Events
+from chunkserve.router.hashing import cache_seed, chunk_hashes
+
+if TYPE_CHECKING:
+    from chunkserve.replicas.prefix_tree import Node, PrefixTree
+
+
+class RouteEvents:
+    """Attached to `tree` (tree.events): records from now on, starting with what it holds."""
+
+    def __init__(self, tree: PrefixTree, seed: int, max_depth: int, max_delta: int = MAX_DELTA):
+        self.tree, self.seed, self.max_depth = tree, seed, max_depth
+        self.log = ChunkLog(max_delta)
+        tree.use_hash_seed(seed)
+        self._store_all()
+
+    def stored(self, node: Node, parent: Node) -> None:
+        """`node` entered the tree under `parent`."""
+        if parent.chunk_id < 0:  # a root: the chain starts at its salt's seed
+            depth, seed, after = 1, cache_seed(self.seed, self.tree.salt_of(parent)), None
+        else:
+            tag = self.log.held.get(parent.hash) if parent.hash is not None else None
+            if tag is None or tag[0] >= self.max_depth:  # below the routed depth
+                return
+            depth, seed, after = tag[0] + 1, tag[1], parent.hash
+        h = node.hash = chunk_hashes(node.tokens, self.tree.c, 1, seed, after=after)[0]
+        self.log.stored(h, (depth, seed))
+
+    def evicted(self, node: Node) -> None:
+        """`node` left the tree."""
+        if node.hash is not None and node.hash in self.log.held:
+            self.log.evicted(node.hash)
+
+    def restart(self) -> None:
+        """The pool was reset: a new epoch, holding what the tree still holds."""
+        self.log.reset()
+        self._store_all()
+
+    def take(self) -> Events | None:
+        """The changes since the last take (chunkserve/router/events.ChunkLog.take)."""
+        return self.log.take()
+
+    def _store_all(self) -> None:
+        level = [(root, n) for root in self.tree.roots.values() for n in root.children.values()]
+        for _ in range(self.max_depth):  # parents before children
+            if not level:
+                break
+            for parent, n in level:
+                self.stored(n, parent)
+            level = [(n, child) for _, n in level for child in n.children.values()]

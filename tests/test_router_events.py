@@ -1,0 +1,278 @@
+"""Chunk-tree events (chunkserve/router/events.py, chunkserve/replicas/tree_events.py) and the index that
+applies them (chunkserve/router/index.PrefixIndex.apply_events): deltas, gaps, epochs, snapshots, and
+an index built from deltas against the tree itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkserve.replicas.engine import EngineConfig, LLMEngine
+from chunkserve.replicas.kv_pool import KVPool
+from chunkserve.replicas.prefix_tree import PrefixTree
+from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.tree_events import RouteEvents
+from chunkserve.router.events import ChunkLog, Relay
+from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
+from chunkserve.router.index import PrefixIndex
+
+C = 4  # chunk size of the tree tests
+SEED = model_seed("tiny")
+
+
+def make_tree(num_chunks: int, route_chunks: int = 3, max_delta: int = 4096) -> PrefixTree:
+    pool = KVPool(
+        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8, device="cpu"
+    )
+    tree = PrefixTree(pool)
+    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta)
+    return tree
+
+
+def serve(tree: PrefixTree, tokens: list[int], salt: str | None, now: int) -> None:
+    """One request through the tree as the scheduler drives it: match, fill the rest chunk by
+    chunk (evicting as needed), finish (its chunks stay cached)."""
+    path = tree.match(tokens, len(tokens), salt)
+    tree.acquire(path, now)
+    parent = path[-1] if path else tree.root_for(salt)
+    for k in range(len(path), len(tokens) // C):
+        cid = tree.alloc()
+        assert cid is not None  # (prompts fit the pool: every other chunk is evictable)
+        parent = tree.insert(parent, tuple(tokens[k * C : (k + 1) * C]), cid, now)
+        path.append(parent)
+    tree.release(path, now)
+
+
+def truth(tree: PrefixTree, route_chunks: int) -> set[int]:
+    """The routable hashes of the tree, made from each node's path of tokens as the ingress
+    hashes a prompt (not from the events' hashes)."""
+    out: set[int] = set()
+    for salt, root in tree.roots.items():
+        stack = [(n, list(n.tokens)) for n in root.children.values()]
+        while stack:
+            node, tokens = stack.pop()
+            if len(tokens) // C > route_chunks:
+                continue
+            out.add(chunk_hashes(tokens, C, route_chunks, cache_seed(SEED, salt))[-1])
+            stack.extend((n, tokens + list(n.tokens)) for n in node.children.values())
+    return out
+
+
+# -- the log and the relay ---------------------------------------------------------------------------
+
+
+def test_log_nets_changes_and_snapshots_an_epochs_start_and_an_overflow():
+    log = ChunkLog(max_delta=3)
+    assert log.take() == (log.epoch, 1, (), ())  # the epoch's first publication: a snapshot
+    assert log.take() is None  # nothing changed
+    log.stored(1)
+    log.stored(2)
+    log.evicted(2)  # stored and evicted since the last take: no change
+    assert log.take() == (log.epoch, 2, ((2, 2, (1,), ()),), None)
+    log.evicted(1)
+    log.stored(1)  # evicted and stored again: no change, but a publication all the same
+    log.stored(3)
+    assert log.take() == (log.epoch, 3, ((3, 3, (3,), ()),), None)
+    for h in (4, 5, 6, 7):
+        log.stored(h)
+    epoch, seq, deltas, snapshot = log.take()  # more than max_delta changes: the whole set
+    assert (seq, deltas, set(snapshot)) == (4, (), {1, 3, 4, 5, 6, 7})
+    old = log.epoch
+    log.reset()
+    assert log.epoch != old and log.take() == (log.epoch, 1, (), ())
+
+
+def test_relay_repeats_recent_cuts_and_snapshots_when_due():
+    log, relay = ChunkLog(), Relay(max_delta=4, ring_s=5.0, snapshot_s=10.0)
+    assert relay.report(0.0) is None  # nothing from the engine yet
+    relay.apply(log.take())
+    epoch, seq, deltas, snapshot = relay.report(0.0)
+    assert (seq, deltas, snapshot) == (1, ((1, 1, (), ()),), ())  # a new epoch: a snapshot, and the ring from seq 1
+    log.stored(10)
+    relay.apply(log.take())
+    log.stored(11)
+    relay.apply(log.take())
+    r1 = relay.report(1.0)
+    assert r1[1] == 3 and r1[2] == ((1, 1, (), ()), (2, 3, (10, 11), ()))  # two publications, one cut
+    assert r1[3] == (10, 11)  # (snapshots for ring_s after the epoch began)
+    log.evicted(10)
+    relay.apply(log.take())
+    r2 = relay.report(6.0)
+    assert r2[2] == ((2, 3, (10, 11), ()), (4, 4, (), (10,))) and r2[3] is None  # the ring keeps 5 s of cuts
+    assert relay.report(6.0) is r2  # nothing new: the same report
+    assert relay.report(6.5)[2] == ((4, 4, (), (10,)),)  # (the cut at 1 s is older than ring_s)
+    r3 = relay.report(11.0)  # snapshot_s after the last snapshot
+    assert r3[2] == ((4, 4, (), (10,)),) and r3[3] == (11,)
+    for h in range(20, 26):  # a cut larger than max_delta: the ring restarts after it, snapshots instead
+        log.stored(h)
+    relay.apply(log.take())
+    r4 = relay.report(11.5)
+    assert r4[1] == 5 and r4[2] == () and set(r4[3]) == {11, *range(20, 26)}
+    assert relay.report(12.0)[3] is not None and relay.report(17.0)[3] is None  # for ring_s
+
+
+# -- the index ---------------------------------------------------------------------------------------
+
+
+def follow(relay_reports, index: PrefixIndex, rid: str = "r") -> list[bool]:
+    return [index.apply_events(rid, r, 0.0) for r in relay_reports]
+
+
+def test_index_applies_deltas_in_order_and_ignores_repeats():
+    index = PrefixIndex()
+    e = 7
+    assert index.apply_events("r", (e, 1, ((1, 1, (1, 2), ()),), None), 0.0)
+    assert index.apply_events("r", (e, 2, ((1, 1, (1, 2), ()), (2, 2, (3,), (2,))), None), 0.0)
+    assert index.published("r") == {1, 3} and index.synced("r") == (e, 2, True)
+    assert index.apply_events("r", (e, 2, ((2, 2, (3,), (2,)),), None), 0.0)  # the same report again
+    assert index.published("r") == {1, 3}
+    assert index.depth("r", (1, 3, 4)) == 2 and index.holders((1, 3), 4) == ("r",)
+
+
+def test_a_gap_is_bridged_then_resynced_from_a_snapshot():
+    index = PrefixIndex()
+    e = 7
+    index.apply_events("r", (e, 1, ((1, 1, (1, 2), ()),), None), 0.0)
+    # reports 2..3 missed; this one's ring starts at 4: a gap, no snapshot
+    assert not index.apply_events("r", (e, 4, ((4, 4, (5,), (1,)),), None), 0.0)
+    assert index.gaps == 1 and index.synced("r") == (e, 4, False)
+    assert index.published("r") == {2, 5}  # what it could apply (2 was evicted in the missed reports)
+    assert not index.apply_events("r", (e, 5, ((5, 5, (6,), ()),), None), 0.0)  # still inexact
+    assert index.published("r") == {2, 5, 6} and index.gaps == 1
+    # the next snapshot makes it exact, whatever the ring holds
+    assert index.apply_events("r", (e, 6, ((6, 6, (7,), ()),), (5, 6, 7)), 0.0)
+    assert index.published("r") == {5, 6, 7} and index.holders((2,), 4) == ()
+    assert index.synced("r") == (e, 6, True)
+
+
+def test_a_new_epoch_drops_the_old_entries():
+    index = PrefixIndex()
+    index.apply_events("r", (1, 9, ((9, 9, (1, 2, 3), ()),), None), 0.0)
+    index.apply_events("other", (5, 1, ((1, 1, (1,), ()),), None), 0.0)
+    # the engine restarted: its ring starts at the new epoch's seq 1, from the empty set
+    assert index.apply_events("r", (2, 1, ((1, 1, (4,), ()),), None), 0.0)
+    assert index.published("r") == {4} and index.holders((1,), 4) == ("other",)
+    # a new epoch whose start this router missed: the old entries go at once; a snapshot resyncs
+    assert not index.apply_events("r", (3, 5, ((5, 5, (8,), ()),), None), 0.0)
+    assert index.published("r") == {8}
+    assert index.apply_events("r", (3, 6, (), (6, 8)), 0.0) and index.published("r") == {6, 8}
+
+
+def test_a_snapshot_after_an_overflow_resyncs_and_own_records_wait_for_exactness():
+    index = PrefixIndex()
+    index.record("r", (1, 2, 3), now=5.0)
+    index.apply_events("r", (7, 1, ((1, 1, (1,), ()),), None), 4.0)  # exact as of 4: the record (at 5) stays
+    assert index.depth("r", (1, 2, 3)) == 3
+    log_gap = (7, 3, (), (1, 9))  # an overflow cut: no deltas, a snapshot
+    assert index.apply_events("r", log_gap, 6.0) and index.published("r") == {1, 9}
+    assert index.own_roots("r") == 0 and index.depth("r", (1, 2, 3)) == 1  # the record is superseded
+    index.record("r", (9, 4), now=7.0)
+    assert not index.apply_events("r", (7, 5, ((5, 5, (), (9,)),), None), 8.0)  # a gap: records kept
+    assert index.own_roots("r") == 1
+
+
+def test_a_router_that_stalls_past_the_ring_is_exact_again_within_one_snapshot_period():
+    log, relay = ChunkLog(), Relay(max_delta=100, ring_s=2.5, snapshot_s=10.0)
+    index = PrefixIndex()
+    exact = {}
+    for t in range(45):  # a change and a report a second
+        log.stored(100 + t)
+        relay.apply(log.take())
+        report = relay.report(float(t))
+        stalled = 6 <= t <= 10  # the router's loop stalls for 5 s: longer than the ring
+        skipping = t >= 30 and t % 2  # then it sees every other report: the ring covers those
+        if not stalled and not skipping:
+            exact[t] = index.apply_events("r", report, float(t))
+    assert all(exact[t] for t in range(6))
+    behind = [t for t, ok in exact.items() if not ok]
+    assert behind and behind[0] == 11 and behind[-1] - behind[0] < 10  # resynced by the next snapshot
+    assert all(exact[t] for t in exact if t >= 30) and index.gaps == 1
+    assert index.published("r") == relay.held
+
+
+# -- against the tree ------------------------------------------------------------------------------
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("serve"), st.integers(0, 3), st.integers(0, 5), st.sampled_from([None, None, "t1", "t2"])),
+        st.tuples(st.just("report"), st.booleans()),  # (True: the lagging router misses it)
+        st.tuples(st.just("evict_all")),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.integers(1, 6))
+def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta):
+    """Random requests (shared prefixes, salts, eviction under a small pool) and pool resets on a
+    real PrefixTree; its events through a Relay to two routers' indexes, one seeing every report,
+    one missing some. After every report the first equals the tree's routable set, as an index
+    built from that report's snapshot would; the second equals it whenever it says it is exact,
+    and after the next snapshot."""
+    route_chunks = 3
+    tree = make_tree(num_chunks=10, route_chunks=route_chunks, max_delta=max_delta)
+    relay = Relay(max_delta=max_delta, ring_s=3.0, snapshot_s=5.0)
+    every, lagging = PrefixIndex(), PrefixIndex()
+    bases = [[b * 50 + i for i in range(6 * C)] for b in range(4)]
+    t = 0.0
+    for now, op in enumerate(ops, 1):
+        if op[0] == "serve":
+            _, base, extra, salt = op
+            serve(tree, bases[base][: (1 + extra) * C] + [999 - now] * 2, salt, now)
+        elif op[0] == "evict_all":
+            tree.evict_all()
+        else:
+            events = tree.events.take()
+            if events is not None:
+                relay.apply(events)
+            t += 1.0
+            report = relay.report(t)
+            want = truth(tree, route_chunks)
+            assert relay.held == want
+            assert every.apply_events("r", report, t) and every.published("r") == want
+            if report[3] is not None:
+                fresh = PrefixIndex()
+                assert fresh.apply_events("r", report, t) and fresh.published("r") == want
+            if not op[1] and lagging.apply_events("r", report, t):
+                assert lagging.published("r") == want
+        tree.check([])
+    relay.apply(tree.events.take() or (relay.epoch, relay.seq, (), None))
+    report = relay.report(t + 10.0)  # snapshot_s later: a snapshot
+    assert lagging.apply_events("r", report, t) and lagging.published("r") == truth(tree, route_chunks)
+
+
+def test_salted_and_deep_chunks_hash_as_the_ingress_hashes_prompts():
+    tree = make_tree(num_chunks=16, route_chunks=2)
+    prompt = list(range(4 * C))
+    serve(tree, prompt, None, 1)
+    serve(tree, prompt, "tenant", 2)
+    events = tree.events.take()
+    assert events[3] is not None  # the epoch's first publication: a snapshot
+    assert set(events[3]) == set(chunk_hashes(prompt, C, 2, SEED)) | set(
+        chunk_hashes(prompt, C, 2, cache_seed(SEED, "tenant"))
+    )  # two chunks deep, not four
+    with pytest.raises(ValueError, match="routing events"):
+        tree.digest(model_seed("another"), 2, 100)  # the nodes' hashes are the events'
+    assert set(tree.digest(SEED, 2, 100)) == set(events[3])
+
+
+def test_engine_records_route_events_and_a_reset_starts_a_new_epoch():
+    engine = LLMEngine.from_config(EngineConfig(model="tiny", device="cpu", kv_cache_tokens=4096, chunk_size=64))
+    engine.record_route_events("tiny", 32)
+    relay, index = Relay(), PrefixIndex()
+    relay.apply(engine.take_route_events())
+    prompts = [[(7 * i + g) % 256 for i in range(200)] for g in range(2)]
+    engine.generate(prompts, SamplingParams(max_tokens=2, temperature=0))
+    relay.apply(engine.take_route_events())
+    want = {h for p in prompts for h in chunk_hashes(p, 64, 32, "tiny")}  # 3 full chunks each
+    assert relay.held == want
+    assert index.apply_events("r", relay.report(0.0), 0.0) and index.published("r") == want
+    epoch = relay.epoch
+    engine.tree.evict_all()
+    relay.apply(engine.take_route_events())
+    assert relay.epoch != epoch and relay.held == set()
+    assert index.apply_events("r", relay.report(1.0), 1.0) and index.published("r") == set()
+
