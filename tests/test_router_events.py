@@ -4,6 +4,8 @@ an index built from deltas against the tree itself."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -276,3 +278,12 @@ def test_engine_records_route_events_and_a_reset_starts_a_new_epoch():
     assert relay.epoch != epoch and relay.held == set()
     assert index.apply_events("r", relay.report(1.0), 1.0) and index.published("r") == set()
 
+
+def test_bench_events_runs_small_and_reports_both_paths(capsys):
+    from chunkserve.router.tools import bench_events
+
+    bench_events.main(["--replicas", "4", "--seconds", "2", "--warmup", "1", "--rate", "4", "--spill", "0.5"])
+    row = json.loads(capsys.readouterr().out)
+    assert row["replicas"] == 4 and row["churn_per_replica_s"] > 0 and row["gaps"] == 0
+    for path in ("events", "snapshot"):
+        assert row[f"{path}_core_fraction"] > 0 and row[f"{path}_bytes_per_s"] > 0
