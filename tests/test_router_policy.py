@@ -147,6 +147,25 @@ def test_a_prefix_sticks_to_the_replica_holding_it():
     assert seen == {first}
 
 
+def test_a_ticket_predicts_the_cached_tokens_the_replica_will_count():
+    # matched: the chosen replica's known depth × C, short of the chunk holding the prompt's last
+    # token (the engine computes that one: its logits give the first output)
+    policy = PrefixPolicy(replicas=["a", "b", "c"])
+    rng = random.Random(6)
+    ch, other = _chain(rng, 8), _chain(rng, 8)
+    first = policy.choose(ch, 8 * C + 10, 16, 0.0)[0]
+    assert policy.on_routed(first, ch, 8 * C + 10, 16, 0.0).matched == 0  # nobody held it
+    assert policy.choose(ch, 8 * C + 10, 16, 1.0)[0] == first
+    assert policy.on_routed(first, ch, 8 * C + 10, 16, 1.0).matched == 8 * C  # our own record
+    assert policy.on_routed(first, ch, 8 * C, 16, 2.0).matched == 7 * C  # its last chunk is computed
+    b = next(r for r in "abc" if r != first)
+    policy.update_digest(b, ch[:3], as_of=3.0)
+    policy.choose(ch, 8 * C + 10, 16, 3.0)
+    assert policy.on_routed(b, ch, 8 * C + 10, 16, 3.0).matched == 3 * C  # Serve took a lower rank
+    assert policy.on_routed(b, other, 8 * C + 10, 16, 3.0).matched == 0
+    assert policy.on_routed(b, (), C - 1, 16, 3.0).matched == 0  # shorter than a chunk
+
+
 def test_a_hot_prefix_spreads_down_its_rendezvous_order_once_it_exceeds_a_replicas_share():
     replicas = [f"r{i}" for i in range(16)]
     policy = PrefixPolicy(replicas=replicas)

@@ -369,6 +369,7 @@ class Ticket(NamedTuple):
     replica_id: str
     key: int | None  # the prefix's first chunk hash (None: prompt shorter than a chunk)
     cost: float  # the work it added to the replica's load
+    matched: int  # prompt tokens counted as cached there: the prediction of the replica's cached_tokens
 
 
 _new_ticket = tuple.__new__  # _new_ticket(Ticket, fields): Ticket(*fields), without its Python-level __new__
@@ -640,12 +641,11 @@ class PrefixPolicy:
                     break
         if depth < 0:
             depth = self.index.depth(replica_id, chain)
-        matched = depth * cfg.chunk_size  # (cost = request_work(num_prompt_tokens, max_tokens, matched))
-        cost = (
-            num_prompt_tokens
-            - (matched if matched < num_prompt_tokens else num_prompt_tokens)
-            + cfg.decode_weight * max_tokens
-        )
+        # the engine never matches the chunk holding the prompt's last token (its logits give the
+        # first output): at most (prompt − 1) // c chunks count as cached, as the replica reports
+        c = cfg.chunk_size
+        matched = min(depth * c, (num_prompt_tokens - 1) // c * c) if depth else 0
+        cost = num_prompt_tokens - matched + cfg.decode_weight * max_tokens  # (request_work's)
         key = chain[0] if chain else None
         p = self._pos.get(replica_id)
         if p is not None:
@@ -659,7 +659,7 @@ class PrefixPolicy:
         if key is not None:
             self._prefix.routed(key, cost, now)
             self.index.record(replica_id, chain, now)
-        return _new_ticket(Ticket, (replica_id, key, cost))
+        return _new_ticket(Ticket, (replica_id, key, cost, matched))
 
     def on_finished(self, ticket: Ticket) -> None:
         """The request's response ended (or failed): its work leaves the loads."""
