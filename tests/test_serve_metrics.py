@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
 from chunkserve.cluster.app import build_app
-from chunkserve.cluster.metrics import CACHE_S
+from chunkserve.cluster.ingress import PREDICTED_HEADER
+from chunkserve.cluster.metrics import AGREEMENTS, CACHE_S
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -85,12 +86,13 @@ def _llm_replica_ids() -> set[str]:
 SHARED = "a context that every request of the test shares, long enough for three chunks of 64 tokens; " * 2
 
 
-async def _requests(url: str, n: int) -> list[dict]:
+async def _requests(url: str, n: int) -> list[tuple[dict, str | None]]:
     """One completion, then n at once (every other one streamed, with its usage), each prompt
-    after SHARED (cached after the first) -> each one's usage."""
+    after SHARED (cached after the first) -> each one's usage and the router's prediction of its
+    cached tokens (the response's x-chunkserve-predicted-cached-tokens)."""
     auth = {"Authorization": f"Bearer {KEY}"}
 
-    async def one(client: httpx.AsyncClient, i: int) -> dict:
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[dict, str | None]:
         body = {
             "prompt": f"{SHARED}request {i} " + "word " * (5 * i),
             "max_tokens": 3 + i,
@@ -106,10 +108,10 @@ async def _requests(url: str, n: int) -> list[dict]:
                     if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
                         usage = json.loads(line[6:])["usage"]
             assert usage is not None
-            return usage
+            return usage, r.headers.get(PREDICTED_HEADER)
         r = await client.post(f"{url}/v1/completions", json=body, headers=auth)
         assert r.status_code == 200, r.text
-        return r.json()["usage"]
+        return r.json()["usage"], r.headers.get(PREDICTED_HEADER)
 
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         first = await one(client, 0)
@@ -124,7 +126,8 @@ def test_metrics_aggregate_every_replica(app):
     assert set(_values(before, "chunkserve_kv_chunks_total")) == replicas  # both replicas, by their ids
 
     n = 8
-    usages = asyncio.run(_requests(url, n))
+    answers = asyncio.run(_requests(url, n))
+    usages = [usage for usage, _ in answers]
     bad = httpx.post(
         f"{url}/v1/completions",
         content=b"{not json",
@@ -176,6 +179,22 @@ def test_metrics_aggregate_every_replica(app):
     assert delta("chunkserve_http_responses_total", endpoint="/v1/completions", status="400") == 1
     assert delta("chunkserve_http_errors_total", status="400", code="invalid_json") == 1
     assert _values(after, "chunkserve_metrics_replicas", deployment="LLMReplica", answered="true") == {None: 2}
+    # the router's prediction of each request's cached tokens (its header) against the replica's
+    # count (its usage): every request compared once, both sums as the responses said
+    predicted = [int(header) for _, header in answers if header is not None]
+    assert len(predicted) == n  # (the prefix router routed each one)
+    assert all(p % 64 == 0 and p < u["prompt_tokens"] for p, u in zip(predicted, usages))
+    assert sum(predicted) > 0  # (its own record of the first request: SHARED's chunks on its replica)
+    agreement = {a: delta("chunkserve_router_predictions_total", agreement=a) for a in AGREEMENTS}
+    assert sum(agreement.values()) == n
+    assert delta("chunkserve_router_predicted_cached_tokens_total") == sum(predicted)
+    assert delta("chunkserve_router_reported_cached_tokens_total") == cached
+    assert delta("chunkserve_router_prediction_error_tokens_count") == n
+    errors = [abs(p - u["prompt_tokens_details"]["cached_tokens"]) for p, u in zip(predicted, usages)]
+    assert delta("chunkserve_router_prediction_error_tokens_sum") == sum(errors)
+    assert agreement["exact"] == errors.count(0)
+    assert agreement["within_chunk"] == sum(0 < e <= 64 for e in errors)
+    assert delta("chunkserve_router_prediction_error_tokens_bucket", le="0.0") == errors.count(0)
 
 
 def test_dashboard_asks_only_for_exposed_metrics(app):
@@ -196,6 +215,9 @@ def test_dashboard_asks_only_for_exposed_metrics(app):
         "Tokens per second by tenant",
         "Cached prompt fraction by tenant",
         "Rejected requests by tenant and code",
+        "Router prediction agreement",
+        "Predicted vs reported cached tokens per second",
+        "Router prediction error",
     ):
         assert title in exprs
     for title, queries in exprs.items():

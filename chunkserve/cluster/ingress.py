@@ -96,6 +96,9 @@ logger = logging.getLogger("ray.serve")
 FRONT_DRAIN_S = 15.0  # a stopping replica's front finishes its open requests this long at most
 REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
 TIMING_HEADER = "server-timing"  # where the time to first output went (_server_timing)
+# per choice, the prompt tokens the prefix router predicted as cached on the replica it chose
+# (usage.prompt_tokens_details.cached_tokens: what the replica found)
+PREDICTED_HEADER = "x-chunkserve-predicted-cached-tokens"
 
 # FastAPI's own /docs, /redoc and /openapi.json answer anyone; the deployment serves them itself,
 # as its config's `openapi_docs` says (OpenAIIngress.openapi), which is not known yet here
@@ -1165,6 +1168,9 @@ class OpenAIIngress:
                 sent - entered, first - sent, max(out.first_output_s or 0.0 for out, _ in results)
             ),
         }
+        predicted = self._predictions(reqs, [out for out, _ in results])
+        if None not in predicted:  # (a prefix router routed every choice)
+            headers[PREDICTED_HEADER] = ",".join(map(str, predicted))
 
         def ended(lasts: list[GenerateOutput]) -> None:
             usage = Usage.of(lasts, fmt.n)
@@ -1176,6 +1182,18 @@ class OpenAIIngress:
         if stream:
             return _sse(results, fmt, include_usage, headers, ended)
         return await _whole(results, fmt, headers, gone, ended)
+
+    def _predictions(self, reqs: list[GenerateRequest], firsts: list[GenerateOutput]) -> list[int | None]:
+        """Each choice's cached prompt tokens as its router predicted them (None: not routed by the
+        prefix policy), each counted against what its replica reported in its first output (the
+        engine counts them at admission) for /metrics."""
+        chunk_size, out = self.config.engine.chunk_size, []
+        for req, first in zip(reqs, firsts):
+            predicted = direct_routes.take_prediction(req.request_id)
+            if predicted is not None:
+                cluster_metrics.PREDICTIONS.observe(predicted, first.cached_tokens, chunk_size)
+            out.append(predicted)
+        return out
 
     # -- request checks ---------------------------------------------------------------------
     def _authorize(self, request: Request) -> Tenant:
@@ -1403,6 +1421,7 @@ class OpenAIIngress:
         tenants = not self.config.tenants or self._metrics_key is not None
         return {
             "http": cluster_metrics.HTTP.snapshot(),
+            "predictions": cluster_metrics.PREDICTIONS.snapshot(),
             **({"tenants": self.tenants.counts.snapshot()} if tenants else {}),
         }
 

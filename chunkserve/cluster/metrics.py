@@ -28,6 +28,10 @@ is the application's p99. The names, and vLLM's for the same thing (vLLM's /metr
     chunkserve_http_errors_total                (none: the OpenAI error code of each error response)
     chunkserve_stream_errors_total              (none: error chunks sent in a stream that had begun)
     chunkserve_metrics_replicas                 (none: replicas this scrape reached, or did not)
+    chunkserve_router_predictions_total         (none: per ingress replica, requests whose cached prompt
+    chunkserve_router_predicted_cached_tokens_total tokens the prefix router predicted, by agreement with
+    chunkserve_router_reported_cached_tokens_total  the replica's count; both token sums over them; the
+    chunkserve_router_prediction_error_tokens        error |predicted − reported| per request, in tokens)
     chunkserve_tenant_requests_total            (none: per tenant, the ingress's answered completions;
     chunkserve_tenant_prompt_tokens_total        prompt, cached prompt and generated tokens; its hit
     chunkserve_tenant_cached_prompt_tokens_total rate: rate(cached) / rate(prompt); requests refused
@@ -92,6 +96,64 @@ class HttpCounts:
 
 
 HTTP = HttpCounts()
+
+# the prediction error histogram's bounds, in chunks (its `le` values are these × the chunk size)
+ERROR_BOUNDS_CHUNKS = (0, 1, 2, 4, 8, 16, 32)
+AGREEMENTS = ("exact", "within_chunk", "over", "under")
+
+
+class PredictionCounts:
+    """Per request this ingress replica sent, the prompt tokens its prefix router predicted as
+    cached on the chosen replica (chunkserve/router/direct.py `take_prediction`) against those the
+    replica reported (`GenerateOutput.cached_tokens`), counted in this process as HTTP is: the
+    requests by agreement (exact; within one chunk; over or under: the prediction more or fewer
+    than a chunk off), both token sums, and |predicted − reported| as a histogram in tokens."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.agreement: collections.Counter[str] = collections.Counter()
+        self.predicted = self.reported = 0
+        self.chunk_size = 0  # (the first observation's: one application has one)
+        self.errors = [0] * (len(ERROR_BOUNDS_CHUNKS) + 1)  # per bucket, +Inf last
+        self.error_sum = 0
+
+    def observe(self, predicted: int, reported: int, chunk_size: int) -> None:
+        error = abs(predicted - reported)
+        kind = (
+            "exact"
+            if error == 0
+            else "within_chunk"
+            if error <= chunk_size
+            else "over"
+            if predicted > reported
+            else "under"
+        )
+        bucket = next(
+            (i for i, b in enumerate(ERROR_BOUNDS_CHUNKS) if error <= b * chunk_size), len(ERROR_BOUNDS_CHUNKS)
+        )
+        with self._lock:
+            self.chunk_size = self.chunk_size or chunk_size
+            self.agreement[kind] += 1
+            self.predicted += predicted
+            self.reported += reported
+            self.errors[bucket] += 1
+            self.error_sum += error
+
+    def snapshot(self) -> dict:
+        with self._lock:
+            return {
+                "agreement": [[k, n] for k, n in self.agreement.items()],
+                "predicted": self.predicted,
+                "reported": self.reported,
+                "error": {
+                    "bounds": [b * self.chunk_size for b in ERROR_BOUNDS_CHUNKS],
+                    "counts": list(self.errors),
+                    "sum": self.error_sum,
+                },
+            }
+
+
+PREDICTIONS = PredictionCounts()
 
 
 class CountResponses:
@@ -269,11 +331,7 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         h = HistogramMetricFamily(name, doc, labels=labels)
         for rid, m in models.items():
             hist = m["histograms"][name]
-            cumulative, buckets = 0, []
-            for bound, n in zip([*map(_bound, hist["bounds"]), "+Inf"], hist["counts"]):
-                cumulative += n
-                buckets.append((bound, cumulative))
-            h.add_metric([model_name, rid], buckets, hist["sum"])
+            h.add_metric([model_name, rid], _buckets(hist), hist["sum"])
         yield h
     responses = CounterMetricFamily(
         "chunkserve_http_responses",
@@ -298,6 +356,7 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
         for code, n in http["stream_errors"]:
             stream.add_metric([rid, code], n)
     yield from (responses, errors, stream)
+    yield from _prediction_families(replicas)
     yield from _tenant_families(replicas)
     reached = GaugeMetricFamily(
         "chunkserve_metrics_replicas",
@@ -339,6 +398,49 @@ def _tenant_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metric]:
             rejected.add_metric([rid, tenant, code], n)
     yield from families.values()
     yield rejected
+
+
+def _prediction_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metric]:
+    """The routers' predictions against the replicas' reports, per ingress replica (PredictionCounts)."""
+    counts = {rid: s["predictions"] for (_, rid), s in sorted(replicas.items()) if "predictions" in s}
+    agreement = CounterMetricFamily(
+        "chunkserve_router_predictions_total",
+        "Requests whose cached prompt tokens the prefix router predicted, by agreement with the replica's count: "
+        "exact, within_chunk (off by at most one chunk), over or under (more than a chunk more, or fewer).",
+        labels=["replica", "agreement"],
+    )
+    predicted = CounterMetricFamily(
+        "chunkserve_router_predicted_cached_tokens",
+        "Prompt tokens the prefix router counted as cached on the replica it chose, over those requests.",
+        labels=["replica"],
+    )
+    reported = CounterMetricFamily(
+        "chunkserve_router_reported_cached_tokens",
+        "Prompt tokens the chosen replicas reported as cached (usage's cached_tokens), over the same requests.",
+        labels=["replica"],
+    )
+    error = HistogramMetricFamily(
+        "chunkserve_router_prediction_error_tokens",
+        "Per request, |predicted − reported| cached prompt tokens (bounds: multiples of the chunk size).",
+        labels=["replica"],
+    )
+    for rid, p in counts.items():
+        by = dict(p["agreement"])
+        for kind in AGREEMENTS:
+            agreement.add_metric([rid, kind], by.get(kind, 0))
+        predicted.add_metric([rid], p["predicted"])
+        reported.add_metric([rid], p["reported"])
+        error.add_metric([rid], _buckets(p["error"]), p["error"]["sum"])
+    yield from (agreement, predicted, reported, error)
+
+
+def _buckets(hist: dict) -> list[tuple[str, float]]:
+    """A snapshot's histogram ({bounds, counts per bucket with +Inf last, sum}) as cumulative buckets."""
+    cumulative, buckets = 0, []
+    for bound, n in zip([*map(_bound, hist["bounds"]), "+Inf"], hist["counts"]):
+        cumulative += n
+        buckets.append((bound, cumulative))
+    return buckets
 
 
 def _bound(b: float) -> str:

@@ -1,15 +1,24 @@
-"""This process's prefix routers, for the ingress's direct streams (chunkserve/replicas/direct_stream.py).
+"""This process's prefix routers, for the ingress's direct streams (chunkserve/replicas/direct_stream.py),
+and what they predicted for each request.
 
 Serve builds each handle's request router (chunkserve/router/serve_router.py, a module it pickles by value,
 so its globals are a copy) and runs it on an event loop of its own; the router registers itself
 here, by (application, deployment), with that loop, and the ingress asks it for a replica through
 `route_direct`, on the router's loop.
+
+Predictions: when a router routes a request (Serve's `on_request_routed`, or `route_direct`) it
+records here, by the request's id, the prompt tokens it counted as cached on the replica it went
+to (`policy.Ticket.matched`); the ingress takes the record once the request's first output has
+come, which is after the routing: Serve calls on_request_routed before it hands the call's result
+back, and route_direct returns after it. A retry routes again, and its record replaces the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -64,3 +73,25 @@ async def route_direct(app_name: str, deployment_name: str, request: Any) -> Dir
 def _release_chosen(chosen: Any) -> None:
     if not chosen.cancelled() and chosen.exception() is None and chosen.result() is not None:
         chosen.result().release()
+
+
+# request id -> predicted cached prompt tokens; records the ingress never takes (a request that
+# failed first) go oldest first beyond PREDICTIONS_KEPT
+PREDICTIONS_KEPT = 1 << 16
+_predictions: OrderedDict[str, int] = OrderedDict()
+_predictions_lock = threading.Lock()  # (routers write on their loops' threads, the ingress reads on its own)
+
+
+def predict(request_id: str, cached_tokens: int) -> None:
+    """A router routed `request_id` counting `cached_tokens` of its prompt as cached there."""
+    with _predictions_lock:
+        _predictions[request_id] = cached_tokens
+        _predictions.move_to_end(request_id)
+        if len(_predictions) > PREDICTIONS_KEPT:
+            _predictions.popitem(last=False)
+
+
+def take_prediction(request_id: str) -> int | None:
+    """The prediction recorded for `request_id` (then forgotten); None when no prefix router routed it."""
+    with _predictions_lock:
+        return _predictions.pop(request_id, None)

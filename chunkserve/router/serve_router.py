@@ -35,6 +35,8 @@ callbacks:
                       index (PrefixIndex.apply_events). Before a replica's events arrive the
                       policy relies on its own recent decisions (chunkserve/router/index.py).
 
+                      Each routed request's prediction (the prompt tokens the policy counted as
+                      cached on its replica) is left for the ingress in chunkserve/router/direct.py.
 route_direct        the ingress's direct stream (chunkserve/replicas/direct_stream.py): the same choice made
                       for a request that will not go through Serve (the first rank only, if its
                       routing stats publish a `stream_address`; else None and the request takes
@@ -261,6 +263,7 @@ class PrefixAffinityRouter(RequestRouter):
             uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now, req.session
         )
         self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
+        direct.predict(req.request_id, ticket.matched)  # (the ingress compares it with the replica's count)
         return ticket
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
