@@ -476,13 +476,51 @@ def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
 
 
 # -- tenants: keys, salts, 429s, the per-tenant report ------------------------------------
-def _ingress_text(counts) -> str:
-    """/metrics text as chunkserve's ingress writes it, for ingress replicas' TenantCounts."""
+def _ingress_text(counts, predictions=None) -> str:
+    """/metrics text as chunkserve's ingress writes it, for ingress replicas' TenantCounts (and
+    PredictionCounts: {replica: counts})."""
     from chunkserve.cluster.metrics import exposition
 
-    return exposition(
-        "m", {("OpenAIIngress", rid): {"tenants": c.snapshot()} for rid, c in counts.items()}, {}
-    ).decode()
+    stats: dict = {("OpenAIIngress", rid): {"tenants": c.snapshot()} for rid, c in counts.items()}
+    for rid, p in (predictions or {}).items():
+        stats.setdefault(("OpenAIIngress", rid), {})["predictions"] = p.snapshot()
+    return exposition("m", stats, {}).decode()
+
+
+def test_router_prediction_deltas_from_the_servers_metrics_text():
+    from chunkserve.cluster.loadtest.metrics import AGREEMENTS, router_counters, router_deltas
+    from chunkserve.cluster.metrics import AGREEMENTS as SERVERS
+    from chunkserve.cluster.metrics import PredictionCounts
+
+    assert AGREEMENTS == SERVERS  # (written again there: the tool runs without Serve)
+    a, b = PredictionCounts(), PredictionCounts()
+    a.observe(128, 128, 64)
+    b.observe(0, 0, 64)
+    before = router_counters(_ingress_text({}, {"r1": a, "r2": b}))
+    assert before is not None and before[("chunkserve_router_predictions_total", "exact", "r1")] == 1
+    # the run: r1 predicts one exactly, one a chunk over, one far under; r2 restarted (its
+    # counters begin again) and predicts one far over
+    a.observe(192, 192, 64)
+    a.observe(192, 128, 64)
+    a.observe(0, 512, 64)
+    b2 = PredictionCounts()
+    b2.observe(512, 0, 64)
+    after = router_counters(_ingress_text({}, {"r1": a, "r2": b2}))
+    assert router_deltas(before, after) == {
+        "requests": 4,
+        "exact": 1,
+        "within_chunk": 1,
+        "over": 1,
+        "under": 1,
+        "agreement": 0.25,
+        "within_one_chunk": 0.5,
+        "predicted_cached_tokens": 192 + 192 + 512,
+        "reported_cached_tokens": 192 + 128 + 512,
+    }
+    assert router_deltas(after, after) == {}  # nothing predicted over the run
+    assert router_counters(_ingress_text({})) is not None  # (declared, before any prediction)
+    vllm = '# TYPE vllm:prompt_tokens_total counter\nvllm:prompt_tokens_total{model_name="m"} 5.0\n'
+    assert router_counters(vllm) is None and router_deltas(None, None) == {}
 
 
 def test_per_tenant_deltas_from_the_servers_metrics_text():
@@ -577,6 +615,7 @@ def test_the_per_tenant_report_from_recorded_requests():
     assert t1["median_ttft_ms"] == pytest.approx(500.0) and t1["median_tpot_ms"] == pytest.approx(100.0)
     assert report["server_tenants"] == {"t0": {"requests": 3}} and report["server_metrics_error"] is None
     assert summarize([ClientResult(records, 3.0, 0.1)])["server_tenants"] == {}
+    assert report["predictions"] == {} and report["server_router"] == {}  # (no prediction headers)
 
 
 def test_retry_after_in_seconds_or_as_a_date():
@@ -600,10 +639,12 @@ class _TenantServer:
     def __init__(self):
         import http.server
 
+        from chunkserve.cluster.metrics import PredictionCounts
         from chunkserve.cluster.tenants import TenantCounts
 
         self.seen: list[tuple[str | None, dict]] = []
         self.counts = TenantCounts()
+        self.predictions = PredictionCounts()
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -625,7 +666,8 @@ class _TenantServer:
                 if self.path == "/metrics":
                     if self.headers.get("authorization") != "Bearer metrics-key":
                         return self._send(401, b'{"error": {"message": "needs the metrics key"}}')
-                    return self._send(200, _ingress_text({"i0": owner.counts}).encode(), "text/plain")
+                    text = _ingress_text({"i0": owner.counts}, {"i0": owner.predictions})
+                    return self._send(200, text.encode(), "text/plain")
                 self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
 
             def do_POST(self):
@@ -641,7 +683,10 @@ class _TenantServer:
                 usage = {"prompt_tokens": 20, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
                 events = [chunk] * 3 + [json.dumps({"choices": [], "usage": usage}), "[DONE]"]
                 owner.counts.served(tenant, 20, 16, 3)
-                self._send(200, "".join(f"data: {e}\n\n" for e in events).encode(), "text/event-stream")
+                predicted = 16 if len(owner.seen) % 2 else 0  # every other one predicted exactly
+                owner.predictions.observe(predicted, 16, 16)
+                headers = [("x-chunkserve-predicted-cached-tokens", str(predicted))]
+                self._send(200, "".join(f"data: {e}\n\n" for e in events).encode(), "text/event-stream", headers)
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
@@ -711,6 +756,27 @@ def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections_read_back_fr
             "generated_tokens": 0,
             "rejected": {"rate_limit_exceeded": n1},
         },
+    }
+    # the router's predictions: per response (its header against its usage) and from /metrics
+    exact = sum(r["predicted_cached_tokens"] == 16 for r in records.values() if r["status"] == 200)
+    assert report["predictions"] == {
+        "requests": n0,
+        "exact": exact,
+        "exact_fraction": exact / n0,
+        "over": 0,
+        "under": n0 - exact,
+        "mean_abs_error_tokens": 16 * (n0 - exact) / n0,
+    }
+    assert report["server_router"] == {
+        "requests": n0,
+        "exact": exact,
+        "within_chunk": n0 - exact,
+        "over": 0,
+        "under": 0,
+        "agreement": exact / n0,
+        "within_one_chunk": 1.0,
+        "predicted_cached_tokens": 16 * exact,
+        "reported_cached_tokens": 16 * n0,
     }
 
 

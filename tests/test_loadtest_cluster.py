@@ -57,10 +57,11 @@ def app():
 
 
 def test_the_client_reads_the_ingress_replica_header():
-    from chunkserve.cluster.ingress import REPLICA_HEADER
+    from chunkserve.cluster.ingress import PREDICTED_HEADER, REPLICA_HEADER
     from chunkserve.cluster.loadtest import client
 
     assert client.REPLICA_HEADER == REPLICA_HEADER  # (written again there: the tool runs without Serve)
+    assert client.PREDICTED_HEADER == PREDICTED_HEADER
 
 
 def _settled_stats(handle, finished: int) -> dict:

@@ -16,7 +16,9 @@ tenant's label; `--tenant-keys FILE`: a JSON object label -> key) and its label 
 (`--cache-salt-per-tenant`); a 429 is recorded as a rate-limited rejection with its
 Retry-After. The report's `tenants` is the client's view per tenant, `server_tenants` the
 server's: its `chunkserve_tenant_*` counters on /metrics (`--metrics-key`) before and after the
-run, their growth summed over replicas ({} for a server without them).
+run, their growth summed over replicas ({} for a server without them). Likewise the router's
+predictions of cached tokens: `predictions` per response (its prediction header against its
+usage), `server_router` from the `chunkserve_router_*` counters.
 `--sweep` runs several rates, `--search-goodput` finds the highest rate meeting SLOs,
 `--save-result` keeps the reports with their per-request lists, `--plot` draws them.
 With `--address` the requests are shared among client actors on the cluster's nodes

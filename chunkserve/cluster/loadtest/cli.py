@@ -27,7 +27,15 @@ from chunkserve.cluster.loadtest.client import (
     run_client,
     scrape_metrics,
 )
-from chunkserve.cluster.loadtest.metrics import Slo, summarize, sweep_summary, tenant_counters, tenant_deltas
+from chunkserve.cluster.loadtest.metrics import (
+    Slo,
+    router_counters,
+    router_deltas,
+    summarize,
+    sweep_summary,
+    tenant_counters,
+    tenant_deltas,
+)
 from chunkserve.cluster.loadtest.render import ENDPOINTS, FORMATS, Renderer, Request, server_has_tokenizer
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -440,7 +448,7 @@ class Runner:
         else:
             results = [self._in_process(requests, offsets, bar.step)]
         bar.close()
-        server, error = asyncio.run(self._server_tenants(before, [r for res in results for r in res.records]))
+        server, router, error = asyncio.run(self._server_counts(before, [r for res in results for r in res.records]))
         return summarize(
             results,
             percentiles=args.percentiles,
@@ -449,6 +457,7 @@ class Runner:
             info=self._info(rate, len(results)),
             server_tenants=server,
             server_metrics_error=error,
+            server_router=router,
         )
 
     async def _scrape(self) -> tuple[str | None, str | None, float]:
@@ -457,21 +466,22 @@ class Runner:
             text, error = await scrape_metrics(client, self.prep_url, self.args.metrics_key)
         return text, error, time.monotonic()
 
-    async def _server_tenants(
+    async def _server_counts(
         self, before: tuple[str | None, str | None, float], records: list[Record]
-    ) -> tuple[dict, str | None]:
-        """The server's per-tenant counts over the run: its /metrics after less before. A server
-        counts a request when its response has ended, so the text is read again (past the
-        server's cache) until it has counted the requests it answered here (status 200 or 429),
-        for at most --metrics-settle seconds. -> (per tenant, why it is empty or short, if so);
-        ({}, None) for a server without per-tenant series (vLLM)."""
+    ) -> tuple[dict, dict, str | None]:
+        """The server's per-tenant counts and its router's predictions over the run: its /metrics
+        after less before. A server counts a request's tenant when its response has ended, so the
+        text is read again (past the server's cache) until it has counted the requests it
+        answered here (status 200 or 429), for at most --metrics-settle seconds; it counts a
+        prediction at the first output, so by then all of them. -> (per tenant, the router's, why
+        they are empty or short, if so); ({}, {}, None) for a server without those series (vLLM)."""
         text, error, at = before
         if text is None:
-            return {}, error
-        first = tenant_counters(text)
-        if first is None:
-            return {}, None
-        answered = sum(r.status in (200, 429) for r in records)
+            return {}, {}, error
+        first, first_router = tenant_counters(text), router_counters(text)
+        if first is None and first_router is None:
+            return {}, {}, None
+        answered = sum(r.status in (200, 429) for r in records) if first is not None else 0
         deadline = time.monotonic() + self.args.metrics_settle
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, connect=10.0)) as client:
             while True:
@@ -479,15 +489,20 @@ class Runner:
                 text, error = await scrape_metrics(client, self.prep_url, self.args.metrics_key)
                 at = time.monotonic()
                 if text is None:
-                    return {}, error
-                deltas = tenant_deltas(first, tenant_counters(text))
+                    return {}, {}, error
+                deltas = tenant_deltas(first, tenant_counters(text)) if first is not None else {}
+                router = router_deltas(first_router, router_counters(text))
                 counted = sum(t["requests"] + sum(t["rejected"].values()) for t in deltas.values())
                 if counted >= answered:
-                    return deltas, None
+                    return deltas, router, None
                 if at + METRICS_CACHE_S > deadline:
-                    return deltas, (
-                        f"after {self.args.metrics_settle:g} s the server's /metrics counted {counted} of the "
-                        f"{answered} requests it answered"
+                    return (
+                        deltas,
+                        router,
+                        (
+                            f"after {self.args.metrics_settle:g} s the server's /metrics counted {counted} of the "
+                            f"{answered} requests it answered"
+                        ),
                     )
 
     def _in_process(self, requests: list[Request], offsets: list[float], step: Callable) -> ClientResult:

@@ -34,7 +34,18 @@ from chunkserve.cluster.loadtest.render import Request
 
 # (chunkserve.cluster.ingress's, not imported: the tool runs without Serve)
 REPLICA_HEADER = "x-chunkserve-replica"
+PREDICTED_HEADER = "x-chunkserve-predicted-cached-tokens"  # (chunkserve.cluster.ingress.PREDICTED_HEADER)
 TIMING_HEADER = "server-timing"  # (chunkserve.cluster.ingress.TIMING_HEADER)
+
+
+def predicted_tokens(header: str | None) -> int | None:
+    """The prediction header's tokens (per choice, comma-separated: summed); None without one."""
+    if not header:
+        return None
+    try:
+        return sum(int(v) for v in header.split(","))
+    except ValueError:
+        return None
 
 
 def server_timing(header: str | None) -> dict[str, float] | None:
@@ -75,6 +86,7 @@ class Record:
     error_kind: str | None = None  # None: success; else the status code or connect / timeout / stream / ...
     error: str | None = None  # what went wrong (the error body's message, trimmed)
     replica: str | None = None
+    predicted_cached_tokens: int | None = None  # the server's router's prediction of cached_tokens (its header)
     server_timing: dict[str, float] | None = None  # the response's Server-Timing, seconds by metric
     dispatch_lag: float | None = None  # how late the client got to it past its scheduled time
     retry_after: float | None = None  # a 429's Retry-After, seconds (None: no 429, or no header)
@@ -177,6 +189,7 @@ async def send(
         ) as resp:
             rec.status = resp.status_code
             rec.replica = resp.headers.get(REPLICA_HEADER)
+            rec.predicted_cached_tokens = predicted_tokens(resp.headers.get(PREDICTED_HEADER))
             rec.server_timing = server_timing(resp.headers.get(TIMING_HEADER))
             if resp.status_code == 429:
                 rec.retry_after = retry_after_s(resp.headers.get("retry-after"))

@@ -15,6 +15,11 @@ completed, rate-limited 429s, TTFT and TPOT percentiles, hit rate from usage). `
 the server's, by its tenant name: the change of each `chunkserve_tenant_*` counter of its
 /metrics (chunkserve/cluster/metrics.py) over the run, summed over replicas (`tenant_counters`
 reads the text, `tenant_deltas` subtracts); {} for a server without those series (vLLM).
+
+The router's predictions, likewise two views. `predictions`: per request, its response's
+x-chunkserve-predicted-cached-tokens against its usage's cached tokens. `server_router`: the
+change of the server's `chunkserve_router_*` counters over the run (`router_counters`,
+`router_deltas`): requests by agreement (exact, within one chunk, over, under) and both token sums.
 """
 
 from __future__ import annotations
@@ -121,11 +126,13 @@ def summarize(
     detail: bool = False,
     server_tenants: dict | None = None,
     server_metrics_error: str | None = None,
+    server_router: dict | None = None,
 ) -> dict:
     """One run's report from every client's records. detail: also the raw per-request lists
     (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges.
     server_tenants: the server's per-tenant counts over the run (`tenant_deltas`); and why
-    they could not be read, if so."""
+    they could not be read, if so. server_router: its router's predictions over the run
+    (`router_deltas`)."""
     records = [r for res in results for r in res.records]
     duration = max((res.duration for res in results), default=0.0) or 1e-9
     ok = [r for r in records if r.ok]
@@ -162,6 +169,8 @@ def summarize(
         "tenants": _tenants(records),
         "server_tenants": server_tenants or {},
         "server_metrics_error": server_metrics_error,
+        "predictions": _predictions(ok),
+        "server_router": server_router or {},
         **_replicas(ok),
         "server_timing": _server_timing(ok),
         **_client_overhead(results),
@@ -279,6 +288,88 @@ def tenant_deltas(before: TenantCounters | None, after: TenantCounters | None) -
         row["rejected"] = {code: _num(n) for code, n in sorted(t.get("rejected", {}).items())}
         out[tenant] = row
     return out
+
+
+# -- the router's predictions -------------------------------------------------------------------
+def _predictions(ok: list[Record]) -> dict:
+    """Over the completed requests whose response carried the router's prediction: how many, and
+    how many predicted their cached tokens exactly, more or fewer, with the mean |error| in
+    tokens; {} when none did (a server without the header)."""
+    pairs = [(r.predicted_cached_tokens, r.cached_tokens or 0) for r in ok if r.predicted_cached_tokens is not None]
+    if not pairs:
+        return {}
+    exact = sum(p == c for p, c in pairs)
+    return {
+        "requests": len(pairs),
+        "exact": exact,
+        "exact_fraction": exact / len(pairs),
+        "over": sum(p > c for p, c in pairs),
+        "under": sum(p < c for p, c in pairs),
+        "mean_abs_error_tokens": sum(abs(p - c) for p, c in pairs) / len(pairs),
+    }
+
+
+_ROUTER_SAMPLES = {
+    "chunkserve_router_predictions_total": "requests",
+    "chunkserve_router_predicted_cached_tokens_total": "predicted_cached_tokens",
+    "chunkserve_router_reported_cached_tokens_total": "reported_cached_tokens",
+}
+_ROUTER_SAMPLE = re.compile(r"^(chunkserve_router_\w+_total)\{(.*)\}\s+(\S+)(?:\s+\S+)?$")
+AGREEMENTS = ("exact", "within_chunk", "over", "under")  # (chunkserve.cluster.metrics.AGREEMENTS)
+
+# (sample, agreement or None, replica) -> value
+RouterCounters = dict[tuple[str, str | None, str | None], float]
+
+
+def router_counters(text: str) -> RouterCounters | None:
+    """The chunkserve_router_* counter samples of Prometheus text; None when the text declares
+    none of them (a server without them)."""
+    declared, out = False, {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE chunkserve_router_"):
+            declared = True
+            continue
+        m = _ROUTER_SAMPLE.match(line)
+        if m is None or m.group(1) not in _ROUTER_SAMPLES:
+            continue
+        labels = dict(_LABEL.findall(m.group(2)))  # (ids and agreement names: nothing escaped)
+        try:
+            out[m.group(1), labels.get("agreement"), labels.get("replica")] = float(m.group(3))
+        except ValueError:
+            continue
+        declared = True
+    return out if declared else None
+
+
+def router_deltas(before: RouterCounters | None, after: RouterCounters | None) -> dict:
+    """What the router's prediction counters grew by between two scrapes, summed over ingress
+    replicas: requests, each agreement's count, `agreement` (the exact share) and
+    `within_one_chunk` (exact or within a chunk), predicted and reported cached tokens. A series
+    that went down is a replica restarted (a counter reset): its growth is its value after. {}
+    without counters, or when no prediction was counted."""
+    if after is None:
+        return {}
+    before = before or {}
+    grown: dict[str, float] = {}
+    for key, value in after.items():
+        sample, agreement, _ = key
+        prev = before.get(key, 0.0)
+        delta = value - prev if value >= prev else value
+        field = _ROUTER_SAMPLES[sample]
+        grown[field] = grown.get(field, 0) + delta
+        if agreement is not None:
+            grown[agreement] = grown.get(agreement, 0) + delta
+    n = grown.get("requests", 0)
+    if not n:
+        return {}
+    return {
+        "requests": _num(n),
+        **{a: _num(grown.get(a, 0)) for a in AGREEMENTS},
+        "agreement": grown.get("exact", 0) / n,
+        "within_one_chunk": (grown.get("exact", 0) + grown.get("within_chunk", 0)) / n,
+        "predicted_cached_tokens": _num(grown.get("predicted_cached_tokens", 0)),
+        "reported_cached_tokens": _num(grown.get("reported_cached_tokens", 0)),
+    }
 
 
 def _num(x: float) -> int | float:
