@@ -2,7 +2,8 @@
 
 App "direct" (one tiny replica, `router.direct_stream: true`) and app "serve" (the same without): once the replica's routing stats publish its address, the
 ingress's requests go on its own connection to the replica (the replica counts them), with the
-tokens, text and usage the Serve path gives, streamed or whole, n choices included; a replica
+tokens, text and usage the Serve path gives, streamed or whole, n choices included, and the
+router's prediction of the cached tokens; a replica
 holding max_ongoing_requests already passes the rest to Serve's queue; a client that goes away
 mid-stream aborts its sequence in the engine.
 """
@@ -18,6 +19,7 @@ import pytest
 from ray import serve
 
 from chunkserve.cluster.app import build_app
+from chunkserve.cluster.ingress import PREDICTED_HEADER
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
@@ -124,6 +126,21 @@ def test_direct_requests_answer_as_the_serve_path(apps):
     # every choice of every request above went direct (3 streamed + 6 requests of 1 or 2 choices)
     assert _direct(direct) - before == 3 + sum(1 + i % 2 for i in range(6))
     assert _direct(through_serve) == 0
+
+
+def test_a_direct_request_carries_its_routers_prediction(apps):
+    # route_direct records the prediction as Serve's on_request_routed does: the second of two
+    # equal prompts is predicted (the router's own record of the first) as the replica counts it
+    url, direct, _ = apps
+    _until_direct(url, direct)
+    before = _direct(direct)
+    answers = [httpx.post(f"{url}/d/v1/completions", json=_body(100), timeout=TIMEOUT) for _ in range(2)]
+    assert _direct(direct) - before == 2
+    for r in answers:
+        assert r.status_code == 200, r.text
+    predicted = [int(r.headers[PREDICTED_HEADER]) for r in answers]
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in answers]
+    assert predicted[1] == cached[1] > 0 and predicted[0] <= predicted[1]
 
 
 def test_a_full_replica_passes_requests_to_serve(apps):
