@@ -476,14 +476,14 @@ def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
 
 
 # -- tenants: keys, salts, 429s, the per-tenant report ------------------------------------
-def _ingress_text(counts, predictions=None) -> str:
+def _ingress_text(counts, predictions=None, chunk_size: int = 64) -> str:
     """/metrics text as chunkserve's ingress writes it, for ingress replicas' TenantCounts (and
-    PredictionCounts: {replica: counts})."""
+    PredictionCounts: {replica: counts}, observed with chunk_size)."""
     from chunkserve.cluster.metrics import exposition
 
     stats: dict = {("OpenAIIngress", rid): {"tenants": c.snapshot()} for rid, c in counts.items()}
     for rid, p in (predictions or {}).items():
-        stats.setdefault(("OpenAIIngress", rid), {})["predictions"] = p.snapshot()
+        stats.setdefault(("OpenAIIngress", rid), {})["predictions"] = p.snapshot(chunk_size)
     return exposition("m", stats, {}).decode()
 
 
@@ -666,7 +666,7 @@ class _TenantServer:
                 if self.path == "/metrics":
                     if self.headers.get("authorization") != "Bearer metrics-key":
                         return self._send(401, b'{"error": {"message": "needs the metrics key"}}')
-                    text = _ingress_text({"i0": owner.counts}, {"i0": owner.predictions})
+                    text = _ingress_text({"i0": owner.counts}, {"i0": owner.predictions}, chunk_size=16)
                     return self._send(200, text.encode(), "text/plain")
                 self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
 

@@ -121,6 +121,9 @@ async def _requests(url: str, n: int) -> list[tuple[dict, str | None]]:
 def test_metrics_aggregate_every_replica(app):
     url, handle = app
     _, before, _ = _scrape(url)
+    # the prediction error's bounds (multiples of the chunk size), each once, before any request too
+    les = [s.labels["le"] for s in before["chunkserve_router_prediction_error_tokens"].samples if "le" in s.labels]
+    assert les == ["0.0", "64.0", "128.0", "256.0", "512.0", "1024.0", "2048.0", "+Inf"]
     replicas = _llm_replica_ids()
     assert len(replicas) == 2
     assert set(_values(before, "chunkserve_kv_chunks_total")) == replicas  # both replicas, by their ids

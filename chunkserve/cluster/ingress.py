@@ -1421,7 +1421,7 @@ class OpenAIIngress:
         tenants = not self.config.tenants or self._metrics_key is not None
         return {
             "http": cluster_metrics.HTTP.snapshot(),
-            "predictions": cluster_metrics.PREDICTIONS.snapshot(),
+            "predictions": cluster_metrics.PREDICTIONS.snapshot(self.config.engine.chunk_size),
             **({"tenants": self.tenants.counts.snapshot()} if tenants else {}),
         }
 

@@ -113,7 +113,6 @@ class PredictionCounts:
         self._lock = threading.Lock()
         self.agreement: collections.Counter[str] = collections.Counter()
         self.predicted = self.reported = 0
-        self.chunk_size = 0  # (the first observation's: one application has one)
         self.errors = [0] * (len(ERROR_BOUNDS_CHUNKS) + 1)  # per bucket, +Inf last
         self.error_sum = 0
 
@@ -132,21 +131,21 @@ class PredictionCounts:
             (i for i, b in enumerate(ERROR_BOUNDS_CHUNKS) if error <= b * chunk_size), len(ERROR_BOUNDS_CHUNKS)
         )
         with self._lock:
-            self.chunk_size = self.chunk_size or chunk_size
             self.agreement[kind] += 1
             self.predicted += predicted
             self.reported += reported
             self.errors[bucket] += 1
             self.error_sum += error
 
-    def snapshot(self) -> dict:
+    def snapshot(self, chunk_size: int) -> dict:
+        """chunk_size: the application's, which every observation was made with."""
         with self._lock:
             return {
                 "agreement": [[k, n] for k, n in self.agreement.items()],
                 "predicted": self.predicted,
                 "reported": self.reported,
                 "error": {
-                    "bounds": [b * self.chunk_size for b in ERROR_BOUNDS_CHUNKS],
+                    "bounds": [b * chunk_size for b in ERROR_BOUNDS_CHUNKS],
                     "counts": list(self.errors),
                     "sum": self.error_sum,
                 },
