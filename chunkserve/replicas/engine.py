@@ -25,7 +25,7 @@ from chunkserve.kernels.block_union import BlockUnion
 from chunkserve.replicas.attention import Attention
 from chunkserve.replicas.distributed import agree_min
 from chunkserve.replicas.guided import Guides
-from chunkserve.replicas.kv_pool import KVPool
+from chunkserve.replicas.kv_pool import HostPool, KVPool
 from chunkserve.replicas.model import load_model
 from chunkserve.replicas.model.layers import kv_heads_of_rank
 from chunkserve.replicas.prefix_tree import PrefixTree
@@ -50,6 +50,11 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     kv_cache_tokens: int | None = None  # pool size; None: 32768 on CPU, a share of free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the pool may take (when sized automatically)
+    # The host tier (DESIGN §3): tokens of K/V kept in host memory (pinned on CUDA; on the CPU a
+    # second tensor) for chunks the pool evicts; a request matching them copies them back instead
+    # of recomputing them. 0: none (evicted chunks are dropped). Every tensor-parallel rank holds
+    # its own heads' share of each chunk.
+    host_cache_tokens: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context, capped by the pool
@@ -121,6 +126,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if isinstance(self.host_cache_tokens, bool) or not isinstance(self.host_cache_tokens, int):
+            raise ValueError(f"host_cache_tokens must be an integer, got {self.host_cache_tokens!r}")
+        if self.host_cache_tokens < 0:
+            raise ValueError(f"host_cache_tokens must be >= 0 (0: no host tier), got {self.host_cache_tokens}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.chunk_size:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}"
@@ -140,7 +149,7 @@ class RequestOutput(NamedTuple):
     finished: bool
     finish_reason: str | None  # "stop" | "length" | "abort"
     prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache (both tiers)
     output_tokens: int
     # per new token, if the request asked (SamplingParams.logprobs): (its logprob, the most
     # likely tokens' (id, logprob), most likely first)
@@ -148,6 +157,7 @@ class RequestOutput(NamedTuple):
     # the request's first output, if it asked (SamplingParams.prompt_logprobs): per prompt token,
     # the same (None for the first)
     prompt_logprobs: list | None = None
+    cached_tokens_host: int = 0  # of cached_tokens, those copied back from the host tier
 
 
 class LLMEngine:
@@ -192,9 +202,11 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's context "
                 f"({mc.max_position_embeddings} positions)"
             )
-        self.tree = PrefixTree(self.pool)
         # every count the engine and its parts keep (stats(), the benchmarks), one object they share
         self.counters = EngineStats()
+        host_chunks = -(-config.host_cache_tokens // c)
+        self.host = HostPool(self.pool, host_chunks, self.counters) if host_chunks else None
+        self.tree = PrefixTree(self.pool, self.host)
         self.scheduler = Scheduler(
             self.tree,
             max_num_seqs=config.max_num_seqs,
@@ -362,6 +374,7 @@ class LLMEngine:
         if seq.num_cached_prompt is not None:
             c.prompt_tokens += len(seq.prompt_ids)
             c.cached_prompt_tokens += seq.num_cached_prompt
+            c.cached_prompt_tokens_host += seq.num_cached_prompt_host
 
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
@@ -374,6 +387,8 @@ class LLMEngine:
         comes inside the launch: once this step's forward is queued, before its grammar masks
         are made, which need the tokens collected."""
         batch = self.scheduler.schedule()
+        if self.host is not None:  # the host tier's copies this schedule decided, before any kernel
+            self.host.flush()
         outputs: list[RequestOutput] = []
         collect = functools.partial(self._collect_inflight, outputs)
         launched = None
@@ -458,6 +473,7 @@ class LLMEngine:
             n,
             None if logprobs is None else [logprobs],
             seq.prompt_logprobs if n == 1 else None,
+            seq.num_cached_prompt_host,
         )
 
     def generate(
@@ -492,6 +508,8 @@ class LLMEngine:
         """The pool's use and the queues now, and the engine's counts (chunkserve.replicas.stats): requests,
         tokens, steps; with sparse_prefill, the pages its pieces read and would have read dense.
         The replica sends it every step."""
+        if self.host is not None:
+            self.host.settle()  # (the copy time of those finished: CUDA times them as they run)
         free, cached, c = self.pool.num_free, self.tree.num_cached, self.counters
         stats = {
             "kv_chunks_total": self.pool.num_chunks,
@@ -503,6 +521,7 @@ class LLMEngine:
             "preemptions": c.preemptions,
             "prompt_tokens": c.prompt_tokens,
             "cached_prompt_tokens": c.cached_prompt_tokens,
+            "cached_prompt_tokens_host": c.cached_prompt_tokens_host,
             "computed_prompt_tokens": c.computed_prompt_tokens,
             "generated_tokens": c.generated_tokens,
             "finished_requests": c.finished_requests,
@@ -511,6 +530,13 @@ class LLMEngine:
             "max_decode_batch": c.max_decode_batch,
             "last_decode_batch": c.last_decode_batch,
             "max_kv_chunks_used": c.max_kv_chunks_used,
+            # the host tier (zeros without one): its chunks, and the copies each way
+            "host_chunks_total": 0 if self.host is None else self.host.num_chunks,
+            "host_chunks_used": self.tree.num_host,
+            "host_spills": c.host_spills,
+            "host_loads": c.host_loads,
+            "host_copy_bytes": c.host_copy_bytes,
+            "host_copy_ms": int(c.host_copy_s * 1000),
         }
         if self.attention.sparse is not None:
             stats["sparse_pages_read"] = c.sparse_pages_read

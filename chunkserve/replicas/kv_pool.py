@@ -4,11 +4,19 @@ One chunk id addresses `chunk_size` token slots in every layer. Per layer, K and
 `[num_chunks + 1, kv_heads, c, head_dim]` ("HND" inside a chunk; the last chunk the scratch one),
 views of one allocation so that K and V share strides: `k.view(-1, 1, c, head_dim)` is a page
 table of (chunk, head) pages for kernels that want a different page list per KV head.
+
+`HostPool` is the host tier below it: chunks the GPU pool evicted, kept in (pinned) host memory
+until a request that matches them copies them back.
 """
 
 from __future__ import annotations
 
+import collections
+import time
+
 import torch
+
+from chunkserve.replicas.stats import EngineStats
 
 
 class KVPool:
@@ -93,3 +101,120 @@ class KVPool:
         elem = torch.empty((), dtype=dtype).element_size()
         bounds = num_layers * num_kv_heads * 2 * head_dim * elem if key_bounds else 0
         return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + bounds
+
+
+class HostPool:
+    """The host tier (DESIGN §3): chunks of K/V in host memory, the GPU pool's evicted leaves.
+
+    `kv` is `[Nh, L, 2, Hkv, c, D]`, chunk-major so one chunk (every layer's K and V) is one
+    contiguous block and its copy one transfer; pinned (page-locked) where the GPU pool is on
+    CUDA, so copies run asynchronously; a second CPU tensor on CPU engines (tests). With sparse
+    prefill `key_bounds` `[Nh, L, Hkv, 2D]` travels with each chunk.
+
+    The prefix tree decides, the pool copies: `spill` and `load` queue a copy in decision order
+    (a chunk id freed by a spill may be loaded into, or a host chunk freed by a load spilled into,
+    later in the same step), and `flush`, which the engine calls once a step after scheduling and
+    before launching, issues them in that order. On CUDA they run on a side stream that first
+    waits for everything queued on the compute stream (the spilled chunks' last writes and reads)
+    and the compute stream then waits for the copies before the step's forward: no kernel reads a
+    loaded chunk, or writes a spilled one's reused id, before its copy is done. On the CPU they
+    run at once, in order.
+    """
+
+    def __init__(self, gpu: KVPool, num_chunks: int, counters: EngineStats | None = None):
+        if num_chunks < 1:
+            raise ValueError(f"host pool needs at least one chunk, got {num_chunks}")
+        self.gpu, self.num_chunks = gpu, num_chunks
+        self.counters = EngineStats() if counters is None else counters
+        num_layers, _, _, heads, c, dim = gpu.kv.shape
+        pinned = gpu.kv.is_cuda
+        self.kv = torch.zeros(num_chunks, num_layers, 2, heads, c, dim, dtype=gpu.kv.dtype, pin_memory=pinned)
+        self.key_bounds = (
+            None
+            if gpu.key_bounds is None
+            else torch.zeros(num_chunks, num_layers, heads, 2 * dim, dtype=gpu.kv.dtype, pin_memory=pinned)
+        )
+        self.chunk_bytes = self.kv[0].nbytes + (0 if self.key_bounds is None else self.key_bounds[0].nbytes)
+        self._free = list(range(num_chunks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_chunks
+        # (to_host, GPU chunk id, host chunk id), in the order the tree decided them
+        self.pending: list[tuple[bool, int, int]] = []
+        self.stream = torch.cuda.Stream(gpu.kv.device) if pinned else None
+        # CUDA: (start, end) events of flushes whose copy time is not read yet (settle)
+        self._timed: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+
+    # -- allocation (as KVPool's) -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError("host pool exhausted: caller must evict first")
+        hid = self._free.pop()
+        self._is_free[hid] = 0
+        return hid
+
+    def free(self, host_id: int) -> None:
+        if self._is_free[host_id]:
+            raise RuntimeError(f"double free of host chunk {host_id}")
+        self._is_free[host_id] = 1
+        self._free.append(host_id)
+
+    def is_free(self, host_id: int) -> bool:
+        return bool(self._is_free[host_id])
+
+    # -- copies ---------------------------------------------------------------------------------
+    def spill(self, chunk_id: int, host_id: int) -> None:
+        """Queue GPU chunk `chunk_id` -> host chunk `host_id` (the caller may free chunk_id now)."""
+        self.pending.append((True, chunk_id, host_id))
+
+    def load(self, host_id: int, chunk_id: int) -> None:
+        """Queue host chunk `host_id` -> GPU chunk `chunk_id` (the caller may free host_id now)."""
+        self.pending.append((False, chunk_id, host_id))
+
+    def flush(self) -> None:
+        """Issue the queued copies in order (see the class); counts them."""
+        if not self.pending:
+            return
+        ops, self.pending = self.pending, []
+        c = self.counters
+        spills = sum(to_host for to_host, _, _ in ops)
+        c.host_spills += spills
+        c.host_loads += len(ops) - spills
+        c.host_copy_bytes += len(ops) * self.chunk_bytes
+        if self.stream is None:
+            t = time.perf_counter()
+            self._copy(ops, non_blocking=False)
+            c.host_copy_s += time.perf_counter() - t
+            return
+        compute = torch.cuda.current_stream(self.gpu.kv.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            self.stream.wait_stream(compute)  # the spilled chunks' writes (and reads) done first
+            start.record(self.stream)
+            self._copy(ops, non_blocking=True)
+            end.record(self.stream)
+        compute.wait_event(end)  # the step's kernels (reusing ids, reading loads) after the copies
+        self._timed.append((start, end))
+        self.settle()
+
+    def _copy(self, ops: list[tuple[bool, int, int]], non_blocking: bool) -> None:
+        # one chunk of every layer: [L, 2, Hkv, c, D] strided in the GPU pool, one block here
+        # (torch makes the strided side contiguous on the device, on this stream, then one transfer)
+        kv, bounds = self.gpu.kv, self.gpu.key_bounds
+        for to_host, cid, hid in ops:
+            if to_host:
+                self.kv[hid].copy_(kv[:, :, cid], non_blocking=non_blocking)
+                if bounds is not None:
+                    self.key_bounds[hid].copy_(bounds[:, cid], non_blocking=non_blocking)
+            else:
+                kv[:, :, cid].copy_(self.kv[hid], non_blocking=non_blocking)
+                if bounds is not None:
+                    bounds[:, cid].copy_(self.key_bounds[hid], non_blocking=non_blocking)
+
+    def settle(self) -> None:
+        """CUDA: add the copy time of the flushes that have finished to the counters (never waits)."""
+        while self._timed and self._timed[0][1].query():
+            start, end = self._timed.popleft()
+            self.counters.host_copy_s += start.elapsed_time(end) / 1000

@@ -5,6 +5,14 @@ prefixes, so a prefix shared by many sequences is stored once. Only full, comput
 the tree; a sequence's partial tail stays private to it (`Sequence.private`). Nodes whose
 refcount drops to 0 stay as an LRU cache and are evicted leaf-first under pressure.
 
+With a host tier (`HostPool`) a node lives in one of two tiers (`Node.tier`): GPU, its chunk id
+the GPU pool's, or HOST, its chunk id the host pool's. The GPU pool's eviction then spills its
+least recently used ref-0 node with no GPU child to the host pool: the node stays in the tree,
+still matched, and a request that matches it copies it back (`load`) instead of recomputing it.
+The host pool evicts its own least recently used leaf, which is the real removal (`_remove`).
+On every path the GPU nodes come first, the host nodes after: a host node has no live sequence
+and only host children.
+
 Each cache salt (`Sequence.tenancy.cache_salt`: a tenant's namespace, or a request's
 `cache_salt`) roots a tree of its own, so sequences of different salts never share a node, never
 match each other's chunks and never count them as cached; the unsalted root (`root`) is today's
@@ -17,14 +25,16 @@ import heapq
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 
-from chunkserve.replicas.kv_pool import KVPool
+from chunkserve.replicas.kv_pool import HostPool, KVPool
 from chunkserve.replicas.sequence import Sequence
 from chunkserve.replicas.tree_events import RouteEvents
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
+GPU, HOST = 0, 1  # Node.tier: where its chunk id points (the GPU pool, the host pool)
+
 
 class Node:
-    __slots__ = ("id", "tokens", "chunk_id", "parent", "children", "ref", "last_use", "hash")
+    __slots__ = ("id", "tokens", "chunk_id", "parent", "children", "ref", "last_use", "hash", "tier", "gpu_children")
 
     def __init__(self, id: int, tokens: tuple[int, ...], chunk_id: int, parent: Node | None):
         self.id = id  # creation order: sorting paths of ids gives a DFS order
@@ -37,22 +47,29 @@ class Node:
         # chained chunk hash (chunkserve.router.hashing): made at insertion when routing events are
         # recorded (to route_chunks deep), else lazily for digests
         self.hash: int | None = None
+        self.tier = GPU  # GPU or HOST: which pool chunk_id is of (a digest may carry it)
+        self.gpu_children = 0  # children in the GPU tier (a ref-0 GPU node without any may spill)
 
     def __repr__(self):
-        return f"Node(id={self.id}, chunk={self.chunk_id}, ref={self.ref}, children={len(self.children)})"
+        tier = "host" if self.tier == HOST else "gpu"
+        return f"Node(id={self.id}, {tier} chunk={self.chunk_id}, ref={self.ref}, children={len(self.children)})"
 
 
 class PrefixTree:
-    def __init__(self, pool: KVPool):
-        self.pool = pool
+    def __init__(self, pool: KVPool, host: HostPool | None = None):
+        """host: the host tier, where the GPU pool's evicted chunks go; None: evicted chunks go."""
+        self.pool, self.host = pool, host
         self.c = pool.chunk_size
         self.root = Node(0, (), -1, None)  # the unsalted tree's (chunk id -1: a root holds no chunk)
         self.roots: dict[str | None, Node] = {None: self.root}  # per cache salt
         self._salt_of: dict[int, str | None] = {0: None}  # a root's node id -> its salt
         self._next_id = 1
-        self.num_cached = 0  # nodes with ref 0 (evictable, possibly after their children)
-        # lazy min-heap of (last_use, id, node) over ref-0 leaves; stale entries skipped on pop
+        self.num_cached = 0  # GPU nodes with ref 0 (evictable, possibly after their children)
+        self.num_host = 0  # nodes in the host tier (all ref 0)
+        # lazy min-heap of (last_use, id, node) over ref-0 GPU nodes without GPU children (leaves
+        # but for host children); stale entries skipped on pop
         self._evictable: list[tuple[int, int, Node]] = []
+        self._host_evictable: list[tuple[int, int, Node]] = []  # the same over host leaves
         self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
         self.events: RouteEvents | None = None  # routing events (DESIGN §6): told of each store and eviction
 
@@ -68,7 +85,7 @@ class PrefixTree:
 
     def match(self, token_ids: Seq[int], max_tokens: int, salt: str | None = None) -> list[Node]:
         """The longest cached path of full chunks covering at most `max_tokens` of `token_ids`,
-        in `salt`'s tree."""
+        in `salt`'s tree: its GPU nodes, then any host nodes (`load` brings them back)."""
         node, c = self.roots.get(salt), self.c
         path: list[Node] = []
         if node is None:
@@ -82,12 +99,13 @@ class PrefixTree:
 
     @property
     def num_available(self) -> int:
-        """Chunks a caller can obtain: free ones plus every cached (ref-0) node."""
+        """GPU chunks a caller can obtain: free ones plus every cached (ref-0) GPU node."""
         return self.pool.num_free + self.num_cached
 
     # -- refcounts ------------------------------------------------------------------------
     def acquire(self, path: Iterable[Node], now: int) -> None:
         for n in path:
+            assert n.tier == GPU, f"{n} is in the host tier: load it"
             if n.ref == 0:
                 self.num_cached -= 1
             n.ref += 1
@@ -99,8 +117,37 @@ class PrefixTree:
             n.last_use = now
             if n.ref == 0:
                 self.num_cached += 1
-                if not n.children:
+                if not n.gpu_children:
                     self._push_evictable(n)
+
+    def load(self, nodes: Seq[Node], now: int) -> int:
+        """Bring host nodes back into GPU chunks for one sequence (which then holds a ref on
+        each): `nodes` a run of a matched path below its GPU nodes (acquired already), top-down.
+        Each takes a GPU chunk (`alloc`: its eviction may spill other nodes, whose host chunks
+        may evict host leaves) and queues its copy (`HostPool.load`). Returns how many came back:
+        a prefix of `nodes`, short where no GPU chunk was left or the host tier evicted a node
+        meanwhile (the run is made the host's most recent first, so that takes a host tier
+        holding little else)."""
+        assert self.host is not None
+        for n in nodes:
+            n.last_use = now
+            if not n.children:
+                self._push_host_evictable(n)
+        loaded = 0
+        for n in nodes:
+            cid = self.alloc()
+            if cid is not None and n.parent is None:  # evicted from the host tier by that alloc
+                self.pool.free(cid)
+                cid = None
+            if cid is None:
+                break
+            self.host.load(n.chunk_id, cid)
+            self.host.free(n.chunk_id)
+            self.num_host -= 1
+            n.tier, n.chunk_id, n.ref, n.last_use = GPU, cid, 1, now
+            n.parent.gpu_children += 1
+            loaded += 1
+        return loaded
 
     # -- growth -----------------------------------------------------------------------------
     def insert(self, parent: Node, tokens: tuple[int, ...], chunk_id: int, now: int) -> Node:
@@ -111,6 +158,12 @@ class PrefixTree:
         """
         assert len(tokens) == self.c and (parent.chunk_id < 0 or parent.ref > 0)
         existing = parent.children.get(tokens)
+        if existing is not None and existing.tier == HOST:  # ours is on the GPU already: its copy goes
+            self.host.free(existing.chunk_id)
+            self.num_host -= 1
+            existing.tier, existing.chunk_id, existing.ref, existing.last_use = GPU, chunk_id, 1, now
+            parent.gpu_children += 1
+            return existing
         if existing is not None:
             self.pool.free(chunk_id)
             self.acquire((existing,), now)
@@ -119,12 +172,14 @@ class PrefixTree:
         self._next_id += 1
         node.ref, node.last_use = 1, now
         parent.children[tokens] = node
+        parent.gpu_children += 1
         if self.events is not None:  # routing events: the one insertion point
             self.events.stored(node, parent)
         return node
 
     def alloc(self) -> int | None:
-        """A free chunk id, evicting the least recently used cached leaf if need be."""
+        """A free GPU chunk id, evicting (spilling, with a host tier) the least recently used
+        cached GPU leaf if need be."""
         if self.pool.num_free == 0 and not self._evict_one():
             return None
         return self.pool.alloc()
@@ -136,34 +191,99 @@ class PrefixTree:
             self._evictable = [e for e in self._evictable if self._is_evictable(*e)]
             heapq.heapify(self._evictable)
 
+    def _push_host_evictable(self, node: Node) -> None:
+        heapq.heappush(self._host_evictable, (node.last_use, node.id, node))
+        if len(self._host_evictable) > 4 * self.num_host + 64:
+            self._host_evictable = [e for e in self._host_evictable if self._is_host_evictable(*e)]
+            heapq.heapify(self._host_evictable)
+
     @staticmethod
     def _is_evictable(last_use: int, _id: int, node: Node) -> bool:
-        return node.parent is not None and node.ref == 0 and not node.children and node.last_use == last_use
+        return (
+            node.parent is not None
+            and node.tier == GPU
+            and node.ref == 0
+            and not node.gpu_children
+            and node.last_use == last_use
+        )
 
-    def _evict_one(self) -> bool:
+    @staticmethod
+    def _is_host_evictable(last_use: int, _id: int, node: Node) -> bool:
+        return node.parent is not None and node.tier == HOST and not node.children and node.last_use == last_use
+
+    def _evict_one(self, spill: bool = True) -> bool:
+        """Free one GPU chunk: the least recently used evictable GPU node's, spilled to the host
+        tier where there is one (and `spill`), else removed (it has no children then)."""
         while self._evictable:
             entry = heapq.heappop(self._evictable)
             if not self._is_evictable(*entry):
                 continue
             node = entry[2]
-            parent = node.parent
-            del parent.children[node.tokens]
-            node.parent = None
-            self.pool.free(node.chunk_id)
-            self.num_cached -= 1
-            if self.events is not None:  # routing events: the one eviction point
-                self.events.evicted(node)
-            if parent.chunk_id >= 0 and parent.ref == 0 and not parent.children:
-                self._push_evictable(parent)
-            elif parent.chunk_id < 0 and parent is not self.root and not parent.children:
-                del self.roots[self._salt_of.pop(parent.id)]  # a salt's last chunk: its root goes too
+            if spill and self.host is not None:
+                self._spill(node)  # (still in the tree, matched: no routing event)
+            else:
+                self._remove(node)
             return True
         return False
 
+    def _evict_host_one(self) -> bool:
+        """Free one host chunk: remove the host tier's least recently used leaf."""
+        while self._host_evictable:
+            entry = heapq.heappop(self._host_evictable)
+            if self._is_host_evictable(*entry):
+                self._remove(entry[2])
+                return True
+        return False
+
+    def _spill(self, node: Node) -> None:
+        """A ref-0 GPU node with no GPU child into the host tier: its chunk copied (queued), its
+        GPU chunk freed; the node stays, matched as before."""
+        assert self.host is not None
+        if self.host.num_free == 0:
+            assert self._evict_host_one(), "a full host tier has a leaf"
+        hid = self.host.alloc()
+        self.host.spill(node.chunk_id, hid)
+        self.pool.free(node.chunk_id)
+        node.tier, node.chunk_id = HOST, hid
+        self.num_cached -= 1
+        self.num_host += 1
+        if not node.children:
+            self._push_host_evictable(node)
+        parent = node.parent
+        parent.gpu_children -= 1
+        if parent.chunk_id >= 0 and parent.ref == 0 and not parent.gpu_children:
+            self._push_evictable(parent)
+
+    def _remove(self, node: Node) -> None:
+        """Take a childless ref-0 node out of the tree and free its chunk (in its tier): the one
+        place a chunk leaves the tree."""
+        parent = node.parent
+        del parent.children[node.tokens]
+        node.parent = None
+        if self.events is not None:  # routing events: the one eviction point
+            self.events.evicted(node)
+        if node.tier == HOST:
+            self.host.free(node.chunk_id)
+            self.num_host -= 1
+        else:
+            self.pool.free(node.chunk_id)
+            self.num_cached -= 1
+            parent.gpu_children -= 1
+        if parent.chunk_id < 0:
+            if parent is not self.root and not parent.children:
+                del self.roots[self._salt_of.pop(parent.id)]  # a salt's last chunk: its root goes too
+        elif parent.tier == HOST:
+            if not parent.children:
+                self._push_host_evictable(parent)
+        elif parent.ref == 0 and not parent.gpu_children:
+            self._push_evictable(parent)
+
     def evict_all(self) -> int:
-        """Drop every cached chunk; returns how many were freed."""
+        """Drop every cached chunk, of both tiers; returns how many were freed."""
         n = 0
-        while self._evict_one():
+        while self._evict_host_one():
+            n += 1
+        while self._evict_one(spill=False):  # (no host node is left: the GPU ones have no children)
             n += 1
         if self.events is not None:  # a pool reset: a new epoch of routing events
             self.events.restart()
@@ -218,19 +338,24 @@ class PrefixTree:
         """`decode_paths`: the node-id paths of the last decode batch's rows, as scheduled."""
         # raises AssertionError naming the broken invariant of DESIGN §3
         live = list(live)
-        owner: dict[int, object] = {}
+        owner: dict[int, object] = {}  # GPU chunk id -> its node or sequence
+        host_owner: dict[int, object] = {}  # host chunk id -> its node
+        host = self.host
 
-        def own(cid: int, who: object) -> None:
-            assert 0 <= cid < self.pool.num_chunks, f"chunk id {cid} out of range"
-            assert not self.pool.is_free(cid), f"chunk {cid} used by {who} but on the free list"
-            assert cid not in owner, f"chunk {cid} owned by both {owner[cid]} and {who}"
-            owner[cid] = who
+        def own(cid: int, who: object, tier: int = GPU) -> None:
+            pool, owners = (self.pool, owner) if tier == GPU else (host, host_owner)
+            assert pool is not None, f"{who} in the host tier, but there is none"
+            assert 0 <= cid < pool.num_chunks, f"chunk id {cid} out of range"
+            assert not pool.is_free(cid), f"chunk {cid} used by {who} but on the free list"
+            assert cid not in owners, f"chunk {cid} owned by both {owners[cid]} and {who}"
+            owners[cid] = who
 
         refs: dict[int, int] = {}
         for s in live:
             parent = self.roots.get(s.tenancy.cache_salt) if s.nodes else None
             for i, n in enumerate(s.nodes):
                 assert n.parent is parent, f"{s.request_id}: node {n.id} is not a child of its predecessor"
+                assert n.tier == GPU, f"{s.request_id}: node {n.id} is in the host tier"
                 assert n.tokens == tuple(s.token_ids[i * self.c : (i + 1) * self.c]), (
                     f"{s.request_id}: node {n.id} holds other tokens than the sequence"
                 )
@@ -243,14 +368,26 @@ class PrefixTree:
         for salt, root in self.roots.items():
             assert root.chunk_id < 0 and self._salt_of.get(root.id, 0) == salt, f"root of salt {salt!r} misfiled"
             assert root is self.root or root.children, f"salt {salt!r}: an empty root kept"
-        cached = 0
-        for n in self.nodes():
-            own(n.chunk_id, f"node {n.id}")
+        cached = on_host = 0
+        for n in list(self.roots.values()) + self.nodes():
+            on_gpu = sum(ch.tier == GPU for ch in n.children.values())
+            assert n.gpu_children == on_gpu, f"node {n.id}: gpu_children {n.gpu_children} but {on_gpu}"
+            if n.chunk_id < 0:  # a root
+                continue
+            own(n.chunk_id, f"node {n.id}", n.tier)
             assert len(n.tokens) == self.c and n.parent.children.get(n.tokens) is n, f"node {n.id} misfiled"
             assert n.ref == refs.get(n.id, 0), f"node {n.id}: ref {n.ref} but {refs.get(n.id, 0)} live sequences"
-            cached += n.ref == 0
-        assert cached == self.num_cached, f"num_cached {self.num_cached} but {cached} ref-0 nodes"
+            if n.tier == HOST:
+                assert n.ref == 0 and not on_gpu, f"node {n.id}: in the host tier with a sequence or a GPU child"
+                on_host += 1
+            cached += n.tier == GPU and n.ref == 0
+        assert cached == self.num_cached, f"num_cached {self.num_cached} but {cached} ref-0 GPU nodes"
+        assert on_host == self.num_host, f"num_host {self.num_host} but {on_host} host nodes"
         assert len(owner) + self.pool.num_free == self.pool.num_chunks, "chunks leaked: neither free nor owned"
+        if host is not None:
+            assert len(host_owner) + host.num_free == host.num_chunks, "host chunks leaked: neither free nor owned"
+            # every copy decided is issued before a kernel can run (LLMEngine.step flushes after scheduling)
+            assert not host.pending, f"{len(host.pending)} host copies decided but not issued"
         # decode batch in DFS order: each node's rows form one contiguous range
         rows: dict[int, list[int]] = {}
         for r, path in enumerate(decode_paths):

@@ -22,7 +22,7 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from chunkserve.replicas.prefix_tree import PrefixTree
+from chunkserve.replicas.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.sequence import Sequence, Status
 from chunkserve.replicas.stats import EngineStats
 
@@ -257,17 +257,27 @@ class Scheduler:
         Besides the piece, keep one chunk per running sequence in hand so that admitting a
         request does not immediately force a preemption when running decodes cross a chunk.
         """
+        loaded = 0
         if self.sharing and seq.params.prompt_logprobs is None:  # (prompt logprobs: every token computed)
             # the last token always runs: its logits give the first output token
             path = self.tree.match(seq.token_ids, seq.num_tokens - 1, seq.tenancy.cache_salt)
-            self.tree.acquire(path, self.now)
-            seq.nodes, seq.num_computed = path, len(path) * self.c
+            on_gpu = next((i for i, n in enumerate(path) if n.tier == HOST), len(path))
+            self.tree.acquire(path[:on_gpu], self.now)
+            if on_gpu < len(path):
+                # host nodes come back into GPU chunks (no token of the budget: their K/V is
+                # copied, not computed), as many as leave a chunk for the first piece beyond the
+                # one per running sequence kept in hand; the rest the piece recomputes
+                room = self.tree.num_available - len(self.running) - 1
+                loaded = self.tree.load(path[on_gpu : on_gpu + max(0, room)], self.now)
+            seq.nodes = path[: on_gpu + loaded]
+            seq.num_computed = len(seq.nodes) * self.c
         n = min(seq.num_pending, budget, self._coverable(seq, keep=len(self.running)))
         if n < 1:
             self._release(seq)
             return 0
         if seq.num_cached_prompt is None:
             seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+            seq.num_cached_prompt_host = min(loaded * self.c, seq.num_cached_prompt)
         self._grow(seq, n)
         return n
 

@@ -180,6 +180,7 @@ class Sequence:
     # its way into the tree, the table dropped): with the table's length, what decode plans key on
     table_version: int = 0
     num_cached_prompt: int | None = None  # prompt tokens served from the cache at first admission
+    num_cached_prompt_host: int = 0  # of them, copied back from the host tier (PrefixTree.load)
     # with params.prompt_logprobs: per prompt token, (its logprob, the most likely tokens' (id,
     # logprob)), None for the first and for those not computed yet
     prompt_logprobs: list | None = None

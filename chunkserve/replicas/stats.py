@@ -18,6 +18,7 @@ class EngineStats:
     # requests and tokens (LLMEngine)
     prompt_tokens: int = 0  # prompt tokens of finished requests that were admitted
     cached_prompt_tokens: int = 0  # of them, served from the prefix cache at first admission
+    cached_prompt_tokens_host: int = 0  # of those, copied back from the host tier (both tiers: the above)
     computed_prompt_tokens: int = 0  # prompt positions run through the model (recomputes too)
     generated_tokens: int = 0  # output tokens emitted (collected and settled)
     finished_requests: int = 0  # requests retired: stop, length or abort
@@ -29,6 +30,12 @@ class EngineStats:
     max_kv_chunks_used: int = 0  # most chunks held by live sequences after a step
     # scheduling (Scheduler)
     preemptions: int = 0  # running sequences preempted (recompute) for want of a chunk
+    # the host tier (HostPool): chunks copied each way, their bytes and the copies' time (CUDA:
+    # the side stream's, read once finished; CPU: the copies themselves)
+    host_spills: int = 0  # chunks copied GPU -> host (evicted from the GPU pool, kept in the tree)
+    host_loads: int = 0  # chunks copied host -> GPU (a request matched them)
+    host_copy_bytes: int = 0  # bytes those copies moved, both ways
+    host_copy_s: float = 0.0  # seconds they took
     # attention plans (Attention)
     plan_builds: int = 0  # decode plans built (not bumped): tests count them
     fallback_plans: int = 0  # of them, FlashInfer plans (nothing shared)

@@ -1,0 +1,321 @@
+"""The host tier (DESIGN §3): chunks the GPU pool evicts spill to a host pool (here a second CPU
+tensor), stay matched in the prefix tree, and come back on a hit instead of being recomputed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.kv_pool import HostPool, KVPool
+from chunkserve.replicas.prefix_tree import GPU, HOST, PrefixTree
+from chunkserve.replicas.sequence import Sequence, Tenancy
+
+C = 4
+
+
+def _tree(gpu_chunks: int, host_chunks: int) -> PrefixTree:
+    pool = KVPool(
+        num_layers=2, num_chunks=gpu_chunks, num_kv_heads=2, chunk_size=C, head_dim=3, dtype=torch.float32, device="cpu"
+    )
+    return PrefixTree(pool, HostPool(pool, host_chunks))
+
+
+def _fill(tree: PrefixTree, seq: Sequence, now: int) -> None:
+    """Computed K/V for all of `seq`'s tokens (each chunk's slots set to a value of its own
+    tokens), its full chunks inserted, as the engine does: chunks taken (spilling others), the
+    copies issued, then the K/V written."""
+    while seq.num_chunks < -(-seq.num_tokens // C):
+        cid = tree.alloc()
+        assert cid is not None
+        seq.private.append(cid)
+    tree.host.flush()
+    for k in range(len(seq.nodes), seq.num_chunks):
+        tree.pool.kv[:, :, seq.chunk_at(k)] = float(sum(seq.token_ids[k * C : (k + 1) * C]))
+    seq.num_computed = seq.num_tokens
+    while seq.private and (len(seq.nodes) + 1) * C <= seq.num_computed:
+        k = len(seq.nodes)
+        parent = seq.nodes[-1] if seq.nodes else tree.root_for(seq.tenancy.cache_salt)
+        seq.nodes.append(tree.insert(parent, tuple(seq.token_ids[k * C : (k + 1) * C]), seq.private.pop(0), now))
+
+
+def _finish(tree: PrefixTree, seq: Sequence, now: int) -> None:
+    tree.release(seq.nodes, now)
+    for cid in seq.private:
+        tree.pool.free(cid)
+    seq.nodes, seq.private = [], []
+
+
+def _seq(rid: str, tokens, salt: str | None = None) -> Sequence:
+    return Sequence(rid, list(tokens), SamplingParams(), 0, tenancy=Tenancy(cache_salt=salt))
+
+
+def test_an_evicted_chunk_spills_stays_matched_and_loads_back_with_its_kv():
+    tree = _tree(gpu_chunks=3, host_chunks=4)
+    a = _seq("a", range(12))  # three full chunks: the whole GPU pool
+    _fill(tree, a, now=1)
+    _finish(tree, a, now=2)
+    path = tree.match(list(range(12)), 12)
+    assert [n.tier for n in path] == [GPU] * 3
+    b = _seq("b", [50 + i for i in range(8)])  # two chunks: a's last two (leaf first) spill
+    _fill(tree, b, now=3)
+    tree.host.flush()
+    tree.check([b])
+    assert [n.tier for n in path] == [GPU, HOST, HOST] and tree.num_host == 2
+    assert tree.match(list(range(12)), 12) == path  # still matched, in both tiers
+    # the host copies hold what the GPU chunks held: every layer's K and V of the chunk
+    for k in (1, 2):
+        assert torch.equal(
+            tree.host.kv[path[k].chunk_id], torch.full_like(tree.host.kv[0], float(sum(range(4 * k, 4 * k + 4))))
+        )
+    _finish(tree, b, now=4)
+    # a's path again: its GPU node acquired, the host ones loaded into fresh GPU chunks (b's spill)
+    tree.acquire(path[:1], now=5)
+    assert tree.load(path[1:], now=5) == 2
+    tree.host.flush()
+    assert [n.tier for n in path] == [GPU] * 3 and [n.ref for n in path] == [1, 1, 1]
+    again = _seq("again", range(12))
+    again.nodes, again.num_computed = list(path), 12
+    tree.check([again])
+    for k in (1, 2):
+        assert torch.equal(
+            tree.pool.kv[:, :, path[k].chunk_id],
+            torch.full_like(tree.pool.kv[:, :, 0], float(sum(range(4 * k, 4 * k + 4)))),
+        )
+    assert tree.num_host == 2  # b's two chunks went to the host in their place
+    c = tree.host.counters
+    assert (c.host_spills, c.host_loads) == (4, 2) and c.host_copy_bytes == 6 * tree.host.chunk_bytes
+
+
+def test_the_host_tier_evicts_its_least_recently_used_leaf_and_a_salts_root_goes_with_its_last():
+    tree = _tree(gpu_chunks=2, host_chunks=2)
+    for i, salt in enumerate(["x", None, None]):  # each two chunks: the GPU pool, then the next spills them
+        s = _seq(f"s{i}", [10 * i + t for t in range(8)], salt)
+        _fill(tree, s, now=2 * i + 1)
+        _finish(tree, s, now=2 * i + 2)
+        tree.host.flush()
+        tree.check([])
+    # s0 ("x") went to the host, then out of it (its leaf first, then its root's child) for s1
+    assert set(tree.roots) == {None} and tree.num_host == 2 and tree.num_cached == 2
+    assert tree.match([10 + t for t in range(8)], 8)[0].tier == HOST
+    assert tree.match(list(range(8)), 8, "x") == []
+    assert tree.evict_all() == 4 and tree.pool.num_free == 2 and tree.host.num_free == 2
+    tree.check([])
+
+
+def test_a_chunk_recomputed_while_its_copy_is_in_the_host_tier_takes_its_node():
+    tree = _tree(gpu_chunks=2, host_chunks=4)
+    a = _seq("a", range(8))
+    _fill(tree, a, now=1)
+    nodes = list(a.nodes)
+    _finish(tree, a, now=2)
+    b = _seq("b", [90 + t for t in range(8)])
+    _fill(tree, b, now=3)
+    _finish(tree, b, now=4)
+    tree.host.flush()
+    assert [n.tier for n in nodes] == [HOST, HOST]
+    # the same tokens computed again (as a piece that loaded none of them would): the host node
+    # becomes the new GPU chunk's, its host copy freed, its host child kept below it
+    again = _seq("again", range(4))
+    _fill(tree, again, now=5)
+    tree.host.flush()
+    assert again.nodes == nodes[:1] and nodes[0].tier == GPU and nodes[1].tier == HOST
+    tree.check([again])
+
+
+def test_check_catches_a_host_node_with_a_live_sequence():
+    tree = _tree(gpu_chunks=2, host_chunks=2)
+    a = _seq("a", range(4))
+    _fill(tree, a, now=1)
+    tree.check([a])
+    a.nodes[0].tier = HOST  # as if spilled under its sequence
+    with pytest.raises(AssertionError, match="host tier"):
+        tree.check([a])
+
+
+def test_check_catches_a_copy_decided_but_not_issued():
+    tree = _tree(gpu_chunks=1, host_chunks=2)
+    s = _seq("s", range(4))
+    _fill(tree, s, now=1)
+    _finish(tree, s, now=1)
+    t = _seq("t", range(20, 24))
+    t.private.append(tree.alloc())  # s's chunk spilled to give t one: its copy queued
+    with pytest.raises(AssertionError, match="not issued"):
+        tree.check([t])
+    tree.host.flush()
+    tree.check([t])
+
+
+# -- the engine -------------------------------------------------------------------------------
+
+# a GPU pool of 12 chunks of 16 tokens; 8 prefixes of 6 chunks each (4x the pool), each asked
+# twice in turn, so a prefix comes back after the others have passed through the pool. One row
+# at a time: a load takes GPU chunks only as far as the pool has them beside the running rows
+# (Scheduler._admit), so with one row every hit loads whole
+SMALL = dict(chunk_size=16, kv_cache_tokens=192, max_model_len=160, max_num_batched_tokens=128, max_num_seqs=1)
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+
+def _workload(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(256) for _ in range(96)] for _ in range(8)]
+    return [p + [rng.randrange(256) for _ in range(3 + r)] for r in range(2) for p in prefixes]
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[list[int]], list]:
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    cached: dict[str, tuple[int, int]] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            cached[out.request_id] = (out.cached_tokens, out.cached_tokens_host)
+        engine.check()
+    return [got[str(i)] for i in range(len(prompts))], [cached[str(i)] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def without_tier():
+    """The workload without a host tier: (tokens, each request's cached tokens, stats)."""
+    engine = LLMEngine.from_model("tiny", **SMALL)
+    assert sum(len(p) // 16 for p in _workload()[:8]) >= 4 * engine.pool.num_chunks
+    return (*_run(engine, _workload(), PARAMS), engine.stats())
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_tokens_are_the_same_with_the_host_tier_and_its_hits_are_not_recomputed(without_tier, async_scheduling):
+    want, plain_cached, p = without_tier
+    tiered = LLMEngine.from_model("tiny", **SMALL, host_cache_tokens=4096, async_scheduling=async_scheduling)
+    got, cached = _run(tiered, _workload(), PARAMS)
+    assert got == want  # K/V copied back is the K/V recomputed
+    s = tiered.stats()
+    # without the tier every prefix was evicted before it came back; with it, the second ask of
+    # each prefix copied its 6 chunks back
+    assert p["cached_prompt_tokens"] == 0 and all(c == (0, 0) for c in plain_cached)
+    assert cached[:8] == [(0, 0)] * 8 and cached[8:] == [(96, 96)] * 8
+    assert s["cached_prompt_tokens"] == s["cached_prompt_tokens_host"] == 8 * 96
+    assert s["computed_prompt_tokens"] == p["computed_prompt_tokens"] - 8 * 96
+    assert s["host_loads"] == 8 * 6 and s["host_spills"] >= s["host_loads"]
+    assert s["host_copy_bytes"] == (s["host_loads"] + s["host_spills"]) * tiered.host.chunk_bytes
+    assert s["host_chunks_total"] == 256 and 0 < s["host_chunks_used"] <= 256
+    assert tiered.tree.evict_all() > 0
+    tiered.check()
+    assert tiered.pool.num_free == tiered.pool.num_chunks and tiered.host.num_free == tiered.host.num_chunks
+
+
+def test_a_preempted_requests_chunks_spill_and_come_back():
+    # a 10-chunk pool: "long" (7 chunks of prompt, growing to 10) preempts "late" (newest) once it
+    # outgrows the pool; late's full chunks stay as cache, then spill as long keeps growing, and
+    # late, admitted again, loads them back instead of recomputing them
+    rng = random.Random(1)
+    long_prompt = [rng.randrange(256) for _ in range(100)]
+    late_prompt = [rng.randrange(256) for _ in range(40)]
+    config = dict(chunk_size=16, kv_cache_tokens=160, max_model_len=160, max_num_batched_tokens=64)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (55, 20)]
+    roomy = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=4096)
+    want = roomy.generate([long_prompt, late_prompt], params)
+    results = {}
+    for host in (0, 1024):
+        engine = LLMEngine.from_model("tiny", **config, host_cache_tokens=host)
+        engine.add_request("long", long_prompt, params[0])
+        engine.add_request("late", late_prompt, params[1])
+        got: dict[str, list[int]] = {"long": [], "late": []}
+        late_nodes, spilled = [], False
+        while engine.has_unfinished():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+            engine.check()
+            late = engine._seqs.get("late")
+            if late is not None and late.nodes and not late_nodes:
+                late_nodes = list(late.nodes)  # its prompt's full chunks, as first computed
+            spilled |= any(n.tier == HOST for n in late_nodes)
+        assert [got["long"], got["late"]] == want
+        results[host] = (engine.stats(), spilled, late_nodes)
+    (plain, _, _), (tiered, spilled, late_nodes) = results[0], results[1024]
+    assert plain["preemptions"] == tiered["preemptions"] >= 1
+    assert spilled and tiered["host_loads"] >= 2
+    assert tiered["computed_prompt_tokens"] < plain["computed_prompt_tokens"]
+    # the nodes late came back to are the ones it computed first, on the GPU again
+    assert all(n.tier == GPU and n.parent is not None for n in late_nodes)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def tiered_small(request):
+    # a 20-chunk GPU pool over a 6-chunk host pool: both tiers fill and evict
+    return LLMEngine.from_model(
+        "tiny",
+        chunk_size=16,
+        kv_cache_tokens=320,
+        host_cache_tokens=96,
+        max_model_len=160,
+        max_num_batched_tokens=64,
+        max_num_seqs=6,
+        async_scheduling=request.param,
+    )
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 150), st.integers(0, 4), st.integers(1, 12), st.integers(0, 2)),
+        st.tuples(st.just("step"), st.integers(1, 4)),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=ops)
+def test_random_add_step_abort_keeps_both_tiers_whole(tiered_small, ops):
+    engine, live, counter = tiered_small, [], [0]
+    rng = random.Random(7)
+    bases = [[rng.randrange(256) for _ in range(150)] for _ in range(4)] + [[5] * 150]
+    before = engine.stats()
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                live.remove(out.request_id)
+        engine.check()
+
+    for op in ops:
+        if op[0] == "add":
+            _, length, base, max_tokens, salt = op
+            rid = f"q{counter[0]}"
+            counter[0] += 1
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            engine.add_request(rid, bases[base][:length], params, Tenancy(cache_salt=[None, "a", "b"][salt]))
+            live.append(rid)
+        elif op[0] == "step":
+            for _ in range(op[1]):
+                step()
+        elif live:
+            assert engine.abort(live.pop(op[1] % len(live)))
+            engine.check()
+    while engine.has_unfinished():
+        step()
+    after = engine.stats()
+    assert after["cached_prompt_tokens_host"] - before["cached_prompt_tokens_host"] <= (
+        after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    )
+    engine.tree.evict_all()
+    engine.check()
+    assert engine.pool.num_free == engine.pool.num_chunks and engine.host.num_free == engine.host.num_chunks
+    assert engine.tree.num_host == engine.tree.num_cached == 0
+
+
+def test_host_cache_tokens_is_checked_and_off_by_default():
+    assert EngineConfig(model="tiny").host_cache_tokens == 0
+    assert LLMEngine.from_model("tiny", kv_cache_tokens=1024).host is None
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="host_cache_tokens"):
+            EngineConfig(model="tiny", host_cache_tokens=bad)
+    engine = LLMEngine.from_model("tiny", kv_cache_tokens=1024, chunk_size=16, host_cache_tokens=100)
+    assert engine.host.num_chunks == 7  # (rounded up to whole chunks)
+    assert engine.host.kv.shape[0] == 7 and engine.host.kv.shape[1:] == engine.pool.kv[:, :, 0].shape
