@@ -309,6 +309,13 @@ def test_usage_counts_each_prompt_once_and_every_completion():
     usage = Usage.of(lasts, 2)
     assert (usage.prompt_tokens, usage.completion_tokens, usage.prompt_tokens_details.cached_tokens) == (17, 11, 4)
     assert Usage.of(lasts[:2], 2).prompt_tokens == 10 and Usage.of(lasts[:1]).total_tokens == 13
+    # of the cached tokens, those the replica copied back from its host tier: summed alike
+    tiered = [dataclasses.replace(o, cached_tokens_host=h) for o, h in zip(lasts, (3, 3, 0, 0))]
+    details = Usage.of(tiered, 2).prompt_tokens_details
+    assert (details.cached_tokens, details.cached_tokens_host) == (
+        4,
+        3,
+    ) and usage.prompt_tokens_details.cached_tokens_host == 0
 
 
 def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
@@ -659,7 +666,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
         "prompt_tokens": 3,
         "completion_tokens": 3 + 2 + 4,
         "total_tokens": 12,
-        "prompt_tokens_details": {"cached_tokens": 2},
+        "prompt_tokens_details": {"cached_tokens": 2, "cached_tokens_host": 0},
     }
     assert not any(rest.cancelled for _, rest in started)
 

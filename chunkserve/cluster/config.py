@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, PositiveInt, SecretStr, model_validator
 
 
 class _Strict(BaseModel):
@@ -42,6 +42,7 @@ class EngineOptions(_Strict):
     chunk_size: Literal[16, 32, 64, 128] = 64
     kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    host_cache_tokens: NonNegativeInt = 0  # the host tier's size in tokens (pinned host memory); 0: none
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
     max_model_len: PositiveInt | None = None  # None: the model's context, capped by the KV pool

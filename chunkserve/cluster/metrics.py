@@ -20,6 +20,10 @@ is the application's p99. The names, and vLLM's for the same thing (vLLM's /metr
     chunkserve_kv_cache_usage_perc              vllm:kv_cache_usage_perc (a fraction, 0..1, as vLLM's)
     chunkserve_prompt_tokens_total              vllm:prompt_tokens_total
     chunkserve_cached_prompt_tokens_total       vllm:prefix_cache_hits_total (tokens; queries: prompt tokens)
+    chunkserve_cached_prompt_tokens_host_total  (none: of those, copied back from the host tier)
+    chunkserve_host_chunks_used / _total        (none: KV chunks in the host tier, engine.host_cache_tokens)
+    chunkserve_host_spills_total / _loads_total (none: chunks copied GPU -> host, host -> GPU;
+    chunkserve_host_copy_bytes_total / _ms_total  the bytes and milliseconds of those copies)
     chunkserve_generated_tokens_total           vllm:generation_tokens_total
     chunkserve_finished_requests_total          vllm:request_success_total (no finished_reason label)
     chunkserve_time_to_first_token_seconds      vllm:time_to_first_token_seconds (from arrival at the replica)
@@ -274,6 +278,11 @@ class MetricsText:
 _REPLICA_COUNTERS = {
     "prompt_tokens": "Prompt tokens of finished requests (aborted ones once admitted).",
     "cached_prompt_tokens": "Of those, prompt tokens served from the prefix cache.",
+    "cached_prompt_tokens_host": "Of those, prompt tokens copied back from the host tier.",
+    "host_spills": "KV chunks copied from the GPU pool to the host tier (evicted, still cached).",
+    "host_loads": "KV chunks copied from the host tier back to the GPU pool (a request matched them).",
+    "host_copy_bytes": "Bytes the host tier's copies moved, both ways.",
+    "host_copy_ms": "Milliseconds the host tier's copies took.",
     "generated_tokens": "Tokens generated.",
     "finished_requests": "Requests the engine finished (aborted ones included).",
     "direct_requests": "Requests an ingress sent on a direct stream (router.direct_stream), not through Serve.",
@@ -283,6 +292,8 @@ _REPLICA_GAUGES = {
     "waiting_requests": "Requests waiting for admission.",
     "kv_chunks_used": "KV cache chunks held by live requests.",
     "kv_chunks_total": "KV cache chunks in the pool.",
+    "host_chunks_used": "KV cache chunks in the host tier.",
+    "host_chunks_total": "KV cache chunks the host tier holds (0: no host tier).",
 }
 _HISTOGRAMS = {
     "chunkserve_time_to_first_token_seconds": "Arrival at the replica to its first token.",

@@ -614,7 +614,10 @@ class DetokenizeResponse(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int  # prompt tokens whose KV came from the replica's prefix tree
+    cached_tokens: int  # prompt tokens whose KV came from the replica's prefix tree (both tiers)
+    # ours, not OpenAI's: of cached_tokens, those whose KV was copied back from the replica's host
+    # tier (engine.host_cache_tokens) rather than found in GPU memory
+    cached_tokens_host: int = 0
 
 
 class Usage(BaseModel):
@@ -634,7 +637,10 @@ class Usage(BaseModel):
             prompt_tokens=prompt,
             completion_tokens=completion,
             total_tokens=prompt + completion,
-            prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.cached_tokens for o in firsts)),
+            prompt_tokens_details=PromptTokensDetails(
+                cached_tokens=sum(o.cached_tokens for o in firsts),
+                cached_tokens_host=sum(o.cached_tokens_host for o in firsts),
+            ),
         )
 
 

@@ -170,6 +170,7 @@ class LLMReplica:
                     out.logprobs,
                     out.prompt_logprobs,
                     first_output_s=None if sent_at is not None else first_token_at - entered,
+                    cached_tokens_host=last.cached_tokens_host,
                 )
                 sent_at = time.perf_counter()
                 if out.stopped:
@@ -501,6 +502,11 @@ class _Metrics:
     _COUNTERS = {
         "prompt_tokens": "prompt tokens of finished requests (aborted ones once admitted)",
         "cached_prompt_tokens": "prompt tokens served from the prefix tree",
+        "cached_prompt_tokens_host": "of those, prompt tokens copied back from the host tier",
+        "host_spills": "KV chunks copied from the GPU pool to the host tier",
+        "host_loads": "KV chunks copied from the host tier back to the GPU pool",
+        "host_copy_bytes": "bytes those copies moved",
+        "host_copy_ms": "milliseconds those copies took",
         "generated_tokens": "tokens generated",
         "finished_requests": "requests the engine finished (aborted ones included)",
     }
@@ -509,6 +515,8 @@ class _Metrics:
         "waiting": ("waiting_requests", "sequences waiting for admission"),
         "kv_chunks_used": ("kv_chunks_used", "KV chunks held by live sequences"),
         "kv_chunks_total": ("kv_chunks_total", "KV chunks in the pool"),
+        "host_chunks_used": ("host_chunks_used", "KV chunks in the host tier"),
+        "host_chunks_total": ("host_chunks_total", "KV chunks the host tier holds (0: none)"),
     }
     LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 60)
 

@@ -100,3 +100,4 @@ class GenerateOutput:
     # in the first output: seconds from the replica receiving the request to this output (the
     # ingress's Server-Timing `replica`)
     first_output_s: float | None = None
+    cached_tokens_host: int = 0  # of cached_tokens, those copied back from the replica's host tier
