@@ -54,6 +54,7 @@ def _config(scenario: str, tp_size: int = 1, rank: int = 0, device: str = "cpu")
         max_model_len=MAX_MODEL_LEN.get(scenario, (None, None))[min(rank, 1) if tp_size > 1 else 0],
         async_scheduling=scenario.endswith("_async"),
         sparse_prefill=SPARSE.get(scenario),
+        host_cache_tokens=HOST_TOKENS.get(scenario, 0),
     )
 
 
@@ -152,15 +153,27 @@ def _sparse(engine) -> dict:
     return {"tokens": engine.generate(prompts, GREEDY), "stats": engine.stats()}
 
 
+def _host_tier(engine) -> dict:
+    """Six 5-chunk prefixes, asked twice, through a 12-chunk pool: the first asks' chunks spill
+    to the host tier, the second asks load them back, on each rank its own heads' K/V."""
+    prefixes = [[(31 * p + 7 * i) % 250 for i in range(80)] for p in range(6)]
+    prompts = [prefix + [300 + r] * (r + 1) for r in range(2) for prefix in prefixes]
+    tokens = engine.generate(prompts, GREEDY)
+    stats = {k: v for k, v in engine.stats().items() if k != "host_copy_ms"}  # (a time: each run's own)
+    return {"tokens": tokens, "stats": stats}
+
+
 SCENARIOS = {
     "generate": _generate,
+    "host_tier": _host_tier,
     "bad_input_and_abort": _bad_input_and_abort,
     "preemption": _preemption,
     "warmed": _warmed,
 }
 # the scenarios' pool sizes (rank 0, rank 1) where not CONFIG's: ranks that could hold different
 # pools (free GPU memory) agree on the smaller one, which one rank alone then has
-KV_TOKENS = {"preemption": (4096, 160)}
+KV_TOKENS = {"preemption": (4096, 160), "host_tier": (192, 192)}
+HOST_TOKENS = {"host_tier": 2048}  # the scenarios' host tiers (EngineConfig.host_cache_tokens)
 # (rank 0, rank 1): a rank 1 that ends the longest prompts' rows at 80 tokens, rank 0 at 12 new ones
 MAX_MODEL_LEN = {"diverge": (None, 80)}
 SCENARIOS["diverge"] = _generate
@@ -335,3 +348,19 @@ def test_tp_size_without_a_group_is_refused():
         LLMEngine(dataclasses.replace(CONFIG2, tp_rank=2))
     with pytest.raises(ValueError, match="rank 0"):
         TPWorker(CONFIG)
+
+
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
+def test_tp2_spills_and_loads_each_ranks_heads_as_one_rank_does(tmp_path):
+    """The host tier's spills and loads are the tree's decisions, which every rank makes alike
+    from the same operations; each rank copies its own heads' K/V. Rank 1 loading other K/V than
+    it spilled would change the all-reduced hidden states, so the tokens, of both ranks, from
+    those of one rank without the tier."""
+    want = _host_tier(LLMEngine(_config("host_tier")))
+    plain = _host_tier(LLMEngine(dataclasses.replace(_config("host_tier"), host_cache_tokens=0)))
+    assert want["stats"]["host_loads"] >= 6 and want["stats"]["cached_prompt_tokens_host"] > 0
+    assert want["tokens"] == plain["tokens"] and plain["stats"]["cached_prompt_tokens"] == 0
+    got = _run_tp("host_tier", tmp_path)
+    # the same chunks copied, each rank its own (one of two) KV heads of each: half the bytes
+    assert got["stats"].pop("host_copy_bytes") * 2 == want["stats"].pop("host_copy_bytes")
+    assert got == want
