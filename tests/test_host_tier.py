@@ -3,6 +3,7 @@ tensor), stay matched in the prefix tree, and come back on a hit instead of bein
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -319,3 +320,25 @@ def test_host_cache_tokens_is_checked_and_off_by_default():
     engine = LLMEngine.from_model("tiny", kv_cache_tokens=1024, chunk_size=16, host_cache_tokens=100)
     assert engine.host.num_chunks == 7  # (rounded up to whole chunks)
     assert engine.host.kv.shape[0] == 7 and engine.host.kv.shape[1:] == engine.pool.kv[:, :, 0].shape
+
+
+@pytest.mark.slow  # (five tiny engines: about 40 s on a loaded two-core machine)
+def test_bench_host_tier_prints_each_commands_results(capsys):
+    from chunkserve.replicas.tools.bench_host_tier import main
+
+    tiny = ["--chunk-size", "16", "--suffix", "4"]
+    main(["cached", *tiny, "--kv-cache-tokens", "256", "--tenants", "8", "--requests", "16", "--concurrency", "1"])
+    main(["ttft", *tiny, "--prefix", "32", "--repeat", "1"])
+    main(["bandwidth", *tiny, "--prefix", "32", "--repeat", "1", "--copy-mib", "1"])
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    cached = {r["run"]: r for r in rows if r["bench"] == "cached"}
+    assert set(cached) == {"gpu", "gpu+host", "gpu_all", "summary"}
+    assert cached["gpu"]["prefixes_over_pool"] == 4 and cached["gpu"]["host_loads"] == 0
+    # the same requests: the tier serves from the host what the pool alone recomputes
+    tier, gpu = cached["gpu+host"], cached["gpu"]
+    assert tier["cached_prompt_tokens"] > gpu["cached_prompt_tokens"] and tier["cached_prompt_tokens_host"] > 0
+    assert tier["prompt_tokens"] == gpu["prompt_tokens"] == cached["gpu_all"]["prompt_tokens"]
+    (hit,) = [r for r in rows if r["bench"] == "ttft"]
+    chunk_bytes = 4 * 2 * 2 * 16 * 64 * 4  # tiny: layers x (K, V) x KV heads x c x head size x fp32
+    assert hit["prefix_tokens"] == 32 and hit["load_bytes"] == 2 * chunk_bytes  # a hit loads its 2 chunks
+    assert {r["copy"] for r in rows if r["bench"] == "bandwidth"} == {"raw_h2d", "raw_d2h", "tier_load"}

@@ -278,6 +278,14 @@ class PrefixTree:
         elif parent.ref == 0 and not parent.gpu_children:
             self._push_evictable(parent)
 
+    def spill_all(self) -> int:
+        """Spill every cached GPU chunk to the host tier, as far as its free chunks go (none of
+        its own evicted); returns how many. Benchmarks make host-tier hits with it."""
+        n = 0
+        while self.host is not None and self.host.num_free and self._evict_one():
+            n += 1
+        return n
+
     def evict_all(self) -> int:
         """Drop every cached chunk, of both tiers; returns how many were freed."""
         n = 0
