@@ -115,10 +115,11 @@ class HostPool:
     (a chunk id freed by a spill may be loaded into, or a host chunk freed by a load spilled into,
     later in the same step), and `flush`, which the engine calls once a step after scheduling and
     before launching, issues them in that order. On CUDA they run on a side stream that first
-    waits for everything queued on the compute stream (the spilled chunks' last writes and reads)
-    and the compute stream then waits for the copies before the step's forward: no kernel reads a
-    loaded chunk, or writes a spilled one's reused id, before its copy is done. On the CPU they
-    run at once, in order.
+    waits for everything queued on the compute stream (the spilled chunks' last writes and reads;
+    with asynchronous scheduling a chunk freed at a collect may still be used by the step in
+    flight, so a load's target waits for it too) and the compute stream then waits for the copies
+    before the step's forward: no kernel reads a loaded chunk, or writes a spilled one's reused
+    id, before its copy is done. On the CPU they run at once, in order.
     """
 
     def __init__(self, gpu: KVPool, num_chunks: int, counters: EngineStats | None = None):
