@@ -400,11 +400,11 @@ def test_a_session_stays_on_its_replica_while_load_allows():
     policy.on_routed(first, _chain(rng), 1024, 16, 0.0, session=7)
     unhinted = [policy.choose(_chain(rng), 1024, 16, 0.0)[0] for _ in range(20)]
     assert len(set(unhinted)) > 2  # (without the hint the turns would spread)
-    for _ in range(20):
-        chain = _chain(rng)
-        ranked = policy.choose(chain, 1024, 16, 0.0, session=7)
+    for turn in range(20):  # a turn a minute: the work each leaves on the replica lately has decayed
+        chain, now = _chain(rng), 60.0 * (turn + 1)
+        ranked = policy.choose(chain, 1024, 16, now, session=7)
         assert ranked[0] == first and len(set(ranked)) == len(ranked)
-        ticket = policy.on_routed(ranked[0], chain, 1024, 16, 0.0, session=7)
+        ticket = policy.on_routed(ranked[0], chain, 1024, 16, now, session=7)
         policy.on_finished(ticket)
     # the session's replica loaded far past the mean: the hint gives way to the prefix's choice
     policy.update_replicas(ReplicaView(f"r{i}", 1e6 if f"r{i}" == first else 0.0) for i in range(8))
@@ -421,3 +421,87 @@ def test_sessions_are_remembered_lru_bounded():
     for s in range(6):
         policy.on_routed("a", (), 10, 1, 0.0, session=s)
     assert list(policy._sessions) == [2, 3, 4, 5]
+
+
+# -- load as work: cold start, k routers, scale-up -------------------------------------------------
+
+
+def _burst(policy: PrefixPolicy, chains, now: float = 0.0, prompt: int = 2176, out: int = 256) -> list[str]:
+    """Route `chains` one after another, none finishing; assert each choice was under the bound."""
+    chosen = []
+    for ch in chains:
+        miss = policy.request_work(prompt, out)
+        bound = policy.bound(miss)
+        r = policy.choose(ch, prompt, out, now)[0]
+        assert policy.load(r) <= bound
+        policy.on_routed(r, ch, prompt, out, now)
+        chosen.append(r)
+    return chosen
+
+
+def test_the_first_requests_to_an_empty_fleet_spread_within_the_bound():
+    # distinct prefixes, all at once, nothing finished yet: rendezvous alone would stack them as
+    # balls in bins (some replica with 3 or more of the first 16); the bound, from the first
+    # request, keeps every replica within (1 + ε)·mean + one request: here at most 2 each
+    rng = random.Random(20)
+    replicas = [f"r{i}" for i in range(16)]
+    policy = PrefixPolicy(replicas=replicas)
+    chains = [_chain(rng) for _ in range(16)]
+    alone = [PrefixPolicy(replicas=replicas).choose(ch, 2176, 256, 0.0)[0] for ch in chains]
+    assert max(alone.count(r) for r in replicas) >= 3  # (what the order alone would do)
+    chosen = _burst(policy, chains)
+    assert max(chosen.count(r) for r in replicas) <= 2
+    assert len(set(chosen)) >= 10
+
+
+def test_routers_that_exchange_reports_stay_within_the_bound_where_isolated_ones_do_not():
+    # four ingress routers share one hot prefix's traffic, a request each in turn. Alone, each
+    # counts only its own requests: each lets the home replica reach its own bound, and the true
+    # loads pass the bound by about a request per other router. With the replicas' reports by
+    # router after every round (each adds the others' share to its own exact count), the true
+    # loads pass it by at most what the others sent since the last report: 3 requests
+    replicas = [f"r{i}" for i in range(8)]
+    hot = _chain(random.Random(21))
+    miss = PrefixPolicy(replicas=replicas).request_work(2176, 256)
+
+    def run(exchange: bool) -> float:
+        routers = [PrefixPolicy(replicas=replicas, seed=s) for s in range(4)]
+        worst = 0.0
+        for t in range(96):
+            router = routers[t % 4]
+            router.on_routed(router.choose(hot, 2176, 256, 0.0)[0], hot, 2176, 256, 0.0)
+            if exchange and t % 4 == 3:  # a replica-report step: what each router's requests hold
+                for p in routers:
+                    for q in replicas:
+                        p.set_others(q, sum(o._own[o._pos[q]] for o in routers if o is not p))
+            true = {q: sum(o._own[o._pos[q]] for o in routers) for q in replicas}
+            mean = sum(true.values()) / len(replicas)
+            worst = max(worst, max(true.values()) - ((1 + routers[0].config.epsilon) * mean + miss))
+        return worst
+
+    assert run(exchange=True) <= 3 * miss
+    assert run(exchange=False) > 3 * miss
+
+
+def test_set_others_replaces_the_reported_share_and_keeps_our_own_count():
+    policy = PrefixPolicy(replicas=["a", "b"])
+    ch = _chain(random.Random(22))
+    ticket = policy.on_routed("a", ch, 2176, 256, 0.0)
+    policy.set_others("a", 5000.0)
+    assert policy.load("a") == pytest.approx(ticket.cost + 5000.0)
+    policy.on_finished(ticket)  # ours leaves at once; the others' share stands until their next report
+    assert policy.load("a") == pytest.approx(5000.0)
+    policy.update_replicas([ReplicaView("a", others=0.0), ReplicaView("b")])
+    assert policy.load("a") == 0.0 and policy._total == pytest.approx(0.0)
+
+
+def test_after_a_scale_up_new_prefixes_and_spills_reach_the_new_replicas_within_the_bound():
+    rng = random.Random(23)
+    old = [f"r{i}" for i in range(4)]
+    policy = PrefixPolicy(replicas=old)
+    _burst(policy, [_chain(rng) for _ in range(8)])  # the old fleet busy: 2 each
+    new = [f"n{i}" for i in range(4)]
+    policy.update_replicas(ReplicaView(r) for r in old + new)
+    chosen = _burst(policy, [_chain(rng) for _ in range(8)])
+    assert set(chosen) <= set(new)  # the empty newcomers take the new work first
+    assert max(chosen.count(r) for r in new) <= 2

@@ -9,9 +9,12 @@ in prefill-token units (one output token = `decode_weight` prefill tokens of rep
             router computes the same order with no shared state, and adding or removing a replica
             moves only the prefixes whose top replica joined or left [Thaler & Ravishankar 1998].
   load    = a replica's outstanding work: this router's in-flight requests (prompt − matched +
-            decode_weight × max_tokens each) plus what the replica reported beyond them.
+            decode_weight × max_tokens each) plus the other routers' share as the replica last
+            reported it by router (`set_others`; or a reported total beyond our own).
   bound   = (1 + ε)·mean load + one request's work — bounded loads [Mirrokni, Thorup & Zadimoghaddam
-            2018], whose ⌈(1 + ε)·m/n⌉ capacity likewise allows one ball of slack.
+            2018], whose ⌈(1 + ε)·m/n⌉ capacity likewise allows one ball of slack; and on the work
+            routed lately (decayed), max((1 + ε_w)·mean, mean + one request's work): both hold from
+            the first request on, so a short run (a deploy, a scale-up) is balanced too.
   width   = 1 + how many `fanout_fill` shares of a mean replica the prefix fills beyond one request,
             by its recent work rate or its in-flight work: a hot prefix's home is order[:width].
   window  = order[:width + spare]; for a home wider than `hot_sample`, up to that many of its
@@ -23,11 +26,13 @@ in prefill-token units (one output token = `decode_weight` prefill tokens of rep
   matched = depth × c, the tokens the index (own decisions + digests, chunkserve/router/index.py) says the
             replica holds; for a hot prefix (width > 1) every window/home member counts as holding
             the longest known match: that is what lets its home grow down the order.
-  choice  = among candidates with load ≤ bound (if none: the first under it in the order's top
+  choice  = among candidates under both bounds (an idle replica, nothing in flight, is under the
+            work bound: taking a request delays nobody) (if none: the first under them in the order's top
             row, else among a few random replicas), the best  matched − load_weight × load
             (prefill saved vs work queued), then the rendezvous rank. A prefix nobody holds goes
-            instead where the least work went lately (decayed rate), counting half a typical
-            prefix's work for each prefix placed there lately: placements even out.
+            instead to the first of its order's top row whose work committed lately (work routed
+            lately + half a typical prefix's work per prefix placed there lately) is at most the
+            mean: routers with like views place alike, and placements even out.
 
 Cost per decision: O(hot_sample + spare + max_holders) dict probes and chain compares; nothing is
 proportional to the replica count: the order is a row of a table kept current on membership
@@ -338,13 +343,24 @@ class PrefixWork:
 _NO_WORK = (0.0, 0.0)
 
 
+def _bound(mean: float, epsilon: float, request_work: float) -> float:
+    """A replica is eligible while its load (or work lately) is at most this: (1 + ε)·mean, but
+    never less than mean + one request's work, so that from the first request on, a replica at or
+    under the mean (one always is) can take one more; with load high the margin is ε·mean alone,
+    not ε·mean plus a request (which in a short run, mean a few requests, is most of the slack)."""
+    wide = mean + request_work
+    tight = (1.0 + epsilon) * mean
+    return tight if tight > wide else wide
+
+
 @dataclass(frozen=True)
 class PolicyConfig:
     chunk_size: int = 64  # tokens per hashed chunk: the replicas' tree chunk size
     decode_weight: float = 4.0  # replica time of one output token, in prefill tokens
-    epsilon: float = 0.25  # bounded load: load ≤ (1 + ε)·mean + one request's work
+    epsilon: float = 0.5  # bounded load: load ≤ (1 + ε)·mean + one request's work
+    work_epsilon: float = 0.2  # bounded work: work routed lately ≤ (1 + this)·mean + one request's
     load_weight: float = 0.25  # score = matched tokens − load_weight × load
-    fanout_fill: float = 0.25  # a prefix gets a home member per this fraction of a mean replica it fills
+    fanout_fill: float = 1.0  # a prefix gets a home member per this fraction of a mean replica it fills
     half_life_s: float = 10.0  # of the routed-work rates (per replica, per prefix) and placements
     spare: int = 2  # rendezvous candidates scored beyond the prefix's home set
     hot_sample: int = 3  # members sampled from a home set wider than this
@@ -357,10 +373,12 @@ class PolicyConfig:
 @dataclass(frozen=True)
 class ReplicaView:
     """What the glue knows of a replica: its id and, when it has one, a load report (prefill-token
-    units, all routers' traffic included)."""
+    units): `load`, all routers' traffic included, or `others`, the work it holds from the other
+    routers only (a replica that reports by router: this router's own share it knows exactly)."""
 
     replica_id: str
     load: float | None = None
+    others: float | None = None
 
 
 class Ticket(NamedTuple):
@@ -425,7 +443,9 @@ class PrefixPolicy:
             d.resize(len(self._own))
         self._hrw.add(added)
         for v in views:
-            if v.load is not None:
+            if v.others is not None:
+                self.set_others(v.replica_id, v.others)
+            elif v.load is not None:
                 self._set_external(v.replica_id, v.load)
 
     def remove_replica(self, replica_id: str) -> None:
@@ -456,6 +476,19 @@ class PrefixPolicy:
         self._external[p] = ext
         self._load[p] = self._own[p] + ext
 
+    def set_others(self, replica_id: str, work: float) -> None:
+        """The replica reported the work it holds from the other routers (by router: see
+        DESIGN §6 "Load"): that is its load beyond this router's own in-flight work, exactly, until
+        the next report. (`_set_external` instead guesses it from a total that includes our own
+        requests as of the report, wrong by whatever we sent or saw finish since.)"""
+        p = self._pos.get(replica_id)
+        if p is None:
+            return
+        ext = work if work > 0.0 else 0.0
+        self._total += ext - self._external[p]
+        self._external[p] = ext
+        self._load[p] = self._own[p] + ext
+
     def load(self, replica_id: str) -> float:
         return self._load[self._pos[replica_id]]
 
@@ -463,6 +496,15 @@ class PrefixPolicy:
         """Loads above this are not chosen while a replica under it can be."""
         n = len(self._pos)
         return (1.0 + self.config.epsilon) * self._total / n + request_work if n else 0.0
+
+    def work_bound(self, request_work: float, now: float) -> float:
+        """Work routed lately (`work_lately`) above this is not chosen while a replica under it can be."""
+        n = len(self._pos)
+        return _bound(self._rate.total(now) / n, self.config.work_epsilon, request_work) if n else 0.0
+
+    def work_lately(self, replica_id: str, now: float) -> float:
+        """The work this router sent the replica lately (halving every half_life_s)."""
+        return self._rate.get(self._pos[replica_id], now)
 
     def request_work(self, num_prompt_tokens: int, max_tokens: int, matched_tokens: int = 0) -> float:
         return num_prompt_tokens - matched_tokens + self.config.decode_weight * max_tokens
@@ -507,9 +549,14 @@ class PrefixPolicy:
         p = None if last is None or (ranked and ranked[0] == last) else self._pos.get(last)
         if p is None:
             return ranked
-        cfg = self.config
-        bound = (1.0 + cfg.epsilon) * self._total / len(self._pos) + num_prompt_tokens + cfg.decode_weight * max_tokens
-        if self._load[p] > bound:
+        cfg, n = self.config, len(self._pos)
+        miss = num_prompt_tokens + cfg.decode_weight * max_tokens
+        rate, rt, rs = self._rate.stored(now)
+        if (
+            self._load[p] > (1.0 + cfg.epsilon) * self._total / n + miss
+            or self._load[p] > 0.0
+            and rate[p] > _bound(rt / n, cfg.work_epsilon, miss * rs)
+        ):
             return ranked  # load forbids: the session moves with the prefix's choice
         return (last, *(r for r in ranked if r != last))
 
@@ -523,6 +570,8 @@ class PrefixPolicy:
             return ()
         miss = num_prompt_tokens + cfg.decode_weight * max_tokens  # its work if nothing is cached
         bound = (1.0 + cfg.epsilon) * self._total / n + miss
+        rate, rt, rs = self._rate.stored(now)  # the work bound, on work routed lately: compared scaled
+        rbound = _bound(rt / n, cfg.work_epsilon, miss * rs)
         if not chain:  # nothing to be affine to: power of two choices on load
             return tuple(sorted(self._hrw.sample(self._rng, 2), key=self.load))
         key = chain[0]
@@ -540,36 +589,38 @@ class PrefixPolicy:
         # The hot path is written for CPython 3.11: loops rather than comprehensions (each of those
         # is a function call there), few calls, and the per-candidate data in few objects.
         pos, loads, c, lw = self._pos, self._load, cfg.chunk_size, cfg.load_weight
-        wloads, whole, depths = [], len(chain), None  # the window's loads and depths
+        wloads, oks, whole, depths = [], [], len(chain), None  # the window's loads, eligibility, depths
         for r in window:
-            wloads.append(loads[pos[r]])
+            p = pos[r]
+            load = loads[p]
+            wloads.append(load)
+            oks.append(load <= bound and (rate[p] <= rbound or load <= 0.0))
         if width > 1:  # a hot prefix: its members' own depths matter only through its deepest match
             # (and the chosen one's, for on_routed). Probe the likely choice first (the least loaded:
             # eligible if any is): if it holds all of the chain, nobody holds more, and the others'
             # depths can stay unknown (-1).
             i = wloads.index(min(wloads))
             d = index.depth(window[i], chain)
-            if d == whole and wloads[i] <= bound:
+            if d == whole and oks[i]:
                 depths = [-1] * len(window)
                 depths[i] = d
         if depths is None:
             depths = index.depths(window, chain)
-        # cands: (eligible: load ≤ bound, score, depth, id), in rank order. Warm (someone holds a
-        # prefix of the chain): score = tokens held − load penalty, where a hot prefix's window
+        # cands: (eligible: under both bounds, score, depth, id), in rank order. Warm (someone holds
+        # a prefix of the chain): score = tokens held − load penalty, where a hot prefix's window
         # members count as holding its deepest known match.
         deepest, cands = max(depths), []
         full = False  # some eligible candidate holds all of the chain
         if deepest:
             held = deepest * c if width > 1 else 0  # (0: each counts its own depth)
-            for r, d, load in zip(window, depths, wloads):
-                ok = load <= bound
+            for r, d, load, ok in zip(window, depths, wloads, oks):
                 if ok and d == whole:
                     full = True
                 cands.append((ok, (held or d * c) - lw * load, d, r))
         if not full:  # replicas the window misses: another router's spill, an earlier membership
             more, extra, holds = [], cfg.max_holders, None  # holds: which count as holding when hot
             holders = index.holders(chain, extra)
-            fits = min(wloads) <= bound  # an eligible candidate so far
+            fits = True in oks  # an eligible candidate so far
             seen = set(window) if holders or not fits else ()
             for r in holders:
                 if not extra:
@@ -578,41 +629,60 @@ class PrefixPolicy:
                     seen.add(r)
                     extra -= 1
                     more.append(r)
-            if not fits and not any(loads[pos[r]] <= bound for r in more):
-                # all over the bound: one under it, next in order if possible
-                more.append(self._under(bound, (r for r in self._hrw.order(key, TOP) if r not in seen)))
+            more_oks = [loads[pos[r]] <= bound and (rate[pos[r]] <= rbound or loads[pos[r]] <= 0.0) for r in more]
+            if not fits and True not in more_oks:
+                # all over a bound: one under both, next in order if possible
+                more.append(self._under(bound, rbound, (r for r in self._hrw.order(key, TOP) if r not in seen), now))
+                more_oks.append(True)
             if more:  # the candidates grow: score them all again (the deepest match may too)
                 home = order[:width]
                 window, depths = (*window, *more), depths + index.depths(more, chain)
                 wloads = wloads + [loads[pos[r]] for r in more]
+                oks = oks + more_oks
                 holds = [True] * (len(window) - len(more)) + [r in home for r in more]
                 deepest, hot = max(depths), width > 1
                 cands = [
-                    (load <= bound, (deepest if hot and h else d) * c - lw * load, d, r)
-                    for r, d, load, h in zip(window, depths, wloads, holds)
+                    (ok, (deepest if hot and h else d) * c - lw * load, d, r)
+                    for r, d, load, h, ok in zip(window, depths, wloads, holds, oks)
                 ]
-        if not deepest:  # nobody holds it: where the least work went lately, counting what prefixes
-            # placed there lately will still bring (half a typical prefix's work each): long-run balance
-            (rate, rt, rs), (placed, pt, ps) = self._rate.stored(now), self._placed.stored(now)
-            per = 0.5 * (rt / rs) / max(pt / ps, 1.0)
-            cands = []
-            for r, load in zip(window, wloads):
+        if not deepest:  # nobody holds it: placed on the first replica in its rendezvous order whose
+            # work committed lately — work routed lately plus what prefixes placed there lately will
+            # still bring (half a typical prefix's work each) — is under the work bound: every router
+            # computes the same order, so while their views agree they place alike; and consistent
+            # hashing with bounded loads [Mirrokni et al.] keeps the commitments within the bound
+            placed, pt, ps = self._placed.stored(now)
+            per = 0.5 * (rt / rs) / (pt / ps if pt > ps else 1.0)
+            cbound = (rt / rs + per * pt / ps) / n  # the mean commitment
+            cands, chosen = [], None
+            for r in self._hrw.order(key, TOP) if width <= cfg.hot_sample else window:
                 p = pos[r]
-                cands.append((load <= bound, -(rate[p] / rs + per * (placed[p] / ps)), 0, r))
+                commit = rate[p] / rs + per * (placed[p] / ps)
+                if chosen is None and loads[p] <= bound and commit <= cbound:
+                    chosen = r
+                cands.append((r == chosen, -commit, 0, r))
+            if chosen is not None:  # the chosen one first, the others by least commitment
+                cands.sort(key=_SCORE, reverse=True)
+                self._last = (chain, cands)
+                return tuple(map(_ID, cands))
         cands.sort(key=_SCORE, reverse=True)  # stable: ties stay in rank order
         self._last = (chain, cands)  # on_routed reads the chosen one's depth from here
         return tuple(map(_ID, cands))
 
-    def _under(self, bound: float, preferred: Iterable[str]) -> str:
-        """A replica with load ≤ bound: the first of `preferred`, else the least loaded of a few
-        random ones, else (rarely) the least loaded of all. One exists: the least loaded is at or
-        below the mean."""
-        load = self.load
+    def _under(self, bound: float, rbound: float, preferred: Iterable[str], now: float) -> str:
+        """A replica under both bounds (load ≤ bound, scaled work lately ≤ rbound): the first of
+        `preferred`, else the best of a few random ones, else (rarely) the least loaded of all."""
+        loads, pos = self._load, self._pos
+        rate, _, _ = self._rate.stored(now)
         for r in preferred:
-            if load(r) <= bound:
+            p = pos[r]
+            if loads[p] <= bound and (rate[p] <= rbound or loads[p] <= 0.0):
                 return r
-        best = min(self._hrw.sample(self._rng, 8), key=load)
-        return best if load(best) <= bound else min(self._pos, key=load)
+        sample = self._hrw.sample(self._rng, 8)
+        for r in sample:
+            p = pos[r]
+            if loads[p] <= bound and (rate[p] <= rbound or loads[p] <= 0.0):
+                return r
+        return min(self._pos, key=self.load)
 
     def on_routed(
         self,
