@@ -180,6 +180,26 @@ def test_router_follows_membership_and_events():
     asyncio.run(main())
 
 
+def test_reports_by_router_add_the_other_routers_share_only():
+    from chunkserve.router import direct
+
+    FakeReplica, pending, make = _router_env()
+
+    async def main():
+        reps = [FakeReplica(f"rep{i}") for i in range(2)]
+        router = make(reps)
+        held = {"elsewhere": [3, 6000, 1000, 300], direct.ROUTER_ID: [1, 2000, 0, 100]}
+        stats = {"running": 4, "waiting": 0, "held_by_router": held, "as_of": time.time()}
+        router.update_replicas([FakeReplica("rep0", stats), reps[1]])
+        # the other router's requests as work (prompt − cached + 4 × max_tokens); our own share in
+        # the report is ignored: our own in-flight count (none here) is exact
+        assert router._policy.load("rep0") == 6000 - 1000 + 4 * 300
+        assert router._policy.load("rep1") == 0.0
+        assert await _route(router, pending(list(range(8 * C)), 1)) == "rep1"
+
+    asyncio.run(main())
+
+
 def test_large_join_builds_off_loop():
     FakeReplica, pending, make = _router_env()
 

@@ -1403,6 +1403,7 @@ class OpenAIIngress:
                     include_stop_str_in_output=body.include_stop_str_in_output,
                     tenancy=tenancy,
                     session=session,
+                    router=direct_routes.ROUTER_ID,
                 )
                 for i in range(body.n)
             ]

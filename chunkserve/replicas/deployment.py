@@ -46,6 +46,43 @@ from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
 from chunkserve.router.events import Events, Relay
 
 
+class _HeldByRouter:
+    """The requests this replica holds, summed by the router that sent them (GenerateRequest.router;
+    None: a router-less caller): [requests, prompt tokens, cached prompt tokens, max_tokens]. A
+    router turns the others' sums into work in its own units and adds it to its exact count of its
+    own (chunkserve/router/serve_router.py, DESIGN §6 "Load"). Cached tokens count once the engine
+    reports them (its first output)."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str | None, list[int]] = {}
+
+    def hold(self, router: str | None, prompt_tokens: int, max_tokens: int) -> list:
+        """Count a request in; returns its handle: [router, cached tokens counted]."""
+        sums = self._sums.setdefault(router, [0, 0, 0, 0])
+        sums[0] += 1
+        sums[1] += prompt_tokens
+        sums[3] += max_tokens
+        return [router, 0, prompt_tokens, max_tokens]
+
+    def cached(self, handle: list, cached_tokens: int) -> None:
+        if handle[1] != cached_tokens:
+            self._sums[handle[0]][2] += cached_tokens - handle[1]
+            handle[1] = cached_tokens
+
+    def release(self, handle: list) -> None:
+        router, cached, prompt, max_tokens = handle
+        sums = self._sums[router]
+        sums[0] -= 1
+        sums[1] -= prompt
+        sums[2] -= cached
+        sums[3] -= max_tokens
+        if not sums[0]:
+            del self._sums[router]
+
+    def snapshot(self) -> dict[str | None, list[int]]:
+        return {r: list(v) for r, v in self._sums.items()}
+
+
 @dataclass
 class _Stream:
     """The event-loop side of one request in the engine."""
@@ -94,6 +131,7 @@ class LLMReplica:
         self.tokenizer = load_tokenizer(engine_config.model)  # detokenizes the streams here (the engine's own)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._streams: dict[str, _Stream] = {}
+        self._held = _HeldByRouter()  # what each router's requests here amount to (routing stats)
         self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
         self._relay = Relay()  # the tree's routing events, as each routing-stats poll reports them
         if info["events"] is not None:
@@ -132,6 +170,7 @@ class LLMReplica:
         if self._slots is not None:
             await self._slots.take()  # (direct streams beside Serve's calls: one bound for both)
         stream = self._streams[rid] = _Stream(asyncio.get_running_loop().create_future(), asyncio.Queue())
+        held = self._held.hold(request.router, len(request.prompt_token_ids), request.params.max_tokens)
         arrival = time.perf_counter()
         first_token_at = None
         engine_done = False
@@ -159,6 +198,7 @@ class LLMReplica:
                         (time.perf_counter() - first_token_at) / (out.output_tokens - 1)
                     )
                 last = batch[-1]
+                self._held.cached(held, last.cached_tokens)
                 yield GenerateOutput(
                     self.replica_id,
                     out.text,
@@ -177,6 +217,7 @@ class LLMReplica:
                     return  # a stop string ended it; the engine still runs it until the abort below
         finally:
             del self._streams[rid]
+            self._held.release(held)
             if self._slots is not None:
                 self._slots.release()
             if not engine_done and self.core.error is None:  # cancelled, failed, or stopped by a stop string
@@ -249,6 +290,7 @@ class LLMReplica:
             # the tree's routing events since the last polls (chunkserve/router/events.py), as of now
             "events": self._relay.report(time.monotonic()),
             "as_of": time.time(),
+            "held_by_router": self._held.snapshot(),
             "metrics": self._metrics.snapshot(s),
             **({"stream_address": self._direct.address.as_tuple()} if self._direct is not None else {}),
         }

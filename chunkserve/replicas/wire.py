@@ -36,6 +36,9 @@ class GenerateRequest:
     # the router's session hint: a hash of the tenant and the request's x-session-id header (a
     # session's requests stay on its replica while load allows); None: none
     session: int | None = None
+    # the ingress process's router that sent it (chunkserve/router/direct.py ROUTER_ID): the
+    # replica reports the work it holds by router; None: not sent through a prefix router's ingress
+    router: str | None = None
 
     def __reduce__(self):
         return _received, tuple(getattr(self, f.name) for f in dataclasses.fields(self))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
@@ -36,6 +37,10 @@ class DirectRoute:
 class _Router(Protocol):
     def route_direct(self, request: Any) -> DirectRoute | None: ...
 
+
+# This process's routers' name on the wire (GenerateRequest.router): a replica reports the work it
+# holds by it, so each router adds the other routers' share to its own exact count (DESIGN §6).
+ROUTER_ID = uuid.uuid4().hex[:16]
 
 _ROUTERS: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()
 _LOOPS: dict[tuple[str, str], asyncio.AbstractEventLoop] = {}

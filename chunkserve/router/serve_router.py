@@ -44,8 +44,12 @@ route_direct        the ingress's direct stream (chunkserve/replicas/direct_stre
                       The ingress finds its process's router through chunkserve/router/direct.py (Serve
                       pickles this module by value: its globals are not the ingress's).
 
-Load units: the policy counts outstanding work in prefill tokens; a replica reports requests
-(running + waiting), converted with the mean work of the requests this router routed lately.
+Load units: the policy counts outstanding work in prefill tokens. A replica reports what it holds
+by router (`held_by_router`, keyed by each ingress process's `direct.ROUTER_ID`, which the ingress
+puts on every GenerateRequest): the other routers' share, converted to work, is added to this
+router's exact count of its own (PrefixPolicy.set_others). A replica without that report gives
+requests (running + waiting), converted with the mean work of the requests this router routed
+lately.
 """
 
 from __future__ import annotations
@@ -179,7 +183,7 @@ class PrefixAffinityRouter(RequestRouter):
         if not self._policy_ids:
             return
         wall, mono = time.time(), time.monotonic()
-        loads: dict[str, float] = {}
+        views: dict[str, ReplicaView] = {}
         for r in replicas:
             uid = r.replica_id.unique_id
             stats = r.routing_stats
@@ -192,17 +196,32 @@ class PrefixAffinityRouter(RequestRouter):
                 continue
             self._stats_seen[uid] = key
             load = None
-            if self._mean_cost > 0 and "running" in stats:
+            others = self._others_work(stats.get("held_by_router"))
+            if others is None and self._mean_cost > 0 and "running" in stats:
                 load = (stats.get("running", 0) + stats.get("waiting", 0)) * self._mean_cost
             events = stats.get("events")
             if events is not None:
                 # the replica's wall clock -> this router's monotonic clock (clocks assumed synced)
                 as_of = mono - max(0.0, wall - float(stats.get("as_of", wall)))
                 self._policy.index.apply_events(uid, events, as_of)
-            if load is not None:
-                loads[uid] = load
-        if loads:  # one pass over the members, not one per report
-            self._policy.update_replicas(ReplicaView(u, loads.get(u)) for u in self._policy_ids)
+            if others is not None:
+                views[uid] = ReplicaView(uid, others=others)
+            elif load is not None:
+                views[uid] = ReplicaView(uid, load)
+        if views:  # one pass over the members, not one per report
+            self._policy.update_replicas(views.get(u) or ReplicaView(u) for u in self._policy_ids)
+
+    def _others_work(self, held: Any) -> float | None:
+        """The work a replica reported holding from the other routers (its `held_by_router`:
+        router id -> [requests, prompt tokens, cached tokens, max_tokens]), in the policy's units;
+        None if it reports none (an older replica: its running + waiting count stands in)."""
+        if not isinstance(held, dict):
+            return None
+        dw, work = self._policy.config.decode_weight, 0.0
+        for router, (_, prompt, cached, max_tokens) in held.items():
+            if router != direct.ROUTER_ID:
+                work += prompt - cached + dw * max_tokens
+        return work
 
     # -- decisions ------------------------------------------------------------------------------
     async def choose_replicas(
