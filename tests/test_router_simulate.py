@@ -32,6 +32,10 @@ def workloads():
 @pytest.mark.parametrize("policy", sim.POLICIES)
 @pytest.mark.parametrize("workload", sim.WORKLOADS)
 def test_every_policy_runs_every_workload(workloads, policy, workload):
+    if policy == "ray-prefix" and workload == "tenants":  # (its text tree needs tokens; tenants keeps hashes)
+        with pytest.raises(ValueError, match="tokens"):
+            sim.simulate(workloads[workload], policy)
+        return
     row = sim.simulate(workloads[workload], policy, digest_period=0.2, digest_delay=0.1)
     assert FIELDS <= set(row) and row["policy"] == policy and row["workload"] == workload
     assert 0.0 <= row["hit_rate"] <= 1.0 and 0.0 <= row["oracle_hit_rate"] <= 1.0
@@ -88,3 +92,45 @@ def test_command_line_prints_one_json_object_per_run(capsys):
     sim.main(["--policy", "ray-prefix", "--workload", "zipf", "--replicas", "4", "--requests", "128"])
     row = json.loads(capsys.readouterr().out)
     assert row["policy"] == "ray-prefix" and row["workload"] == "zipf" and row["replicas"] == 4
+
+
+def test_k_routers_and_a_scale_up_run_and_report_per_phase():
+    wl = sim.build_workload("gsp", replicas=4, requests=384, scale_up=True)
+    assert wl.final_replicas == 8 and wl.scale_at == 192
+    gaps_before = wl.requests[191].arrival - wl.requests[0].arrival
+    gaps_after = wl.requests[-1].arrival - wl.requests[192].arrival
+    assert gaps_after < gaps_before  # the rate doubles with the fleet
+    for policy in ("prefix", "approx", "pow2"):
+        row = sim.simulate(wl, policy, routers=4, digest_period=0.2, digest_delay=0.1)
+        assert row["routers"] == 4 and row["replicas"] == 4 and row["replicas_after"] == 8
+        assert row["max_mean_load"] >= 1.0 and 0.0 < row["throughput_rps"]
+    assert sim.simulate(wl, "prefix", routers=4)["hit_rate"] > sim.simulate(wl, "pow2", routers=4)["hit_rate"]
+
+
+def test_tenants_sessions_resend_their_conversation():
+    wl = sim.build_workload("tenants", replicas=2, requests=200)
+    by_session: dict = {}
+    for r in wl.requests:
+        by_session.setdefault(r.session, []).append(r)
+    turns = max(by_session.values(), key=len)
+    assert len(turns) == sim.TURNS
+    for a, b in zip(turns, turns[1:]):  # a turn's prompt extends the previous prompt and its reply
+        assert b.chain[: len(a.chain) + len(a.out_chain)] == a.chain + a.out_chain
+        assert b.prompt_tokens == a.prompt_tokens + sim.REPLY_LEN + sim.TURN_LEN
+
+
+def test_window_max_mean_is_the_worst_window():
+    t = [0.5, 1.0, 11.0, 11.5, 12.0, 12.5]
+    r = [0, 1, 0, 0, 0, 1]
+    w = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    got = sim.window_max_mean(*map(__import__("numpy").asarray, (t, r, w)), 2, 0.0, 13.0)
+    # windows [0, 10) .. [3, 13): in [0, 10) both did 1 (1.0); in [2, 12) replica 0 did 2, replica 1
+    # none: max 2 / mean 1; in [3, 13) 3 and 1: 1.5. The worst: 2
+    assert got == pytest.approx(2.0)
+
+
+def test_llmd_setup_measures_its_stage_only():
+    wl = sim.build_llmd(rate=3.0, seconds=10.0)
+    assert wl.replicas == 16 and wl.measure_from == 750 and len(wl.requests) == 750 + 30
+    row = sim.simulate(wl, "prefix")
+    assert row["requests"] == 30 and row["ttft_p90_s"] >= 0.0
