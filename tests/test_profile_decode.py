@@ -28,6 +28,9 @@ def test_union_counts_busy_time_once(intervals, busy):
         ("_fused_rms_norm_rope", "norm_rope"),
         ("_nucleus_search", "sampler"),
         ("Memcpy DtoD (Device -> Device)", "copy"),
+        ("_attend_kernel", "attention"),
+        ("_merge_kernel", "attention"),
+        ("index_elementwise_kernel<128, 4, gpu_index_kernel<index_put_kernel_impl", "kv_write"),
         ("vectorized_elementwise_kernel", "other"),
     ],
 )

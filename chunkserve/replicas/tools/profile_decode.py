@@ -8,6 +8,10 @@ device-to-device copy reaches in the same run.
     python -m chunkserve.replicas.tools.profile_decode --model llama3-8b --batch 1,8,16,32,64 \\
         --prefix 2048 --suffix 64 --kv-cache-tokens 262144
 
+    python -m chunkserve.replicas.tools.profile_decode ... --prefix 0 --suffix 1024 --arrival 1024
+                                                # nothing shared; every step also prefills a new
+                                                # 1024-token prompt (a mixed step)
+
 Rows share a `--prefix`-token prompt and have `--suffix` own tokens, as the load test's gsp; the
 engine is the replica's (CUDA graphs, async scheduling: EngineConfig's defaults on the device).
 """
@@ -27,7 +31,8 @@ from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
 
 KINDS = (  # first match wins; names as the CUDA kernels are called
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
-    ("attention", re.compile(r"tpp|attn|attention|flash|prefill|paged|decode", re.I)),
+    ("attention", re.compile(r"tpp|attn|attend|attention|merge|flash|prefill|paged|decode", re.I)),
+    ("kv_write", re.compile(r"index_put|scatter", re.I)),  # the step's K/V into the pool
     ("norm_rope", re.compile(r"norm|rope|rotary", re.I)),
     ("sampler", re.compile(r"sampl|nucleus|philox|argmax|topk|top_k|softmax|multinomial", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
@@ -76,19 +81,32 @@ def profile_batch(engine: LLMEngine, args: argparse.Namespace, batch: int, run: 
             SamplingParams(max_tokens=budget, ignore_eos=True),
         )
     sync = torch.cuda.synchronize
+    arrivals = 0
+
+    def step() -> None:  # one engine step; with --arrival, a fresh prompt of that many tokens joins it
+        nonlocal arrivals
+        if args.arrival:
+            engine.add_request(
+                f"{run}.a{arrivals}",
+                [rng.randrange(256, 30000) for _ in range(args.arrival)],
+                SamplingParams(max_tokens=1, ignore_eos=True),
+            )
+            arrivals += 1
+        engine.step()
+
     while any(len(s.output_ids) == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
     for _ in range(args.warm_steps):
-        engine.step()
+        step()
     sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
+        step()
     sync()
     wall_ms = 1e3 * (time.perf_counter() - t0) / args.steps
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            engine.step()
+            step()
         sync()
     for i in range(batch):
         engine.abort(f"{run}.{i}")
@@ -134,6 +152,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--steps", type=int, default=40, help="decode steps timed, then as many profiled")
     p.add_argument("--warm-steps", type=int, default=8)
+    p.add_argument(
+        "--arrival",
+        type=int,
+        default=0,
+        help="a fresh prompt of this many tokens (nothing shared, one output token) joins every step: "
+        "mixed steps, as under Poisson arrivals of `random` traffic",
+    )
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -172,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
                     "model": args.model,
                     "prefix": args.prefix,
                     "suffix": args.suffix,
+                    "arrival": args.arrival,
                     **profile_batch(engine, args, b, run),
                 }
             ),
