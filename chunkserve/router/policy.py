@@ -30,9 +30,14 @@ in prefill-token units (one output token = `decode_weight` prefill tokens of rep
             work bound: taking a request delays nobody) (if none: the first under them in the order's top
             row, else among a few random replicas), the best  matched − load_weight × load
             (prefill saved vs work queued), then the rendezvous rank. A prefix nobody holds goes
-            instead to the first of its order's top row whose work committed lately (work routed
-            lately + half a typical prefix's work per prefix placed there lately) is at most the
-            mean: routers with like views place alike, and placements even out.
+            instead to the first of its order's top row whose work routed lately is at most the
+            mean (and whose load is under the bound): a rule of the order and of each router's
+            sample of the same traffic, with no per-router state beyond it, so k routers place a
+            new prefix alike while their samples agree, and placements stay level.
+  joins   = a replica joining n existing ones starts with work lately at the fleet's mean, and the
+            fleet's past work is rescaled by n / (n + joined): the total (work done) is kept,
+            spread as over the larger fleet, so the old replicas' past reads as neither an excess
+            (a scale-up would send every request to the newcomers) nor a debt.
 
 Cost per decision: O(hot_sample + spare + max_holders) dict probes and chain compares; nothing is
 proportional to the replica count: the order is a row of a table kept current on membership
@@ -286,6 +291,19 @@ class DecayingArray(Decaying):
         scale = self.clock.scale(now)
         return self._v[key] / scale
 
+    def join(self, keys: Sequence[int], among: int) -> None:
+        """Keys `keys` (at 0) join `among` existing ones: the total is kept, spread as over the
+        larger set (each existing sum × among / (among + joined)), and the newcomers start at the
+        new mean. Scale-free: all stored sums share one scale."""
+        if among <= 0 or not keys:
+            return
+        v, f = self._v, among / (among + len(keys))
+        for k in range(len(v)):
+            v[k] *= f
+        mean = self._total / (among + len(keys))
+        for k in keys:
+            v[k] = mean
+
     def add(self, key: int, amount: float, now: float) -> None:
         scaled = amount * self.clock.scale(now)
         self._v[key] += scaled
@@ -411,7 +429,6 @@ class PrefixPolicy:
         self._total = 0.0  # Σ own + external
         clock = DecayClock(config.half_life_s)  # one scale computation per `now` for the three sums
         self._rate = DecayingArray(clock)  # [position] work routed lately
-        self._placed = DecayingArray(clock)  # [position] prefixes placed on it lately
         self._prefix = PrefixWork(clock, config.prefix_entries)  # prefix key -> in-flight, recent work
         self._rng = random.Random(seed)  # only for prompts with no full chunk, and wide homes
         self._last: tuple[tuple[int, ...], list] = ((), [])  # choose's chain and candidates
@@ -439,8 +456,8 @@ class PrefixPolicy:
                 self._pos[r] = len(self._own)
                 for a in (self._own, self._external, self._load):
                     a.append(0.0)
-        for d in (self._rate, self._placed):
-            d.resize(len(self._own))
+        self._rate.resize(len(self._own))
+        self._rate.join([self._pos[r] for r in added], len(self._pos) - len(added))
         self._hrw.add(added)
         for v in views:
             if v.others is not None:
@@ -456,7 +473,6 @@ class PrefixPolicy:
         self._total -= self._own[p] + self._external[p]
         self._own[p] = self._external[p] = self._load[p] = 0.0
         self._rate.drop(p)
-        self._placed.drop(p)
         self._free.append(p)
         self._hrw.remove(replica_id)
         self.index.remove_replica(replica_id)
@@ -646,21 +662,19 @@ class PrefixPolicy:
                     for r, d, load, h, ok in zip(window, depths, wloads, holds, oks)
                 ]
         if not deepest:  # nobody holds it: placed on the first replica in its rendezvous order whose
-            # work committed lately — work routed lately plus what prefixes placed there lately will
-            # still bring (half a typical prefix's work each) — is under the work bound: every router
-            # computes the same order, so while their views agree they place alike; and consistent
-            # hashing with bounded loads [Mirrokni et al.] keeps the commitments within the bound
-            placed, pt, ps = self._placed.stored(now)
-            per = 0.5 * (rt / rs) / (pt / ps if pt > ps else 1.0)
-            cbound = (rt / rs + per * pt / ps) / n  # the mean commitment
+            # work routed lately is at most the mean (or that is idle), load under the bound. Every router
+            # computes the same order and sees a like sample of the same traffic, so k routers place
+            # alike with no state of each other's; consistent hashing with bounded loads [Mirrokni
+            # et al.] keeps the placements level
+            mean = rt / n
             cands, chosen = [], None
             for r in self._hrw.order(key, TOP) if width <= cfg.hot_sample else window:
                 p = pos[r]
-                commit = rate[p] / rs + per * (placed[p] / ps)
-                if chosen is None and loads[p] <= bound and commit <= cbound:
+                load = loads[p]
+                if chosen is None and load <= bound and (rate[p] <= mean or load <= 0.0):
                     chosen = r
-                cands.append((r == chosen, -commit, 0, r))
-            if chosen is not None:  # the chosen one first, the others by least commitment
+                cands.append((r == chosen, -rate[p], 0, r))
+            if chosen is not None:  # the chosen one first, the others by least work lately
                 cands.sort(key=_SCORE, reverse=True)
                 self._last = (chain, cands)
                 return tuple(map(_ID, cands))
@@ -724,8 +738,6 @@ class PrefixPolicy:
             self._load[p] = own[p] + self._external[p]
             self._total += cost
             self._rate.add(p, cost, now)
-            if depth == 0 and key is not None:  # it held none of it: a placement
-                self._placed.add(p, 1.0, now)
         if key is not None:
             self._prefix.routed(key, cost, now)
             self.index.record(replica_id, chain, now)
