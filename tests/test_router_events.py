@@ -149,6 +149,18 @@ def test_a_gap_is_bridged_then_resynced_from_a_snapshot():
     assert index.synced("r") == (e, 6, True)
 
 
+def test_an_inexact_index_takes_a_snapshot_of_the_seq_it_holds():
+    """A router that missed a delta, then saw the next one, holds the latest seq but is inexact:
+    an idle replica's next report (no new seq, a periodic snapshot) resyncs it."""
+    index = PrefixIndex()
+    e = 7
+    index.apply_events("r", (e, 1, ((1, 1, (1, 2), ()),), None), 0.0)
+    assert not index.apply_events("r", (e, 3, ((3, 3, (4,), ()),), None), 0.0)  # 2 (evicting 1) missed
+    assert index.published("r") == {1, 2, 4}
+    assert index.apply_events("r", (e, 3, (), (2, 4)), 0.0) and index.published("r") == {2, 4}
+    assert index.synced("r") == (e, 3, True)
+
+
 def test_a_new_epoch_drops_the_old_entries():
     index = PrefixIndex()
     index.apply_events("r", (1, 9, ((9, 9, (1, 2, 3), ()),), None), 0.0)

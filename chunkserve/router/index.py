@@ -200,7 +200,7 @@ class PrefixIndex:
             held = self._digest[replica_id] = set()
             sync = self._sync[replica_id] = [epoch, 0, True]
         at = sync[1]
-        if seq > at:
+        if seq > at or snapshot is not None and not sync[2]:  # (inexact: a snapshot of its seq resyncs it too)
             i = len(deltas)
             while i and deltas[i - 1][1] > at:  # from the newest back: the deltas after `at`
                 i -= 1
