@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from chunkserve.replicas.engine import EngineConfig, LLMEngine
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.prefix_tree import PrefixTree
+from chunkserve.replicas.kv_pool import HostPool, KVPool
+from chunkserve.replicas.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.sequence import SamplingParams
 from chunkserve.replicas.tree_events import RouteEvents
 from chunkserve.router.events import ChunkLog, Relay
@@ -24,42 +24,59 @@ C = 4  # chunk size of the tree tests
 SEED = model_seed("tiny")
 
 
-def make_tree(num_chunks: int, route_chunks: int = 3, max_delta: int = 4096) -> PrefixTree:
+def make_tree(num_chunks: int, route_chunks: int = 3, max_delta: int = 4096, host_chunks: int = 0) -> PrefixTree:
+    """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
     pool = KVPool(
         num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8, device="cpu"
     )
-    tree = PrefixTree(pool)
+    tree = PrefixTree(pool, HostPool(pool, host_chunks) if host_chunks else None)
     tree.events = RouteEvents(tree, SEED, route_chunks, max_delta)
     return tree
 
 
-def serve(tree: PrefixTree, tokens: list[int], salt: str | None, now: int) -> None:
-    """One request through the tree as the scheduler drives it: match, fill the rest chunk by
-    chunk (evicting as needed), finish (its chunks stay cached)."""
+def serve(tree: PrefixTree, tokens: list[int], salt: str | None, now: int, max_load: int = 99) -> None:
+    """One request through the tree as the scheduler drives it: match, load back up to
+    `max_load` chunks of what of it is in the host tier (the scheduler's room), fill the rest
+    chunk by chunk (evicting or spilling as needed; a chunk recomputed over its host copy takes
+    the node over), finish (its chunks stay cached)."""
     path = tree.match(tokens, len(tokens), salt)
-    tree.acquire(path, now)
-    parent = path[-1] if path else tree.root_for(salt)
+    on_gpu = next((i for i, n in enumerate(path) if n.tier == HOST), len(path))
+    tree.acquire(path[:on_gpu], now)
+    host_run = path[on_gpu : on_gpu + max_load]
+    path = path[: on_gpu + (tree.load(host_run, now) if host_run else 0)]
     for k in range(len(path), len(tokens) // C):
         cid = tree.alloc()
         assert cid is not None  # (prompts fit the pool: every other chunk is evictable)
-        parent = tree.insert(parent, tuple(tokens[k * C : (k + 1) * C]), cid, now)
+        # (the root after the alloc: evicting a salt's last chunk takes its root)
+        parent = tree.insert(path[-1] if path else tree.root_for(salt), tuple(tokens[k * C : (k + 1) * C]), cid, now)
         path.append(parent)
+    if tree.host is not None:
+        tree.host.flush()
     tree.release(path, now)
 
 
 def truth(tree: PrefixTree, route_chunks: int) -> set[int]:
     """The routable hashes of the tree, made from each node's path of tokens as the ingress
     hashes a prompt (not from the events' hashes)."""
+    return truth_tiers(tree, route_chunks)[0]
+
+
+def truth_tiers(tree: PrefixTree, route_chunks: int) -> tuple[set[int], set[int]]:
+    """(the routable hashes of the tree, those of them whose node is in the host tier)."""
     out: set[int] = set()
+    host: set[int] = set()
     for salt, root in tree.roots.items():
         stack = [(n, list(n.tokens)) for n in root.children.values()]
         while stack:
             node, tokens = stack.pop()
             if len(tokens) // C > route_chunks:
                 continue
-            out.add(chunk_hashes(tokens, C, route_chunks, cache_seed(SEED, salt))[-1])
+            h = chunk_hashes(tokens, C, route_chunks, cache_seed(SEED, salt))[-1]
+            out.add(h)
+            if node.tier == HOST:
+                host.add(h)
             stack.extend((n, tokens + list(n.tokens)) for n in node.children.values())
-    return out
+    return out, host
 
 
 # -- the log and the relay ---------------------------------------------------------------------------
@@ -115,6 +132,38 @@ def test_relay_repeats_recent_cuts_and_snapshots_when_due():
     assert relay.report(12.0)[3] is not None and relay.report(17.0)[3] is None  # for ring_s
 
 
+def test_log_and_relay_carry_tier_changes_netted():
+    """A spill or a load is the hash stored again at its new tier (~h: the host tier); a change
+    undone before the next take is none; snapshots are tier-coded too."""
+    log, relay = ChunkLog(max_delta=4), Relay(max_delta=4, ring_s=5.0, snapshot_s=10.0)
+    relay.apply(log.take())
+    log.stored(1)
+    log.stored(2)
+    log.moved(2, host=True)  # stored then spilled since the last take: stored in the host tier
+    relay.apply(pub := log.take())
+    assert pub[2] == ((2, 2, (1, ~2), ()),) and (relay.held, relay.host) == ({1, 2}, {2})
+    log.moved(1, host=True)
+    log.moved(1, host=False)  # spilled and loaded back: no change
+    assert log.take() is None
+    log.moved(2, host=False)  # loaded back
+    log.moved(1, host=True)  # spilled
+    relay.apply(pub := log.take())
+    assert pub[2] == ((3, 3, (2, ~1), ()),) and (relay.held, relay.host) == ({1, 2}, {1})
+    log.evicted(1)  # (from the host tier: a plain eviction)
+    relay.apply(pub := log.take())
+    assert pub[2] == ((4, 4, (), (1,)),) and (relay.held, relay.host) == ({2}, set())
+    for h in (5, 6, 7, 8, 9):
+        log.stored(h, host=h % 2 == 1)  # (a restart lists spilled nodes in their tier)
+    relay.apply(pub := log.take())  # more than max_delta: a snapshot, tier-coded
+    assert pub[3] is not None and set(pub[3]) == {2, ~5, 6, ~7, 8, ~9}
+    assert (relay.held, relay.host) == ({2, 5, 6, 7, 8, 9}, {5, 7, 9})
+    report = relay.report(0.0)  # the relay's own snapshot: tier-coded as well
+    assert set(report[3]) == {2, ~5, 6, ~7, 8, ~9}
+    log.moved(5, host=False)
+    relay.apply(log.take())
+    assert relay.report(1.0)[2][-1] == (6, 6, (5,), ()) and relay.host == {7, 9}  # loaded back
+
+
 # -- the index ---------------------------------------------------------------------------------------
 
 
@@ -147,6 +196,37 @@ def test_a_gap_is_bridged_then_resynced_from_a_snapshot():
     assert index.apply_events("r", (e, 6, ((6, 6, (7,), ()),), (5, 6, 7)), 0.0)
     assert index.published("r") == {5, 6, 7} and index.holders((2,), 4) == ()
     assert index.synced("r") == (e, 6, True)
+
+
+def test_the_index_keeps_each_hashs_tier_through_deltas_gaps_and_snapshots():
+    index = PrefixIndex()
+    e = 7
+    assert index.apply_events("r", (e, 1, ((1, 1, (1, 2, 3), ()),), None), 0.0)
+    assert index.apply_events("other", (5, 1, ((1, 1, (1, 2), ()),), None), 0.0)
+    assert index.host_depths(["r", "other"], (1, 2, 3), [3, 2]) is None  # nobody has a host tier
+    # 3 then 2 spilled (stored again as ~h): still held, no second holder entry
+    assert index.apply_events("r", (e, 2, ((2, 2, (~3, ~2), ()),), None), 0.0)
+    assert index.published("r") == {1, 2, 3} and index.published_host("r") == {2, 3}
+    assert index.depths(["r"], (1, 2, 3, 4)) == [3]  # both tiers count as held (cached_tokens)
+    assert index.host_depths(["r", "other"], (1, 2, 3, 4), [3, 2]) == [2, 0]
+    assert index.host_depths(["r"], (1, 2, 3), [1]) is None  # (its first chunk is on the GPU)
+    # 2 loaded back, 4 stored, 3 evicted from the host tier
+    assert index.apply_events("r", (e, 3, ((3, 3, (2, 4), (3,)),), None), 0.0)
+    assert index.published("r") == {1, 2, 4} and index.published_host("r") == set()
+    index.remove_replica("other")
+    assert index.holders((1, 2), 4) == ("r",)  # (the reverse map: one entry each)
+    # a gap: what it can, tiers included; the next snapshot (tier-coded) makes it exact
+    assert not index.apply_events("r", (e, 5, ((5, 5, (~4, ~6), ()),), None), 0.0)
+    assert index.published("r") == {1, 2, 4, 6} and index.published_host("r") == {4, 6}
+    assert index.apply_events("r", (e, 6, (), (1, ~2, ~7)), 0.0)
+    assert index.published("r") == {1, 2, 7} and index.published_host("r") == {2, 7}
+    assert index.host_depths(["r"], (1, 2, 7), [3]) == [2]
+    # a record of a longer chain than the replica published: its host part is that of the published prefix
+    index.record("r", (1, 2, 7, 8, 9), now=1.0)
+    assert index.depths(["r"], (1, 2, 7, 8, 9)) == [5] and index.host_depths(["r"], (1, 2, 7, 8, 9), [5]) == [2]
+    # a new epoch drops the tiers with the set
+    assert index.apply_events("r", (8, 1, ((1, 1, (1,), ()),), None), 2.0)
+    assert index.published_host("r") == set() and index.host_depths(["r"], (1, 2), [1]) is None
 
 
 def test_an_inexact_index_takes_a_snapshot_of_the_seq_it_holds():
@@ -208,54 +288,98 @@ def test_a_router_that_stalls_past_the_ring_is_exact_again_within_one_snapshot_p
 
 # -- against the tree ------------------------------------------------------------------------------
 
-OPS = st.lists(
-    st.one_of(
-        st.tuples(st.just("serve"), st.integers(0, 3), st.integers(0, 5), st.sampled_from([None, None, "t1", "t2"])),
-        st.tuples(st.just("report"), st.booleans()),  # (True: the lagging router misses it)
-        st.tuples(st.just("evict_all")),
+_OP_ARGS = {
+    "serve": st.tuples(  # (base prompt, extra chunks of it, salt, most chunks loaded back)
+        st.just("serve"),
+        st.integers(0, 3),
+        st.integers(0, 5),
+        st.sampled_from([None, None, "t1", "t2"]),
+        st.integers(0, 6),
     ),
-    max_size=60,
+    "report": st.tuples(st.just("report"), st.booleans()),  # (True: the lagging router misses it)
+    "evict_all": st.just(("evict_all",)),
+    "spill_all": st.just(("spill_all",)),  # every cached GPU chunk to the host tier (as room allows)
+}
+OPS = st.lists(  # serves and reports the most, resets and spills of everything now and then
+    st.sampled_from(["serve"] * 5 + ["report"] * 4 + ["evict_all", "spill_all"]).flatmap(_OP_ARGS.__getitem__),
+    min_size=20,
+    max_size=80,
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.integers(1, 6))
-def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta):
-    """Random requests (shared prefixes, salts, eviction under a small pool) and pool resets on a
-    real PrefixTree; its events through a Relay to two routers' indexes, one seeing every report,
-    one missing some. After every report the first equals the tree's routable set, as an index
-    built from that report's snapshot would; the second equals it whenever it says it is exact,
-    and after the next snapshot."""
-    route_chunks = 3
-    tree = make_tree(num_chunks=10, route_chunks=route_chunks, max_delta=max_delta)
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.sampled_from([1, 3, 6, 64]), st.sampled_from([0, 6, 40]), st.sampled_from([3, 6]))
+def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta, host_chunks, route_chunks):
+    """Random requests (shared prefixes, salts, eviction under a small pool: with a host tier,
+    spills, loads back, recomputes over a host copy and the host tier's own evictions) and pool
+    resets on a real PrefixTree; its events through a Relay to two routers' indexes, one seeing
+    every report, one missing some. After every report the first equals the tree's routable set
+    and each hash's tier, as an index built from that report's snapshot would; the second equals
+    them whenever it says it is exact, and after the next snapshot."""
+    tree = make_tree(num_chunks=10, route_chunks=route_chunks, max_delta=max_delta, host_chunks=host_chunks)
     relay = Relay(max_delta=max_delta, ring_s=3.0, snapshot_s=5.0)
     every, lagging = PrefixIndex(), PrefixIndex()
     bases = [[b * 50 + i for i in range(6 * C)] for b in range(4)]
     t = 0.0
     for now, op in enumerate(ops, 1):
         if op[0] == "serve":
-            _, base, extra, salt = op
-            serve(tree, bases[base][: (1 + extra) * C] + [999 - now] * 2, salt, now)
+            _, base, extra, salt, max_load = op
+            serve(tree, bases[base][: (1 + extra) * C] + [999 - now] * 2, salt, now, max_load)
         elif op[0] == "evict_all":
             tree.evict_all()
+        elif op[0] == "spill_all":
+            tree.spill_all()
+            if tree.host is not None:
+                tree.host.flush()
         else:
             events = tree.events.take()
             if events is not None:
                 relay.apply(events)
             t += 1.0
             report = relay.report(t)
-            want = truth(tree, route_chunks)
-            assert relay.held == want
-            assert every.apply_events("r", report, t) and every.published("r") == want
+            want, want_host = truth_tiers(tree, route_chunks)
+            assert (relay.held, relay.host) == (want, want_host)
+            assert every.apply_events("r", report, t)
+            assert (every.published("r"), every.published_host("r")) == (want, want_host)
             if report[3] is not None:
                 fresh = PrefixIndex()
-                assert fresh.apply_events("r", report, t) and fresh.published("r") == want
+                assert fresh.apply_events("r", report, t)
+                assert (fresh.published("r"), fresh.published_host("r")) == (want, want_host)
             if not op[1] and lagging.apply_events("r", report, t):
-                assert lagging.published("r") == want
+                assert (lagging.published("r"), lagging.published_host("r")) == (want, want_host)
         tree.check([])
     relay.apply(tree.events.take() or (relay.epoch, relay.seq, (), None))
     report = relay.report(t + 10.0)  # snapshot_s later: a snapshot
-    assert lagging.apply_events("r", report, t) and lagging.published("r") == truth(tree, route_chunks)
+    assert lagging.apply_events("r", report, t)
+    assert (lagging.published("r"), lagging.published_host("r")) == truth_tiers(tree, route_chunks)
+
+
+def test_spills_and_loads_reach_the_index_as_tiers():
+    """A real tree with a host tier: a prompt's chunks spill (deepest first), the router sees
+    them in the host tier at the tail of its chain, and again on the GPU once a request loads
+    them back."""
+    tree = make_tree(num_chunks=4, route_chunks=4, host_chunks=8)
+    relay, index = Relay(), PrefixIndex()
+    a, b = list(range(4 * C)), [100 + t for t in range(3 * C)]
+    chain = tuple(chunk_hashes(a, C, 4, SEED))
+
+    def report(t: float) -> None:
+        relay.apply(tree.events.take())
+        assert index.apply_events("r", relay.report(t), t)
+
+    serve(tree, a, None, 1)
+    report(1.0)
+    assert index.depths(["r"], chain) == [4] and index.host_depths(["r"], chain, [4]) is None
+    serve(tree, b, None, 2)  # three chunks: a's last three spill
+    report(2.0)
+    assert index.published_host("r") == set(chain[1:]) and index.host_depths(["r"], chain, [4]) == [3]
+    assert index.depths(["r"], chain) == [4]  # (still held: loaded back, not recomputed)
+    serve(tree, a, None, 3, max_load=1)  # loads one back (spilling b's) and recomputes two over their copies
+    report(3.0)
+    assert (
+        index.published_host("r") == set(chunk_hashes(b, C, 4, SEED)) and index.host_depths(["r"], chain, [4]) is None
+    )
+    assert relay.host == index.published_host("r") and tree.host.counters.host_loads == 1
 
 
 def test_salted_and_deep_chunks_hash_as_the_ingress_hashes_prompts():

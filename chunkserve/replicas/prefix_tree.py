@@ -24,11 +24,14 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable
 from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING
 
 from chunkserve.replicas.kv_pool import HostPool, KVPool
 from chunkserve.replicas.sequence import Sequence
-from chunkserve.replicas.tree_events import RouteEvents
 from chunkserve.router.hashing import cache_seed, chunk_hashes
+
+if TYPE_CHECKING:
+    from chunkserve.replicas.tree_events import RouteEvents  # (which imports this module)
 
 GPU, HOST = 0, 1  # Node.tier: where its chunk id points (the GPU pool, the host pool)
 
@@ -71,7 +74,8 @@ class PrefixTree:
         self._evictable: list[tuple[int, int, Node]] = []
         self._host_evictable: list[tuple[int, int, Node]] = []  # the same over host leaves
         self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
-        self.events: RouteEvents | None = None  # routing events (DESIGN §6): told of each store and eviction
+        # routing events (DESIGN §6): told of each store, eviction and change of tier
+        self.events: RouteEvents | None = None
 
     # -- lookups --------------------------------------------------------------------------
     def root_for(self, salt: str | None) -> Node:
@@ -147,6 +151,8 @@ class PrefixTree:
             n.tier, n.chunk_id, n.ref, n.last_use = GPU, cid, 1, now
             n.parent.gpu_children += 1
             loaded += 1
+            if self.events is not None:
+                self.events.moved(n)
         return loaded
 
     # -- growth -----------------------------------------------------------------------------
@@ -163,6 +169,8 @@ class PrefixTree:
             self.num_host -= 1
             existing.tier, existing.chunk_id, existing.ref, existing.last_use = GPU, chunk_id, 1, now
             parent.gpu_children += 1
+            if self.events is not None:
+                self.events.moved(existing)
             return existing
         if existing is not None:
             self.pool.free(chunk_id)
@@ -220,7 +228,7 @@ class PrefixTree:
                 continue
             node = entry[2]
             if spill and self.host is not None:
-                self._spill(node)  # (still in the tree, matched: no routing event)
+                self._spill(node)  # (still in the tree, matched: a change of tier)
             else:
                 self._remove(node)
             return True
@@ -247,6 +255,8 @@ class PrefixTree:
         node.tier, node.chunk_id = HOST, hid
         self.num_cached -= 1
         self.num_host += 1
+        if self.events is not None:  # routing events: the one spill point
+            self.events.moved(node)
         if not node.children:
             self._push_host_evictable(node)
         parent = node.parent

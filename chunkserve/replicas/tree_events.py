@@ -1,7 +1,9 @@
 """The prefix tree's routing events: the chained hash of each node it stores or evicts, at most
-`route_chunks` deep, into a ChunkLog (chunkserve/router/events.py; DESIGN §6).
+`route_chunks` deep, and each such node's tier changes, into a ChunkLog (chunkserve/router/events.py;
+DESIGN §6).
 
-The tree calls `stored` at its one insertion point and `evicted` at its one eviction point
+The tree calls `stored` at its one insertion point, `evicted` at its one eviction point, and
+`moved` where a node changes tier (a spill to the host tier, a load or a recompute back to the GPU)
 (PrefixTree.events). A node's hash is made once, when it is stored, from its parent's (kept on
 the node, `Node.hash`), and the log keeps each held hash's (depth, seed), so a change costs one
 xxh3 call and O(1) dict work: events cost O(changes), never a walk of the tree. The hashes are
@@ -11,13 +13,9 @@ cache salt), so the router matches prompts against them directly.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from chunkserve.replicas.prefix_tree import HOST, Node, PrefixTree
 from chunkserve.router.events import MAX_DELTA, ChunkLog, Events
 from chunkserve.router.hashing import cache_seed, chunk_hashes
-
-if TYPE_CHECKING:
-    from chunkserve.replicas.prefix_tree import Node, PrefixTree
 
 
 class RouteEvents:
@@ -30,7 +28,7 @@ class RouteEvents:
         self._store_all()
 
     def stored(self, node: Node, parent: Node) -> None:
-        """`node` entered the tree under `parent`."""
+        """`node` entered the tree under `parent` (or is listed at a restart, in its tier)."""
         if parent.chunk_id < 0:  # a root: the chain starts at its salt's seed
             depth, seed, after = 1, cache_seed(self.seed, self.tree.salt_of(parent)), None
         else:
@@ -39,12 +37,17 @@ class RouteEvents:
                 return
             depth, seed, after = tag[0] + 1, tag[1], parent.hash
         h = node.hash = chunk_hashes(node.tokens, self.tree.c, 1, seed, after=after)[0]
-        self.log.stored(h, (depth, seed))
+        self.log.stored(h, (depth, seed), node.tier == HOST)
 
     def evicted(self, node: Node) -> None:
         """`node` left the tree."""
         if node.hash is not None and node.hash in self.log.held:
             self.log.evicted(node.hash)
+
+    def moved(self, node: Node) -> None:
+        """`node` changed tier (now `node.tier`)."""
+        if node.hash is not None and node.hash in self.log.held:
+            self.log.moved(node.hash, node.tier == HOST)
 
     def restart(self) -> None:
         """The pool was reset: a new epoch, holding what the tree still holds."""

@@ -14,10 +14,18 @@ chunkserve):
     Events = (epoch, seq, deltas, snapshot)
       deltas:   tuple of Delta, consecutive (each first_seq is the previous last_seq + 1), the last
                 ending at seq; possibly empty
-      snapshot: the whole set at seq (a tuple of hashes), or None
+      snapshot: the whole set at seq (a tuple of tier-coded hashes, below), or None
     Delta  = (first_seq, last_seq, stored, evicted)
       the net change over publications first_seq .. last_seq: tuples of hashes, disjoint, so
-      applying one is O(its length) in any order
+      applying one is O(its length) in any order. `stored` is tier-coded: h, the hash is held in
+      the GPU tier as of last_seq; ~h (bitwise not: negative), in the host tier. A hash that
+      changed tier (a spill, GPU -> host; a load, host -> GPU) is stored again at its new tier;
+      `evicted` hashes left the tree (from either tier).
+
+The tier (DESIGN §3 "Host tier") costs no field: a hash is in [0, 2^64), so its sign is free, and a
+replica without a host tier publishes exactly what it did before. Changes are netted per hash
+against its state at the last cut (absent, GPU, host): a hash stored then evicted, or spilled then
+loaded back, since then is no change at all.
 
 A follower at (epoch, s) applies the deltas after s; one of another epoch drops what it held (that
 life of the tree is over) and starts from the empty set at seq 0; one whose next delta is missing
@@ -54,45 +62,88 @@ def new_epoch() -> int:
     return int.from_bytes(os.urandom(8), "little") >> 1
 
 
-def _note(pending: dict[int, bool], h: int, stored: bool) -> None:
-    """Net one change into `pending` (hash -> stored since the last cut, or evicted): a hash
-    evicted then stored again (or the reverse) since the last cut is no change at all."""
-    if pending.get(h) is (not stored):
-        del pending[h]
-    else:
-        pending[h] = stored
+OUT, GPU, HOST = 0, 1, 2  # a hash's state in a published set: absent, held in the GPU tier, in the host tier
 
 
-def _split(pending: dict[int, bool]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return tuple([h for h, s in pending.items() if s]), tuple([h for h, s in pending.items() if not s])
+def _note(pending: dict[int, tuple[int, int]], h: int, was: int, now: int) -> None:
+    """Net one change of hash `h`, from state `was` to `now`, into `pending` (hash -> (its state
+    at the last cut, its state now), for the hashes whose state differs): a hash evicted then
+    stored again at its tier (or spilled then loaded back) since the last cut is no change."""
+    first = pending.pop(h, None)
+    if first is not None:
+        was = first[0]
+    if was != now:
+        pending[h] = (was, now)
+
+
+def _split(pending: dict[int, tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A delta's (stored, evicted) from `pending`: stored tier-coded (h: GPU, ~h: host)."""
+    stored = tuple([h if now == GPU else ~h for h, (_, now) in pending.items() if now])
+    return stored, tuple([h for h, (_, now) in pending.items() if not now])
+
+
+def tier_coded(held: set[int] | dict[int, Any], host: set[int]) -> tuple[int, ...]:
+    """A snapshot of `held` (hashes; `host`: those of them in the host tier), tier-coded."""
+    if not host:
+        return tuple(held)
+    return tuple([~h if h in host else h for h in held])
+
+
+def decode(coded: tuple[int, ...] | list[int]) -> tuple[set[int], set[int]]:
+    """(every hash, the host tier's) of a tier-coded snapshot."""
+    host = {~x for x in coded if x < 0}
+    if not host:
+        return set(coded), host
+    return {x for x in coded if x >= 0} | host, host
 
 
 class ChunkLog:
-    """The publishing end, in the engine process: the routable set and its changes since the last
-    `take`, netted (a hash stored and evicted in between is no change). O(1) a change.
+    """The publishing end, in the engine process: the routable set, each hash's tier, and their
+    changes since the last `take`, netted (a hash stored and evicted in between, or spilled and
+    loaded back, is no change). O(1) a change.
 
-    held: hash -> the caller's tag for it (the tree's hook keeps (depth, seed) there)."""
+    held: hash -> the caller's tag for it (the tree's hook keeps (depth, seed) there); host: the
+    held hashes in the host tier."""
 
     def __init__(self, max_delta: int = MAX_DELTA):
         self.max_delta = max_delta
         self.held: dict[int, Any] = {}
+        self.host: set[int] = set()
         self.epoch = new_epoch()
         self.seq = 0
-        self._pending: dict[int, bool] = {}
+        self._pending: dict[int, tuple[int, int]] = {}
         self._fresh = True  # the epoch's first publication (a snapshot) is due
 
-    def stored(self, h: int, tag: Any = None) -> None:
+    def stored(self, h: int, tag: Any = None, host: bool = False) -> None:
+        """`h` entered the set (in the host tier if `host`: a restart listing a spilled node)."""
         self.held[h] = tag
-        _note(self._pending, h, True)
+        if host:
+            self.host.add(h)
+        _note(self._pending, h, OUT, HOST if host else GPU)
 
     def evicted(self, h: int) -> None:
         del self.held[h]
-        _note(self._pending, h, False)
+        host = self.host
+        if h in host:
+            host.remove(h)
+            _note(self._pending, h, HOST, OUT)
+        else:
+            _note(self._pending, h, GPU, OUT)
+
+    def moved(self, h: int, host: bool) -> None:
+        """Held `h` changed tier: spilled to the host tier (`host`), or loaded back to the GPU."""
+        if host:
+            self.host.add(h)
+            _note(self._pending, h, GPU, HOST)
+        else:
+            self.host.remove(h)
+            _note(self._pending, h, HOST, GPU)
 
     def reset(self) -> None:
         """A new epoch from the empty set (the caller stores what its tree still holds)."""
         self.epoch, self.seq = new_epoch(), 0
         self.held.clear()
+        self.host.clear()
         self._pending.clear()
         self._fresh = True
 
@@ -105,7 +156,7 @@ class ChunkLog:
         self.seq += 1
         seq = self.seq
         if self._fresh or len(pending) > self.max_delta:
-            out: Events = (self.epoch, seq, (), tuple(self.held))
+            out: Events = (self.epoch, seq, (), tier_coded(self.held, self.host))
         else:
             out = (self.epoch, seq, ((seq, seq, *_split(pending)),), None)
         pending.clear()
@@ -122,7 +173,8 @@ class Relay:
         self.epoch: int | None = None
         self.seq = 0
         self.held: set[int] = set()
-        self._pending: dict[int, bool] = {}  # net change since the last cut
+        self.host: set[int] = set()  # the held hashes in the host tier
+        self._pending: dict[int, tuple[int, int]] = {}  # net change since the last cut
         self._cut_seq = 0  # the last seq a cut covers
         self._ring: deque[tuple[float, Delta]] = deque()  # (when cut, delta), oldest first
         self._ring_size = 0  # hashes in the ring's deltas
@@ -133,31 +185,51 @@ class Relay:
     def apply(self, events: Events) -> None:
         """One publication of the engine's ChunkLog. O(changes); a snapshot O(set)."""
         epoch, seq, deltas, snapshot = events
-        held, pending = self.held, self._pending
+        held, host, pending = self.held, self.host, self._pending
         if epoch != self.epoch:  # a new engine or a reset pool: start from the epoch's empty set
             self.epoch, self._cut_seq = epoch, 0
             held.clear()
+            host.clear()
             pending.clear()
             self._ring.clear()
             self._ring_size = 0
             self._snapshot_until = float("inf")  # (set to ring_s from the next report)
         if snapshot is not None:  # the epoch's first, or an overflow: its difference is the change
-            new = set(snapshot)
+            new, new_host = decode(snapshot)
             for h in held - new:
-                _note(pending, h, False)
+                _note(pending, h, HOST if h in host else GPU, OUT)
             for h in new - held:
-                _note(pending, h, True)
-            self.held = new
+                _note(pending, h, OUT, HOST if h in new_host else GPU)
+            for h in (host ^ new_host) & held & new:  # held before and after, in the other tier
+                _note(pending, h, HOST if h in host else GPU, HOST if h in new_host else GPU)
+            self.held, self.host = new, new_host
         else:
             for _, _, stored, evicted in deltas:
                 for h in evicted:
                     if h in held:
                         held.remove(h)
-                        _note(pending, h, False)
-                for h in stored:
-                    if h not in held:
-                        held.add(h)
-                        _note(pending, h, True)
+                        if h in host:
+                            host.remove(h)
+                            _note(pending, h, HOST, OUT)
+                        else:
+                            _note(pending, h, GPU, OUT)
+                for x in stored:
+                    if x >= 0:  # now in the GPU tier
+                        if x not in held:
+                            held.add(x)
+                            _note(pending, x, OUT, GPU)
+                        elif x in host:
+                            host.remove(x)
+                            _note(pending, x, HOST, GPU)
+                    else:  # now in the host tier
+                        h = ~x
+                        if h not in held:
+                            held.add(h)
+                            host.add(h)
+                            _note(pending, h, OUT, HOST)
+                        elif h not in host:
+                            host.add(h)
+                            _note(pending, h, GPU, HOST)
         self.seq = seq
 
     def report(self, now: float) -> Events | None:
@@ -189,7 +261,7 @@ class Relay:
             self._snapshot_until = now + self.ring_s
         snapshot = None
         if now < self._snapshot_until or now - self._snapshot_at >= self.snapshot_s:
-            snapshot = tuple(self.held)
+            snapshot = tier_coded(self.held, self.host)
             self._snapshot_at = now
             changed = True
         elif self._report is not None and self._report[3] is not None:

@@ -10,6 +10,13 @@ Two sources, merged per replica:
     supersedes every own record of that replica last refreshed at or before `as_of`: those are
     dropped.
 
+Tiers: a published hash is in the replica's GPU tier or its host tier (the events' tier coding,
+chunkserve/router/events.py); the index keeps each replica's host-tier hashes, a subset of its set
+(`_host`). `depths` counts both tiers (what the replica will report as cached: a host chunk is
+loaded back, not recomputed); `host_depths` says how much of that is in the host tier, which the
+policy credits at a fraction of a GPU hit. On a tree path the GPU nodes come first, so the host
+part of a held prefix is its tail.
+
 A published set is prefix-closed along every chain (a tree node implies its ancestors), so the
 depth a replica's set holds is found by binary search over the chain; a recorded chain holds exactly
 its own prefixes, so the depth from own records is the longest common prefix with one of them. Both
@@ -142,6 +149,8 @@ class PrefixIndex:
         # without a record without touching their (cold) per-replica maps.
         self._recorded: dict[int, dict[str, tuple]] = {}
         self._digest: dict[str, set[int]] = {}  # replica -> the hashes it published (as of its last report)
+        # replica -> those of its published hashes in its host tier (events' ~h); no entry while none
+        self._host: dict[str, set[int]] = {}
         # replica -> [epoch, seq, exact] of its chunk-tree events applied (chunkserve/router/events.py);
         # exact: no gap since the epoch's start or the last snapshot
         self._sync: dict[str, list] = {}
@@ -227,15 +236,23 @@ class PrefixIndex:
         return None if sync is None else (sync[0], sync[1], sync[2])
 
     def published(self, replica_id: str) -> frozenset[int]:
-        """The hashes `replica_id`'s reports say it holds (a copy)."""
+        """The hashes `replica_id`'s reports say it holds, in either tier (a copy)."""
         return frozenset(self._digest.get(replica_id, ()))
+
+    def published_host(self, replica_id: str) -> frozenset[int]:
+        """Those of `published` its reports say are in its host tier (a copy)."""
+        return frozenset(self._host.get(replica_id, ()))
 
     def _apply_delta(self, replica_id: str, held: set[int], delta: tuple, exact: bool) -> None:
         """One delta into `held` and the reverse map, O(its hashes). Exact (no gap before it): its
         evicted hashes are all held and its stored ones none, so the set work is two C calls and
         each hash one dict operation (most have this replica as their only holder: inline).
-        After a gap, only what changes anything is applied."""
+        After a gap, only what changes anything is applied. With tiers in play (a host-coded hash
+        in the delta, or host hashes held before it), the tiers are set first, and a stored hash
+        already held (a tier change) is no new holder: only the others are applied, as after a gap."""
         _, _, stored, evicted = delta
+        if replica_id in self._host or stored and min(stored) < 0:
+            stored, exact = self._apply_tiers(replica_id, stored, evicted), False
         holders = self._digest_holders
         if not exact:
             evicted = held.intersection(evicted)
@@ -254,9 +271,38 @@ class PrefixIndex:
             if add(h, one) is not one:  # (others hold it too)
                 _add_holder(holders, h, replica_id)
 
+    def _apply_tiers(self, replica_id: str, stored: Sequence[int], evicted: Sequence[int]) -> list[int]:
+        """A delta's tiers into `replica_id`'s host set; returns its stored hashes, decoded."""
+        host = self._host.get(replica_id)
+        if host is None:
+            host = set()
+        host.difference_update(evicted)
+        out = []
+        for x in stored:
+            if x < 0:
+                x = ~x
+                host.add(x)
+            else:
+                host.discard(x)
+            out.append(x)
+        self._set_host(replica_id, host)
+        return out
+
+    def _set_host(self, replica_id: str, host: set[int] | None) -> None:
+        if host:
+            self._host[replica_id] = host
+        else:
+            self._host.pop(replica_id, None)
+
     def _replace(self, replica_id: str, hashes: Iterable[int]) -> None:
-        """Make `replica_id`'s published set exactly `hashes`: O(hashes + changes)."""
+        """Make `replica_id`'s published set exactly `hashes` (tier-coded: ~h a host-tier hash):
+        O(hashes + changes)."""
         new = set(hashes)
+        host = None
+        if new and min(new) < 0:
+            host = {~x for x in new if x < 0}
+            new = {x for x in new if x >= 0} | host
+        self._set_host(replica_id, host)
         old = self._digest.get(replica_id)
         if old is None:
             old = set()
@@ -296,6 +342,7 @@ class PrefixIndex:
             self._forget(replica_id, own, list(own))
         for h in self._digest.pop(replica_id, ()):
             _drop_holder(self._digest_holders, h, replica_id)
+        self._host.pop(replica_id, None)
         self._sync.pop(replica_id, None)
 
     # -- reads ----------------------------------------------------------------------------------
@@ -332,6 +379,37 @@ class PrefixIndex:
                 if held_by and r in held_by:
                     best = _deepest(chain, best + 1, digests[r])
             out.append(best)
+        return out
+
+    def host_depths(
+        self, replica_ids: Sequence[str], chain: tuple[int, ...], depths: Sequence[int]
+    ) -> list[int] | None:
+        """Of each replica's depth in `depths` (`depths`' answer for `replica_ids`), how many
+        chunks its published set holds in the host tier: the tail of its published prefix, as the
+        GPU nodes come first on a path. None when no candidate holds any of its depth in the host
+        tier (the usual case, where none has a host hash at all: one dict probe each). O(log depth) set probes a candidate with some. (A chain this router
+        sent the replica since its report counts in the tier the report gives: loaded by now.)"""
+        hosts = self._host
+        out = None
+        for i, r in enumerate(replica_ids):
+            host = hosts.get(r)
+            d = depths[i]
+            if host is None or d <= 0:
+                continue
+            held = self._digest[r]
+            top = d if chain[d - 1] in held else _deepest(chain, 0, held)  # its published prefix
+            if not top or chain[top - 1] not in host:  # its tail on the GPU: none on the host
+                continue
+            lo, hi = 0, top - 1  # the first host hash is in [lo, hi]: chain[hi] is one
+            while lo < hi:
+                mid = (lo + hi) >> 1
+                if chain[mid] in host:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            if out is None:
+                out = [0] * len(replica_ids)
+            out[i] = top - lo
         return out
 
     def holders(self, chain: tuple[int, ...], limit: int) -> tuple[str, ...]:
