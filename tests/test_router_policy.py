@@ -1,5 +1,6 @@
 """chunkserve/router/: hashing.py, policy.py, index.py on their own: no Ray, no simulator."""
 
+import itertools
 import json
 import random
 import subprocess
@@ -164,6 +165,55 @@ def test_a_ticket_predicts_the_cached_tokens_the_replica_will_count():
     assert policy.on_routed(b, ch, 8 * C + 10, 16, 3.0).matched == 3 * C  # Serve took a lower rank
     assert policy.on_routed(b, other, 8 * C + 10, 16, 3.0).matched == 0
     assert policy.on_routed(b, (), C - 1, 16, 3.0).matched == 0  # shorter than a chunk
+
+
+def _tiered(chain: tuple[int, ...], on_gpu: int, depth: int) -> tuple:
+    """A replica's first events report: it holds chain[:depth], the first `on_gpu` in its GPU
+    tier, the rest in its host tier (tier-coded: ~h)."""
+    stored = tuple(h if k < on_gpu else ~h for k, h in enumerate(chain[:depth]))
+    return (1, 1, ((1, 1, stored, ()),), None)
+
+
+def test_tiers_rank_a_gpu_holder_over_a_host_holder_over_none_whatever_the_order():
+    # equal loads (none); every assignment of the roles to the three replicas, so that the
+    # rendezvous rank cannot be what decides
+    rng = random.Random(11)
+    ch = _chain(rng, 8)
+    prompt = 8 * C + 10
+    for gpu, host, none in itertools.permutations("abc"):
+        policy = PrefixPolicy(PolicyConfig(chunk_size=C), replicas="abc")
+        assert policy.index.apply_events(gpu, _tiered(ch, 8, 8), 0.0)
+        assert policy.index.apply_events(host, _tiered(ch, 2, 8), 0.0)  # its last six on the host
+        ranked = policy.choose(ch, prompt, 16, 0.0)
+        assert ranked[0] == gpu and ranked.index(host) < ranked.index(none), (gpu, host, ranked)
+        # the ticket still predicts what the replica will report cached: host chunks load back
+        assert policy.on_routed(host, ch, prompt, 16, 0.0).matched == 8 * C
+
+
+def test_host_hit_credit_weighs_host_chunks_and_zero_scores_them_as_misses():
+    rng = random.Random(12)
+    ch = _chain(rng, 8)
+    prompt = 8 * C + 10
+    for gpu, host, _ in itertools.permutations("abc"):
+        # six chunks on a GPU against eight of which six on a host: 6 vs 2 + 6 x credit
+        picks = {}
+        for credit in (0.8, 0.5):
+            policy = PrefixPolicy(PolicyConfig(chunk_size=C, host_hit_credit=credit), replicas="abc")
+            policy.index.apply_events(gpu, _tiered(ch, 6, 6), 0.0)
+            policy.index.apply_events(host, _tiered(ch, 2, 8), 0.0)
+            picks[credit] = policy.choose(ch, prompt, 16, 0.0)[0]
+        assert picks == {0.8: host, 0.5: gpu}
+
+        # credit 0: a replica holding the prefix only in its host tier is chosen, and ranked, as
+        # if it held nothing (the comparison run of issue 48)
+        def ranking(events: bool, credit: float) -> tuple[str, ...]:
+            policy = PrefixPolicy(PolicyConfig(chunk_size=C, host_hit_credit=credit), replicas="abc")
+            if events:
+                policy.index.apply_events(host, _tiered(ch, 0, 8), 0.0)
+            return policy.choose(ch, prompt, 16, 0.0)
+
+        assert ranking(True, 0.0) == ranking(False, 0.0)
+        assert ranking(True, 0.8)[0] == host
 
 
 def test_a_hot_prefix_spreads_down_its_rendezvous_order_once_it_exceeds_a_replicas_share():

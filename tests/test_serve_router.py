@@ -285,7 +285,10 @@ def test_config_selects_the_router():
 
     rc = router_config({"device": "cpu", "engine": {"chunk_size": 32}, "router": {"routing_stats_period_s": 2}})
     assert rc.request_router_class == PREFIX_ROUTER  # prefix is the default
-    assert rc.request_router_kwargs == {"chunk_size": 32} and rc.request_routing_stats_period_s == 2
+    assert rc.request_router_kwargs == {"chunk_size": 32, "host_hit_credit": 0.8}
+    assert rc.request_routing_stats_period_s == 2
+    rc = router_config({"device": "cpu", "router": {"host_hit_credit": 0}})  # (--set router.host_hit_credit=0)
+    assert rc.request_router_kwargs["host_hit_credit"] == 0
     assert (
         router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class
         == DEFAULT_REQUEST_ROUTER_PATH

@@ -68,7 +68,10 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
     if config.router.policy == "prefix":
         options["request_router_config"] = {
             "request_router_class": PREFIX_ROUTER,
-            "request_router_kwargs": {"chunk_size": config.engine.chunk_size},
+            "request_router_kwargs": {
+                "chunk_size": config.engine.chunk_size,
+                "host_hit_credit": config.router.host_hit_credit,
+            },
             "request_routing_stats_period_s": config.router.routing_stats_period_s,
         }
     if tp > 1:

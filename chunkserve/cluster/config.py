@@ -78,6 +78,9 @@ class RouterOptions(_Strict):
     # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
     policy: Literal["prefix", "pow2"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and routing events
+    # a prompt chunk in a replica's host tier (engine.host_cache_tokens) scores this fraction of
+    # one on its GPU (PolicyConfig.host_hit_credit, DESIGN §6 "Tiers"); 0: a host hit scores as a miss
+    host_hit_credit: float = Field(0.8, ge=0, le=1)
     # the ingress sends a request to the replica the policy chose over a connection of its own and
     # reads its outputs back there, not through Serve's handle calls (chunkserve/replicas/direct_stream.py);
     # Serve takes the requests a full replica refuses. Needs policy prefix and a fixed replica

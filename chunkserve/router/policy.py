@@ -24,12 +24,14 @@ in prefill-token units (one output token = `decode_weight` prefill tokens of rep
             replicas the index says hold a prefix of it (another router's spill, an earlier
             membership), which the window cannot see.
   matched = depth × c, the tokens the index (own decisions + digests, chunkserve/router/index.py) says the
-            replica holds; for a hot prefix (width > 1) every window/home member counts as holding
-            the longest known match: that is what lets its home grow down the order.
+            replica holds, in either tier (the ticket's prediction of its cached_tokens);
+  credited = matched with its host-tier tail at `host_hit_credit` of a GPU token (a copy back,
+            not a recompute, but not free); for a hot prefix (width > 1) every window/home member
+            counts as holding the best known match: that is what lets its home grow down the order.
   choice  = among candidates under both bounds (an idle replica, nothing in flight, is under the
             work bound: taking a request delays nobody) (if none: the first under them in the order's top
-            row, else among a few random replicas), the best  matched − load_weight × load
-            (prefill saved vs work queued), then the rendezvous rank. A prefix nobody holds goes
+            row, else among a few random replicas), the best  credited − load_weight × load
+            (prefill saved vs work queued), then the rendezvous rank. A prefix nobody holds (credited 0) goes
             instead to the first of its order's top row whose work routed lately is at most the
             mean (and whose load is under the bound): a rule of the order and of each router's
             sample of the same traffic, with no per-router state beyond it, so k routers place a
@@ -383,6 +385,9 @@ class PolicyConfig:
     spare: int = 2  # rendezvous candidates scored beyond the prefix's home set
     hot_sample: int = 3  # members sampled from a home set wider than this
     max_holders: int = 2  # replicas the index says hold the prefix, scored besides the window
+    # a chunk in a replica's host tier scores this fraction of one in its GPU tier: ≈ 1 − (its copy
+    # back) / (its recompute) (DESIGN §6 "Tiers"); 0 scores a host hit as a miss
+    host_hit_credit: float = 0.8
     index_roots: int = 4096  # per replica: LRU bound of the router's own decision memory, in prefixes
     prefix_entries: int = 1 << 16  # prefixes whose in-flight and recent work is tracked (LRU)
     session_entries: int = 1 << 16  # sessions (x-session-id) whose last replica is kept (LRU)
@@ -617,22 +622,23 @@ class PrefixPolicy:
             # depths can stay unknown (-1).
             i = wloads.index(min(wloads))
             d = index.depth(window[i], chain)
-            if d == whole and oks[i]:
+            if d == whole and oks[i] and self._credited(window[i : i + 1], chain, [d])[0] == whole:
                 depths = [-1] * len(window)
                 depths[i] = d
         if depths is None:
             depths = index.depths(window, chain)
         # cands: (eligible: under both bounds, score, depth, id), in rank order. Warm (someone holds
-        # a prefix of the chain): score = tokens held − load penalty, where a hot prefix's window
-        # members count as holding its deepest known match.
-        deepest, cands = max(depths), []
-        full = False  # some eligible candidate holds all of the chain
+        # a prefix of the chain): score = tokens held (tier-credited) − load penalty, where a hot
+        # prefix's window members count as holding its best known match.
+        gains = self._credited(window, chain, depths)
+        deepest, cands = max(gains), []
+        full = False  # some eligible candidate holds all of the chain (on the GPU, unless credit is 1)
         if deepest:
             held = deepest * c if width > 1 else 0  # (0: each counts its own depth)
-            for r, d, load, ok in zip(window, depths, wloads, oks):
-                if ok and d == whole:
+            for r, d, g, load, ok in zip(window, depths, gains, wloads, oks):
+                if ok and g == whole:
                     full = True
-                cands.append((ok, (held or d * c) - lw * load, d, r))
+                cands.append((ok, (held or g * c) - lw * load, d, r))
         if not full:  # replicas the window misses: another router's spill, an earlier membership
             more, extra, holds = [], cfg.max_holders, None  # holds: which count as holding when hot
             holders = index.holders(chain, extra)
@@ -651,15 +657,16 @@ class PrefixPolicy:
                 more.append(self._under(bound, rbound, (r for r in self._hrw.order(key, TOP) if r not in seen), now))
                 more_oks.append(True)
             if more:  # the candidates grow: score them all again (the deepest match may too)
-                home = order[:width]
-                window, depths = (*window, *more), depths + index.depths(more, chain)
+                home, more_depths = order[:width], index.depths(more, chain)
+                window, depths = (*window, *more), depths + more_depths
+                gains = gains + self._credited(more, chain, more_depths)
                 wloads = wloads + [loads[pos[r]] for r in more]
                 oks = oks + more_oks
                 holds = [True] * (len(window) - len(more)) + [r in home for r in more]
-                deepest, hot = max(depths), width > 1
+                deepest, hot = max(gains), width > 1
                 cands = [
-                    (ok, (deepest if hot and h else d) * c - lw * load, d, r)
-                    for r, d, load, h, ok in zip(window, depths, wloads, holds, oks)
+                    (ok, (deepest if hot and h else g) * c - lw * load, d, r)
+                    for r, d, g, load, h, ok in zip(window, depths, gains, wloads, holds, oks)
                 ]
         if not deepest:  # nobody holds it: placed on the first replica in its rendezvous order whose
             # work routed lately is at most the mean (or that is idle), load under the bound. Every router
@@ -681,6 +688,19 @@ class PrefixPolicy:
         cands.sort(key=_SCORE, reverse=True)  # stable: ties stay in rank order
         self._last = (chain, cands)  # on_routed reads the chosen one's depth from here
         return tuple(map(_ID, cands))
+
+    # -- tier credit (DESIGN §6 "Tiers"): the one place the score sees a replica's host tier --------
+    def _credited(self, replicas: Sequence[str], chain: tuple[int, ...], depths: list[int]) -> list:
+        """Each replica's depth (chunks of the chain it holds, in either tier) with the part in its
+        host tier counted at `host_hit_credit` of a GPU chunk: a host chunk is copied back, not
+        recomputed, but the copy is not free. `depths` itself where no candidate holds any of the
+        chain in its host tier (the usual case). Credit 0 counts a host hit as a miss: a replica
+        holding the chain only in its host tier scores, and is placed, as one holding nothing."""
+        host = self.index.host_depths(replicas, chain, depths)
+        if host is None:
+            return depths
+        k = 1.0 - self.config.host_hit_credit
+        return [d - k * h for d, h in zip(depths, host)]
 
     def _under(self, bound: float, rbound: float, preferred: Iterable[str], now: float) -> str:
         """A replica under both bounds (load ≤ bound, scaled work lately ≤ rbound): the first of

@@ -5,7 +5,7 @@ Selected per deployment through Serve's `request_router_config` (chunkserve/clus
 
     request_router_config:
       request_router_class: chunkserve.router.serve_router:PrefixAffinityRouter
-      request_router_kwargs: {chunk_size: 64}
+      request_router_kwargs: {chunk_size: 64, host_hit_credit: 0.8}
       request_routing_stats_period_s: 1
 
 Everything it decides comes from `router.policy.PrefixPolicy`; this module only translates Serve's
