@@ -221,6 +221,11 @@ def test_dashboard_asks_only_for_exposed_metrics(app):
         "Router prediction agreement",
         "Predicted vs reported cached tokens per second",
         "Router prediction error",
+        "Host tier use",
+        "Host tier spills and loads per second",
+        "Host tier copies",
+        "Host tier copy time",
+        "Cached prompt tokens per second by tier",
     ):
         assert title in exprs
     for title, queries in exprs.items():
