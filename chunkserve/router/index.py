@@ -217,7 +217,7 @@ class PrefixIndex:
                 for d in deltas[i:]:
                     self._apply_delta(replica_id, held, d, True)
             elif snapshot is not None:
-                self._replace(replica_id, snapshot)
+                self._replace(replica_id, snapshot, coded=True)
                 sync[2] = True
             else:  # a gap and no snapshot: the deltas it has (approximate) until one comes
                 for d in deltas[i:]:
@@ -294,12 +294,12 @@ class PrefixIndex:
         else:
             self._host.pop(replica_id, None)
 
-    def _replace(self, replica_id: str, hashes: Iterable[int]) -> None:
-        """Make `replica_id`'s published set exactly `hashes` (tier-coded: ~h a host-tier hash):
-        O(hashes + changes)."""
+    def _replace(self, replica_id: str, hashes: Iterable[int], coded: bool = False) -> None:
+        """Make `replica_id`'s published set exactly `hashes` (`coded`: an events snapshot,
+        tier-coded, ~h a host-tier hash; else a digest, all on the GPU): O(hashes + changes)."""
         new = set(hashes)
         host = None
-        if new and min(new) < 0:
+        if coded and new and min(new) < 0:
             host = {~x for x in new if x < 0}
             new = {x for x in new if x >= 0} | host
         self._set_host(replica_id, host)
