@@ -272,6 +272,60 @@ def test_shared_prefixes_stay_on_one_replica(serve_url):
     serve.delete("prefix")
 
 
+def test_a_prefix_spilled_to_a_host_tier_is_routed_back_and_predicted_in_both_tiers(serve_url):
+    """Two replicas with a host tier and a small GPU pool: a prompt's chunks spill on its replica
+    as other prompts arrive there; once the replica's tier-coded events reach the router, the
+    prompt again goes there, is loaded back (cached_tokens_host), and the router's prediction
+    counts those tokens as cached."""
+    from ray import serve
+
+    from chunkserve.cluster.app import build_app
+    from chunkserve.cluster.ingress import PREDICTED_HEADER, REPLICA_HEADER
+
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 2,
+                "num_cpus_per_replica": 0.5,
+                "engine": {
+                    "kv_cache_tokens": 1024,  # 16 chunks: two prompts' worth
+                    "host_cache_tokens": 8192,
+                    "max_model_len": 1024,
+                    "chunk_size": 64,
+                },
+                "router": {"policy": "prefix", "routing_stats_period_s": 0.5},
+            }
+        ),
+        name="tiered",
+        route_prefix="/tiered",
+    )
+    url = f"{serve_url}/tiered/v1/completions"
+
+    def one(client: httpx.Client, prompt: list[int]) -> tuple[str, dict, str]:
+        r = client.post(url, json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.headers[REPLICA_HEADER], r.json()["usage"], r.headers.get(PREDICTED_HEADER)
+
+    with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+        a = [(5 * i + 1) % 256 for i in range(512)]  # eight chunks
+        home, _, _ = one(client, a + [7])
+        others = 0
+        for g in range(40):  # other prompts, until three of them have landed on a's replica
+            if others == 3:
+                break
+            rep, _, _ = one(client, [(11 * g + 3 * i + 2) % 256 for i in range(512)] + [7])
+            others += rep == home
+        assert others == 3
+        time.sleep(2.0)  # a few routing-stats periods: the router sees a's chunks in the host tier
+        rep, usage, predicted = one(client, a + [9])
+    details = usage["prompt_tokens_details"]
+    assert rep == home and details["cached_tokens"] == 512 and details["cached_tokens_host"] > 0, usage
+    assert predicted == "512"  # both tiers count: the host part loads back, it is not recomputed
+    serve.delete("tiered")
+
+
 def test_config_selects_the_router():
     import yaml
     from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
