@@ -509,9 +509,9 @@ def test_bench_cli_runs_each_batch_size_on_one_engine():
     assert r.returncode == 0, r.stderr
     runs = [json.loads(line) for line in r.stdout.splitlines()]
     assert [run["batch"] for run in runs] == [2, 4]
-    # the first run's rows prefill in one step (none is cached yet); the second run's all find
-    # the first run's prefix chunk still in the tree
-    assert [run["cached_prompt_tokens"] for run in runs] == [0, 4 * 64]
+    # the first run's second row waits a step for the first's prefix chunk (being computed) and
+    # matches it; the second run's all find that chunk still in the tree
+    assert [run["cached_prompt_tokens"] for run in runs] == [64, 4 * 64]
     for run in runs:
         assert 6 <= run["steps"] <= 8 and run["preemptions"] == 0
     bad = subprocess.run([*argv[:4], "2,x"], capture_output=True, text=True, timeout=300)
@@ -625,3 +625,37 @@ def test_cache_salts_share_nothing_and_give_the_same_tokens(tiny):
     tiny.tree.evict_all()
     assert set(tiny.tree.roots) == {None}  # a salt's root goes with its last chunk
     tiny.check()
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "budget"), [(False, 2048), (True, 2048), (False, 128)], ids=["sync", "async", "pieces"]
+)
+def test_requests_of_one_prefix_added_together_compute_it_once(async_scheduling, budget):
+    # four requests of one 256-token prefix (4 chunks) and one of none, added in one step: the
+    # first computes the prefix, the others wait a step for it (Scheduler._inflight) and match
+    # it: cached, computed once, and every token what an engine without sharing (each prompt
+    # computed whole) gives. In pieces of 128 the others are first considered at the first's
+    # last piece, when its prefix is in the tree already: none waits.
+    rng = random.Random(5)
+    prefix = [rng.randrange(256) for _ in range(256)]
+    prompts = [prefix + [rng.randrange(256) for _ in range(n)] for n in (10, 3, 40, 64)]
+    prompts.append([rng.randrange(256) for _ in range(100)])
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = LLMEngine.from_model("tiny", kv_cache_tokens=8192, enable_prefix_sharing=False)
+    expected = plain.generate(prompts, params)
+    engine = LLMEngine.from_model(
+        "tiny", kv_cache_tokens=8192, max_num_batched_tokens=budget, async_scheduling=async_scheduling
+    )
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    got: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+            cached.setdefault(out.request_id, out.cached_tokens)
+        engine.check()
+    assert [got[str(i)] for i in range(len(prompts))] == expected
+    assert cached == {"0": 0, "1": 256, "2": 256, "3": 256, "4": 0}
+    assert engine.stats()["computed_prompt_tokens"] == sum(map(len, prompts)) - 3 * 256
+    assert engine.counters.prefix_waits == (3 if budget == 2048 else 0)

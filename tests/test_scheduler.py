@@ -157,7 +157,8 @@ def test_decode_rows_get_a_chunk_ahead_when_one_of_them_needs_a_chunk():
     # tables (and the decode plan) change about once per chunk of tokens, not at every step
     # where some row's tail fills
     s = _scheduler()
-    rows = [_seq(f"r{i}", list(range(20, 25 + i))) for i in range(3)]  # prompts of 5, 6, 7 tokens
+    # prompts of 5, 6, 7 tokens, no chunk in common (none waits for another's)
+    rows = [_seq(f"r{i}", list(range(20 + 10 * i, 25 + 11 * i))) for i in range(3)]
     for seq in rows:
         s.add(seq)
     _step(s)  # the prompts, each in one piece
@@ -261,17 +262,28 @@ def test_random_traffic_keeps_the_tree_and_pool_whole(sharing, tenants):
             if len(seq.output_ids) >= seq.params.max_tokens:
                 s.finish(seq, "length")
         s.tree.check(s.running, s.last_decode_paths)
+        s.check()  # the chunks registered as being computed are
         # the per-class queues hold exactly the waiting sequences, each in arrival order
         assert sorted(q.request_id for queue in s._queues.values() for q in queue) == sorted(
             q.request_id for q in s.waiting
         )
         for queue in s._queues.values():
             assert queue and [q.arrival for q in queue] == sorted(q.arrival for q in queue)
-    for seq in live:
-        if seq.status is not Status.FINISHED:
-            s.finish(seq, "abort")
+    # no more arrivals: every request finishes (none waits forever for a chunk being computed)
+    for _ in range(2000):
+        if all(seq.status is Status.FINISHED for seq in live):
+            break
+        _step(s)
+        for seq in list(s.running):
+            if len(seq.output_ids) >= seq.params.max_tokens:
+                s.finish(seq, "length")
+        s.tree.check(s.running, s.last_decode_paths)
+        s.check()
+    assert all(seq.status is Status.FINISHED for seq in live)
+    assert not s._inflight
     s.tree.check([], [])
     assert s.counters.preemptions > 0  # (the pool was short)
+    assert (s.counters.prefix_waits > 0) is sharing  # some waited for a prefix being computed
     s.tree.evict_all()
     assert s.tree.pool.num_free == 12
 
@@ -318,3 +330,101 @@ def test_out_of_chunks_the_tenant_running_most_loses_its_newest():
         s.add(seq)
     _step(s)
     assert s._victim() is seqs[2]
+
+
+def _run(s: Scheduler, seqs: list[Sequence], limit: int = 200) -> list[Batch]:
+    """Step until every sequence has its max_tokens (then finished), checking the scheduler."""
+    batches = []
+    for _ in range(limit):
+        if all(q.status is Status.FINISHED for q in seqs):
+            return batches
+        batches.append(_step(s))
+        for q in list(s.running):
+            if len(q.output_ids) >= q.params.max_tokens:
+                s.finish(q, "length")
+        s.tree.check(s.running, s.last_decode_paths)
+        s.check()
+    raise AssertionError("some sequence never finished")
+
+
+def test_requests_of_a_prefix_being_computed_wait_for_it_and_match_it():
+    # a and its prefix's two other requests arrive together: a computes the 4 prefix chunks, b
+    # and c wait a step (passed over: `other`, behind them, is admitted) and then match them
+    s = _scheduler(budget=24)
+    prefix = list(range(1, 17))
+    a, b = _seq("a", prefix + [40, 41], 3), _seq("b", prefix + [42], 3)
+    other, c = _seq("other", [90, 91, 92], 3), _seq("c", prefix + [43, 44, 45], 3)
+    for seq in (a, b, other, c):
+        s.add(seq)
+    first = _step(s)
+    assert _pieces(first) == [("a", 18), ("other", 3)]
+    assert list(s.waiting) == [b, c] and s.counters.prefix_waits == 2
+    second = _step(s)
+    assert {seq.request_id: n for seq, n in second.prefills} == {"c": 3}  # (b's one token: a decode row)
+    assert b in second.decodes and b.num_cached_prompt == c.num_cached_prompt == 16 and a.num_cached_prompt == 0
+    assert b.nodes[:4] == c.nodes[:4] == a.nodes[:4]  # one copy, computed once
+    _run(s, [a, b, other, c])
+
+
+def test_a_prefix_computed_over_several_steps_is_waited_for_to_its_end():
+    # a's 18 tokens take 3 steps (7, 7, 4): b is considered only when a leaves some budget, at
+    # its last piece, which computes b's next chunk: b waits that step, then matches the 4
+    # prefix chunks and computes its own token only
+    s = _scheduler(budget=7)
+    prefix = list(range(1, 17))
+    a, b = _seq("a", prefix + [40, 41], 2), _seq("b", prefix + [42], 2)
+    s.add(a)
+    s.add(b)
+    batches = _run(s, [a, b])
+    assert [_pieces(x) for x in batches[:3]] == [[("a", 7)], [("a", 7)], [("a", 4)]]
+    assert s.counters.prefix_waits == 1 and b.num_cached_prompt == 16
+    assert b in batches[3].decodes and not any(seq is b for x in batches for seq, _ in x.prefills)
+
+
+@pytest.mark.parametrize("how", ["abort", "preempt"])
+def test_a_request_waiting_for_a_prefix_is_admitted_when_its_computer_goes(how):
+    # a short pool (7 chunks, `old` holding 3 and one kept in hand for it): a gets a first piece
+    # of 3 chunks of its 5, and b waits for a's 4th. Then a goes: aborted, or preempted (old's
+    # next token needs a chunk: the newest running sequence, a, is). The chunks a was to compute
+    # are no longer registered (check), b is not passed over for them and completes, matching
+    # what a left in the tree (and, preempted, a is admitted again first, older, and b waits
+    # for the rest of its prefix once more).
+    prefix = list(range(1, 17))
+    s = _scheduler(num_chunks=7, budget=64)
+    old = _seq("old", list(range(60, 71)), 4)
+    a, b = _seq("a", prefix + [40, 41], 4), _seq("b", prefix + [42], 4)
+    s.add(old)
+    _step(s)
+    s.add(a)
+    s.add(b)
+    first = _step(s)
+    assert _pieces(first) == [("a", 12)] and b.status is Status.WAITING and s.counters.prefix_waits == 1
+    assert {k for q, k in s._inflight.values() if q is a} == {3}
+    if how == "abort":
+        s.finish(a, "abort")
+    else:
+        _step(s)
+        assert s.counters.preemptions == 1 and a.status is Status.WAITING
+    s.check()
+    assert not s._inflight
+    _run(s, [old, b] if how == "abort" else [old, a, b])
+    # (aborted: what old's growth left of a's 3 chunks)
+    assert 0 < b.num_cached_prompt <= 12 if how == "abort" else b.num_cached_prompt == 16
+
+
+def test_different_cache_salts_never_wait_for_each_other():
+    # one prompt under three salts: none waits for another's (they share no node); a second
+    # request of salt x waits for x's first, then matches its chunks only
+    s = _scheduler(budget=64)
+    prompt = list(range(1, 19))
+    x, y, none = (_seq(n, prompt, 2, Tenancy(cache_salt=salt)) for n, salt in (("x", "x"), ("y", "y"), ("none", None)))
+    x2 = _seq("x2", prompt, 2, Tenancy(cache_salt="x"))
+    for seq in (x, y, none, x2):
+        s.add(seq)
+    first = _step(s)
+    assert [q.request_id for q, _ in first.prefills] == ["x", "y", "none"] and list(s.waiting) == [x2]
+    assert s.counters.prefix_waits == 1
+    _step(s)
+    assert x2.num_cached_prompt == 16 and x2.nodes[:4] == x.nodes[:4]
+    assert not set(y.nodes) & set(x.nodes) and not set(none.nodes) & set(x.nodes)
+    _run(s, [x, y, none, x2])

@@ -569,6 +569,7 @@ class LLMEngine:
     def check(self) -> None:
         """Assert the KV cache's invariants (tests call this after every step)."""
         self.tree.check(self.scheduler.running, self.scheduler.last_decode_paths)
+        self.scheduler.check()
 
 
 def _grammar_takes(seq: Sequence, token: int) -> bool:

@@ -6,7 +6,11 @@ Policy (FCFS, SARATHI-style chunked prefill under one token budget):
    (FCFS) when they are all of one tenant and priority; with several, the next is the lowest
    priority value, then the tenant with the fewest running sequences, then arrival (within a
    tenant FCFS), so one tenant's flood cannot starve another's (DESIGN §18). Admission stops at
-   the first that does not fit: nobody overtakes it;
+   the first that does not fit: nobody overtakes it. But a request whose next uncached prompt
+   chunk another running sequence is computing waits (`_inflight`): it stays in the queue,
+   those behind it may be admitted, and once the chunk is in the tree it matches it instead of
+   computing it again. It waits only while that chunk is pending: admission is reached only
+   when every running prefill had its piece, so its computer progresses at each such step;
 3. a running sequence that needs a chunk when none is available preempts the newest running
    sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
    it re-queues in arrival order); among tenants, the newest of the highest priority value and
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 from chunkserve.replicas.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.sequence import Sequence, Status
 from chunkserve.replicas.stats import EngineStats
+from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
 @dataclass
@@ -76,6 +81,10 @@ class Scheduler:
         self.now = 0  # step counter: the tree's LRU clock
         self.counters = EngineStats() if counters is None else counters
         self.last_decode_paths: list[tuple[int, ...]] = []
+        # prompt chunks some running sequence will compute, not in the tree yet: chained key
+        # (`_chunk_keys`) -> (that sequence, the chunk's index). Registered at admission, dropped
+        # as each enters the tree or its sequence releases its chunks (preempted, finished).
+        self._inflight: dict[int, tuple[Sequence, int]] = {}
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -95,22 +104,25 @@ class Scheduler:
             queue.insert(i, seq)
 
     def _unwait(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)  # (admission takes a class's first: found at once in FCFS)
+        self.waiting.remove(seq)  # (admission takes the first but those waiting for a chunk: found soon)
         key = _class(seq)
         queue = self._queues[key]
         queue.remove(seq)
         if not queue:
             del self._queues[key]
 
-    def _next_waiting(self, running: Counter[str | None] | None) -> Sequence:
+    def _next_waiting(self, running: Counter[str | None] | None, waits: set[Sequence]) -> Sequence | None:
         """The waiting sequence to admit next: the first (FCFS) while all are of one class
         (priority, tenant); else the first of each class, ranked by priority, then its tenant's
-        running sequences (`running`: counts by tenant, kept by the caller), then arrival."""
+        running sequences (`running`: counts by tenant, kept by the caller), then arrival. Those
+        in `waits` (this step's waits for a chunk being computed) are passed over; None: all are."""
         if running is None:
-            return self.waiting[0]
+            return next((s for s in self.waiting if s not in waits), None)
+        heads = (next((s for s in q if s not in waits), None) for q in self._queues.values())
         return min(
-            (q[0] for q in self._queues.values()),
+            (s for s in heads if s is not None),
             key=lambda s: (s.tenancy.priority, running[s.tenancy.tenant], s.arrival),
+            default=None,
         )
 
     def _victim(self) -> Sequence:
@@ -129,6 +141,9 @@ class Scheduler:
         seq.status, seq.finish_reason = Status.FINISHED, reason
 
     def _release(self, seq: Sequence) -> None:
+        if seq.chunk_keys is not None:  # the prompt chunks it was to compute: nobody computes them now
+            for key in seq.chunk_keys[len(seq.nodes) :]:
+                self._uncompute(key, seq)
         self.tree.release(seq.nodes, self.now)
         for cid in seq.private:
             self.tree.pool.free(cid)
@@ -222,11 +237,18 @@ class Scheduler:
         # after a preemption the pool is short: admitting now would only thrash
         admit = self.counters.preemptions == preemptions_before
         running: Counter[str | None] | None = None  # by tenant, once several classes wait
+        waits: set[Sequence] = set()  # this step's, whose next chunk another sequence computes
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if running is None and len(self._queues) > 1:
                 running = Counter(s.tenancy.tenant for s in self.running)
-            seq = self._next_waiting(running)
+            seq = self._next_waiting(running, waits)
+            if seq is None:
+                break
             n = self._admit(seq, budget)
+            if n == _WAIT:
+                waits.add(seq)
+                self.counters.prefix_waits += 1
+                continue
             if n == 0:
                 break
             self._unwait(seq)
@@ -252,7 +274,9 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the cache, reserve chunks for a first piece (as much of the prompt as the budget
-        and the pool allow); 0 if nothing fits now.
+        and the pool allow); 0 if nothing fits now; _WAIT (nothing changed) if another running
+        sequence is computing the prompt chunk after the cached ones: a step or a few later
+        the tree has it.
 
         Besides the piece, keep one chunk per running sequence in hand so that admitting a
         request does not immediately force a preemption when running decodes cross a chunk.
@@ -261,6 +285,10 @@ class Scheduler:
         if self.sharing and seq.params.prompt_logprobs is None:  # (prompt logprobs: every token computed)
             # the last token always runs: its logits give the first output token
             path = self.tree.match(seq.token_ids, seq.num_tokens - 1, seq.tenancy.cache_salt)
+            k = len(path)  # the next chunk it would compute, if it may match it and is the prompt's
+            if k < min(seq.num_tokens - 1, len(seq.prompt_ids)) // self.c and self._inflight:
+                if self._chunk_keys(seq)[k] in self._inflight:
+                    return _WAIT
             on_gpu = next((i for i, n in enumerate(path) if n.tier == HOST), len(path))
             self.tree.acquire(path[:on_gpu], self.now)
             if on_gpu < len(path):
@@ -279,7 +307,24 @@ class Scheduler:
             seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
             seq.num_cached_prompt_host = min(loaded * self.c, seq.num_cached_prompt)
         self._grow(seq, n)
+        if self.sharing:  # its prompt chunks past the cached ones: those it will compute
+            for k, key in enumerate(self._chunk_keys(seq)[len(seq.nodes) :], len(seq.nodes)):
+                self._inflight.setdefault(key, (seq, k))  # (one sequence's suffices to wait for)
         return n
+
+    def _chunk_keys(self, seq: Sequence) -> list[int]:
+        """Chained keys of the full chunks of `seq`'s prompt under its cache salt (made once):
+        equal keys, equal salts and prompts up to that chunk's end. xxh3, process-independent
+        (chunkserve.router.hashing), so tensor-parallel ranks decide alike."""
+        if seq.chunk_keys is None:
+            seed = cache_seed(0, seq.tenancy.cache_salt)
+            seq.chunk_keys = chunk_hashes(seq.prompt_ids, self.c, len(seq.prompt_ids) // self.c, seed)
+        return seq.chunk_keys
+
+    def _uncompute(self, key: int, seq: Sequence) -> None:
+        entry = self._inflight.get(key)
+        if entry is not None and entry[0] is seq:
+            del self._inflight[key]
 
     def advance(self, batch: Batch) -> None:
         """After the forward pass: the new tokens' K/V are in the cache; chunks that became full
@@ -304,8 +349,24 @@ class Scheduler:
             parent = seq.nodes[-1] if seq.nodes else self.tree.root_for(seq.tenancy.cache_salt)
             cid = seq.private.pop(0)
             seq.nodes.append(self.tree.insert(parent, tokens, cid, self.now))
+            if seq.chunk_keys is not None and k < len(seq.chunk_keys):  # in the tree: matched from now on
+                self._uncompute(seq.chunk_keys[k], seq)
             if seq.nodes[-1].chunk_id != cid:  # deduplicated: the table changed in place
                 seq.table_version += 1
+
+    def check(self) -> None:
+        """Assert that every chunk registered as being computed is so: a prompt chunk of a running
+        sequence, past its nodes in the tree (LLMEngine.check calls it)."""
+        running = set(self.running)
+        for key, (seq, k) in self._inflight.items():
+            assert seq in running and seq.status is Status.RUNNING, f"{seq.request_id}: not running, chunk {k} pending"
+            assert len(seq.nodes) <= k and seq.chunk_keys is not None and seq.chunk_keys[k] == key, (
+                f"{seq.request_id}: chunk {k} in the tree or misfiled, still pending"
+            )
+        assert self.sharing or not self._inflight, "chunks pending without sharing"
+
+
+_WAIT = -1  # _admit: wait for a chunk another sequence is computing
 
 
 def _class(seq: Sequence) -> tuple[int, str | None]:

@@ -197,6 +197,9 @@ class Sequence:
     penalty_slot: int | None = None
     finish_reason: str | None = None
     tenancy: Tenancy = Tenancy()  # its tenant, cache salt and priority
+    # chained keys of its prompt's full chunks under its salt (the scheduler's, made once: what
+    # finds a chunk another running sequence is computing); None: not made yet
+    chunk_keys: list[int] | None = field(default=None, repr=False)
 
     @property
     def guided(self) -> bool:

@@ -30,6 +30,7 @@ class EngineStats:
     max_kv_chunks_used: int = 0  # most chunks held by live sequences after a step
     # scheduling (Scheduler)
     preemptions: int = 0  # running sequences preempted (recompute) for want of a chunk
+    prefix_waits: int = 0  # admissions put off a step: the next prompt chunk was being computed
     # the host tier (HostPool): chunks copied each way, their bytes and the copies' time (CUDA:
     # the side stream's, read once finished; CPU: the copies themselves)
     host_spills: int = 0  # chunks copied GPU -> host (evicted from the GPU pool, kept in the tree)
