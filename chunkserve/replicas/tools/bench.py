@@ -346,6 +346,9 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         "max_decode_batch": s["max_decode_batch"],
         "cached_prompt_tokens": s["cached_prompt_tokens"],
         "prompt_tokens": s["prompt_tokens"],
+        "computed_prompt_tokens": s["computed_prompt_tokens"],  # prompt positions run (a prefix twice: twice)
+        # admissions put off a step for a prompt chunk another request was computing
+        "prefix_waits": c.prefix_waits,
         "preemptions": s["preemptions"],
         "prefix_sharing": engine.config.enable_prefix_sharing,
         "max_kv_chunks_used": s["max_kv_chunks_used"],
