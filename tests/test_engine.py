@@ -10,12 +10,12 @@ import sys
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from chunkserve.kernels.block_union import BlockUnion
 from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from chunkserve.replicas.sequence import Tenancy
 from chunkserve.replicas.stats import EngineStats
+from tests import engine_ops
 from tests.hf_checkpoints import make_hf_checkpoint
 
 # stops at EOS like transformers does (no ignore_eos: that would let the engine pick EOS where
@@ -203,48 +203,15 @@ def small_pool(request):
     )
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 100), st.integers(0, 3), st.integers(1, 12), st.integers(0, 2)),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-        st.tuples(st.just("abort"), st.integers(0, 50)),
-    ),
-    min_size=1,
-    max_size=25,
-)
+ops = engine_ops.ops(max_length=100, bases=4, max_size=25)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_random_add_step_abort_keeps_invariants(small_pool, ops):
-    engine, live, counter = small_pool, [], [0]
+    engine = small_pool
     bases = [[5] * 48, [9] * 40 + [1] * 20, list(range(60)), [3]]  # prompts share prefixes
-
-    def step():
-        for out in engine.step():
-            if out.finished:
-                live.remove(out.request_id)
-        engine.check()
-
-    for op in ops:
-        if op[0] == "add":
-            _, length, base, max_tokens, salt = op
-            rid = f"q{counter[0]}"
-            counter[0] += 1
-            prompt = (bases[base] * 3)[:length]
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            # three cache salts (none, two tenants' namespaces): the same prompts in separate trees
-            engine.add_request(rid, prompt, params, Tenancy(cache_salt=[None, "a", "b"][salt]))
-            live.append(rid)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                step()
-        elif live:
-            assert engine.abort(live.pop(op[1] % len(live)))
-            engine.check()
-    while engine.has_unfinished():
-        step()
-    assert not live
+    engine_ops.drive(engine, ops, lambda base, length: (bases[base] * 3)[:length])
     engine.tree.evict_all()
     engine.check()
     assert engine.pool.num_free == engine.pool.num_chunks

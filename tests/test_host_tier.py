@@ -9,12 +9,12 @@ import random
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
 from chunkserve.replicas.kv_pool import HostPool, KVPool
 from chunkserve.replicas.prefix_tree import GPU, HOST, PrefixTree
 from chunkserve.replicas.sequence import Sequence, Tenancy
+from tests import engine_ops
 
 C = 4
 
@@ -260,47 +260,17 @@ def tiered_small(request):
     )
 
 
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("add"), st.integers(1, 150), st.integers(0, 4), st.integers(1, 12), st.integers(0, 2)),
-        st.tuples(st.just("step"), st.integers(1, 4)),
-        st.tuples(st.just("abort"), st.integers(0, 50)),
-    ),
-    min_size=1,
-    max_size=30,
-)
+ops = engine_ops.ops(max_length=150, bases=5, max_size=30)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=ops)
 def test_random_add_step_abort_keeps_both_tiers_whole(tiered_small, ops):
-    engine, live, counter = tiered_small, [], [0]
+    engine = tiered_small
     rng = random.Random(7)
     bases = [[rng.randrange(256) for _ in range(150)] for _ in range(4)] + [[5] * 150]
     before = engine.stats()
-
-    def step():
-        for out in engine.step():
-            if out.finished:
-                live.remove(out.request_id)
-        engine.check()
-
-    for op in ops:
-        if op[0] == "add":
-            _, length, base, max_tokens, salt = op
-            rid = f"q{counter[0]}"
-            counter[0] += 1
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            engine.add_request(rid, bases[base][:length], params, Tenancy(cache_salt=[None, "a", "b"][salt]))
-            live.append(rid)
-        elif op[0] == "step":
-            for _ in range(op[1]):
-                step()
-        elif live:
-            assert engine.abort(live.pop(op[1] % len(live)))
-            engine.check()
-    while engine.has_unfinished():
-        step()
+    engine_ops.drive(engine, ops, lambda base, length: bases[base][:length])
     after = engine.stats()
     assert after["cached_prompt_tokens_host"] - before["cached_prompt_tokens_host"] <= (
         after["cached_prompt_tokens"] - before["cached_prompt_tokens"]

@@ -19,7 +19,42 @@ import torch
 from chunkserve.replicas.stats import EngineStats
 
 
-class KVPool:
+class ChunkIds:
+    """A pool's chunk ids: a stack of free ids, the lowest on top so allocation order is
+    deterministic, and a free flag per id (double frees are errors). `KVPool` and `HostPool`
+    allocate through it."""
+
+    _name = "chunk"  # in errors
+    _exhausted = "caller must evict first"
+
+    def __init__(self, num_chunks: int):
+        self._free = list(range(num_chunks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01") * num_chunks
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self) -> int:
+        if not self._free:
+            raise RuntimeError(f"{self._name} pool exhausted: {self._exhausted}")
+        cid = self._free.pop()
+        self._is_free[cid] = 0
+        return cid
+
+    def free(self, chunk_id: int) -> None:
+        if self._is_free[chunk_id]:
+            raise RuntimeError(f"double free of {self._name} chunk {chunk_id}")
+        self._is_free[chunk_id] = 1
+        self._free.append(chunk_id)
+
+    def is_free(self, chunk_id: int) -> bool:
+        return bool(self._is_free[chunk_id])
+
+
+class KVPool(ChunkIds):
+    _name, _exhausted = "KV", "caller must evict or preempt first"
+
     def __init__(
         self,
         *,
@@ -54,9 +89,7 @@ class KVPool:
             if key_bounds
             else None
         )
-        # stack of free ids, lowest id on top so allocation order is deterministic
-        self._free = list(range(num_chunks - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * num_chunks
+        super().__init__(num_chunks)
 
     def k(self, layer: int) -> torch.Tensor:  # [N + 1, Hkv, c, D]
         return self._k[layer]
@@ -74,26 +107,6 @@ class KVPool:
         k_cache[chunk_idx, :, offset] = k.to(k_cache.dtype)
         v_cache[chunk_idx, :, offset] = v.to(v_cache.dtype)
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise RuntimeError("KV pool exhausted: caller must evict or preempt first")
-        cid = self._free.pop()
-        self._is_free[cid] = 0
-        return cid
-
-    def free(self, chunk_id: int) -> None:
-        if self._is_free[chunk_id]:
-            raise RuntimeError(f"double free of KV chunk {chunk_id}")
-        self._is_free[chunk_id] = 1
-        self._free.append(chunk_id)
-
-    def is_free(self, chunk_id: int) -> bool:
-        return bool(self._is_free[chunk_id])
-
     @staticmethod
     def bytes_per_chunk(
         num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int, dtype: torch.dtype, key_bounds: bool = False
@@ -103,7 +116,7 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + bounds
 
 
-class HostPool:
+class HostPool(ChunkIds):
     """The host tier (DESIGN §3): chunks of K/V in host memory, the GPU pool's evicted leaves.
 
     `kv` is `[Nh, L, 2, Hkv, c, D]`, chunk-major so one chunk (every layer's K and V) is one
@@ -122,6 +135,8 @@ class HostPool:
     id, before its copy is done. On the CPU they run at once, in order.
     """
 
+    _name = "host"
+
     def __init__(self, gpu: KVPool, num_chunks: int, counters: EngineStats | None = None):
         if num_chunks < 1:
             raise ValueError(f"host pool needs at least one chunk, got {num_chunks}")
@@ -136,34 +151,12 @@ class HostPool:
             else torch.zeros(num_chunks, num_layers, heads, 2 * dim, dtype=gpu.kv.dtype, pin_memory=pinned)
         )
         self.chunk_bytes = self.kv[0].nbytes + (0 if self.key_bounds is None else self.key_bounds[0].nbytes)
-        self._free = list(range(num_chunks - 1, -1, -1))
-        self._is_free = bytearray(b"\x01") * num_chunks
+        super().__init__(num_chunks)
         # (to_host, GPU chunk id, host chunk id), in the order the tree decided them
         self.pending: list[tuple[bool, int, int]] = []
         self.stream = torch.cuda.Stream(gpu.kv.device) if pinned else None
         # CUDA: (start, end) events of flushes whose copy time is not read yet (settle)
         self._timed: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
-
-    # -- allocation (as KVPool's) -------------------------------------------------------------
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self) -> int:
-        if not self._free:
-            raise RuntimeError("host pool exhausted: caller must evict first")
-        hid = self._free.pop()
-        self._is_free[hid] = 0
-        return hid
-
-    def free(self, host_id: int) -> None:
-        if self._is_free[host_id]:
-            raise RuntimeError(f"double free of host chunk {host_id}")
-        self._is_free[host_id] = 1
-        self._free.append(host_id)
-
-    def is_free(self, host_id: int) -> bool:
-        return bool(self._is_free[host_id])
 
     # -- copies ---------------------------------------------------------------------------------
     def spill(self, chunk_id: int, host_id: int) -> None:
