@@ -17,12 +17,17 @@ def prompts():
 def test_decode_plan_is_rebuilt_only_when_the_tree_changes():
     engine = LLMEngine.from_model("tiny", chunk_size=16, kv_cache_tokens=2048, attention_backend="reference")
     params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    # the shared chunks cached first: four prompts computing them together would make three wait
+    # a step for the first's (Scheduler prefix waits) and run a step behind it
+    engine.generate([SHARED + [99]], SamplingParams(max_tokens=1))
+    steps, builds = engine.stats()["steps"], engine.counters.plan_builds
     engine.generate(prompts(), params)
+    assert engine.counters.prefix_waits == 0
     # step 1 prefills all four; 29 decode steps feed positions 37..65 together. Position 48
     # needs a fourth chunk: every row gets it and a fifth (reserved), so plans are built at 37
     # and 48, and bumped in the 27 other steps (the tail filling at 64 included)
-    assert engine.stats()["steps"] == 30
-    assert engine.counters.plan_builds == 2
+    assert engine.stats()["steps"] - steps == 30
+    assert engine.counters.plan_builds - builds == 2
 
 
 def test_staggered_rows_rebuild_about_once_per_chunk_of_tokens():
