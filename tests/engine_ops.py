@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import hypothesis.strategies as st
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.sequence import Tenancy
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.sequence import Tenancy
 
 SALTS = [None, "a", "b"]  # no salt and two tenants' namespaces: the same prompts in separate trees
 

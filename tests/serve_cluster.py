@@ -3,7 +3,7 @@
 import time
 from contextlib import contextmanager
 
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 
 
 @contextmanager

@@ -4,7 +4,7 @@ otherwise, tail fills included; the Triton backend gives the reference backend's
 
 import torch
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 
 SHARED = list(range(100, 132))  # two full chunks of 16
 

@@ -99,7 +99,7 @@ def test_keeping_every_block_keeps_all_the_mass():
 
 
 def test_probe_on_the_tiny_preset_attends_as_the_engine_and_scores_every_layer():
-    from chunkserve.replicas.engine import LLMEngine, SamplingParams
+    from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(1)
     opts = {

@@ -22,8 +22,8 @@ from chunkserve.kernels.block_union import (
     subgroup_size,
 )
 from chunkserve.kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
-from chunkserve.replicas.engine import LLMEngine
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine
+from chunkserve.replicas.engine.sequence import SamplingParams
 
 CUDA = torch.cuda.is_available()
 
@@ -636,7 +636,7 @@ def test_engine_sparse_prefill_reads_fewer_pages_and_keeps_exact_key_bounds(spar
 def test_engine_sparse_prefill_is_the_reference_on_its_own_selection():
     """One sparse piece through the engine's layer: the same as sparse_prefill_ref on the mask
     the selection rules give from the reference scores."""
-    from chunkserve.replicas.attention import PrefillSpan
+    from chunkserve.replicas.engine.attention import PrefillSpan
 
     engine = LLMEngine.from_model(
         "tiny", device="cpu", chunk_size=16, sparse_prefill=dict(SPARSE, alpha=0.6, span=None)
@@ -665,7 +665,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection(span):
     """A piece in spans through the engine's layer: each span the sparse reference on the mask
     the selection rules give it from the reference scores, its piece's earlier chunks among the
     blocks it chooses from (their key bounds made in the layer, from the K just written)."""
-    from chunkserve.replicas.attention import PrefillSpan
+    from chunkserve.replicas.engine.attention import PrefillSpan
 
     sparse = dict(SPARSE, budget=0.25, span=span)
     engine = LLMEngine.from_model("tiny", device="cpu", chunk_size=16, sparse_prefill=sparse)
@@ -702,7 +702,7 @@ def test_engine_spans_are_the_reference_each_on_its_own_selection(span):
 def test_the_prompts_last_tokens_attend_densely(monkeypatch, tail):
     # the prompt's last piece: its last dense_tail tokens a dense span of their own, their
     # attention exactly dense; the rest of it, and the pieces before, sparse
-    from chunkserve.replicas.attention import StepAttention
+    from chunkserve.replicas.engine.attention import StepAttention
 
     seen = []
     attend = StepAttention.attend

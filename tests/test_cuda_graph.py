@@ -1,4 +1,4 @@
-"""chunkserve/replicas/cuda_graph.py: whole decode steps from one graph per padded batch size, over fixed TPP
+"""chunkserve/replicas/engine/cuda_graph.py: whole decode steps from one graph per padded batch size, over fixed TPP
 plans. On the CPU (the triton backend under the interpreter) the graphs run as plain calls over
 the same buffers and plan objects (the plumbing); on CUDA as graphs."""
 
@@ -9,9 +9,9 @@ import random
 import pytest
 import torch
 
-from chunkserve.replicas.cuda_graph import batch_sizes
-from chunkserve.replicas.engine import LLMEngine
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.cuda_graph import batch_sizes
+from chunkserve.replicas.engine.llm_engine import LLMEngine
+from chunkserve.replicas.engine.sequence import SamplingParams
 from tests.test_piecewise import DEVICES, _live_traffic, drive
 
 

@@ -11,8 +11,8 @@ import struct
 import pytest
 
 from chunkserve.replicas.direct_stream import Address, ReplicaFull, StreamClient, StreamLost, StreamServer
+from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine_process import EngineDied
-from chunkserve.replicas.sequence import SamplingParams
 from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
 
 

@@ -12,9 +12,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from chunkserve.kernels.block_union import BlockUnion
-from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
-from chunkserve.replicas.sequence import Tenancy
-from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.engine.sequence import Tenancy
+from chunkserve.replicas.engine.stats import EngineStats
 from tests import engine_ops
 from tests.hf_checkpoints import make_hf_checkpoint
 
@@ -381,7 +381,7 @@ def test_cli_prints_text():
         [
             sys.executable,
             "-m",
-            "chunkserve.replicas.engine",
+            "chunkserve.replicas.engine.llm_engine",
             "--model",
             "tiny",
             "--prompt",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from chunkserve.kernels import paged_prefill
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -104,10 +104,10 @@ def test_cuda_graphs_under_churn_replay_every_decode_step_and_keep_tokens():
 
 def test_warmed_engine_compiles_nothing_for_few_rows_after_a_long_prefix():
     # live traffic at a low rate: one or a few rows at a time after one long shared prefix,
-    # joining as others decode and leave. After chunkserve.replicas.warmup, their decode plans launch no
+    # joining as others decode and leave. After chunkserve.replicas.engine.warmup, their decode plans launch no
     # kernel variant it did not (each would compile on a request's path)
     from chunkserve.kernels import launch
-    from chunkserve.replicas.warmup import warmup
+    from chunkserve.replicas.engine.warmup import warmup
 
     engine = LLMEngine.from_model(
         "tiny", device="cuda", dtype="bfloat16", kv_cache_tokens=65536, chunk_size=64, max_num_seqs=64

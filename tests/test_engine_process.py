@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from chunkserve.replicas.engine import EngineConfig, LLMEngine
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
+from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine_process import EngineDied, EngineProcess
-from chunkserve.replicas.guided import Guide
-from chunkserve.replicas.sequence import SamplingParams
 from chunkserve.router.events import Relay
 from chunkserve.router.hashing import chunk_hashes
 

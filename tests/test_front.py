@@ -13,7 +13,7 @@ from ray.serve import context as serve_context
 from starlette.requests import ClientDisconnect
 
 from chunkserve.cluster.front import HTTPFront, bind
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 
 
 async def _slow_app(scope, receive, send) -> None:

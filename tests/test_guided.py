@@ -8,8 +8,8 @@ from collections import defaultdict
 import pytest
 import torch
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.guided import Guide, Guides, allowed_mask, fill_bitmask, mask_logits
+from chunkserve.replicas.engine.guided import Guide, Guides, allowed_mask, fill_bitmask, mask_logits
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from chunkserve.replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
 from tests.test_penalties import _record_logits
 
@@ -325,7 +325,7 @@ def test_a_row_that_ignores_eos_draws_only_eos_after_its_grammar_ends(engine):
 
 
 def test_bit_31_is_the_sign_bit():
-    from chunkserve.replicas.guided import _bit
+    from chunkserve.replicas.engine.guided import _bit
 
     words = torch.tensor([[_bit(31) | _bit(0)]], dtype=torch.int32)
     assert allowed_mask(words, 32)[0].nonzero().flatten().tolist() == [0, 31]

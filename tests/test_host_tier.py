@@ -10,10 +10,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
-from chunkserve.replicas.kv_pool import HostPool, KVPool
-from chunkserve.replicas.prefix_tree import GPU, HOST, PrefixTree
-from chunkserve.replicas.sequence import Sequence, Tenancy
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.engine.prefix_tree import GPU, HOST, PrefixTree
+from chunkserve.replicas.engine.sequence import Sequence, Tenancy
 from tests import engine_ops
 
 C = 4

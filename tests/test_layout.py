@@ -8,6 +8,7 @@ those under `if TYPE_CHECKING:`, which run only for the type checker."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,7 @@ MODULES = {_module_name(p): p for p in sorted((ROOT / "chunkserve").rglob("*.py"
 
 
 def _package(module: str) -> str:
-    """chunkserve.replicas.engine -> replicas (chunkserve itself: its own)."""
+    """chunkserve.replicas.engine.llm_engine -> replicas (chunkserve itself: its own)."""
     return module.split(".")[1] if module.count(".") else module
 
 
@@ -117,9 +118,11 @@ def _within(module: str, allowed: set[str] | tuple[str, ...]) -> bool:
 def test_the_layout_is_read():
     # (a rule over no modules would pass whatever the code did)
     assert len(RUNTIME) > 50
-    assert {"chunkserve.replicas.engine", "chunkserve.cluster.ingress", "chunkserve.kernels.tpp"} <= set(RUNTIME)
+    assert {"chunkserve.replicas.engine.llm_engine", "chunkserve.cluster.ingress", "chunkserve.kernels.tpp"} <= set(
+        RUNTIME
+    )
     assert {"chunkserve.router.policy", "chunkserve"} <= set(RUNTIME)
-    assert "chunkserve.replicas.distributed" in IMPORTS["chunkserve.replicas.engine"]
+    assert "chunkserve.replicas.engine.distributed" in IMPORTS["chunkserve.replicas.engine.llm_engine"]
     assert any(_is_tool(m) for m in MODULES)
 
 
@@ -157,10 +160,27 @@ def test_ray_only_where_design_allows_it():
     ] == []
 
 
-def test_design_lists_every_file():
-    """DESIGN.md §2's layout table names every runtime and tool file (by path) and every test
-    file (by name), so it stays the map of the code as files come and go."""
-    design = (ROOT / "DESIGN.md").read_text()
-    missing = [str(p.relative_to(ROOT)) for p in MODULES.values() if f"`{p.relative_to(ROOT)}`" not in design]
-    missing += [p.name for p in sorted((ROOT / "tests").glob("*.py")) if f"`{p.name}`" not in design]
-    assert missing == []
+def _children(package: Path) -> list[str]:
+    """A package's modules and subpackages, by name (its __init__ and __main__ aside)."""
+    mods = [p.stem for p in package.glob("*.py") if p.stem not in ("__init__", "__main__")]
+    subs = [p.name for p in package.iterdir() if (p / "__init__.py").exists()]
+    return sorted(mods + subs)
+
+
+PACKAGE_DIRS = sorted(p.parent for p in (ROOT / "chunkserve").rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGE_DIRS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_each_package_docstring_names_its_files(package):
+    """A package's docstring is the map of its folder: it names every module and subpackage in
+    it (as a word), so the map stays true as files come and go."""
+    doc = ast.get_docstring(ast.parse((package / "__init__.py").read_text())) or ""
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", doc))
+    assert [name for name in _children(package) if name not in words] == []
+
+
+def test_each_test_file_says_what_it_tests():
+    undocumented = [
+        p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if not ast.get_docstring(ast.parse(p.read_text()))
+    ]
+    assert undocumented == []

@@ -439,7 +439,7 @@ def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
     import httpx
     import yaml
 
-    from chunkserve.replicas.distributed import free_port
+    from chunkserve.replicas.engine.distributed import free_port
 
     root = Path(__file__).resolve().parents[1]
     config = yaml.safe_load((root / "configs/local.yaml").read_text())

@@ -6,7 +6,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from tests.test_penalties import _record_logits
 
 PROMPTS = [list(range(20, 60)), list(range(20, 50)) + [7, 7, 7], [300, 301, 302]]

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 from chunkserve.replicas.model import IncrementalDetokenizer, ModelConfig, Tokenizer, load_model
 from chunkserve.replicas.model.config import read_json
 from chunkserve.replicas.model.layers import RotaryEmbedding

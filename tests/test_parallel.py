@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chunkserve.replicas.distributed import free_port, init_group
-from chunkserve.replicas.engine import EngineConfig, LLMEngine
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.distributed import free_port, init_group
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
+from chunkserve.replicas.engine.sequence import SamplingParams
+from chunkserve.replicas.engine.warmup import warmup
 from chunkserve.replicas.parallel import TPEngine, TPWorker
-from chunkserve.replicas.sequence import SamplingParams
-from chunkserve.replicas.warmup import warmup
 
 CONFIG = EngineConfig(
     model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16, max_num_batched_tokens=64
@@ -72,10 +72,12 @@ def _worker(rank: int, size: int, port: int, scenario: str, device: str = "cpu")
     group_device = _on_gpu(rank, device)
     torch.set_num_threads(1)
     if scenario == "samples_apart":  # rank 1 samples other tokens than rank 0 from its logits
-        import chunkserve.replicas.runner
+        import chunkserve.replicas.engine.runner
 
-        sample_ids = chunkserve.replicas.runner.sample_ids
-        chunkserve.replicas.runner.sample_ids = lambda logits, *args: (sample_ids(logits, *args) + 1) % logits.shape[-1]
+        sample_ids = chunkserve.replicas.engine.runner.sample_ids
+        chunkserve.replicas.engine.runner.sample_ids = lambda logits, *args: (
+            (sample_ids(logits, *args) + 1) % logits.shape[-1]
+        )
     init_group(rank, size, "127.0.0.1", port, group_device, timeout_s=JOIN_S)
     try:
         TPWorker(_config(scenario, size, rank, device)).serve()
@@ -142,7 +144,7 @@ def _preemption(engine) -> dict:
 
 
 def _warmed(engine) -> dict:
-    """chunkserve.replicas.warmup through the engine (rank 0's TPEngine: every rank runs it), then _generate."""
+    """chunkserve.replicas.engine.warmup through the engine (rank 0's TPEngine: every rank runs it), then _generate."""
     got = warmup(engine)
     return {"warmup_requests": got["warmup_requests"], **_generate(engine)}
 

@@ -1,5 +1,5 @@
 """Presence, frequency and repetition penalties, min_p and logit_bias: the batched sampler against
-the one-row reference, and the engine's per-request token counts (chunkserve.replicas.penalties) in sync
+the one-row reference, and the engine's per-request token counts (chunkserve.replicas.engine.penalties) in sync
 and async scheduling."""
 
 import random
@@ -9,10 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from chunkserve.replicas.engine import LLMEngine
-from chunkserve.replicas.penalties import Gathered
-from chunkserve.replicas.sampler import sample, sample_row_ref
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine
+from chunkserve.replicas.engine.penalties import Gathered
+from chunkserve.replicas.engine.sampler import sample, sample_row_ref
+from chunkserve.replicas.engine.sequence import SamplingParams
 
 ROWS = [
     SamplingParams(temperature=0, presence_penalty=1.5),  # greedy rows are penalized too

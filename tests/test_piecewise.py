@@ -1,4 +1,4 @@
-"""chunkserve/replicas/piecewise.py: the forward as pieces between the attentions. On the CPU the pieces run
+"""chunkserve/replicas/engine/piecewise.py: the forward as pieces between the attentions. On the CPU the pieces run
 as plain calls over the same static buffers and buckets (the plumbing); on CUDA as graphs."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.piecewise import BUCKETS, PiecewiseGraphs
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.piecewise import BUCKETS, PiecewiseGraphs
 
 DEVICES = [
     "cpu",

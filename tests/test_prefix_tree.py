@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.prefix_tree import PrefixTree
-from chunkserve.replicas.sequence import SamplingParams, Sequence, Tenancy
+from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.prefix_tree import PrefixTree
+from chunkserve.replicas.engine.sequence import SamplingParams, Sequence, Tenancy
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 
 C = 4

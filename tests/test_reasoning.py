@@ -8,8 +8,8 @@ from tokenizers import AddedToken
 from chunkserve.cluster.ingress import _ChatFormat
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.cluster.reasoning import ReasoningSplit, think_tags
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from chunkserve.replicas.model.tokenizer import Tokenizer
 from chunkserve.replicas.wire import GenerateOutput
 from tests.test_tool_calls import _splits

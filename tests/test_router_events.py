@@ -1,4 +1,4 @@
-"""Chunk-tree events (chunkserve/router/events.py, chunkserve/replicas/tree_events.py) and the index that
+"""Chunk-tree events (chunkserve/router/events.py, chunkserve/replicas/engine/tree_events.py) and the index that
 applies them (chunkserve/router/index.PrefixIndex.apply_events): deltas, gaps, epochs, snapshots, and
 an index built from deltas against the tree itself."""
 
@@ -11,11 +11,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve.replicas.engine import EngineConfig, LLMEngine
-from chunkserve.replicas.kv_pool import HostPool, KVPool
-from chunkserve.replicas.prefix_tree import HOST, PrefixTree
-from chunkserve.replicas.sequence import SamplingParams
-from chunkserve.replicas.tree_events import RouteEvents
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
+from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
+from chunkserve.replicas.engine.sequence import SamplingParams
+from chunkserve.replicas.engine.tree_events import RouteEvents
 from chunkserve.router.events import ChunkLog, Relay
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 from chunkserve.router.index import PrefixIndex

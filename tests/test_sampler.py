@@ -1,4 +1,4 @@
-"""Batched sampling (chunkserve.replicas.sampler.sample) against the one-row reference, and the filters."""
+"""Batched sampling (chunkserve.replicas.engine.sampler.sample) against the one-row reference, and the filters."""
 
 import json
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from chunkserve.replicas import sampler
-from chunkserve.replicas.sampler import sample, sample_row_ref
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.sampler import sample, sample_row_ref
+from chunkserve.replicas.engine.sequence import SamplingParams
 
 MIXED = [
     SamplingParams(temperature=0),  # greedy

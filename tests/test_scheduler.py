@@ -1,4 +1,4 @@
-"""chunkserve/replicas/scheduler.py on its own: FCFS admission under the token budget, chunked prefill,
+"""chunkserve/replicas/engine/scheduler.py on its own: FCFS admission under the token budget, chunked prefill,
 max_num_seqs, DFS order of the decode rows, preemption of the newest. A small driver plays the
 engine: after each step the new K/V count as computed and every row that reached its last token
 samples one more."""
@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.prefix_tree import PrefixTree
-from chunkserve.replicas.scheduler import Batch, Scheduler, _sort_dfs
-from chunkserve.replicas.sequence import SamplingParams, Sequence, Status, Tenancy
+from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.prefix_tree import PrefixTree
+from chunkserve.replicas.engine.scheduler import Batch, Scheduler, _sort_dfs
+from chunkserve.replicas.engine.sequence import SamplingParams, Sequence, Status, Tenancy
 
 C = 4  # tokens a chunk
 

@@ -23,8 +23,8 @@ import yaml
 
 from chunkserve.cluster.local import LocalCluster
 from chunkserve.cluster.protocol import ChatCompletionRequest
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from tests.serve_cluster import wait_until_serving
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

@@ -21,7 +21,7 @@ from ray.util.state import list_actors
 
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.ingress import REPLICA_HEADER
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

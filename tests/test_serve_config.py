@@ -13,8 +13,8 @@ from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, Usage
 from chunkserve.replicas.deployment import _take, _TextStream
-from chunkserve.replicas.engine import RequestOutput
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import RequestOutput
 from chunkserve.replicas.model import load_tokenizer
 from chunkserve.replicas.wire import GenerateOutput
 
@@ -499,7 +499,7 @@ def test_a_requests_choices_hold_one_copy_of_its_stop_strings_in_the_replica():
 
     from ray import cloudpickle
 
-    from chunkserve.replicas.sequence import SamplingParams
+    from chunkserve.replicas.engine.sequence import SamplingParams
     from chunkserve.replicas.wire import HELD_STOPS, GenerateRequest
 
     tok = load_tokenizer("tiny")
@@ -580,7 +580,7 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 
 def test_engine_options_are_engine_config_fields():
     # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
-    from chunkserve.replicas.engine import EngineConfig
+    from chunkserve.replicas.engine.llm_engine import EngineConfig
 
     options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": True}})
     options = options.engine.model_dump()

@@ -38,7 +38,7 @@ from chunkserve.cluster.app import build_app
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.ingress import REPLICA_HEADER
 from chunkserve.cluster.local import LocalCluster
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 from tests.serve_cluster import wait_until_serving
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

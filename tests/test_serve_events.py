@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.wire import GenerateRequest
 from chunkserve.router.hashing import chunk_hashes
 from tests.serve_cluster import serve_on_local_cluster

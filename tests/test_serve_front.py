@@ -13,7 +13,7 @@ import pytest
 from ray import serve
 
 from chunkserve.cluster.app import build_app
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 from tests.serve_cluster import serve_on_local_cluster
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out

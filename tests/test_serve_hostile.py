@@ -26,7 +26,7 @@ from ray import serve
 
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.ingress import REPLICA_HEADER
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 

@@ -27,7 +27,7 @@ import pytest
 from ray import serve
 
 from chunkserve.cluster.app import build_app
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from tests import hostile_load
 from tests.serve_cluster import serve_on_local_cluster
 from tests.test_serve_hostile import LEAKS, _replicas

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from chunkserve.replicas.model import load_model, load_tokenizer, loader
 
 MODEL = "smollm2-135m"

@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.tenants import DEFAULT, RateLimited, Tenants, Unauthorized, cache_salt
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.sequence import Tenancy
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.sequence import Tenancy
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 from chunkserve.router.index import PrefixIndex
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from chunkserve.cluster.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, template_tools
 from chunkserve.cluster.tool_calls import HermesParser, Llama3JsonParser, ToolOutput
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 from chunkserve.replicas.model.tokenizer import Tokenizer
 from tests.hf_checkpoints import make_hf_checkpoint
 from tests.test_guided import BIASES

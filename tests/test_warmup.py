@@ -1,10 +1,10 @@
-"""chunkserve.replicas.warmup: synthetic batches through the normal path, then counters zeroed; the engine
+"""chunkserve.replicas.engine.warmup: synthetic batches through the normal path, then counters zeroed; the engine
 then serves as a fresh one would."""
 
 import pytest
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
-from chunkserve.replicas.warmup import warmup
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.warmup import warmup
 
 OPTS = dict(chunk_size=16, kv_cache_tokens=2048, max_num_batched_tokens=128, max_num_seqs=24)
 PROMPTS = [list(range(30, 80)) + [200 + i] * (i + 2) for i in range(5)]

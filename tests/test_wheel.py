@@ -36,7 +36,7 @@ def test_a_wheel_serves_a_preset_without_the_checkout(tmp_path):
     zipfile.ZipFile(wheel).extractall(site)
     # the wheel's copy first on the path (the checkout's editable install after it), run from elsewhere
     code = (
-        "import chunkserve, sys; from chunkserve.replicas.engine import LLMEngine, SamplingParams\n"
+        "import chunkserve, sys; from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams\n"
         f"assert chunkserve.__file__.startswith({str(site)!r}), chunkserve.__file__\n"
         "engine = LLMEngine.from_model('tiny', kv_cache_tokens=1024)\n"
         "print(len(engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0]))"

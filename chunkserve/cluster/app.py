@@ -15,7 +15,7 @@ from ray.serve import Application
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.ingress import OpenAIIngress
 from chunkserve.replicas.deployment import LLMReplica
-from chunkserve.replicas.engine import EngineConfig
+from chunkserve.replicas.engine.llm_engine import EngineConfig
 
 PREFIX_ROUTER = "chunkserve.router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §6)
 

@@ -37,7 +37,7 @@ class SparsePrefillOptions(_Strict):
 
 
 class EngineOptions(_Strict):
-    """chunkserve.replicas.engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
+    """chunkserve.replicas.engine.llm_engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
 
     chunk_size: Literal[16, 32, 64, 128] = 64
     kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU
@@ -171,7 +171,7 @@ class AppConfig(_Strict):
     # (Serve's http_options.request_timeout_s still bounds whole requests)
     request_deadline_s: float | None = Field(None, gt=0)
 
-    # run chunkserve.replicas.warmup in each LLM replica before it serves (kernels compiled at startup, not
+    # run chunkserve.replicas.engine.warmup in each LLM replica before it serves (kernels compiled at startup, not
     # on users' requests); None: on GPUs
     warmup: bool | None = None
     engine: EngineOptions = EngineOptions()

@@ -8,7 +8,7 @@ naming the field rather than a silently different answer.
 Structured outputs come in OpenAI's form (`response_format`: json_object, json_schema) and vLLM's
 (`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`, or `structured_outputs` with
 json / regex / choice / grammar / json_object): at most one of them per request, as a
-chunkserve.replicas.guided.Guide in the sampling params. Chat's `tools` / `tool_choice` (cluster/tool_calls.py)
+chunkserve.replicas.engine.guided.Guide in the sampling params. Chat's `tools` / `tool_choice` (cluster/tool_calls.py)
 make one too where the calls are forced (`required`, a named function).
 """
 
@@ -31,8 +31,8 @@ from pydantic import (
 )
 
 from chunkserve.cluster.tool_calls import tool_guide
-from chunkserve.replicas.guided import Guide
-from chunkserve.replicas.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.sequence import MAX_LOGPROBS, SEED_RANGE, SamplingParams
 from chunkserve.replicas.wire import GenerateOutput
 
 # -- requests --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 A key names one tenant (`AppConfig.tenants`; `api_key`, or no key at all, is the `default`
 tenant, shared). The tenant's cache policy and the request's `cache_salt` (vLLM's) make the cache
 salt that seeds the prompt's chunk hashes here and picks its prefix tree in the engine
-(`chunkserve.replicas.sequence.Tenancy`), so requests of different salts never share a cached
+(`chunkserve.replicas.engine.sequence.Tenancy`), so requests of different salts never share a cached
 chunk, at the router or on a replica: a private tenant's prompts cannot be timed by anyone else.
 What is not protected: tenants that share (`shared`, or one group) see each other's cached
 prefixes by design; the load (how busy a replica is) shows in everyone's latency.

@@ -1,6 +1,6 @@
 """Tool calling: OpenAI's `tools` and `tool_choice` on /v1/chat/completions, as vLLM serves them.
 
-- `required`, or a named function: the output is guided (chunkserve.replicas.guided) by a JSON schema, so it
+- `required`, or a named function: the output is guided (chunkserve.replicas.engine.guided) by a JSON schema, so it
   always parses. A named function's guide is its `parameters` schema, and the text is the call's
   arguments. `required` takes an array of one or more `{"name", "parameters"}` objects, each one
   of the tools (one at most without `parallel_tool_calls`). The choice's finish reason is then
@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from chunkserve.cluster.reasoning import held
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.guided import Guide
 
 
 def _call_id() -> str:

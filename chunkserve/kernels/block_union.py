@@ -7,7 +7,7 @@ the context blocks its queries are likely to attend:
 - Blocks: the context's chunks before the one holding the piece's first token, `block // c`
   chunks a block. A block's keys are summed up by their bounds, per dimension the max and the
   min of its keys ([max | min], 2D wide): the bounds of its chunks' bounds, which the pool keeps
-  for every full chunk, per layer (chunkserve.replicas.attention), so a shared prefix's are computed once,
+  for every full chunk, per layer (chunkserve.replicas.engine.attention), so a shared prefix's are computed once,
   when its chunks fill. A query's score of a block is q · center + spread · |q| · radius of the
   box [min, max] its keys lie in (`bound_queries`, [(q + spread |q|) / 2 | (q - spread |q|) /
   2] against [max | min]). At spread 1 it is the bound q⁺ · max + q⁻ · min, the most q · k can
@@ -116,7 +116,7 @@ class BlockUnion:
     stride: int = 1
     # the prompt's last this many tokens (its question, where a task puts it) attend densely:
     # their queries are the ones an answer reads from, and a selection scored over a whole piece's
-    # queries dilutes theirs (chunkserve.replicas.attention splits the prompt's last piece)
+    # queries dilutes theirs (chunkserve.replicas.engine.attention splits the prompt's last piece)
     dense_tail: int = 128
 
     def __post_init__(self):

@@ -4,7 +4,7 @@ Every call of ``kernel[grid](...)`` runs Triton's dispatcher (``JITFunction.run`
 arguments, specializes each one (its dtype; 16-byte alignment of a pointer; an int equal to 1,
 divisible by 16, or past 32 bits), turns that into a cache key and looks the compiled kernel up.
 That host work more than doubles a launch's cost, the more so the more arguments a kernel takes,
-and a decode step makes ~100 such launches between its graph pieces (chunkserve/replicas/piecewise.py;
+and a decode step makes ~100 such launches between its graph pieces (chunkserve/replicas/engine/piecewise.py;
 figures: chunkserve/kernels/tools/records/README.md, 'Figures behind the code').
 
 ``launch`` takes from the caller a key that tells apart exactly what the dispatcher would: the

@@ -1,7 +1,7 @@
 """Top-p (nucleus) cut of each row without sorting it: the lowest logit that stays, found by a
 16-way search over the logits' float order (Triton), beside its sort-based reference.
 
-The rule (chunkserve.replicas.sampler): a token stays unless the tokens more likely than it already hold
+The rule (chunkserve.replicas.engine.sampler): a token stays unless the tokens more likely than it already hold
 top_p of the probability, the mass summed in float64 from float32 probabilities. With M(t) the
 mass of the tokens whose logit exceeds t, the kept tokens are those x with M(x) < top_p, so the
 cut is the smallest row value v with M(v) < top_p: tokens of one value stay or go together and

@@ -14,7 +14,7 @@ one launch per layer does (figures: chunkserve/kernels/tools/records/README.md, 
 
 FlashInfer compiles its prefill module for a dtype and head size on first use, for minutes on a
 fresh machine (then cached on disk, under FLASHINFER_WORKSPACE_BASE). A GPU replica's warmup
-(chunkserve/replicas/warmup.py) runs a prefill, so the compile happens before the replica reports ready.
+(chunkserve/replicas/engine/warmup.py) runs a prefill, so the compile happens before the replica reports ready.
 """
 
 from __future__ import annotations

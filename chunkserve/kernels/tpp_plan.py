@@ -206,7 +206,7 @@ class FixedPlans:
     """Device buffers that TPP plans of fixed launches are written into (`build_fixed_plan`):
     one set per engine, for every padded batch size in `sizes` (a plan of B rows takes the least
     size >= B). A CUDA graph captured over a decode step of one size replays for any plan of
-    that size (chunkserve/replicas/cuda_graph.py), as vLLM's graphs per padded batch do: the pieces, chunk
+    that size (chunkserve/replicas/engine/cuda_graph.py), as vLLM's graphs per padded batch do: the pieces, chunk
     runs, partial slots, merge rows and counts are data in these buffers, rewritten by each
     plan's one upload, while the grids, constexprs and pointers stay.
 

@@ -37,8 +37,8 @@ from ray.serve import metrics
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from chunkserve.replicas.direct_stream import StreamServer
-from chunkserve.replicas.distributed import free_port, init_group
-from chunkserve.replicas.engine import EngineConfig, RequestOutput
+from chunkserve.replicas.engine.distributed import free_port, init_group
+from chunkserve.replicas.engine.llm_engine import EngineConfig, RequestOutput
 from chunkserve.replicas.engine_process import EngineDied, EngineProcess
 from chunkserve.replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from chunkserve.replicas.parallel import TPWorker, rank_device, worker_config

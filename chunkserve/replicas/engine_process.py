@@ -48,8 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any
 
-from chunkserve.replicas.engine import EngineConfig
-from chunkserve.replicas.sequence import SamplingParams, Tenancy
+from chunkserve.replicas.engine.llm_engine import EngineConfig
+from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
 
 __all__ = ["EngineProcess", "EngineDied"]
 
@@ -241,7 +241,7 @@ class _Core:
             self.engine = _build(config, tp)
             warm = None
             if warm_up:
-                from chunkserve.replicas.warmup import warmup
+                from chunkserve.replicas.engine.warmup import warmup
 
                 warm = warmup(self.engine)
             if self.engine.tokenizer is not None:
@@ -298,11 +298,11 @@ class _Core:
 
 
 def _build(config: EngineConfig, tp: tuple[str, int] | None):
-    from chunkserve.replicas.engine import LLMEngine
+    from chunkserve.replicas.engine.llm_engine import LLMEngine
 
     if config.tp_size == 1:
         return LLMEngine(config)
-    from chunkserve.replicas.distributed import init_group
+    from chunkserve.replicas.engine.distributed import init_group
     from chunkserve.replicas.parallel import TPEngine, rank_device
 
     addr, port = tp

@@ -39,9 +39,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from chunkserve.replicas.distributed import control_group
-from chunkserve.replicas.engine import EngineConfig, LLMEngine, RequestOutput
-from chunkserve.replicas.sequence import SamplingParams, Tenancy
+from chunkserve.replicas.engine.distributed import control_group
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
 
 __all__ = ["TPEngine", "TPWorker", "rank_device", "worker_config"]
 

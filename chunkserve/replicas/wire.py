@@ -11,7 +11,7 @@ import threading
 import weakref
 from dataclasses import dataclass
 
-from chunkserve.replicas.sequence import SamplingParams, Tenancy
+from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
 
 __all__ = ["GenerateOutput", "GenerateRequest"]
 

@@ -35,5 +35,6 @@ kept as session labels. `--trace-window START:END` (seconds of the trace) and
 
 Files: workloads.py (specs and arrivals), traces.py (block traces, windows), render.py (specs
 -> requests), client.py (sending and records), metrics.py (the report), distributed.py (Ray
-client actors), capacity.py (the client's own limit), plots.py, cli.py. A tool: the runtime never imports it.
+client actors), capacity.py (the client's own limit), peer.py (serve a peer such as vLLM and load it), stack.py
+(serve one of our configs and load it), plots.py, cli.py. A tool: the runtime never imports it.
 """

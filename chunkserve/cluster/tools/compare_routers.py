@@ -35,7 +35,7 @@ from ray import serve
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.ingress import REPLICA_HEADER
 from chunkserve.cluster.local import LocalCluster
-from chunkserve.replicas.distributed import free_port
+from chunkserve.replicas.engine.distributed import free_port
 
 
 def workload(groups: int, per_group: int, prefix_len: int, question_len: int, seed: int) -> list[list[int]]:

@@ -125,7 +125,7 @@ def kept_mass(block_mass: Tensor, own: Tensor, keep: Tensor) -> dict[str, float]
 def select(q: Tensor, k: Tensor, context_len: int, cfg: BlockUnion, c: int, sub: int, sm_scale: float) -> Tensor:
     """The selector's blocks for a piece's queries q [T, Hq, D] at positions context_len.. given
     its keys k [Hkv, >= context_len + T, D]: the engine's CPU path
-    (chunkserve.replicas.attention.Attention.sparse_prefill) from chunk key bounds -> keep [S * E, NB] bool,
+    (chunkserve.replicas.engine.attention.Attention.sparse_prefill) from chunk key bounds -> keep [S * E, NB] bool,
     span after span (block_union.piece_spans), each span's row zero past the blocks it sees."""
     hkv, _, d = k.shape
     spans = block_union.piece_spans(context_len, q.shape[0], cfg.span_rows(context_len))
@@ -352,7 +352,7 @@ def leading_equal(a: list[int], b: list[int]) -> int:
 
 
 def run(args) -> list[dict]:
-    from chunkserve.replicas.engine import LLMEngine, SamplingParams
+    from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 
     torch.set_num_threads(args.threads)
     cfgs = {spec: BlockUnion.from_spec(spec, args.piece) for spec in args.configs}

@@ -3,7 +3,7 @@
 The model holds no KV cache: each layer hands q, k, v to the caller's attention backend,
 `attn.forward(layer_idx, q, k, v) -> o`, which owns the cache and the softmax scale. A layer is
 `before_attention` (norm, q/k/v projection, rotary), the attention, then `after_attention` (output
-projection, norm, MLP): chunkserve/replicas/piecewise.py runs the halves as CUDA graphs with the attention
+projection, norm, MLP): chunkserve/replicas/engine/piecewise.py runs the halves as CUDA graphs with the attention
 between them.
 """
 

@@ -58,9 +58,9 @@ import torch
 import torch.multiprocessing as mp
 
 from chunkserve.kernels.block_union import BlockUnion
-from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
-from chunkserve.replicas.guided import Guide
-from chunkserve.replicas.warmup import warmup
+from chunkserve.replicas.engine.guided import Guide
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.engine.warmup import warmup
 
 
 def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConfig:
@@ -90,7 +90,7 @@ def _config(args: argparse.Namespace, backend: str, rank: int = 0) -> EngineConf
 
 
 # --guided: every row's output (or the first --guided-rows rows') kept inside one of these
-# (chunkserve.replicas.guided); the JSON rows' free string runs as long as the model keeps off the quote
+# (chunkserve.replicas.engine.guided); the JSON rows' free string runs as long as the model keeps off the quote
 GUIDES = {
     "json": Guide("json", json.dumps({"type": "object", "properties": {"text": {"type": "string"}}})),
     "json_object": Guide("json_object"),
@@ -101,7 +101,7 @@ GUIDES = {
 
 def run(args: argparse.Namespace, backend: str, engine=None, warm: bool = True) -> dict:
     """One run of args.batch rows on a fresh engine (or on `engine`, idle: a previous run's, or rank
-    0's TPEngine under --tp); with args.warmup and `warm`, chunkserve.replicas.warmup first."""
+    0's TPEngine under --tp); with args.warmup and `warm`, chunkserve.replicas.engine.warmup first."""
     if engine is None:
         engine = LLMEngine(_config(args, backend))
     engine.reset_counters()  # a previous run's figures are not this run's
@@ -327,7 +327,7 @@ def run_poisson(args: argparse.Namespace, engine, rate: float, run_index: int) -
         "kernel_first_launches": _first_launches()[0] - keys0,
         "kernel_first_launch_s": round(_first_launches()[1] - first_s0, 3),
         "kernel_first_launched": _first_launched(keys0),  # their kernels' names
-        # steps that ran from the pieces between attentions (chunkserve/replicas/piecewise.py), of all steps
+        # steps that ran from the pieces between attentions (chunkserve/replicas/engine/piecewise.py), of all steps
         "piecewise_steps": c.piecewise_replays,
         "piecewise_capture_s": round(pieces.capture_s, 2) if pieces else 0,
         "step_ms": round(1e3 * sum(steps_s) / max(1, len(steps_s)), 2),
@@ -413,7 +413,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--guided-rows", type=int, default=None, help="with --guided: only the first N rows guided")
     ap.add_argument(
-        "--warmup", action="store_true", help="chunkserve.replicas.warmup before each run (as a GPU replica starts)"
+        "--warmup",
+        action="store_true",
+        help="chunkserve.replicas.engine.warmup before each run (as a GPU replica starts)",
     )
     ap.add_argument("--repeat", type=int, default=1, help="runs per backend, each on a fresh engine")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (a process and a GPU each)")
@@ -473,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
             _release()
         return
     if args.tp > 1:
-        from chunkserve.replicas.distributed import free_port
+        from chunkserve.replicas.engine.distributed import free_port
 
         mp.start_processes(_rank, args=(args, free_port(), batches), nprocs=args.tp, start_method="spawn")
         return
@@ -500,7 +502,7 @@ def _release() -> None:
 
 def _rank(rank: int, args: argparse.Namespace, port: int, batches: list[int]) -> None:
     """--tp: rank 0 makes each run through a TPEngine; the other ranks step with it until it closes."""
-    from chunkserve.replicas.distributed import init_group
+    from chunkserve.replicas.engine.distributed import init_group
     from chunkserve.replicas.parallel import TPEngine, TPWorker
 
     backends = args.backend or ["auto"]

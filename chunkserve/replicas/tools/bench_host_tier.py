@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from chunkserve.replicas.engine import LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
 
 
 def _sync(engine: LLMEngine) -> None:

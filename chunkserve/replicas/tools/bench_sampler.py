@@ -16,7 +16,7 @@ import time
 import torch
 
 from chunkserve.replicas import sampler
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.sequence import SamplingParams
 
 CASES = {
     "temperature 0.8": SamplingParams(temperature=0.8),

@@ -27,7 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from chunkserve.replicas.engine import EngineConfig, LLMEngine, SamplingParams
+from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
 
 KINDS = (  # first match wins; names as the CUDA kernels are called
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),

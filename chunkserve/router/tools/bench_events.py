@@ -3,8 +3,8 @@
     python -m chunkserve.router.tools.bench_events [--replicas 1024] [--seconds 10] [--warmup 5]
                                                    [--rate 9] [--spill 0.1] [--seed 0]
 
-Each replica is a real PrefixTree (chunkserve/replicas/prefix_tree.py over a KV pool of one byte a token
-slot) recording routing events (chunkserve/replicas/tree_events.py), relayed by a Relay as LLMReplica
+Each replica is a real PrefixTree (chunkserve/replicas/engine/prefix_tree.py over a KV pool of one byte a token
+slot) recording routing events (chunkserve/replicas/engine/tree_events.py), relayed by a Relay as LLMReplica
 relays them (chunkserve/router/events.py). Its requests are gsp-like (the simulator's gsp in chunks:
 a 32-chunk system prompt of one of `--groups-per-replica` groups homed on it, 2 chunks of its own
 question, 4 of output; `--spill` of them a group homed elsewhere, as a router's load spill sends
@@ -38,9 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.prefix_tree import PrefixTree
-from chunkserve.replicas.tree_events import RouteEvents
+from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.prefix_tree import PrefixTree
+from chunkserve.replicas.engine.tree_events import RouteEvents
 from chunkserve.router.events import Relay
 from chunkserve.router.hashing import model_seed
 from chunkserve.router.index import PrefixIndex

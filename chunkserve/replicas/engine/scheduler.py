@@ -26,9 +26,9 @@ import math
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from chunkserve.replicas.prefix_tree import HOST, PrefixTree
-from chunkserve.replicas.sequence import Sequence, Status
-from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
+from chunkserve.replicas.engine.sequence import Sequence, Status
+from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
@@ -64,7 +64,7 @@ class Scheduler:
     ):
         """prefill_rows_last: order a mixed step's decode rows so that those sharing its first
         prefill's prefix come last (see _sort_dfs): the prefill's tokens, after them, then
-        extend the same DFS order (chunkserve/replicas/attention.py plans them as decode rows).
+        extend the same DFS order (chunkserve/replicas/engine/attention.py plans them as decode rows).
         counters: the engine's, where preemptions are counted (None: one of its own)."""
         self.tree = tree
         self.prefill_rows_last = prefill_rows_last

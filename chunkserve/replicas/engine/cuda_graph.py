@@ -1,7 +1,7 @@
 """The decode step's forward as one CUDA graph per padded batch size, valid for any TPP plan.
 
 An eager decode step launches every kernel from Python (about 40 per layer, counted from the
-ops), and the GPU idles between them; the piecewise graphs (chunkserve/replicas/piecewise.py) still launch
+ops), and the GPU idles between them; the piecewise graphs (chunkserve/replicas/engine/piecewise.py) still launch
 each layer's attention from Python. A graph replays a whole step in one launch. It bakes in
 every launch's grid, constexprs and pointers, which a TPP plan made per batch would change
 whenever a row joins, leaves or fills a tail: so, as vLLM's graphs per padded batch size, the
@@ -33,9 +33,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from chunkserve.replicas.attention import Attention, StepAttention
-from chunkserve.replicas.piecewise import BUCKETS
-from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.engine.attention import Attention, StepAttention
+from chunkserve.replicas.engine.piecewise import BUCKETS
+from chunkserve.replicas.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from chunkserve.replicas.model.llama import LlamaForCausalLM

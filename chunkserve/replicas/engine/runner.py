@@ -1,8 +1,8 @@
 """Runs one scheduled batch through the model: flatten tokens, plan attention, forward, sample.
 
 On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
-(`chunkserve.replicas.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
-padded batch size (`chunkserve.replicas.cuda_graph`), unless the engine runs eagerly (`enforce_eager`).
+(`chunkserve.replicas.engine.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
+padded batch size (`chunkserve.replicas.engine.cuda_graph`), unless the engine runs eagerly (`enforce_eager`).
 `launch` queues the step and returns; `collect` waits for its sampled tokens (at once, or after
 the next step's launch: the engine's asynchronous scheduling)."""
 
@@ -14,17 +14,17 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from chunkserve.replicas.attention import Attention
-from chunkserve.replicas.cuda_graph import DecodeGraphs, batch_sizes
-from chunkserve.replicas.distributed import broadcast_from_first
-from chunkserve.replicas.guided import allow, fill_bitmask, mask_logits
-from chunkserve.replicas.penalties import Penalties
-from chunkserve.replicas.piecewise import PiecewiseGraphs
-from chunkserve.replicas.sampler import sample_ids, token_logprobs
-from chunkserve.replicas.scheduler import Batch
-from chunkserve.replicas.sequence import MAY_THINK, THINKING, Sequence, Status
-from chunkserve.replicas.stats import EngineStats
-from chunkserve.replicas.transfer import to_device
+from chunkserve.replicas.engine.attention import Attention
+from chunkserve.replicas.engine.cuda_graph import DecodeGraphs, batch_sizes
+from chunkserve.replicas.engine.distributed import broadcast_from_first
+from chunkserve.replicas.engine.guided import allow, fill_bitmask, mask_logits
+from chunkserve.replicas.engine.penalties import Penalties
+from chunkserve.replicas.engine.piecewise import PiecewiseGraphs
+from chunkserve.replicas.engine.sampler import sample_ids, token_logprobs
+from chunkserve.replicas.engine.scheduler import Batch
+from chunkserve.replicas.engine.sequence import MAY_THINK, THINKING, Sequence, Status
+from chunkserve.replicas.engine.stats import EngineStats
+from chunkserve.replicas.engine.transfer import to_device
 
 if TYPE_CHECKING:
     from chunkserve.replicas.model.llama import LlamaForCausalLM
@@ -88,10 +88,10 @@ class ModelRunner:
         max_num_seqs: int = 256,
         counters: EngineStats | None = None,
     ):
-        """piecewise: the forward's pieces between attentions as CUDA graphs (chunkserve.replicas.piecewise);
+        """piecewise: the forward's pieces between attentions as CUDA graphs (chunkserve.replicas.engine.piecewise);
         None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
         pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per padded batch
-        size up to max_num_seqs, over fixed TPP plans (chunkserve.replicas.cuda_graph), with the triton
+        size up to max_num_seqs, over fixed TPP plans (chunkserve.replicas.engine.cuda_graph), with the triton
         backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls.
         counters: the engine's, where host waits and graph replays are counted (None: one of its
         own)."""

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 
-from chunkserve.replicas.sequence import SamplingParams
+from chunkserve.replicas.engine.sequence import SamplingParams
 
 _KINDS = (  # sampling side by side: greedy, temperature, top-p, top-k with top-p
     dict(temperature=0),

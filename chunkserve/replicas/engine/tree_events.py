@@ -13,7 +13,7 @@ cache salt), so the router matches prompts against them directly.
 
 from __future__ import annotations
 
-from chunkserve.replicas.prefix_tree import HOST, Node, PrefixTree
+from chunkserve.replicas.engine.prefix_tree import HOST, Node, PrefixTree
 from chunkserve.router.events import MAX_DELTA, ChunkLog, Events
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 

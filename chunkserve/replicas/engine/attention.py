@@ -56,10 +56,10 @@ from chunkserve.kernels import (
     tpp_torch,
 )  # flashinfer imported only when used
 from chunkserve.kernels.tpp_plan import FixedPlans
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.scheduler import Batch
-from chunkserve.replicas.stats import EngineStats
-from chunkserve.replicas.transfer import to_device
+from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.scheduler import Batch
+from chunkserve.replicas.engine.stats import EngineStats
+from chunkserve.replicas.engine.transfer import to_device
 
 BACKENDS = ("auto", "reference", "torch", "triton")
 
@@ -175,7 +175,7 @@ class Attention:
     def fix_plans(self, sizes: tuple[int, ...]) -> None:
         """From now on build each decode plan of at most max(sizes) rows as a fixed plan of the
         least size holding it, where it fits (chunkserve.kernels.tpp_plan.FixedPlans): what the decode
-        graphs (chunkserve/replicas/cuda_graph.py) replay. The triton backend only."""
+        graphs (chunkserve/replicas/engine/cuda_graph.py) replay. The triton backend only."""
         if self.backend != "triton":
             raise ValueError(f"fixed decode plans need the triton backend, not {self.backend!r}")
         self.fixed = FixedPlans(
@@ -503,7 +503,7 @@ class StepAttention:
         return self.attend(layer, q, out)
 
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """forward, the new tokens' K/V already in the pool (chunkserve/replicas/piecewise.py writes them)."""
+        """forward, the new tokens' K/V already in the pool (chunkserve/replicas/engine/piecewise.py writes them)."""
         a = self.attention
         k_cache, v_cache = a.pool.k(layer), a.pool.v(layer)
         out = torch.empty_like(q) if out is None else out

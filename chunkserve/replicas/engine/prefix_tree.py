@@ -26,12 +26,12 @@ from collections.abc import Iterable
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING
 
-from chunkserve.replicas.kv_pool import HostPool, KVPool
-from chunkserve.replicas.sequence import Sequence
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.sequence import Sequence
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 if TYPE_CHECKING:
-    from chunkserve.replicas.tree_events import RouteEvents  # (which imports this module)
+    from chunkserve.replicas.engine.tree_events import RouteEvents  # (which imports this module)
 
 GPU, HOST = 0, 1  # Node.tier: where its chunk id points (the GPU pool, the host pool)
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.engine.stats import EngineStats
 
 
 class ChunkIds:
@@ -74,7 +74,7 @@ class KVPool(ChunkIds):
         self.chunk_size = chunk_size
         # kv: [L, 2, N + 1, Hkv, c, D]; zeroed so never-written slots are finite. Chunk N is the
         # scratch chunk, never allocated: the padding rows of a graphed step write their K/V there
-        # (chunkserve/replicas/piecewise.py)
+        # (chunkserve/replicas/engine/piecewise.py)
         self.scratch = num_chunks
         self.kv = torch.zeros(
             num_layers, 2, num_chunks + 1, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device

@@ -13,7 +13,7 @@ ones.)
 
 Every row's logits first get its logit_bias, then its penalties (repetition, frequency, presence:
 vLLM's order, greedy rows too), from the token counts the engine keeps on the device
-(``chunkserve.replicas.penalties``); sampling rows then divide by their temperature and drop what min_p drops.
+(``chunkserve.replicas.engine.penalties``); sampling rows then divide by their temperature and drop what min_p drops.
 Top-k keeps the tokens that reach the row's k-th largest logit. Top-p then keeps a token unless
 the tokens more likely than it already hold top_p of the probability (summed in float64): tied
 tokens stay or go together, and the most likely token always stays. On CUDA the cut is searched
@@ -33,9 +33,9 @@ import torch
 
 from chunkserve.kernels.nucleus import nucleus_floor, nucleus_floor_ref
 from chunkserve.kernels.philox import uniform, uniform_ref
-from chunkserve.replicas.penalties import Gathered
-from chunkserve.replicas.sequence import SamplingParams
-from chunkserve.replicas.transfer import to_device
+from chunkserve.replicas.engine.penalties import Gathered
+from chunkserve.replicas.engine.sequence import SamplingParams
+from chunkserve.replicas.engine.transfer import to_device
 
 
 def sample(
@@ -51,7 +51,7 @@ def sample(
     keys[i]: row i's 64-bit key (an int in SEED_RANGE, taken mod 2**64), or None for one drawn
     from torch's global RNG; counters[i]: its draw's number (the engine: the output's index).
     Greedy rows read neither. penalties: the token counts of the rows whose params penalize
-    (chunkserve.replicas.penalties.Gathered), None if none does. banned: (row, token ids) that row must not
+    (chunkserve.replicas.engine.penalties.Gathered), None if none does. banned: (row, token ids) that row must not
     draw this step (min_tokens: its stop tokens)."""
     return sample_ids(logits, params, keys, counters, penalties, banned).tolist()
 

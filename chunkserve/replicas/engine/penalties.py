@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from chunkserve.replicas.sequence import Sequence
-from chunkserve.replicas.transfer import to_device
+from chunkserve.replicas.engine.sequence import Sequence
+from chunkserve.replicas.engine.transfer import to_device
 
 
 class Gathered(NamedTuple):

@@ -235,7 +235,7 @@ def allowed_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 def mask_logits(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
     """logits [S, V] with every token the bitmask [len(rows), W] (host) disallows in row rows[i]
     at -inf (a new tensor; the input is left as it was)."""
-    from chunkserve.replicas.transfer import to_device
+    from chunkserve.replicas.engine.transfer import to_device
 
     dev = logits.device
     if dev.type == "cuda":  # through pinned memory: a pageable copy would wait for the queued steps

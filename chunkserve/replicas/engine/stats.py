@@ -3,7 +3,7 @@
 The engine makes one and hands it to its scheduler, attention, runner and graphs; each bumps its
 own fields where the thing happens. `LLMEngine.stats()` reports the engine's share of them (its
 keys are those fields' names), the benchmarks and tests read the rest, and
-`LLMEngine.reset_counters()` is one `reset()` (after chunkserve.replicas.warmup). What is measured once, when
+`LLMEngine.reset_counters()` is one `reset()` (after chunkserve.replicas.engine.warmup). What is measured once, when
 the engine is built (the graphs' capture times), is not a count and stays with its part.
 """
 

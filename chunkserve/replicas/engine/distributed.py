@@ -1,6 +1,6 @@
 """A replica's tensor-parallel process groups and the collectives the engine itself calls.
 
-Below the engine: chunkserve/replicas/engine.py and chunkserve/replicas/runner.py call agree_min and
+Below the engine: chunkserve/replicas/engine/llm_engine.py and chunkserve/replicas/engine/runner.py call agree_min and
 broadcast_from_first when tp_size > 1, chunkserve/replicas/parallel.py (TPEngine, TPWorker, which drive
 whole engines) builds on both. Two groups per replica: the default one for the model's
 collectives (NCCL between GPUs, gloo between CPU ranks) and a gloo control group for the ranks'

@@ -1,6 +1,6 @@
 """The forward as CUDA graphs between the attentions: for steps no whole-step graph runs.
 
-A whole decode step replays from one graph (chunkserve/replicas/cuda_graph.py) only while its TPP plan
+A whole decode step replays from one graph (chunkserve/replicas/engine/cuda_graph.py) only while its TPP plan
 lives: under live traffic rows join, leave and fill tails every few steps, and steps with prefill
 tokens never had one, so most steps launched every kernel from Python (about 40 a layer), their
 time nearly all host time (figures: chunkserve/cluster/loadtest/records/README.md, 'Figures behind the
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from chunkserve.replicas.kv_pool import KVPool
-from chunkserve.replicas.stats import EngineStats
+from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from chunkserve.replicas.model.llama import LlamaDecoderLayer, LlamaForCausalLM

@@ -6,10 +6,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from chunkserve.replicas.guided import Guide
+from chunkserve.replicas.engine.guided import Guide
 
 if TYPE_CHECKING:
-    from chunkserve.replicas.prefix_tree import Node
+    from chunkserve.replicas.engine.prefix_tree import Node
 
 
 # Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS). Far smaller ones turn
@@ -31,7 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     # OpenAI's: each token's logit less presence_penalty if the request has generated it and
     # frequency_penalty times how often; vLLM's: a token of the prompt or the output has its logit
-    # divided by repetition_penalty where positive, multiplied where negative (chunkserve.replicas.penalties)
+    # divided by repetition_penalty where positive, multiplied where negative (chunkserve.replicas.engine.penalties)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -51,7 +51,7 @@ class SamplingParams:
     # vLLM's: the same for each prompt token after the first (the logprob of token i given the
     # tokens before it); such a request computes its whole prompt (no prefix-cache hit)
     prompt_logprobs: int | None = None
-    # structured outputs (chunkserve.replicas.guided): the output kept inside a JSON schema, regex, choice
+    # structured outputs (chunkserve.replicas.engine.guided): the output kept inside a JSON schema, regex, choice
     # or grammar; None: free text
     guided: Guide | None = None
     # with `guided`, a reasoning model's thinking left free before the grammar (vLLM's structured
@@ -107,7 +107,9 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an integer in [0, {MAX_LOGPROBS}], got {k!r}")
         if self.guided is not None:
             if not isinstance(self.guided, Guide):
-                raise ValueError(f"guided must be a chunkserve.replicas.guided.Guide, got {type(self.guided).__name__}")
+                raise ValueError(
+                    f"guided must be a chunkserve.replicas.engine.guided.Guide, got {type(self.guided).__name__}"
+                )
             if self.min_tokens:  # a grammar that has ended allows nothing but the EOS min_tokens bans
                 raise ValueError("min_tokens cannot be combined with guided decoding")
         if self.think is not None:
@@ -189,10 +191,10 @@ class Sequence:
     # every output token so far (but a reasoning model's thinking: params.think)
     matcher: Any = field(default=None, repr=False)
     thinking: int = GUIDED  # GUIDED, MAY_THINK or THINKING (params.think)
-    # a sampling request's draw key (chunkserve.replicas.sampler): its seed, or one from the engine's seed
+    # a sampling request's draw key (chunkserve.replicas.engine.sampler): its seed, or one from the engine's seed
     # and its arrival; None for greedy requests
     draw_key: int | None = None
-    # a penalized request's row of the penalties' token counts (chunkserve.replicas.penalties: taken at its
+    # a penalized request's row of the penalties' token counts (chunkserve.replicas.engine.penalties: taken at its
     # first sampling step, given back when it leaves the engine); None: it holds none
     penalty_slot: int | None = None
     finish_reason: str | None = None

@@ -22,19 +22,19 @@ from typing import NamedTuple
 import torch
 
 from chunkserve.kernels.block_union import BlockUnion
-from chunkserve.replicas.attention import Attention
-from chunkserve.replicas.distributed import agree_min
-from chunkserve.replicas.guided import Guides
-from chunkserve.replicas.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.attention import Attention
+from chunkserve.replicas.engine.distributed import agree_min
+from chunkserve.replicas.engine.guided import Guides
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.prefix_tree import PrefixTree
+from chunkserve.replicas.engine.runner import Launched, ModelRunner
+from chunkserve.replicas.engine.sampler import unseeded_key
+from chunkserve.replicas.engine.scheduler import Scheduler
+from chunkserve.replicas.engine.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status, Tenancy
+from chunkserve.replicas.engine.stats import EngineStats
+from chunkserve.replicas.engine.tree_events import RouteEvents
 from chunkserve.replicas.model import load_model
 from chunkserve.replicas.model.layers import kv_heads_of_rank
-from chunkserve.replicas.prefix_tree import PrefixTree
-from chunkserve.replicas.runner import Launched, ModelRunner
-from chunkserve.replicas.sampler import unseeded_key
-from chunkserve.replicas.scheduler import Scheduler
-from chunkserve.replicas.sequence import GUIDED, MAY_THINK, THINKING, SamplingParams, Sequence, Status, Tenancy
-from chunkserve.replicas.stats import EngineStats
-from chunkserve.replicas.tree_events import RouteEvents
 from chunkserve.router.events import Events
 from chunkserve.router.hashing import model_seed
 
@@ -81,13 +81,13 @@ class EngineConfig:
     # graphs too with decode_graphs); True launches every kernel from Python (vLLM's option)
     enforce_eager: bool = False
     # The forward's pieces between attentions as CUDA graphs per token-count bucket, for the steps
-    # no whole-step graph runs (mixed steps, decode plans no fixed plan holds): chunkserve/replicas/piecewise.py.
+    # no whole-step graph runs (mixed steps, decode plans no fixed plan holds): chunkserve/replicas/engine/piecewise.py.
     # None: on CUDA with the triton backend unless enforce_eager; True on the CPU runs the same
     # pieces as plain calls (tests); False: those steps run eagerly.
     piecewise_graphs: bool | None = None
     # Decode-only steps replay a whole-step CUDA graph per padded batch size up to max_num_seqs,
     # captured when the engine is built and valid for any TPP plan of its size (fixed plans:
-    # chunkserve/replicas/cuda_graph.py); decode steps whose plan does not fit one, and mixed steps, run
+    # chunkserve/replicas/engine/cuda_graph.py); decode steps whose plan does not fit one, and mixed steps, run
     # from the piecewise graphs. None: on CUDA with the triton backend unless enforce_eager;
     # True on the CPU (triton backend) runs the same path as plain calls (tests); False: every
     # step from the piecewise graphs (figures: chunkserve/cluster/loadtest/records/README.md, call N).
@@ -326,7 +326,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def guides(self) -> Guides:
-        """The engine's grammars (chunkserve.replicas.guided), made on first use. `guides().compile(guide)`
+        """The engine's grammars (chunkserve.replicas.engine.guided), made on first use. `guides().compile(guide)`
         may run in another thread (the replica compiles before it adds a request)."""
         with self._guides_lock:
             if self._guides is None:
@@ -505,7 +505,7 @@ class LLMEngine:
 
     # -- observability ----------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
-        """The pool's use and the queues now, and the engine's counts (chunkserve.replicas.stats): requests,
+        """The pool's use and the queues now, and the engine's counts (chunkserve.replicas.engine.stats): requests,
         tokens, steps; with sparse_prefill, the pages its pieces read and would have read dense.
         The replica sends it every step."""
         if self.host is not None:
@@ -544,7 +544,7 @@ class LLMEngine:
         return stats
 
     def reset_counters(self) -> None:
-        """Zero what stats() and the benchmarks count (after chunkserve.replicas.warmup): requests, tokens,
+        """Zero what stats() and the benchmarks count (after chunkserve.replicas.engine.warmup): requests, tokens,
         steps, preemptions, decode and prefill plans built, graphs replayed, host waits (the
         graphs' capture times stay: they are measured once, when the engine is built)."""
         self.counters.reset()
@@ -555,7 +555,7 @@ class LLMEngine:
         return self.tree.digest(model_seed(model_name), route_chunks, limit)
 
     def record_route_events(self, model_name: str, route_chunks: int) -> None:
-        """From now on, record the tree's routing events (chunkserve/replicas/tree_events.py): the
+        """From now on, record the tree's routing events (chunkserve/replicas/engine/tree_events.py): the
         chained hashes, seeded as `cache_digest`'s, of the chunks it stores and evicts up to
         `route_chunks` deep, for `take_route_events`. A new epoch starts here."""
         self.tree.events = RouteEvents(self.tree, model_seed(model_name), route_chunks)
@@ -588,7 +588,7 @@ def _grammar_takes(seq: Sequence, token: int) -> bool:
 
 
 def _check_tp_group(config: EngineConfig) -> None:
-    """tp_size > 1 runs inside a torch.distributed group of that many ranks (chunkserve.replicas.distributed)."""
+    """tp_size > 1 runs inside a torch.distributed group of that many ranks (chunkserve.replicas.engine.distributed)."""
     if not 0 <= config.tp_rank < config.tp_size:
         raise ValueError(f"tp_rank must be in [0, tp_size={config.tp_size}), got {config.tp_rank}")
     if config.tp_size == 1:
@@ -598,7 +598,7 @@ def _check_tp_group(config: EngineConfig) -> None:
     if not dist.is_initialized():
         raise ValueError(
             f"tp_size={config.tp_size} needs a torch.distributed group of its ranks: "
-            "join it first (chunkserve.replicas.distributed.init_group), one process per rank"
+            "join it first (chunkserve.replicas.engine.distributed.init_group), one process per rank"
         )
     if (dist.get_world_size(), dist.get_rank()) != (config.tp_size, config.tp_rank):
         raise ValueError(
