@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from chunkserve.replicas import sampler
+from chunkserve.replicas.engine import sampler
 from chunkserve.replicas.engine.sampler import sample, sample_row_ref
 from chunkserve.replicas.engine.sequence import SamplingParams
 

@@ -1,12 +1,12 @@
 """GPU kernels (Triton, FlashInfer), each beside its plain-torch reference.
 
-    tpp, tpp_plan, tpp_torch   two-phase partition decode attention over the prefix tree: the
-                               Triton kernels, their work lists, the batched-torch CPU path
-    reference                  plain-torch attention over the chunked cache: the oracle
-    block_union                block-union sparse KV selection for long prefills
-    paged_prefill, fi_decode   FlashInfer's paged prefill and decode over our chunk pool
-    norm_rope                  fused RMSNorm and rotary embedding
-    nucleus, philox            top-p without a sort; counter-based random numbers
-    launch                     launching compiled Triton kernels past the dispatcher
-    tools                      kernel benchmarks, timelines, sm90 reports
+tpp, tpp_plan, tpp_torch   two-phase partition decode attention over the prefix tree: the
+                           Triton kernels, their work lists, the batched-torch CPU path
+reference                  plain-torch attention over the chunked cache: the oracle
+block_union                block-union sparse KV selection for long prefills
+paged_prefill, fi_decode   FlashInfer's paged prefill and decode over our chunk pool
+norm_rope                  fused RMSNorm and rotary embedding
+nucleus, philox            top-p without a sort; counter-based random numbers
+launch                     launching compiled Triton kernels past the dispatcher
+tools                      kernel benchmarks, timelines, sm90 reports
 """

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from chunkserve.replicas import sampler
+from chunkserve.replicas.engine import sampler
 from chunkserve.replicas.engine.sequence import SamplingParams
 
 CASES = {
