@@ -1,4 +1,4 @@
-"""chunkserve.kernels.tools.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
+"""chunkserve.replicas.tools.bench_sparse_accuracy's figures on synthetic tensors and the tiny preset: the dense
 attention it substitutes is the reference's, the oracle keeps at least the selector's mass for
 as many blocks, a selection keeping every block keeps all of it, every share lies in [0, 1]."""
 
@@ -9,7 +9,7 @@ import torch
 
 from chunkserve.kernels import reference
 from chunkserve.kernels.block_union import BlockUnion
-from chunkserve.kernels.tools import bench_sparse_accuracy as bsa
+from chunkserve.replicas.tools import bench_sparse_accuracy as bsa
 
 C = 16  # chunk size
 

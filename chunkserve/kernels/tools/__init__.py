@@ -1,7 +1,6 @@
 """Tools over the kernels package, run as commands, never imported by the runtime.
 
-bench, bench_prefill   side-by-side kernel benchmarks (JSON lines)
-bench_sparse_accuracy  block-union sparse prefill's accuracy on a trained model
-timeline               per-program timelines of the TPP kernels on the GPU
-sm90_report            what the attend kernel compiles to on sm90
+bench, bench_prefill  side-by-side kernel benchmarks (JSON lines)
+timeline              per-program timelines of the TPP kernels on the GPU
+sm90_report           what the attend kernel compiles to on sm90
 """

@@ -1,6 +1,6 @@
 """Block-union sparse prefill's accuracy on a real trained model, on the CPU (issue #28).
 
-    python -m chunkserve.kernels.tools.bench_sparse_accuracy [--lengths 2048 3072] [--depths 3] [--piece 1024]
+    python -m chunkserve.replicas.tools.bench_sparse_accuracy [--lengths 2048 3072] [--depths 3] [--piece 1024]
         [--configs alpha=0.1 budget=0.1 budget=0.25,block=64,window=2] [--threads 2] [--model smollm2-135m]
 
 Each prompt is real text (the filler, below) with "The magic number is NNNN." planted at a depth,
