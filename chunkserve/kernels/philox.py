@@ -12,9 +12,8 @@ and positive).
 ``uniform`` runs the Triton kernel on CUDA and the NumPy reference elsewhere (tests also run the
 kernel in the interpreter). The reference is NumPy, not torch, for its unsigned 64-bit products;
 it was written from the published algorithm and is checked against its known-answer vectors.
-(All four words of a call are used, a quarter of the calls. Rows of 151936 on this CPU, a call
-per column with word 0 alone against four words in in-place uint64 arrays: 8 rows 0.31 s ->
-8-16 ms, 64 rows 2.9 -> 0.16 s.)
+(All four words of a call are used, a quarter of the calls: chunkserve/cluster/loadtest/records/
+README.md, 'Figures behind the code', has the reference's times either way.)
 """
 
 from __future__ import annotations
