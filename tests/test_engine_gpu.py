@@ -22,11 +22,11 @@ def shared_prompts(n=8, prefix_len=300, seed=0):
 def record_logits(engine):
     """Per request id, the logits of every token it sampled (the engine's own forward, untouched)."""
     seen, rows = defaultdict(list), []
-    forward, compute = engine.runner._forward, engine.model.compute_logits
+    forward, compute = engine.runner.forward, engine.model.compute_logits
 
-    def forward_and_name_rows(batch, prev, before_mask=None):  # (what both run and launch go through)
+    def forward_and_name_rows(batch, prev):
         rows[:] = [s.request_id for s, n in batch.items if s.num_computed + n == s.num_tokens]
-        return forward(batch, prev, before_mask)
+        return forward(batch, prev)
 
     def compute_and_keep(hidden):
         logits = compute(hidden)
@@ -34,7 +34,7 @@ def record_logits(engine):
             seen[rid].append(row)
         return logits
 
-    engine.runner._forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
+    engine.runner.forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
     return seen
 
 

@@ -280,7 +280,7 @@ def test_logprobs_of_a_guided_row_are_over_its_allowed_tokens(engine):
         while engine.has_unfinished():
             outs += engine.step()
     finally:
-        del engine.runner._forward, engine.model.compute_logits  # the instance's own, back to the class's
+        del engine.runner.forward, engine.model.compute_logits  # the instance's own, back to the class's
     first = outs[0]
     ((drawn, top),) = first.logprobs
     allowed = {ord(c[0]) for c in CHOICES}  # r, g, b: the choices' first bytes

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
 from chunkserve.replicas.engine.prefix_tree import GPU, HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import Sequence, Tenancy
@@ -21,7 +21,7 @@ C = 4
 
 def _tree(gpu_chunks: int, host_chunks: int) -> PrefixTree:
     pool = KVPool(
-        num_layers=2, num_chunks=gpu_chunks, num_kv_heads=2, chunk_size=C, head_dim=3, dtype=torch.float32, device="cpu"
+        KVShape(num_layers=2, num_kv_heads=2, chunk_size=C, head_dim=3, dtype=torch.float32), gpu_chunks, "cpu"
     )
     return PrefixTree(pool, HostPool(pool, host_chunks))
 

@@ -75,11 +75,11 @@ def test_a_large_bias_decides_and_penalties_push_tokens_away():
 def _record_logits(engine):
     """Per request id, the logits of every token it sampled (the engine's own forward)."""
     seen, rows = defaultdict(list), []
-    forward, compute = engine.runner._forward, engine.model.compute_logits
+    forward, compute = engine.runner.forward, engine.model.compute_logits
 
-    def forward_and_name_rows(batch, prev, before_mask=None):
+    def forward_and_name_rows(batch, prev):
         rows[:] = [s.request_id for s, n in batch.items if s.num_computed + n == s.num_tokens]
-        return forward(batch, prev, before_mask)
+        return forward(batch, prev)
 
     def compute_and_keep(hidden):
         logits = compute(hidden)
@@ -87,7 +87,7 @@ def _record_logits(engine):
             seen[rid].append(row.clone())
         return logits
 
-    engine.runner._forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
+    engine.runner.forward, engine.model.compute_logits = forward_and_name_rows, compute_and_keep
     return seen
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams, Sequence, Tenancy
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
@@ -13,7 +13,7 @@ C = 4
 
 def make_tree(num_chunks=8):
     pool = KVPool(
-        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32, device="cpu"
+        KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32), num_chunks, "cpu"
     )
     return PrefixTree(pool)
 

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams
@@ -26,9 +26,7 @@ SEED = model_seed("tiny")
 
 def make_tree(num_chunks: int, route_chunks: int = 3, max_delta: int = 4096, host_chunks: int = 0) -> PrefixTree:
     """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
-    pool = KVPool(
-        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8, device="cpu"
-    )
+    pool = KVPool(KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8), num_chunks, "cpu")
     tree = PrefixTree(pool, HostPool(pool, host_chunks) if host_chunks else None)
     tree.events = RouteEvents(tree, SEED, route_chunks, max_delta)
     return tree

@@ -11,10 +11,11 @@ import random
 import pytest
 import torch
 
-from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.config import EngineConfig
+from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import PrefixTree
-from chunkserve.replicas.engine.scheduler import Batch, Scheduler, _sort_dfs
-from chunkserve.replicas.engine.sequence import SamplingParams, Sequence, Status, Tenancy
+from chunkserve.replicas.engine.scheduler import Scheduler, _sort_dfs
+from chunkserve.replicas.engine.sequence import Batch, SamplingParams, Sequence, Status, Tenancy
 
 C = 4  # tokens a chunk
 
@@ -28,15 +29,16 @@ def _scheduler(
     max_model_len: int | None = None,
 ) -> Scheduler:
     pool = KVPool(
-        num_layers=1, num_chunks=num_chunks, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32, device="cpu"
+        KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=2, dtype=torch.float32), num_chunks, "cpu"
     )
-    return Scheduler(
-        PrefixTree(pool),
+    config = EngineConfig(
+        "tiny",
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         enable_prefix_sharing=sharing,
         max_model_len=max_model_len,
     )
+    return Scheduler(PrefixTree(pool), config)
 
 
 _arrivals = itertools.count()

@@ -579,8 +579,13 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
 
 
 def test_engine_options_are_engine_config_fields():
-    # every deployment engine option reaches EngineConfig under its own name (enforce_eager too)
-    from chunkserve.replicas.engine.llm_engine import EngineConfig
+    # every deployment engine option reaches EngineConfig under its own name (enforce_eager too),
+    # with EngineConfig's default (the config module stays free of torch: it restates them)
+    from chunkserve.replicas.engine.config import EngineConfig
+
+    engine_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    options = AppConfig.model_validate({}).engine.model_dump()
+    assert options == {name: engine_defaults[name] for name in options}  # one set of defaults
 
     options = AppConfig.model_validate({"engine": {"enforce_eager": True, "async_scheduling": True}})
     options = options.engine.model_dump()

@@ -37,7 +37,9 @@ class SparsePrefillOptions(_Strict):
 
 
 class EngineOptions(_Strict):
-    """chunkserve.replicas.engine.llm_engine.EngineConfig fields a deployment may set (the rest follow from AppConfig)."""
+    """chunkserve.replicas.engine.config.EngineConfig fields a deployment may set (the rest follow from
+    AppConfig), with its defaults: restated so that this module imports no torch, and checked
+    equal (tests/test_serve_config.py)."""
 
     chunk_size: Literal[16, 32, 64, 128] = 64
     kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU

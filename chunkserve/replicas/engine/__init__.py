@@ -1,6 +1,7 @@
 """The engine core: one replica's model, cache and step loop, with no process, Ray or HTTP.
 
     llm_engine    LLMEngine.step(): schedule -> forward -> masks -> sample -> advance
+    config        EngineConfig, handed whole to the parts, its run-mode switches resolved once
     scheduler     admission under a token budget, chunked prefill, preemption, prefix waits
     sequence      a request's tokens, state and sampling params; Batch, what one step runs
     prefix_tree   the KV cache as a tree of fixed-size chunks, shared prefixes stored once

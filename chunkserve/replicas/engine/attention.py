@@ -9,7 +9,7 @@ Decode runs the two-phase partition over the prefix tree: `chunkserve.kernels.tp
 `chunkserve.kernels.tpp_torch` (batched torch ops) on the CPU; `chunkserve.kernels.reference`, the plain-torch oracle
 the others are checked against, on request (backend "reference"). On CUDA a batch with nothing
 shared and grouped-query heads decodes through FlashInfer's tensor-core paged decode instead
-when flashinfer is installed (`chunkserve.kernels.fi_decode`: measured a few percent faster there; off with
+when flashinfer is installed (`chunkserve.kernels.fi_decode`: faster there, as measured in the records; off with
 `flashinfer_fallback`, which the engine turns off unless it runs eagerly: its CUDA graphs cover
 TPP plans only).
 The decode plan lives as long as the batch's chunk tables ("lazy context"): it covers each
@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -57,11 +58,12 @@ from chunkserve.kernels import (
 )  # flashinfer imported only when used
 from chunkserve.kernels.tpp_plan import FixedPlans
 from chunkserve.replicas.engine.kv_pool import KVPool
-from chunkserve.replicas.engine.scheduler import Batch
 from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.replicas.engine.transfer import to_device
 
-BACKENDS = ("auto", "reference", "torch", "triton")
+if TYPE_CHECKING:
+    from chunkserve.replicas.engine.config import EngineConfig
+    from chunkserve.replicas.engine.sequence import Batch
 
 
 @dataclass(frozen=True)
@@ -102,25 +104,18 @@ class SparseBudget:
 class Attention:
     """Per engine: the pool, the decode kernel, and the decode plan kept across steps."""
 
-    def __init__(
-        self,
-        pool: KVPool,
-        *,
-        backend: str,
-        num_q_heads: int,
-        head_dim: int,
-        device: torch.device,
-        flashinfer_fallback: bool = True,
-        flashinfer_prefill: bool = True,
-        sparse: block_union.BlockUnion | None = None,
-        counters: EngineStats | None = None,
-    ):
-        """counters: the engine's, where plans built and sparse pages read are counted (None: one
+    def __init__(self, pool: KVPool, config: EngineConfig, num_q_heads: int, counters: EngineStats | None = None):
+        """config: the engine's, resolved (EngineConfig.resolved): backend, device, FlashInfer's
+        decode fallback and prefill, sparse prefill, graph_mixed_steps. num_q_heads: this rank's.
+        counters: the engine's, where plans built and sparse pages read are counted (None: one
         of its own)."""
-        if backend not in BACKENDS:
-            raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
-        if backend == "auto":
-            backend = "triton" if device.type == "cuda" else "torch"
+        backend, device, head_dim, sparse = (
+            config.attention_backend,
+            config.torch_device,
+            pool.shape.head_dim,
+            config.sparse_prefill,
+        )
+        assert backend in ("reference", "torch", "triton"), f"a resolved config names its backend, got {backend!r}"
         if backend == "triton":
             from chunkserve.kernels import tpp  # imports triton; the reference path must not need it
 
@@ -134,7 +129,7 @@ class Attention:
         num_kv_heads = pool.kv.shape[3]
         if (
             backend == "triton"
-            and flashinfer_fallback
+            and config.flashinfer_fallback
             and num_q_heads != num_kv_heads
             and pool.kv.dtype in (torch.float16, torch.bfloat16)
         ):
@@ -150,7 +145,7 @@ class Attention:
                 )
         # paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
         self._prefill = None
-        if backend == "triton" and flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
+        if config.flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
             self._prefill = paged_prefill.FlashInferPrefill(
                 num_q_heads=num_q_heads,
                 num_kv_heads=num_kv_heads,
@@ -170,7 +165,9 @@ class Attention:
         self._signature: tuple | None = None
         self._decode_plan = None
         self.fixed: FixedPlans | None = None  # the fixed plans' buffers decode plans are built into (fix_plans)
-        self.plan_rows = False  # with fixed plans: mixed steps as decode rows where they fit (_plan_rows)
+        self.plan_rows = (
+            config.graph_mixed_steps
+        )  # with fixed plans: mixed steps as decode rows where they fit (_plan_rows)
 
     def fix_plans(self, sizes: tuple[int, ...]) -> None:
         """From now on build each decode plan of at most max(sizes) rows as a fixed plan of the
@@ -192,7 +189,7 @@ class Attention:
     def plan(self, batch: Batch) -> StepAttention:
         c = self.pool.chunk_size
         # the new tokens' positions and chunk ids as flat Python lists, one host-to-device copy:
-        # this runs every step, and per-row tensors cost ~40 us a row (10 ms at 256 rows)
+        # this runs every step, and per-row tensors would cost a copy per row
         positions: list[int] = []
         chunk_idx: list[int] = []
         prefills = []

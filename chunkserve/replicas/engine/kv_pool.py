@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -52,41 +53,55 @@ class ChunkIds:
         return bool(self._is_free[chunk_id])
 
 
+@dataclass(frozen=True)
+class KVShape:
+    """One rank's K/V of one chunk, every layer: what a pool of such chunks is made of."""
+
+    num_layers: int
+    num_kv_heads: int  # this rank's
+    chunk_size: int
+    head_dim: int
+    dtype: torch.dtype
+    key_bounds: bool = False  # each full chunk's key bounds kept too (sparse prefill)
+
+    @property
+    def bytes_per_chunk(self) -> int:
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        per_layer = self.num_kv_heads * self.head_dim * elem
+        bounds = self.num_layers * per_layer * 2 if self.key_bounds else 0
+        return 2 * self.num_layers * per_layer * self.chunk_size + bounds
+
+
 class KVPool(ChunkIds):
     _name, _exhausted = "KV", "caller must evict or preempt first"
 
-    def __init__(
-        self,
-        *,
-        num_layers: int,
-        num_chunks: int,
-        num_kv_heads: int,
-        chunk_size: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        key_bounds: bool = False,
-    ):
+    def __init__(self, shape: KVShape, num_chunks: int, device: torch.device | str):
         if num_chunks < 1:
             raise ValueError(f"KV pool needs at least one chunk, got {num_chunks}")
+        self.shape = shape
+        num_layers, heads, c, dim, dtype = (
+            shape.num_layers,
+            shape.num_kv_heads,
+            shape.chunk_size,
+            shape.head_dim,
+            shape.dtype,
+        )
         self.num_layers = num_layers
         self.num_chunks = num_chunks
-        self.chunk_size = chunk_size
+        self.chunk_size = c
         # kv: [L, 2, N + 1, Hkv, c, D]; zeroed so never-written slots are finite. Chunk N is the
         # scratch chunk, never allocated: the padding rows of a graphed step write their K/V there
         # (chunkserve/replicas/engine/piecewise.py)
         self.scratch = num_chunks
-        self.kv = torch.zeros(
-            num_layers, 2, num_chunks + 1, num_kv_heads, chunk_size, head_dim, dtype=dtype, device=device
-        )
+        self.kv = torch.zeros(num_layers, 2, num_chunks + 1, heads, c, dim, dtype=dtype, device=device)
         # each layer's views, made once: every layer of every step asks for them
         self._k, self._v = [self.kv[i, 0] for i in range(num_layers)], [self.kv[i, 1] for i in range(num_layers)]
         # key_bounds: [L, N, Hkv, 2D] in the keys' dtype (exact), per full chunk [max | min] of
         # its keys per dimension (block-union's selection, chunkserve.kernels.block_union), or None without
         # sparse prefill
         self.key_bounds = (
-            torch.zeros(num_layers, num_chunks, num_kv_heads, 2 * head_dim, dtype=dtype, device=device)
-            if key_bounds
+            torch.zeros(num_layers, num_chunks, heads, 2 * dim, dtype=dtype, device=device)
+            if shape.key_bounds
             else None
         )
         super().__init__(num_chunks)
@@ -106,14 +121,6 @@ class KVPool(ChunkIds):
         # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
         k_cache[chunk_idx, :, offset] = k.to(k_cache.dtype)
         v_cache[chunk_idx, :, offset] = v.to(v_cache.dtype)
-
-    @staticmethod
-    def bytes_per_chunk(
-        num_layers: int, num_kv_heads: int, chunk_size: int, head_dim: int, dtype: torch.dtype, key_bounds: bool = False
-    ) -> int:
-        elem = torch.empty((), dtype=dtype).element_size()
-        bounds = num_layers * num_kv_heads * 2 * head_dim * elem if key_bounds else 0
-        return 2 * num_layers * num_kv_heads * chunk_size * head_dim * elem + bounds
 
 
 class HostPool(ChunkIds):

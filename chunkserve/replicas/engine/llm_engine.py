@@ -12,20 +12,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import itertools
 import threading
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from chunkserve.kernels.block_union import BlockUnion
 from chunkserve.replicas.engine.attention import Attention
+from chunkserve.replicas.engine.config import EngineConfig
 from chunkserve.replicas.engine.distributed import agree_min
 from chunkserve.replicas.engine.guided import Guides
-from chunkserve.replicas.engine.kv_pool import HostPool, KVPool
+from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import PrefixTree
 from chunkserve.replicas.engine.runner import Launched, ModelRunner
 from chunkserve.replicas.engine.sampler import unseeded_key
@@ -39,101 +37,6 @@ from chunkserve.router.events import Events
 from chunkserve.router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
-
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str  # Hugging Face directory or preset name (chunkserve/replicas/model/presets/<name>.json)
-    chunk_size: int = 64
-    enable_prefix_sharing: bool = True
-    kv_cache_tokens: int | None = None  # pool size; None: 32768 on CPU, a share of free memory on GPU
-    gpu_memory_utilization: float = 0.9  # share of free GPU memory the pool may take (when sized automatically)
-    # The host tier (DESIGN §3): tokens of K/V kept in host memory (pinned on CUDA; on the CPU a
-    # second tensor) for chunks the pool evicts; a request matching them copies them back instead
-    # of recomputing them. 0: none (evicted chunks are dropped). Every tensor-parallel rank holds
-    # its own heads' share of each chunk.
-    host_cache_tokens: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's context, capped by the pool
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # auto (float32 on CPU, bfloat16 on GPU, whatever the checkpoint) | float32 | float16 | bfloat16
-    dtype: str = "auto"
-    seed: int = 0  # preset weights and requests' default sampling seeds
-    tp_rank: int = 0
-    tp_size: int = 1
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | triton | torch | reference
-    # triton backend, eager engines (enforce_eager): decode a batch with nothing shared through
-    # FlashInfer's paged decode (GQA, 16-bit caches, flashinfer installed), faster there than TPP
-    # without a phase 1. Engines with CUDA graphs decode it through TPP: a whole-step graph through
-    # TPP beats an eager step through FlashInfer (not yet compared under the piecewise graphs,
-    # between whose pieces either could run; figures: chunkserve/cluster/loadtest/records/README.md,
-    # 'Figures behind the code').
-    flashinfer_fallback: bool = True
-    # triton backend: a step's prefill spans through FlashInfer's paged prefill, one launch per
-    # layer over the pool as it is (16-bit caches, head size 64/128/256, flashinfer installed;
-    # chunkserve/kernels/paged_prefill.py), not the plain-torch reference span by span, which takes several
-    # times as long (figures: chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code')
-    flashinfer_prefill: bool = True
-    # CUDA: False runs steps' forwards from CUDA graphs (the piecewise graphs below; whole-step
-    # graphs too with decode_graphs); True launches every kernel from Python (vLLM's option)
-    enforce_eager: bool = False
-    # The forward's pieces between attentions as CUDA graphs per token-count bucket, for the steps
-    # no whole-step graph runs (mixed steps, decode plans no fixed plan holds): chunkserve/replicas/engine/piecewise.py.
-    # None: on CUDA with the triton backend unless enforce_eager; True on the CPU runs the same
-    # pieces as plain calls (tests); False: those steps run eagerly.
-    piecewise_graphs: bool | None = None
-    # Decode-only steps replay a whole-step CUDA graph per padded batch size up to max_num_seqs,
-    # captured when the engine is built and valid for any TPP plan of its size (fixed plans:
-    # chunkserve/replicas/engine/cuda_graph.py); decode steps whose plan does not fit one, and mixed steps, run
-    # from the piecewise graphs. None: on CUDA with the triton backend unless enforce_eager;
-    # True on the CPU (triton backend) runs the same path as plain calls (tests); False: every
-    # step from the piecewise graphs (figures: chunkserve/cluster/loadtest/records/README.md, call N).
-    decode_graphs: bool | None = None
-    # With decode_graphs, a step holding prefill tokens replays the decode graph of its token
-    # count too where it fits (at most max_num_seqs tokens, dense pieces): each prefill token a
-    # decode row of the TPP plan, of its causal length, FlashInfer's prefill not launched
-    # (Attention._plan_rows). False: such steps run from the piecewise graphs.
-    graph_mixed_steps: bool = True
-    # Prepare and queue each step while the device runs the one before, collecting that one's
-    # tokens after (vLLM's option of the name); None: on for CUDA, off elsewhere (the CPU runs
-    # the step itself: nothing to overlap). A sequence's next step is then scheduled before its
-    # last token is known: one that ends on a stop token has run one token more, which is
-    # dropped (never emitted or counted); one that ends by length does not. A step's host work
-    # then hides behind the device's, most where it is longest, sampling rows (figures:
-    # chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code').
-    async_scheduling: bool | None = None
-    # Block-union sparse prefill (DESIGN §5, chunkserve/kernels/block_union.py): a prefill piece after at
-    # least sparse_prefill.min_context cached tokens attends only the context blocks its queries
-    # score high on (approximate attention: outputs change). None (default): every prefill is
-    # dense, exact. A dict is taken as BlockUnion's fields; BlockUnion(budget=...) is planned once
-    # a step, and prefills a long prompt faster than dense (figures:
-    # chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code'). The pool then keeps each
-    # chunk's key bounds per layer ([max | min] per dimension, in K's dtype: 2/c of K's size again).
-    sparse_prefill: BlockUnion | dict | None = None
-
-    def __post_init__(self):
-        if isinstance(self.sparse_prefill, dict):
-            object.__setattr__(self, "sparse_prefill", BlockUnion(**self.sparse_prefill))
-        if self.chunk_size not in (16, 32, 64, 128):
-            raise ValueError(f"chunk_size must be 16, 32, 64 or 128, got {self.chunk_size}")
-        if self.sparse_prefill is not None:
-            self.sparse_prefill.check_chunk_size(self.chunk_size)
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if isinstance(self.host_cache_tokens, bool) or not isinstance(self.host_cache_tokens, int):
-            raise ValueError(f"host_cache_tokens must be an integer, got {self.host_cache_tokens!r}")
-        if self.host_cache_tokens < 0:
-            raise ValueError(f"host_cache_tokens must be >= 0 (0: no host tier), got {self.host_cache_tokens}")
-        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.chunk_size:
-            raise ValueError(
-                f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}"
-            )
 
 
 class RequestOutput(NamedTuple):
@@ -162,35 +65,29 @@ class RequestOutput(NamedTuple):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        self.config = config
-        self.device = _resolve_device(config.device)
+        config = config.resolved()
         _check_tp_group(config)
-        dtype = _resolve_dtype(config.dtype, self.device)
+        self.device = config.torch_device
         self.model, self.model_config, self.tokenizer = load_model(
             config.model,
-            dtype=dtype,
+            dtype=config.torch_dtype,
             device=self.device,
             tp_rank=config.tp_rank,
             tp_size=config.tp_size,
             seed=config.seed,
         )
-        mc, c = self.model_config, config.chunk_size
+        mc = self.model_config
         kv_heads = kv_heads_of_rank(mc.num_kv_heads, config.tp_rank, config.tp_size)[1]
-        sparse = config.sparse_prefill
-        per_chunk = KVPool.bytes_per_chunk(
-            mc.num_layers, kv_heads, c, mc.head_dim, dtype, key_bounds=sparse is not None
+        shape = KVShape(
+            mc.num_layers,
+            kv_heads,
+            config.chunk_size,
+            mc.head_dim,
+            config.torch_dtype,
+            config.sparse_prefill is not None,
         )
-        self.pool = KVPool(
-            num_layers=mc.num_layers,
-            num_chunks=self._num_chunks(per_chunk),
-            num_kv_heads=kv_heads,
-            chunk_size=c,
-            head_dim=mc.head_dim,
-            dtype=dtype,
-            device=self.device,
-            key_bounds=sparse is not None,
-        )
-        capacity = self.pool.num_chunks * c
+        self.pool = KVPool(shape, self._num_chunks(config, shape.bytes_per_chunk), self.device)
+        capacity = self.pool.num_chunks * config.chunk_size
         self.max_model_len = config.max_model_len or min(mc.max_position_embeddings, capacity)
         if self.max_model_len > capacity:
             raise ValueError(
@@ -202,54 +99,22 @@ class LLMEngine:
                 f"max_model_len {self.max_model_len} exceeds the model's context "
                 f"({mc.max_position_embeddings} positions)"
             )
+        # resolved: its switches decided, its context length known; the parts read it whole
+        self.config = config = dataclasses.replace(config, max_model_len=self.max_model_len)
         # every count the engine and its parts keep (stats(), the benchmarks), one object they share
         self.counters = EngineStats()
-        host_chunks = -(-config.host_cache_tokens // c)
+        host_chunks = -(-config.host_cache_tokens // config.chunk_size)
         self.host = HostPool(self.pool, host_chunks, self.counters) if host_chunks else None
         self.tree = PrefixTree(self.pool, self.host)
-        self.scheduler = Scheduler(
-            self.tree,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_sharing=config.enable_prefix_sharing,
-            max_model_len=self.max_model_len,
-            counters=self.counters,
-        )
-        self.attention = Attention(
-            self.pool,
-            backend=config.attention_backend,
-            device=self.device,
-            num_q_heads=mc.num_heads // config.tp_size,
-            head_dim=mc.head_dim,
-            flashinfer_fallback=config.flashinfer_fallback and config.enforce_eager,
-            flashinfer_prefill=config.flashinfer_prefill,
-            sparse=sparse,
-            counters=self.counters,
-        )
-        self.runner = ModelRunner(
-            self.model,
-            self.attention,
-            self.device,
-            enforce_eager=config.enforce_eager,
-            tp_size=config.tp_size,
-            vocab_size=mc.vocab_size,
-            eos_token_ids=tuple(mc.eos_token_ids),
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            piecewise=config.piecewise_graphs,
-            decode_graphs=config.decode_graphs,
-            max_num_seqs=config.max_num_seqs,
-            counters=self.counters,
-        )
-        if config.graph_mixed_steps and self.attention.fixed is not None:
-            self.attention.plan_rows = self.scheduler.prefill_rows_last = True
-        self.async_scheduling = (
-            self.device.type == "cuda" if config.async_scheduling is None else config.async_scheduling
-        )
+        self.scheduler = Scheduler(self.tree, config, self.counters)
+        self.attention = Attention(self.pool, config, mc.num_heads // config.tp_size, self.counters)
+        self.runner = ModelRunner(self.model, self.attention, config, mc, self.counters)
+        self.async_scheduling = config.async_scheduling
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._guides: Guides | None = None  # grammars of guided requests, made at the first one
         self._guides_lock = threading.Lock()
-        # live guided requests (Sequence.guided): while any, the collect goes inside the launch (step)
+        # live guided requests (Sequence.guided): while any, the step in flight is collected before the masks (step)
         self._num_guided = 0
         self._arrivals = itertools.count()
 
@@ -264,20 +129,11 @@ class LLMEngine:
             raise ValueError(f"unknown engine option(s): {', '.join(sorted(unknown))}")
         return cls(EngineConfig(model=model, **options))
 
-    def _num_chunks(self, bytes_per_chunk: int) -> int:
-        n = self._own_num_chunks(bytes_per_chunk)
-        if self.config.tp_size > 1:  # every rank's pool the same size, or their schedules part
+    def _num_chunks(self, config: EngineConfig, bytes_per_chunk: int) -> int:
+        n = _own_num_chunks(config, self.device, bytes_per_chunk)
+        if config.tp_size > 1:  # every rank's pool the same size, or their schedules part
             n = agree_min(n, self.device)
         return n
-
-    def _own_num_chunks(self, bytes_per_chunk: int) -> int:
-        c = self.config.chunk_size
-        if self.config.kv_cache_tokens is not None:
-            return -(-self.config.kv_cache_tokens // c)
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            return int(free * self.config.gpu_memory_utilization) // bytes_per_chunk
-        return 32768 // c
 
     # -- requests ---------------------------------------------------------------------------
     def add_request(
@@ -306,8 +162,8 @@ class LLMEngine:
         if params.think is not None and any(t is not None and t >= vocab for t in params.think):
             raise ValueError(f"think names tokens {params.think}: token ids are in [0, {vocab})")
         # (tensor parallelism: rank 0's tokens are every rank's, so only rank 0 needs the grammar;
-        # the others count the request as guided, to collect each step where rank 0 does: inside
-        # the next launch)
+        # the others count the request as guided, to collect each step where rank 0 does: before
+        # the next step's masks)
         guided = params.guided is not None
         matcher = self.guides().matcher(params.guided) if guided and self.config.tp_rank == 0 else None
         seq = Sequence(
@@ -381,33 +237,33 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One iteration: schedule -> launch -> collect -> advance. With async_scheduling the
-        tokens collected (returned) are the step launched before, while the device runs this
-        one; else this step's own, after its advance. While guided requests live, the collect
-        comes inside the launch: once this step's forward is queued, before its grammar masks
-        are made, which need the tokens collected."""
+        """One iteration as vLLM v1 shows it: schedule -> forward -> masks -> sample -> advance.
+        With async_scheduling the tokens returned are the step launched before, collected while
+        the device runs this one; else this step's own, after its advance. The step in flight is
+        collected once this step's draw is queued, or before its masks while guided requests
+        live: their grammar matchers need its tokens."""
         batch = self.scheduler.schedule()
         if self.host is not None:  # the host tier's copies this schedule decided, before any kernel
             self.host.flush()
-        outputs: list[RequestOutput] = []
-        collect = functools.partial(self._collect_inflight, outputs)
-        launched = None
+        outputs, launched = [], None
         if batch:
-            launched = self.runner.launch(batch, self._inflight, before_mask=collect if self._num_guided else None)
-        collect()  # (not collected inside: nothing guided, or nothing in the step sampled)
+            fwd = self.runner.forward(batch, self._inflight)
+            if self._num_guided and fwd.samplers:
+                outputs += self._collect_inflight()
+            launched = self.runner.sample(fwd, self.runner.masks(fwd))
+        outputs += self._collect_inflight()
         self._inflight = launched
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
             self.scheduler.advance(batch)
             self._count_step(batch)
         if not self.async_scheduling:
-            collect()  # this step's own tokens
+            outputs += self._collect_inflight()  # this step's own tokens
         return outputs
 
-    def _collect_inflight(self, outputs: list[RequestOutput]) -> None:
-        """The step in flight's tokens into `outputs`, once (a second call finds none)."""
-        if self._inflight is not None:
-            outputs.extend(self._collect(self._inflight))
-            self._inflight = None
+    def _collect_inflight(self) -> list[RequestOutput]:
+        """The step in flight's tokens, once (a second call finds none)."""
+        launched, self._inflight = self._inflight, None
+        return [] if launched is None else self._collect(launched)
 
     def _collect(self, launched: Launched) -> list[RequestOutput]:
         """A launched step's tokens into their placeholders; a sequence that finished since
@@ -607,22 +463,14 @@ def _check_tp_group(config: EngineConfig) -> None:
         )
 
 
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}: {e}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} asked for but CUDA is not available")
-    return dev
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+def _own_num_chunks(config: EngineConfig, device: torch.device, bytes_per_chunk: int) -> int:
+    c = config.chunk_size
+    if config.kv_cache_tokens is not None:
+        return -(-config.kv_cache_tokens // c)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * config.gpu_memory_utilization) // bytes_per_chunk
+    return 32768 // c
 
 
 def main(argv: list[str] | None = None) -> None:

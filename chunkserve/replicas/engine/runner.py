@@ -3,13 +3,15 @@
 On CUDA a step of a graphed token count runs its forward from the pieces between its attentions
 (`chunkserve.replicas.engine.piecewise`), and with `decode_graphs` a decode-only step from the CUDA graph of its
 padded batch size (`chunkserve.replicas.engine.cuda_graph`), unless the engine runs eagerly (`enforce_eager`).
-`launch` queues the step and returns; `collect` waits for its sampled tokens (at once, or after
-the next step's launch: the engine's asynchronous scheduling)."""
+A step runs as vLLM v1 shows it: `forward` queues the model and the sampling rows' logits,
+`masks` makes the guided rows' grammar bitmask (whose matchers need the tokens of the step in
+flight: the engine collects them between the two), `sample` queues the draw and returns;
+`collect` waits for its tokens (at once, or after the next step's sample: the engine's
+asynchronous scheduling). Nothing before `collect` waits for the device."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
@@ -18,20 +20,21 @@ from chunkserve.replicas.engine.attention import Attention
 from chunkserve.replicas.engine.cuda_graph import DecodeGraphs, batch_sizes
 from chunkserve.replicas.engine.distributed import broadcast_from_first
 from chunkserve.replicas.engine.guided import allow, fill_bitmask, mask_logits
-from chunkserve.replicas.engine.penalties import Penalties
+from chunkserve.replicas.engine.penalties import Gathered, Penalties
 from chunkserve.replicas.engine.piecewise import PiecewiseGraphs
 from chunkserve.replicas.engine.sampler import sample_ids, token_logprobs
-from chunkserve.replicas.engine.scheduler import Batch
-from chunkserve.replicas.engine.sequence import MAY_THINK, THINKING, Sequence, Status
+from chunkserve.replicas.engine.sequence import MAY_THINK, THINKING, Batch, Sequence, Status
 from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.replicas.engine.transfer import to_device
 
 if TYPE_CHECKING:
+    from chunkserve.replicas.engine.config import EngineConfig
+    from chunkserve.replicas.model.config import ModelConfig
     from chunkserve.replicas.model.llama import LlamaForCausalLM
 
 
 class Launched(NamedTuple):
-    """A step whose forward and sampling are queued on the device (ModelRunner.launch).
+    """A step whose forward and sampling are queued on the device (ModelRunner.sample).
 
     Each sampling sequence got a placeholder output token, -1 - i for samplers[i], at
     output_ids[slots[i]], until the engine collects the step; a later step that runs that
@@ -71,62 +74,79 @@ class StepLogprobs(NamedTuple):
         return out
 
 
+class Forwarded(NamedTuple):
+    """A step whose forward is queued (ModelRunner.forward): its sampling rows, their logits, and
+    what the draw reads of them, taken before the step in flight is collected."""
+
+    samplers: list[Sequence]  # the rows that sample: decodes, then prefills ending their prompt
+    logits: torch.Tensor | None  # [S, V] float32 on the device (None: nothing samples)
+    penalized: Gathered | None  # the penalized rows' token counts (None: no row penalizes)
+    counters: list[int]  # per row, its outputs so far: the index of the token it draws
+    row_keys: list  # per row, its request's draw key
+    banned: list[tuple[int, tuple[int, ...]]]  # rows short of min_tokens, the stops they may not draw
+
+
+class Masks(NamedTuple):
+    """The guided rows' grammar bitmask (ModelRunner.masks)."""
+
+    rows: list[int]  # their places among the step's samplers
+    words: torch.Tensor  # [G, ceil(V / 32)] int32 on the host (pinned on CUDA): bit t = token t allowed
+
+
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
         attention: Attention,
-        device: torch.device,
-        *,
-        enforce_eager: bool = False,
-        tp_size: int = 1,
-        vocab_size: int,
-        eos_token_ids: tuple[int, ...] = (),
-        max_num_batched_tokens: int = 2048,
-        piecewise: bool | None = None,
-        decode_graphs: bool | None = False,
-        max_num_seqs: int = 256,
+        config: EngineConfig,
+        model_config: ModelConfig,
         counters: EngineStats | None = None,
     ):
-        """piecewise: the forward's pieces between attentions as CUDA graphs (chunkserve.replicas.engine.piecewise);
-        None: on CUDA with the triton backend unless enforce_eager; True elsewhere runs the
-        pieces as plain calls (the CPU tests). decode_graphs: whole-step graphs per padded batch
-        size up to max_num_seqs, over fixed TPP plans (chunkserve.replicas.engine.cuda_graph), with the triton
-        backend unless enforce_eager; None: on CUDA; True on the CPU runs them as plain calls.
-        counters: the engine's, where host waits and graph replays are counted (None: one of its
-        own)."""
-        self.model, self.attention, self.device, self.tp_size = model, attention, device, tp_size
-        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
+        """config: the engine's, resolved (EngineConfig.resolved): with piecewise_graphs the
+        forward's pieces between attentions as CUDA graphs (chunkserve.replicas.engine.piecewise;
+        plain calls on the CPU or eager: the tests), with decode_graphs whole-step graphs per
+        padded batch size up to max_num_seqs, over fixed TPP plans (chunkserve.replicas.engine.
+        cuda_graph; plain calls on the CPU). model_config: the vocabulary and EOS ids. counters:
+        the engine's, where host waits and graph replays are counted (None: one of its own)."""
+        device = config.torch_device
+        self.model, self.attention, self.device, self.tp_size = model, attention, device, config.tp_size
+        self.vocab_size, self.eos_token_ids = model_config.vocab_size, tuple(model_config.eos_token_ids)
         self.counters = EngineStats() if counters is None else counters
-        self.penalties = Penalties(vocab_size, device)  # penalized requests' token counts
-        cuda_graphs = device.type == "cuda" and not enforce_eager
+        self.penalties = Penalties(self.vocab_size, device)  # penalized requests' token counts
+        cuda_graphs = device.type == "cuda" and not config.enforce_eager
         self.graphs = None
-        if decode_graphs is None:
-            decode_graphs = device.type == "cuda"
-        if decode_graphs and not enforce_eager and attention.backend == "triton":
-            sizes = batch_sizes(max_num_seqs)
+        if config.decode_graphs:
+            sizes = batch_sizes(config.max_num_seqs)
             attention.fix_plans(sizes)
             self.graphs = DecodeGraphs(model, attention, sizes, graphs=cuda_graphs, counters=self.counters)
-        if piecewise is None:
-            piecewise = cuda_graphs and attention.backend == "triton"
         self.pieces = (
-            PiecewiseGraphs(model, attention.pool, max_num_batched_tokens, graphs=cuda_graphs, counters=self.counters)
-            if piecewise
+            PiecewiseGraphs(
+                model, attention.pool, config.max_num_batched_tokens, graphs=cuda_graphs, counters=self.counters
+            )
+            if config.piecewise_graphs
             else None
         )
 
-    def launch(self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None) -> Launched:
-        """Queue the step (forward and sampling) and return at once, nothing waited for (see
-        Launched). prev: the step launched before, not collected yet, whose placeholder tokens
-        this step's inputs may hold. before_mask: called once the step's forward is queued,
-        before its grammar masks are made (the engine collects prev there: guided rows' masks
-        need its tokens); not called when nothing in the step samples."""
-        samplers, tokens, logprobs = self._forward(batch, prev, before_mask)
-        if not samplers:
+    @torch.inference_mode()
+    def sample(self, fwd: Forwarded, masks: Masks | None) -> Launched:
+        """Queue the step's draw (the guided rows' logits masked first) and return at once,
+        nothing waited for (see Launched)."""
+        samplers, logits = fwd.samplers, fwd.logits
+        if logits is None:
             return Launched([], [], None, None, None)
+        if masks is not None:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
+            logits = mask_logits(logits, masks.rows, masks.words)
+        tokens = sample_ids(logits, [s.params for s in samplers], fwd.row_keys, fwd.counters, fwd.penalized, fwd.banned)
+        if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
+            broadcast_from_first(tokens)
+        if fwd.penalized is not None:
+            self.penalties.record(fwd.penalized, tokens)
+        asked = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
+        logprobs = None
+        if asked:
+            k = max(samplers[i].params.logprobs for i in asked)
+            logprobs = StepLogprobs(asked, *token_logprobs(logits, asked, tokens, k)).to_host(tokens.is_cuda)
         host, done = tokens, None
-        if logprobs is not None:
-            logprobs = logprobs.to_host(tokens.is_cuda)
         if tokens.is_cuda:
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
@@ -136,9 +156,28 @@ class ModelRunner:
         for i, seq in enumerate(samplers):
             out = seq.output_ids
             slots.append(len(out))
-            if seq.status is not finished:  # (one that finished at before_mask's collect keeps no placeholder)
+            if seq.status is not finished:  # (one that finished at the collect before the masks keeps no placeholder)
                 out.append(-1 - i)
         return Launched(samplers, slots, tokens, host, done, logprobs)
+
+    def masks(self, fwd: Forwarded) -> Masks | None:
+        """The grammar bitmask of the step's guided rows (None: none), from their matchers as
+        they stand: the step in flight must have been collected (its tokens advanced them)."""
+        samplers = fwd.samplers
+        # (a thinking row is free: SamplingParams.think)
+        guided = [i for i, s in enumerate(samplers) if s.matcher is not None and s.thinking != THINKING]
+        if not guided:
+            return None
+        words = fill_bitmask(
+            [samplers[i].matcher for i in guided],
+            self.vocab_size,
+            self.eos_token_ids,
+            pinned=self.device.type == "cuda",
+        )
+        for row, i in enumerate(guided):
+            if samplers[i].thinking == MAY_THINK:  # its first token may open thinking instead
+                allow(words, row, samplers[i].params.think[0])
+        return Masks(guided, words)
 
     @staticmethod
     def _prompt_logprob_rows(batch: Batch) -> list[tuple[Sequence, int, int, int]]:
@@ -190,14 +229,12 @@ class ModelRunner:
         return ids, ({} if launched.logprobs is None else launched.logprobs.entries(launched.samplers))
 
     @torch.inference_mode()
-    def _forward(
-        self, batch: Batch, prev: Launched | None, before_mask: Callable[[], None] | None = None
-    ) -> tuple[list[Sequence], torch.Tensor | None, StepLogprobs | None]:
-        """Queue the batch's forward and sampling: (the sequences that sample, their tokens [S]
-        on the device, the logprobs of the rows that asked), nothing waited for (but a piece of a
-        prompt whose logprobs were asked for: they are read back as it runs). before_mask: see
-        launch; what the sampler takes from the rows (draw keys, penalty slots, output counts) is
-        read before it, as a row may finish there."""
+    def forward(self, batch: Batch, prev: Launched | None) -> Forwarded:
+        """Queue the batch's forward and its sampling rows' logits, nothing waited for (but a
+        piece of a prompt whose logprobs were asked for: they are read back as it runs). prev:
+        the step launched before, not collected yet, whose placeholder tokens this step's inputs
+        may hold. What the draw takes from the rows (keys, penalty slots, output counts, banned
+        stops) is read here, before the engine collects prev: a row may finish there."""
         attn = self.attention.plan(batch)
         # decodes: one token each (the sequence's last: its only one pending), and each samples
         ids = [(seq.output_ids or seq.prompt_ids)[-1] for seq in batch.decodes]
@@ -223,7 +260,7 @@ class ModelRunner:
         if prompt_rows:
             self._prompt_logprobs(hidden, prompt_rows)
         if not samplers:
-            return [], None, None
+            return Forwarded([], None, None, [], [], [])
         # [S, V] float32; a decode-only step samples every row (no gather). (Indexing by the list
         # itself would copy it from pageable memory: the host would wait for the steps queued.)
         logits = self.model.compute_logits(
@@ -231,33 +268,11 @@ class ModelRunner:
         )
         # each sampling sequence draws with its request's key and the index of the token drawn
         # (its outputs so far), whether it runs sync, async, after a preemption or in any batch
-        penalized = self.penalties.gather(samplers)  # (None: no row penalizes)
         counters = [len(s.output_ids) for s in samplers]
-        row_keys = [s.draw_key for s in samplers]
         # rows short of their min_tokens: their stop tokens cannot be drawn yet
         banned = [
             (i, self._stop_ids(s.params)) for i, (s, n) in enumerate(zip(samplers, counters)) if n < s.params.min_tokens
         ]
-        if before_mask is not None:
-            before_mask()
-        # (a thinking row is free: SamplingParams.think)
-        guided = [i for i, s in enumerate(samplers) if s.matcher is not None and s.thinking != THINKING]
-        if guided:  # tokens outside a guided row's grammar at -inf, before anything reads the logits
-            words = fill_bitmask(
-                [samplers[i].matcher for i in guided], self.vocab_size, self.eos_token_ids, pinned=logits.is_cuda
-            )
-            for row, i in enumerate(guided):
-                if samplers[i].thinking == MAY_THINK:  # its first token may open thinking instead
-                    allow(words, row, samplers[i].params.think[0])
-            logits = mask_logits(logits, guided, words)
-        tokens = sample_ids(logits, [s.params for s in samplers], row_keys, counters, penalized, banned)
-        if self.tp_size > 1:  # rank 0's tokens everywhere: ranks whose logits differ in the last bit agree
-            broadcast_from_first(tokens)
-        if penalized is not None:
-            self.penalties.record(penalized, tokens)
-        asked = [i for i, s in enumerate(samplers) if s.params.logprobs is not None]
-        logprobs = None
-        if asked:
-            k = max(samplers[i].params.logprobs for i in asked)
-            logprobs = StepLogprobs(asked, *token_logprobs(logits, asked, tokens, k))
-        return samplers, tokens, logprobs
+        return Forwarded(
+            samplers, logits, self.penalties.gather(samplers), counters, [s.draw_key for s in samplers], banned
+        )

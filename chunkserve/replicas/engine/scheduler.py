@@ -24,55 +24,32 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
-from chunkserve.replicas.engine.sequence import Sequence, Status
+from chunkserve.replicas.engine.sequence import Batch, Sequence, Status
 from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
-
-@dataclass
-class Batch:
-    decodes: list[Sequence] = field(default_factory=list)  # DFS order, one new token each
-    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
-
-    @property
-    def items(self) -> list[tuple[Sequence, int]]:
-        """Rows of the flattened token batch: decodes first, then prefill pieces."""
-        return [(s, 1) for s in self.decodes] + self.prefills
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.decodes) + sum(n for _, n in self.prefills)
-
-    def __bool__(self) -> bool:
-        return bool(self.decodes or self.prefills)
+if TYPE_CHECKING:
+    from chunkserve.replicas.engine.config import EngineConfig
 
 
 class Scheduler:
-    def __init__(
-        self,
-        tree: PrefixTree,
-        *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        enable_prefix_sharing: bool,
-        max_model_len: int | None = None,
-        prefill_rows_last: bool = False,
-        counters: EngineStats | None = None,
-    ):
-        """prefill_rows_last: order a mixed step's decode rows so that those sharing its first
-        prefill's prefix come last (see _sort_dfs): the prefill's tokens, after them, then
-        extend the same DFS order (chunkserve/replicas/engine/attention.py plans them as decode rows).
-        counters: the engine's, where preemptions are counted (None: one of its own)."""
+    def __init__(self, tree: PrefixTree, config: EngineConfig, counters: EngineStats | None = None):
+        """config: the engine's, resolved (its max_model_len set): the step's token budget and
+        row cap, prefix sharing, and with graph_mixed_steps a mixed step's decode rows ordered
+        so that those sharing its first prefill's prefix come last (see _sort_dfs): the
+        prefill's tokens, after them, then extend the same DFS order (chunkserve/replicas/engine/
+        attention.py plans them as decode rows). counters: the engine's, where preemptions are
+        counted (None: one of its own)."""
         self.tree = tree
-        self.prefill_rows_last = prefill_rows_last
-        self.max_model_len = max_model_len
+        self.prefill_rows_last = config.graph_mixed_steps
+        self.max_model_len = config.max_model_len
         self.c = tree.c
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.sharing = enable_prefix_sharing
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.sharing = config.enable_prefix_sharing
         self.waiting: deque[Sequence] = deque()  # arrival order
         # the waiting sequences by class (priority, tenant), each in arrival order: a class's first is
         # its queue's head, so a fair admission reads one sequence a class, not the whole queue
@@ -377,8 +354,8 @@ def _sort_dfs(rows: list[Sequence], last: Sequence | None = None) -> None:
     """Sort decode rows by their shared runs' paths, then arrival (see Scheduler.schedule).
 
     The rows' shared runs end at a few distinct nodes: those are ranked by path once and the rows
-    sorted by (rank, arrival), instead of comparing paths row against row (256 rows after a
-    32-chunk shared prefix: 645 -> 281 us a step; 4 chunks: 297 -> 262).
+    sorted by (rank, arrival), instead of comparing paths row against row (less than half the
+    host time at 256 rows: chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code').
     last: a sequence whose rows will follow these; the DFS visits, at each node, the child on
     its path last (that node's id ranks past every sibling's), so every row holding one of its
     nodes is in the batch's last rows.

@@ -255,3 +255,23 @@ class Sequence:
     def token_at(self, i: int) -> int:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+@dataclass
+class Batch:
+    """What one step runs (Scheduler.schedule): its decode rows and prefill pieces."""
+
+    decodes: list[Sequence] = field(default_factory=list)  # DFS order, one new token each
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+
+    @property
+    def items(self) -> list[tuple[Sequence, int]]:
+        """Rows of the flattened token batch: decodes first, then prefill pieces."""
+        return [(s, 1) for s in self.decodes] + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(n for _, n in self.prefills)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from chunkserve.replicas.engine.kv_pool import KVPool
+from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import PrefixTree
 from chunkserve.replicas.engine.tree_events import RouteEvents
 from chunkserve.router.events import Relay
@@ -53,13 +53,7 @@ ROUTE_CHUNKS = 32
 class _Replica:
     def __init__(self, home: list[int], pool_chunks: int, seed: int):
         pool = KVPool(
-            num_layers=1,
-            num_chunks=pool_chunks,
-            num_kv_heads=1,
-            chunk_size=CHUNK,
-            head_dim=1,
-            dtype=torch.uint8,
-            device="cpu",
+            KVShape(num_layers=1, num_kv_heads=1, chunk_size=CHUNK, head_dim=1, dtype=torch.uint8), pool_chunks, "cpu"
         )
         self.tree = PrefixTree(pool)
         self.tree.events = RouteEvents(self.tree, seed, ROUTE_CHUNKS)
