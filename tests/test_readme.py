@@ -82,7 +82,7 @@ def _loopback(ip: str) -> bool:
 
 
 def test_the_quick_starts_ray_listens_on_loopback_only(serve_run):
-    # Ray's single-node mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, README: What the ports expose):
+    # Ray's single-node mode (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, docs/usage.md: What the ports expose):
     # every port of serve run's processes (Ray's GCS, raylet, agents, metrics exports, workers, the
     # API's two) listens on loopback, but Serve's inter-deployment gRPC server, one per replica,
     # which Serve binds to [::] itself

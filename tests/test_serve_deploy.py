@@ -117,7 +117,7 @@ def test_shipped_serve_configs_pass_serves_schema_and_app_config(name):
 
 
 def test_one_machine_configs_serve_this_machine_only():
-    # the embedded default and the one-GPU config bind the HTTP proxy to loopback (README: what
+    # the embedded default and the one-GPU config bind the HTTP proxy to loopback (docs/usage.md: what
     # listens where); the cluster configs serve a network
     configs = _serve_configs()
     assert {path: configs[path]["http_options"]["host"] for path in CONFIG_FILES} == {

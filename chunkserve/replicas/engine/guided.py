@@ -196,7 +196,7 @@ def fill_bitmask(
     """[len(matchers), W] int32 on the host (pinned: page-locked, for an asynchronous copy): bit
     t % 32 of word t // 32 set where token t may come next in that matcher's grammar; after its
     end (a request that ignores EOS goes on) the stop tokens only. The matchers are filled on
-    xgrammar's threads (BatchGrammarMatcher; the step times it gives are in the README,
+    xgrammar's threads (BatchGrammarMatcher; the step times it gives are in chunkserve/replicas/tools/records/README.md,
     chunkserve.replicas.tools.bench --guided)."""
     mask = torch.full((len(matchers), -(-vocab_size // 32)), -1, dtype=torch.int32, pin_memory=pinned)
     live = [i for i, m in enumerate(matchers) if not m.is_terminated()]
