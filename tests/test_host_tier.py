@@ -1,4 +1,4 @@
-"""The host tier (DESIGN §3): chunks the GPU pool evicts spill to a host pool (here a second CPU
+"""The host tier (DESIGN §6): chunks the GPU pool evicts spill to a host pool (here a second CPU
 tensor), stay matched in the prefix tree, and come back on a hit instead of being recomputed."""
 
 from __future__ import annotations

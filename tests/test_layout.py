@@ -1,4 +1,4 @@
-"""The layout rules of DESIGN.md §2, read from the code's imports (no module is run): the runtime
+"""The layout rules of DESIGN.md §14, read from the code's imports (no module is run): the runtime
 packages' imports form no cycle, layers point down (cluster -> replicas -> kernels, router
 beside), no runtime module imports a tool, and Ray is imported only where DESIGN allows it.
 
@@ -32,7 +32,7 @@ def _module_name(path: Path) -> str:
 
 
 def _is_tool(module: str) -> bool:
-    """Benchmarks, simulators, reports and the load test: apart from the runtime (DESIGN §2)."""
+    """Benchmarks, simulators, reports and the load test: apart from the runtime (DESIGN §14)."""
     return ".tools" in module or module.startswith("chunkserve.cluster.loadtest")
 
 

@@ -17,7 +17,7 @@ from chunkserve.cluster.ingress import OpenAIIngress
 from chunkserve.replicas.deployment import LLMReplica
 from chunkserve.replicas.engine.llm_engine import EngineConfig
 
-PREFIX_ROUTER = "chunkserve.router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §6)
+PREFIX_ROUTER = "chunkserve.router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §3)
 
 
 def build_app(args: dict[str, Any]) -> Application:

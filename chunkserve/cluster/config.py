@@ -17,7 +17,7 @@ class _Strict(BaseModel):
 
 
 class SparsePrefillOptions(_Strict):
-    """Block-union sparse prefill of long contexts (chunkserve.kernels.block_union.BlockUnion; DESIGN §5).
+    """Block-union sparse prefill of long contexts (chunkserve.kernels.block_union.BlockUnion; DESIGN §8).
     Approximate attention: outputs change. Validated again by BlockUnion (block against the
     chunk size)."""
 
@@ -74,14 +74,14 @@ class EngineOptions(_Strict):
 
 
 class RouterOptions(_Strict):
-    """Prefix-aware routing (DESIGN §6)."""
+    """Prefix-aware routing (DESIGN §3)."""
 
     route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
     # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
     policy: Literal["prefix", "pow2"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and routing events
     # a prompt chunk in a replica's host tier (engine.host_cache_tokens) scores this fraction of
-    # one on its GPU (PolicyConfig.host_hit_credit, DESIGN §6 "Tiers"); 0: a host hit scores as a miss
+    # one on its GPU (PolicyConfig.host_hit_credit, DESIGN §3 "Tiers"); 0: a host hit scores as a miss
     host_hit_credit: float = Field(0.8, ge=0, le=1)
     # the ingress sends a request to the replica the policy chose over a connection of its own and
     # reads its outputs back there, not through Serve's handle calls (chunkserve/replicas/direct_stream.py);
@@ -115,7 +115,7 @@ DEFAULT_TENANT = "default"  # the tenant of api_key / api_key_env, or of every r
 
 
 class TenantOptions(_Strict):
-    """One tenant (chunkserve/cluster/tenants.py, DESIGN §18): its keys, whom its cached prompts are
+    """One tenant (chunkserve/cluster/tenants.py, DESIGN §2): its keys, whom its cached prompts are
     shared with, its rate limits and its priority."""
 
     name: str = Field(pattern=TENANT_NAME)  # the `tenant` label of its /metrics series

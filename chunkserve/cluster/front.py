@@ -2,7 +2,7 @@
 
 Through Serve's HTTP proxy a request costs an extra process and two Ray messages each way (the
 body pulled from the proxy, each response chunk pushed back to it), a large share of a streamed
-request's time to first token when the engine is fast (DESIGN §15). With `ingress.http_port`
+request's time to first token when the engine is fast (DESIGN §1). With `ingress.http_port`
 set, every ingress replica also listens on that port itself (uvicorn on the replica's own event
 loop, the same app and handlers as through the proxy), all of a node's ingress replicas on one
 socket address (SO_REUSEPORT: the kernel spreads new connections over them). Serve's proxy

@@ -1383,7 +1383,7 @@ class OpenAIIngress:
         tenancy, seed_of_chain = Tenancy(tenant.name, salt, tenant.priority), cache_seed(self.model_name, salt)
         reqs = []
         for p, (prompt, max_tokens) in enumerate(zip(prompts, limits)):
-            # the router's key (DESIGN §6): hashed once here; the router also reads the prompt's
+            # the router's key (DESIGN §3): hashed once here; the router also reads the prompt's
             # length and params.max_tokens from this request
             hashes = tuple(
                 chunk_hashes(prompt, self.config.engine.chunk_size, self.config.router.route_chunks, seed_of_chain)

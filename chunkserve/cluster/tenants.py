@@ -1,4 +1,4 @@
-"""Tenants (DESIGN §18): whose request it is, whom its cached prompts are shared with, its limits.
+"""Tenants (DESIGN §2): whose request it is, whom its cached prompts are shared with, its limits.
 
     Authorization: Bearer <key> ──sha256──▶ Tenant ──▶ cache salt (its namespace ∪ cache_salt)
                                                    ├─▶ rate limits: 429 + Retry-After

@@ -1,4 +1,4 @@
-"""Block-union sparse KV selection for the prefill of long contexts (DESIGN §5; CompactAttention,
+"""Block-union sparse KV selection for the prefill of long contexts (DESIGN §8; CompactAttention,
 with FlashPrefill's max-based threshold and Quest's key bounds).
 
 A prefill piece (T new tokens after context_len cached ones) whose context is long reads only

@@ -1,5 +1,5 @@
 """FlashInfer's paged prefill over our chunk pool: every prefill span of a step in one launch per
-layer (DESIGN §5, the dense path).
+layer (DESIGN §8, the dense path).
 
 A step's prefill spans (each a sequence's new tokens after its cached context) are one ragged
 batch: query rows ``qo_indptr``, and for each span its chunk table as the page list, the new

@@ -1,11 +1,11 @@
 """Plain-torch attention over the chunked KV cache: the CPU path and the tests' oracle.
 
-Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``. A sequence's
+Cache layout (DESIGN §6), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``. A sequence's
 KV lives in the chunks of its chunk table, in order; its first ``seq_len`` positions are valid.
 Query head ``h`` reads KV head ``h // G`` (GQA, ``Hq = G * Hkv``). Everything is computed in
 float32 and returned in ``q.dtype``.
 
-Decode uses the two-phase partition algorithm of ChunkAttention (ACL 2024, DESIGN §4):
+Decode uses the two-phase partition algorithm of ChunkAttention (ACL 2024, DESIGN §7):
 ``build_tree_plan`` finds the chunks shared by contiguous row ranges of the batch (the prefix
 tree in DFS order); phase 1 attends each shared segment once for all its rows, phase 2 attends
 each row's private chunks and merges the partial softmax states. ``decode_attention_ref`` is the
@@ -459,7 +459,7 @@ def prefill_attention_ref(
 def block_scores_ref(
     q: Tensor, keys: Tensor, block: int, sm_scale: float | None = None, limits: Sequence[int] | None = None
 ) -> Tensor:
-    """Block-union's selection scores (chunkserve.kernels.block_union, DESIGN §5).
+    """Block-union's selection scores (chunkserve.kernels.block_union, DESIGN §8).
 
     q: [T, Hq, D], a prefill piece's queries; keys: [NB, Hkv, D], one key per context block
     (the selection passes the bounded queries and the blocks' [max | min] bounds: D = 2 x head dim).

@@ -1,10 +1,10 @@
 """Two-phase partition (TPP) decode attention over the chunked prefix-tree KV cache, in Triton.
 
-Cache layout (DESIGN §3), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``; query head
+Cache layout (DESIGN §6), per layer: ``k_cache, v_cache: [num_chunks, Hkv, c, D]``; query head
 ``h`` reads KV head ``h // G``. ``build_plan`` (kernels/tpp_plan.py) turns the decode batch (rows in prefix-tree DFS
 order) into flat device work lists once per tree shape; ``tpp_decode`` (an engine's
 ``TppDecoder``: the same, its launches kept per plan and run past Triton's dispatcher) runs two or
-three launches per layer (DESIGN §4, ChunkAttention):
+three launches per layer (DESIGN §7, ChunkAttention):
 
 - attend: the work of both phases cut into pieces of about equal size, one program per (piece,
   KV head), enough of them to fill the GPU a few times over. A piece is either

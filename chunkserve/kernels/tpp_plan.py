@@ -1,5 +1,5 @@
 """TPP decode planning: a decode batch (rows in prefix-tree DFS order) into the device work lists
-``chunkserve.kernels.tpp``'s kernels read (DESIGN §4).
+``chunkserve.kernels.tpp``'s kernels read (DESIGN §7).
 
 ``build_plan`` cuts the work of both phases into pieces of about equal size, enough of them to fill
 the GPU a few times over (phase 1: a run of a shared segment's chunks for a tile of its rows;

@@ -50,7 +50,7 @@ class _HeldByRouter:
     """The requests this replica holds, summed by the router that sent them (GenerateRequest.router;
     None: a router-less caller): [requests, prompt tokens, cached prompt tokens, max_tokens]. A
     router turns the others' sums into work in its own units and adds it to its exact count of its
-    own (chunkserve/router/serve_router.py, DESIGN §6 "Load"). Cached tokens count once the engine
+    own (chunkserve/router/serve_router.py, DESIGN §3 "Load"). Cached tokens count once the engine
     reports them (its first output)."""
 
     def __init__(self) -> None:

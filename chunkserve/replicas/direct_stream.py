@@ -1,5 +1,5 @@
 """The direct stream: an ingress's requests to a model replica, and their outputs back, over a TCP
-connection of their own instead of Serve's handle calls (DESIGN §12).
+connection of their own instead of Serve's handle calls (DESIGN §4).
 
 Through Serve a streamed request costs the handle's routing, an actor call into the replica's
 wrapper and a Ray message for each output, several ms before the first token where the engine

@@ -2,7 +2,7 @@
 
 Every rank holds its shard of the weights (chunkserve/replicas/model/layers.py: heads and MLP columns split,
 all-reduce after the row-parallel layers) and the KV of its own heads, so attention, its plans and
-its chunk pool are local to the rank (DESIGN §5). What must agree across ranks is the work: each
+its chunk pool are local to the rank (DESIGN §8). What must agree across ranks is the work: each
 step every rank must run the same batch, or their all-reduces pair up wrongly and hang.
 
 So every rank runs the same engine (scheduler, prefix tree, pool of the same size) and is fed the

@@ -39,7 +39,7 @@ class _Router(Protocol):
 
 
 # This process's routers' name on the wire (GenerateRequest.router): a replica reports the work it
-# holds by it, so each router adds the other routers' share to its own exact count (DESIGN §6).
+# holds by it, so each router adds the other routers' share to its own exact count (DESIGN §3).
 ROUTER_ID = uuid.uuid4().hex[:16]
 
 _ROUTERS: weakref.WeakValueDictionary[tuple[str, str], Any] = weakref.WeakValueDictionary()

@@ -1,4 +1,4 @@
-"""Chunk-tree events: a replica's routable chunk hashes as numbered deltas (DESIGN §6).
+"""Chunk-tree events: a replica's routable chunk hashes as numbered deltas (DESIGN §3).
 
     PrefixTree ─stored/evicted─▶ ChunkLog ─Events, a step─▶ Relay ─Events, a poll─▶ Serve's controller
       (engine process)                       (replica actor)      (record_routing_stats)  ─▶ every router:
@@ -22,7 +22,7 @@ chunkserve):
       changed tier (a spill, GPU -> host; a load, host -> GPU) is stored again at its new tier;
       `evicted` hashes left the tree (from either tier).
 
-The tier (DESIGN §3 "Host tier") costs no field: a hash is in [0, 2^64), so its sign is free, and a
+The tier (DESIGN §6 "Host tier") costs no field: a hash is in [0, 2^64), so its sign is free, and a
 replica without a host tier publishes exactly what it did before. Changes are netted per hash
 against its state at the last cut (absent, GPU, host): a hash stored then evicted, or spilled then
 loaded back, since then is no change at all.

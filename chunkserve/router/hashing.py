@@ -1,12 +1,12 @@
-"""Chained, process-independent hashes of a prompt's leading token chunks (DESIGN §6).
+"""Chained, process-independent hashes of a prompt's leading token chunks (DESIGN §3).
 
     h_k = xxh3_64(le64(h_{k-1}) ‖ le32(tokens of chunk k); seed),   h_0 = seed = xxh3_64(model name)
 
-A cache salt (a tenant's namespace or a request's `cache_salt`, DESIGN §18) reseeds the chain:
+A cache salt (a tenant's namespace or a request's `cache_salt`, DESIGN §2) reseeds the chain:
 seed = xxh3_64(salt; xxh3_64(model name)), so chunks of different salts never share a hash, on the
 replica (its digest) or at the router (the ingress's hashes and the index built from them).
 
-Only full chunks are hashed (a partial tail chunk is private on the replica, DESIGN §3), so a hash
+Only full chunks are hashed (a partial tail chunk is private on the replica, DESIGN §6), so a hash
 names exactly one node of a replica's prefix tree, and holding h_k implies holding h_1..h_{k-1}.
 The byte encoding is fixed (little-endian uint32 token ids, little-endian uint64 links) and
 xxh3 is specified bit for bit, so every ingress, router and replica on every machine computes the

@@ -1,4 +1,4 @@
-"""One router's approximate map  prompt chain -> replicas holding a prefix of it  (DESIGN §6).
+"""One router's approximate map  prompt chain -> replicas holding a prefix of it  (DESIGN §3).
 
 Two sources, merged per replica:
   - own decisions: the chains this router sent to a replica, by root (first chunk hash), LRU-bounded

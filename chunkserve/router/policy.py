@@ -1,5 +1,5 @@
 """Prefix-aware replica choice: rendezvous placement, cache affinity, bounded load, hot-prefix
-fan-out (DESIGN §6). Pure Python + numpy, no Ray: the Serve glue (chunkserve/router/serve_router.py) forwards
+fan-out (DESIGN §3). Pure Python + numpy, no Ray: the Serve glue (chunkserve/router/serve_router.py) forwards
 Serve's callbacks to `PrefixPolicy` and nothing else.
 
 Per request, with chain = the prompt's chunk hashes (chunkserve/router/hashing.py), c = chunk size, and work
@@ -386,7 +386,7 @@ class PolicyConfig:
     hot_sample: int = 3  # members sampled from a home set wider than this
     max_holders: int = 2  # replicas the index says hold the prefix, scored besides the window
     # a chunk in a replica's host tier scores this fraction of one in its GPU tier: ≈ 1 − (its copy
-    # back) / (its recompute) (DESIGN §6 "Tiers"); 0 scores a host hit as a miss
+    # back) / (its recompute) (DESIGN §3 "Tiers"); 0 scores a host hit as a miss
     host_hit_credit: float = 0.8
     index_roots: int = 4096  # per replica: LRU bound of the router's own decision memory, in prefixes
     prefix_entries: int = 1 << 16  # prefixes whose in-flight and recent work is tracked (LRU)
@@ -499,7 +499,7 @@ class PrefixPolicy:
 
     def set_others(self, replica_id: str, work: float) -> None:
         """The replica reported the work it holds from the other routers (by router: see
-        DESIGN §6 "Load"): that is its load beyond this router's own in-flight work, exactly, until
+        DESIGN §3 "Load"): that is its load beyond this router's own in-flight work, exactly, until
         the next report. (`_set_external` instead guesses it from a total that includes our own
         requests as of the report, wrong by whatever we sent or saw finish since.)"""
         p = self._pos.get(replica_id)
@@ -689,7 +689,7 @@ class PrefixPolicy:
         self._last = (chain, cands)  # on_routed reads the chosen one's depth from here
         return tuple(map(_ID, cands))
 
-    # -- tier credit (DESIGN §6 "Tiers"): the one place the score sees a replica's host tier --------
+    # -- tier credit (DESIGN §3 "Tiers"): the one place the score sees a replica's host tier --------
     def _credited(self, replicas: Sequence[str], chain: tuple[int, ...], depths: list[int]) -> list:
         """Each replica's depth (chunks of the chain it holds, in either tier) with the part in its
         host tier counted at `host_hit_credit` of a GPU chunk: a host chunk is copied back, not

@@ -1,4 +1,4 @@
-"""PrefixAffinityRouter: the Ray Serve glue of the prefix-aware policy (DESIGN §6).
+"""PrefixAffinityRouter: the Ray Serve glue of the prefix-aware policy (DESIGN §3).
 
 Selected per deployment through Serve's `request_router_config` (chunkserve/cluster/app.py does it when
 `router.policy: prefix`):

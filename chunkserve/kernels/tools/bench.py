@@ -1,4 +1,4 @@
-"""Side-by-side kernel benchmarks, one JSON object per line (DESIGN §7, issue 5).
+"""Side-by-side kernel benchmarks, one JSON object per line (DESIGN §15, issue 5).
 
     python -m chunkserve.kernels.tools.bench decode [--grid paper gqa divergence batch tree] [--chunk-size 64]
                                    [--methods ours fi_paged fi_paged_tc fi_cascade sdpa]

@@ -1,5 +1,5 @@
 """``python -m chunkserve.kernels.tools.bench prefill``: one layer's attention for a prefill piece after a long
-cached context, dense against block-union sparse (DESIGN §5), one JSON object per line.
+cached context, dense against block-union sparse (DESIGN §8), one JSON object per line.
 
     python -m chunkserve.kernels.tools.bench prefill [--contexts 8192 32768] [--piece 2048] [--heads 32/8 32/32]
                                     [--densities 0.1 0.25 0.5 1.0] [--chunk-size 64]

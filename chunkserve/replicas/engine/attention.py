@@ -1,4 +1,4 @@
-"""Attention over the chunk pool (DESIGN §4, §5).
+"""Attention over the chunk pool (DESIGN §7, §8).
 
 Split as in mini-sglang: `Attention.plan(batch)` once per step builds what every layer needs
 (slot indices, the decode tree plan, per-sequence prefill spans) and returns a `StepAttention`
@@ -21,15 +21,15 @@ rebuilds it. FlashInfer's plans list only the chunks in use, so they are also re
 row's tail fills.
 
 With fixed plans and `plan_rows` (the engine's graph_mixed_steps) a step holding prefill
-tokens is planned as decode rows where it fits (`_plan_rows`, DESIGN §11): the decode graphs
+tokens is planned as decode rows where it fits (`_plan_rows`, DESIGN §9): the decode graphs
 replay it, FlashInfer's prefill is not launched.
 
-Prefill (DESIGN §5, the dense path): with the triton backend, a 16-bit pool and flashinfer
+Prefill (DESIGN §8, the dense path): with the triton backend, a 16-bit pool and flashinfer
 installed, every prefill span of a step goes through FlashInfer's paged prefill in one launch
 per layer (``chunkserve.kernels.paged_prefill``, planned once per step); otherwise span by span through
 the plain-torch reference.
 
-Block-union sparse prefill (DESIGN §5, `chunkserve.kernels.block_union`; on with `sparse`): a piece whose
+Block-union sparse prefill (DESIGN §8, `chunkserve.kernels.block_union`; on with `sparse`): a piece whose
 context is at least `sparse.min_context` tokens reads, per layer, only the context blocks its
 queries score high on, through FlashInfer's paged prefill over per-(KV head, sub-group) page
 lists (the reference, `chunkserve.kernels.reference.sparse_prefill_ref`, without FlashInfer). With a

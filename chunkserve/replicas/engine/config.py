@@ -22,7 +22,7 @@ class EngineConfig:
     enable_prefix_sharing: bool = True
     kv_cache_tokens: int | None = None  # pool size; None: 32768 on CPU, a share of free memory on GPU
     gpu_memory_utilization: float = 0.9  # share of free GPU memory the pool may take (when sized automatically)
-    # The host tier (DESIGN §3): tokens of K/V kept in host memory (pinned on CUDA; on the CPU a
+    # The host tier (DESIGN §6): tokens of K/V kept in host memory (pinned on CUDA; on the CPU a
     # second tensor) for chunks the pool evicts; a request matching them copies them back instead
     # of recomputing them. 0: none (evicted chunks are dropped). Every tensor-parallel rank holds
     # its own heads' share of each chunk.
@@ -77,7 +77,7 @@ class EngineConfig:
     # then hides behind the device's, most where it is longest, sampling rows (figures:
     # chunkserve/cluster/loadtest/records/README.md, 'Figures behind the code').
     async_scheduling: bool | None = None
-    # Block-union sparse prefill (DESIGN §5, chunkserve/kernels/block_union.py): a prefill piece after at
+    # Block-union sparse prefill (DESIGN §8, chunkserve/kernels/block_union.py): a prefill piece after at
     # least sparse_prefill.min_context cached tokens attends only the context blocks its queries
     # score high on (approximate attention: outputs change). None (default): every prefill is
     # dense, exact. A dict is taken as BlockUnion's fields; BlockUnion(budget=...) is planned once

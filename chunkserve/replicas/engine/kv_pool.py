@@ -1,4 +1,4 @@
-"""Chunk allocator over the preallocated K/V tensors of every layer (DESIGN §3).
+"""Chunk allocator over the preallocated K/V tensors of every layer (DESIGN §6).
 
 One chunk id addresses `chunk_size` token slots in every layer. Per layer, K and V are
 `[num_chunks + 1, kv_heads, c, head_dim]` ("HND" inside a chunk; the last chunk the scratch one),
@@ -124,7 +124,7 @@ class KVPool(ChunkIds):
 
 
 class HostPool(ChunkIds):
-    """The host tier (DESIGN §3): chunks of K/V in host memory, the GPU pool's evicted leaves.
+    """The host tier (DESIGN §6): chunks of K/V in host memory, the GPU pool's evicted leaves.
 
     `kv` is `[Nh, L, 2, Hkv, c, D]`, chunk-major so one chunk (every layer's K and V) is one
     contiguous block and its copy one transfer; pinned (page-locked) where the GPU pool is on

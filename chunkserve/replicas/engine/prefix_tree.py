@@ -1,4 +1,4 @@
-"""The prefix tree of KV chunks (PAKV, ChunkAttention; DESIGN §3).
+"""The prefix tree of KV chunks (PAKV, ChunkAttention; DESIGN §6).
 
 A node is one full chunk of `c` tokens holding computed K/V; root-to-node paths are token
 prefixes, so a prefix shared by many sequences is stored once. Only full, computed chunks enter
@@ -16,7 +16,7 @@ and only host children.
 Each cache salt (`Sequence.tenancy.cache_salt`: a tenant's namespace, or a request's
 `cache_salt`) roots a tree of its own, so sequences of different salts never share a node, never
 match each other's chunks and never count them as cached; the unsalted root (`root`) is today's
-shared tree. A salt's root goes once its last chunk is evicted (DESIGN §18).
+shared tree. A salt's root goes once its last chunk is evicted (DESIGN §2).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class PrefixTree:
         self._evictable: list[tuple[int, int, Node]] = []
         self._host_evictable: list[tuple[int, int, Node]] = []  # the same over host leaves
         self._digest_seed: int | None = None  # the seed the nodes' cached hashes were made with
-        # routing events (DESIGN §6): told of each store, eviction and change of tier
+        # routing events (DESIGN §3): told of each store, eviction and change of tier
         self.events: RouteEvents | None = None
 
     # -- lookups --------------------------------------------------------------------------
@@ -354,7 +354,7 @@ class PrefixTree:
 
     def check(self, live: Iterable[Sequence], decode_paths: Seq[tuple[int, ...]] = ()) -> None:
         """`decode_paths`: the node-id paths of the last decode batch's rows, as scheduled."""
-        # raises AssertionError naming the broken invariant of DESIGN §3
+        # raises AssertionError naming the broken invariant of DESIGN §6
         live = list(live)
         owner: dict[int, object] = {}  # GPU chunk id -> its node or sequence
         host_owner: dict[int, object] = {}  # host chunk id -> its node

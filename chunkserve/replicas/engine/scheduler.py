@@ -5,7 +5,7 @@ Policy (FCFS, SARATHI-style chunked prefill under one token budget):
 2. waiting requests while the budget, `max_num_seqs` and free chunks allow, in arrival order
    (FCFS) when they are all of one tenant and priority; with several, the next is the lowest
    priority value, then the tenant with the fewest running sequences, then arrival (within a
-   tenant FCFS), so one tenant's flood cannot starve another's (DESIGN §18). Admission stops at
+   tenant FCFS), so one tenant's flood cannot starve another's (DESIGN §2). Admission stops at
    the first that does not fit: nobody overtakes it. But a request whose next uncached prompt
    chunk another running sequence is computing waits (`_inflight`): it stays in the queue,
    those behind it may be admitted, and once the chunk is in the tree it matches it instead of

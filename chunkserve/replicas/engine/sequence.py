@@ -137,7 +137,7 @@ def _token_id(t: Any) -> bool:
 
 @dataclass(frozen=True)
 class Tenancy:
-    """Whose request it is, as far as the engine cares (DESIGN §18): the cache namespace it shares
+    """Whose request it is, as far as the engine cares (DESIGN §2): the cache namespace it shares
     in and its place in admission."""
 
     tenant: str | None = None  # None: no tenant table (one anonymous tenant)

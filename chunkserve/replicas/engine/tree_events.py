@@ -1,6 +1,6 @@
 """The prefix tree's routing events: the chained hash of each node it stores or evicts, at most
 `route_chunks` deep, and each such node's tier changes, into a ChunkLog (chunkserve/router/events.py;
-DESIGN §6).
+DESIGN §3).
 
 The tree calls `stored` at its one insertion point, `evicted` at its one eviction point, and
 `moved` where a node changes tier (a spill to the host tier, a load or a recompute back to the GPU)

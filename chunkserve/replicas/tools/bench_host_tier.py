@@ -1,4 +1,4 @@
-"""The host tier (DESIGN §3, EngineConfig.host_cache_tokens) measured in one engine: one JSON line a
+"""The host tier (DESIGN §6, EngineConfig.host_cache_tokens) measured in one engine: one JSON line a
 result. `python -m chunkserve.replicas.tools.bench_host_tier {cached,ttft,bandwidth} [options]`.
 
     # cached fraction on a tenants-style workload whose prefixes total --times x the GPU pool:

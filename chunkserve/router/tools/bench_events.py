@@ -1,4 +1,4 @@
-"""What a router's index pays to follow N replicas' caches: chunk-tree events against snapshots (DESIGN §6).
+"""What a router's index pays to follow N replicas' caches: chunk-tree events against snapshots (DESIGN §3).
 
     python -m chunkserve.router.tools.bench_events [--replicas 1024] [--seconds 10] [--warmup 5]
                                                    [--rate 9] [--spill 0.1] [--seed 0]

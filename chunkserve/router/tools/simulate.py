@@ -1,4 +1,4 @@
-"""Discrete-event simulation of N replicas behind k routers, per routing policy (DESIGN §6).
+"""Discrete-event simulation of N replicas behind k routers, per routing policy (DESIGN §3).
 
     python -m chunkserve.router.tools.simulate --policy prefix|approx|pow2|ray-prefix
         --workload gsp|zipf|unique|tenants --replicas N [--routers K] [--scale-up] [--requests M] [--seed S]
@@ -44,7 +44,7 @@ Model:
   - what a router sees: its own decisions and completions, and — `prefix` only — each replica's
     report, taken every `--digest-period` s (staggered) and delivered to every router
     `--digest-delay` s later: the chunk hashes it holds at depth ≤ route_chunks, and the work it
-    holds by router (DESIGN §6 "Load": a router adds the others' share to its own exact count).
+    holds by router (DESIGN §3 "Load": a router adds the others' share to its own exact count).
     Never the caches. `approx` is the same policy on its own decisions only (no reports: the
     approximate trees of SGLang's gateway or llm-d's estimated scorer). `pow2` (Serve's default)
     and `ray-prefix` (one actor for all ingresses) read every replica's true queue length.
