@@ -12,8 +12,7 @@ import pytest
 
 from chunkserve.replicas.direct_stream import Address, ReplicaFull, StreamClient, StreamLost, StreamServer
 from chunkserve.replicas.engine.sequence import SamplingParams
-from chunkserve.replicas.engine_process import EngineDied
-from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
 
 
 def _request(rid: str, n: int = 3, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerateRequest:

@@ -14,7 +14,8 @@ import pytest
 from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.sequence import SamplingParams
-from chunkserve.replicas.engine_process import EngineDied, EngineProcess
+from chunkserve.replicas.engine_process import EngineProcess
+from chunkserve.replicas.wire import EngineDied
 from chunkserve.router.events import Relay
 from chunkserve.router.hashing import chunk_hashes
 

@@ -84,10 +84,9 @@ from chunkserve.cluster.tool_calls import ToolOutput
 from chunkserve.replicas.direct_stream import Address, DirectStream, ReplicaFull, StreamClient, StreamLost
 from chunkserve.replicas.engine.guided import load_grammar_engine
 from chunkserve.replicas.engine.sequence import Tenancy
-from chunkserve.replicas.engine_process import EngineDied
 from chunkserve.replicas.model import load_tokenizer
 from chunkserve.replicas.model.tokenizer import PLAIN_TEXT_ROLES
-from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
 from chunkserve.router import direct as direct_routes
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 

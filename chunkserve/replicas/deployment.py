@@ -39,10 +39,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from chunkserve.replicas.direct_stream import StreamServer
 from chunkserve.replicas.engine.distributed import free_port, init_group
 from chunkserve.replicas.engine.llm_engine import EngineConfig, RequestOutput
-from chunkserve.replicas.engine_process import EngineDied, EngineProcess
+from chunkserve.replicas.engine_process import EngineProcess
 from chunkserve.replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from chunkserve.replicas.parallel import TPWorker, rank_device, worker_config
-from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
 from chunkserve.router.events import Events, Relay
 
 

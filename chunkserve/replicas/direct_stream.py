@@ -33,8 +33,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from chunkserve.replicas.engine_process import EngineDied
-from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
 
 logger = logging.getLogger("ray.serve")
 

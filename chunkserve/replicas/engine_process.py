@@ -50,12 +50,9 @@ from typing import Any
 
 from chunkserve.replicas.engine.llm_engine import EngineConfig
 from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
+from chunkserve.replicas.wire import EngineDied
 
-__all__ = ["EngineProcess", "EngineDied"]
-
-
-class EngineDied(Exception):
-    """The engine process failed or exited; the message says why."""
+__all__ = ["EngineProcess"]
 
 
 class EngineProcess:

@@ -1,6 +1,7 @@
 """The ingress's calls to a replica and what the replica streams back: the wire types between
 chunkserve/cluster/ingress.py and chunkserve/replicas/deployment.py (pickled by Ray), read by the router too
-(chunkserve/router/serve_router.py: the request's prefix hashes). The OpenAI HTTP schemas are apart, in
+(chunkserve/router/serve_router.py: the request's prefix hashes); and EngineDied, what a replica whose
+engine process is gone raises, on every path. The OpenAI HTTP schemas are apart, in
 chunkserve/cluster/protocol.py.
 """
 
@@ -13,7 +14,12 @@ from dataclasses import dataclass
 
 from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
 
-__all__ = ["GenerateOutput", "GenerateRequest"]
+__all__ = ["EngineDied", "GenerateOutput", "GenerateRequest"]
+
+
+class EngineDied(Exception):
+    """The engine process failed or exited; the message says why (raised in the replica, and in
+    the ingress for a direct stream whose replica's engine died)."""
 
 
 @dataclass(frozen=True)
