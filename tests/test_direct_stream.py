@@ -12,7 +12,7 @@ import pytest
 
 from chunkserve.replicas.direct_stream import Address, ReplicaFull, StreamClient, StreamLost, StreamServer
 from chunkserve.replicas.engine.sequence import SamplingParams
-from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest, StreamOpen, StreamOutput
 
 
 def _request(rid: str, n: int = 3, prompt: tuple[int, ...] = (1, 2, 3)) -> GenerateRequest:
@@ -181,7 +181,7 @@ def test_a_peer_without_the_token_is_never_unpickled():
         replica = _Replica()
         server, _ = await _pair(replica)
         reader, writer = await asyncio.open_connection("127.0.0.1", server.address.port)
-        data = pickle.dumps(("gen", 1, _Bomb()))
+        data = pickle.dumps(StreamOpen(1, _Bomb()))  # type: ignore[arg-type]
         writer.write(b"\0" * 16 + struct.pack("!I", len(data)) + data)
         try:
             assert await asyncio.wait_for(reader.read(), 10) == b""  # closed on us
@@ -189,6 +189,53 @@ def test_a_peer_without_the_token_is_never_unpickled():
             assert _BOOM == [] and replica.started == {}
         writer.close()
         server.close()
+
+    asyncio.run(run())
+
+
+def _raw_frame(msg) -> bytes:
+    data = pickle.dumps(msg)
+    return struct.pack("!I", len(data)) + data
+
+
+def test_string_tagged_tuples_are_refused_on_both_ends():
+    """Only chunkserve/replicas/wire.py's stream messages cross: neither end sends a bare tuple
+    (the frames' old form), and an end that receives one drops the connection without acting on it."""
+
+    async def run():
+        replica = _Replica()
+        server, client = await _pair(replica)
+        replica.gate = asyncio.Event()
+        stream = await client.open(server.address, _request("a", 100), lambda: None)
+        with pytest.raises(TypeError, match=r"the direct stream: tuple \('cancel', 1\) is not one of its messages"):
+            stream._conn.send(("cancel", 1))  # type: ignore[arg-type]
+        # the replica's end: a tuple from a peer with the token closes the connection, unrun
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.address.port)
+        writer.write(server.address.token + _raw_frame(("gen", 2, _request("tuple"))))
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        assert "tuple" not in replica.started
+        writer.close()
+        client.close()
+        server.close()
+
+        # the ingress's end: a replica answering with a tuple loses the stream
+        async def replica_of_tuples(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            await r.readexactly(16)
+            await r.readexactly(struct.unpack("!I", await r.readexactly(4))[0])  # the request
+            w.write(_raw_frame(StreamOutput(1, _output(0, False))) + _raw_frame(("out", 1, _output(1, True))))
+            await w.drain()
+            await r.read()
+
+        fake = await asyncio.start_server(replica_of_tuples, "127.0.0.1", 0)
+        client = StreamClient()
+        stream = await client.open(
+            Address("127.0.0.1", fake.sockets[0].getsockname()[1], bytes(16)), _request("b"), lambda: None
+        )
+        assert (await stream.__anext__()).token_ids == (0,)
+        with pytest.raises(StreamLost, match="a bad frame from the replica"):
+            await stream.__anext__()
+        client.close()
+        fake.close()
 
     asyncio.run(run())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine_process import EngineProcess
-from chunkserve.replicas.wire import EngineDied
+from chunkserve.replicas.wire import EngineDied, StepOutputs
 from chunkserve.router.events import Relay
 from chunkserve.router.hashing import chunk_hashes
 
@@ -31,12 +32,13 @@ class Front:
         self.core, self.tokens, self.done = core, {}, {}
         self.accepted, self.rejected, self.stats, self.death = set(), {}, None, None
         self.relay = Relay()  # the tree's routing events, followed as the replica does
-        if core.info.get("events") is not None:
-            self.relay.apply(core.info["events"])
+        if core.info.events is not None:
+            self.relay.apply(core.info.events)
         self.finished = asyncio.Event()
         core.start_receiving(loop, self.on_step, self.on_death)
 
-    def on_step(self, outputs, accepted, rejected, stats, events):
+    def on_step(self, step: StepOutputs):
+        outputs, accepted, rejected, stats, events = step
         self.accepted |= set(accepted)
         self.rejected |= dict(rejected)
         for out in outputs:
@@ -66,7 +68,7 @@ class Front:
 def test_tokens_equal_the_engines_and_bad_input_is_refused():
     want = LLMEngine(CONFIG).generate(PROMPTS, PARAMS)
     core = EngineProcess(CONFIG, route_events=("tiny", 32))
-    assert core.info["max_model_len"] == 4096 and core.info["vocab_size"] == 512 and core.info["warmup"] is None
+    assert core.info.max_model_len == 4096 and core.info.vocab_size == 512 and core.info.warmup is None
 
     async def go():
         front = Front(core, asyncio.get_running_loop())
@@ -160,3 +162,26 @@ def test_the_grammar_engine_is_built_before_ready():
         assert "xgrammar" in maps
     finally:
         core.close()
+
+
+def test_a_string_tagged_tuple_is_refused_at_both_ends_of_the_pipe():
+    """The pipe carries only chunkserve/replicas/wire.py's messages: the replica's side refuses to
+    send a bare tuple (the messages' old form), and an engine process that receives one anyway
+    stops and says what it got, which the replica reports as the engine's death."""
+    core = EngineProcess(CONFIG)
+
+    async def go():
+        front = Front(core, asyncio.get_running_loop())
+        with pytest.raises(TypeError, match=r"the engine pipe: tuple \('abort', 'r'\) is not one of its messages"):
+            core._send(("abort", "r"))  # type: ignore[arg-type]
+        core.add("r", PROMPTS[0], PARAMS)  # (the pipe still works)
+        await front.until(lambda: "r" in front.done)
+        core._conn.send_bytes(pickle.dumps(("abort", "r")))  # past the check
+        await front.until(lambda: front.death is not None)
+        return front
+
+    try:
+        front = asyncio.run(go())
+    finally:
+        core.close()
+    assert "TypeError: the engine process got tuple ('abort', 'r'), not a command" in front.death

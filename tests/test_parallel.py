@@ -20,7 +20,8 @@ from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine.warmup import warmup
-from chunkserve.replicas.parallel import TPEngine, TPWorker
+from chunkserve.replicas.parallel import TPEngine, TPWorker, _apply, _send_ops
+from chunkserve.replicas.wire import AbortRequest
 
 CONFIG = EngineConfig(
     model="tiny", device="cpu", dtype="float32", kv_cache_tokens=4096, chunk_size=16, max_num_batched_tokens=64
@@ -350,6 +351,15 @@ def test_tp_size_without_a_group_is_refused():
         LLMEngine(dataclasses.replace(CONFIG2, tp_rank=2))
     with pytest.raises(ValueError, match="rank 0"):
         TPWorker(CONFIG)
+
+
+def test_the_ranks_ops_are_wire_messages_not_tagged_tuples():
+    """Rank 0 sends, and a rank applies, only chunkserve/replicas/wire.py's ops: a string-tagged
+    tuple (the ops' old form) is refused before it reaches the group or an engine."""
+    with pytest.raises(TypeError, match="the ranks' ops: tuple .*AbortRequest, AddRequest"):
+        _send_ops([AbortRequest("a"), ("abort", "b")])  # (checked before any collective: no group here)
+    with pytest.raises(TypeError, match="not an op"):
+        _apply(None, [("abort", "b")])  # type: ignore[arg-type, list-item]
 
 
 @pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")

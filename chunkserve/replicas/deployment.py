@@ -6,9 +6,9 @@ batching across HTTP requests). The engine process steps back to back while it h
 nothing this process does (Serve's plumbing, streaming, the event loop) takes the interpreter
 from it:
 
-    generate(req) ──add──▶ pipe ──▶ engine process: adds and aborts between steps, step() ──┐
-         ▲                                                                              │
-         └── per-request queue of RequestOutput ◀── on_step (one message a step) ◀──────┘
+    generate(req) ── AddRequest ──▶ pipe ──▶ engine process: adds and aborts between steps, step() ──┐
+         ▲                                                                                       │
+         └── per-request queue of RequestOutput ◀── on_step (StepOutputs, one a step) ◀──────────┘
 
 A request whose caller goes away (client disconnect: Serve cancels the generator), or that a
 stop string ended, is aborted in the engine, which frees its chunks. The engine's stats and its
@@ -42,8 +42,8 @@ from chunkserve.replicas.engine.llm_engine import EngineConfig, RequestOutput
 from chunkserve.replicas.engine_process import EngineProcess
 from chunkserve.replicas.model import IncrementalDetokenizer, Tokenizer, load_tokenizer
 from chunkserve.replicas.parallel import TPWorker, rank_device, worker_config
-from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
-from chunkserve.router.events import Events, Relay
+from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest, StepOutputs
+from chunkserve.router.events import Relay
 
 
 class _HeldByRouter:
@@ -126,16 +126,16 @@ class LLMReplica:
             while_waiting=check,
         )
         info = self.core.info
-        self.warmup_stats = info["warmup"]
-        self._model_info = {"max_model_len": info["max_model_len"], "vocab_size": info["vocab_size"]}
+        self.warmup_stats = info.warmup
+        self._model_info = {"max_model_len": info.max_model_len, "vocab_size": info.vocab_size}
         self.tokenizer = load_tokenizer(engine_config.model)  # detokenizes the streams here (the engine's own)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self._streams: dict[str, _Stream] = {}
         self._held = _HeldByRouter()  # what each router's requests here amount to (routing stats)
-        self._stats = info["stats"]  # as of the engine's last step; read by stats / routing stats
+        self._stats = info.stats  # as of the engine's last step; read by stats / routing stats
         self._relay = Relay()  # the tree's routing events, as each routing-stats poll reports them
-        if info["events"] is not None:
-            self._relay.apply(info["events"])
+        if info.events is not None:
+            self._relay.apply(info.events)
         self._metrics = _Metrics(self._stats)
         loop = asyncio.get_running_loop()
         self.core.start_receiving(loop, self._on_step, self._on_death)
@@ -232,14 +232,8 @@ class LLMReplica:
         return self.generate(request)
 
     # -- the engine's messages (on the event loop) ------------------------------------------
-    def _on_step(
-        self,
-        outputs: list[RequestOutput],
-        accepted: list[str],
-        rejected: list[tuple[str, str]],
-        stats: dict,
-        events: Events | None,
-    ) -> None:
+    def _on_step(self, step: StepOutputs) -> None:
+        outputs, accepted, rejected, stats, events = step
         for rid in accepted:
             stream = self._streams.get(rid)
             if stream is not None and not stream.accepted.done():  # (None: the caller left meanwhile)

@@ -8,13 +8,15 @@ the same policy) and writes the request on a connection it keeps to that replica
 runs the same `generate` and writes each output back on it. Serve still places, health-checks,
 scales and routes everything else (and takes a request when the replica is full).
 
-Frames: a 4-byte big-endian length, then a pickle. A connection begins with the replica's token
-(16 random bytes it publishes in its routing stats, which only Ray's cluster members read):
-nothing is unpickled from a peer that has not sent it.
+Frames: a 4-byte big-endian length, then a pickle of one message (chunkserve/replicas/wire.py;
+each side sends only its own and drops a connection that sends it anything else). A connection
+begins with the replica's token (16 random bytes it publishes in its routing stats, which only
+Ray's cluster members read): nothing is unpickled from a peer that has not sent it.
 
-    ingress -> replica  ("gen", sid, GenerateRequest)   ("cancel", sid)
-    replica -> ingress  ("out", sid, GenerateOutput)   ("end", sid)   ("full", sid)
-                        ("err", sid, kind, message)    kind: refused | engine_died | failed
+    ingress -> replica  StreamOpen(sid, GenerateRequest)   StreamCancel(sid)
+    replica -> ingress  StreamOutput(sid, GenerateOutput)  ... then one of
+                        StreamEnd(sid)   StreamFull(sid)   StreamError(sid, kind, message)
+                                                           kind: refused | engine_died | failed
 
 A stream's sid is the ingress's, unique on its connection. A connection that drops ends every
 stream on it: the replica aborts them in its engine, the ingress's get StreamLost.
@@ -31,9 +33,23 @@ import socket
 import struct
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
-from chunkserve.replicas.wire import EngineDied, GenerateOutput, GenerateRequest
+from chunkserve.replicas.wire import (
+    STREAM_REPLIES,
+    STREAM_REQUESTS,
+    GenerateOutput,
+    GenerateRequest,
+    StreamCancel,
+    StreamEnd,
+    StreamError,
+    StreamFull,
+    StreamOpen,
+    StreamOutput,
+    StreamReply,
+    StreamRequest,
+    check,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -72,36 +88,33 @@ class Address:
             return None
 
 
-def _frame(msg: tuple) -> bytes:
+class _Lost(NamedTuple):
+    """A stream's end when its connection dropped (this process's own: never on the wire)."""
+
+    why: str
+
+
+def _frame(msg: StreamRequest | StreamReply, allowed: frozenset[type]) -> bytes:
+    check(msg, allowed, "the direct stream")
     data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     return _LEN.pack(len(data)) + data
 
 
-async def _read(reader: asyncio.StreamReader) -> tuple:
+async def _read(reader: asyncio.StreamReader) -> Any:
     (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
     if n > MAX_FRAME:
         raise ConnectionError(f"a frame of {n} bytes (at most {MAX_FRAME})")
     return pickle.loads(await reader.readexactly(n))
 
 
-def _error_kind(e: BaseException) -> str:
-    if isinstance(e, EngineDied):
-        return "engine_died"
-    return "refused" if isinstance(e, ValueError) else "failed"
-
-
-def _raised(kind: str, message: str) -> Exception:
-    if kind == "refused":
-        return ValueError(message)
-    if kind == "engine_died":
-        return EngineDied(message)
-    return RuntimeError(f"the replica failed: {message}")
+def _reply(writer: asyncio.StreamWriter, msg: StreamReply) -> None:
+    writer.write(_frame(msg, STREAM_REPLIES))
 
 
 # -- the replica's side ----------------------------------------------------------------------
 class StreamServer:
     """One replica's listener. generate(request) is the replica's own stream; room() says whether
-    it takes another request now (else the ingress gets "full")."""
+    it takes another request now (else the ingress gets StreamFull)."""
 
     def __init__(
         self,
@@ -144,17 +157,18 @@ class StreamServer:
                 )
                 return
             while True:
-                msg = await _read(reader)
-                if msg[0] == "gen":
-                    sid, request = msg[1], msg[2]
-                    if sid in streams or not self._room():
-                        writer.write(_frame(("full", sid)))
-                        continue
-                    streams[sid] = asyncio.create_task(self._run(sid, request, writer, streams))
-                elif msg[0] == "cancel":
-                    task = streams.get(msg[1])
-                    if task is not None:
-                        task.cancel()
+                match await _read(reader):
+                    case StreamOpen(sid, request):
+                        if sid in streams or not self._room():
+                            _reply(writer, StreamFull(sid))
+                            continue
+                        streams[sid] = asyncio.create_task(self._run(sid, request, writer, streams))
+                    case StreamCancel(sid):
+                        task = streams.get(sid)
+                        if task is not None:
+                            task.cancel()
+                    case other:
+                        raise TypeError(f"{type(other).__name__} {other!r:.100} from the ingress")
         except (asyncio.IncompleteReadError, ConnectionError, OSError, asyncio.CancelledError):
             pass  # the ingress went (or the replica closes): its streams are aborted below
         except Exception:
@@ -172,15 +186,15 @@ class StreamServer:
         gen = self._generate(request)
         try:
             async for out in gen:
-                writer.write(_frame(("out", sid, out)))
+                _reply(writer, StreamOutput(sid, out))
                 if writer.transport.get_write_buffer_size() > WRITE_HIGH_WATER:
                     await writer.drain()
-            writer.write(_frame(("end", sid)))
+            _reply(writer, StreamEnd(sid))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             if not writer.is_closing():
-                writer.write(_frame(("err", sid, _error_kind(e), str(e))))
+                _reply(writer, StreamError.of(sid, e))
         finally:
             streams.pop(sid, None)
             await gen.aclose()  # (a cancelled stream: generate's finally aborts it now, not at GC)
@@ -195,7 +209,7 @@ class DirectStream:
 
     def __init__(self, conn: _Connection, sid: int, on_close: Callable[[], None]):
         self._conn, self._sid, self._on_close = conn, sid, on_close
-        self._queue: asyncio.Queue[tuple] = asyncio.Queue()
+        self._queue: asyncio.Queue[StreamReply | _Lost] = asyncio.Queue()
         self._closed = False
 
     def __aiter__(self) -> DirectStream:
@@ -205,25 +219,27 @@ class DirectStream:
         if self._closed:
             raise StopAsyncIteration
         msg = await self._queue.get()
-        kind = msg[0]
-        if kind == "out":
-            return msg[2]
+        if type(msg) is StreamOutput:  # (the common case first, without the match's tests)
+            return msg.output
         self._close()
-        if kind == "end":
-            raise StopAsyncIteration
-        if kind == "full":
-            raise ReplicaFull()
-        if kind == "lost":
-            raise StreamLost(msg[1])
-        raise _raised(msg[2], msg[3])
+        match msg:
+            case StreamEnd():
+                raise StopAsyncIteration
+            case StreamFull():
+                raise ReplicaFull()
+            case _Lost(why):
+                raise StreamLost(why)
+            case StreamError() as error:
+                raise error.exception()
+        raise TypeError(f"{type(msg).__name__} {msg!r:.100} in a direct stream")
 
     def cancel(self) -> None:
         """Abort the request in its replica (nothing if it has ended)."""
         if not self._closed:
             self._close()
-            self._conn.send(("cancel", self._sid))
+            self._conn.send(StreamCancel(self._sid))
 
-    def _deliver(self, msg: tuple) -> None:
+    def _deliver(self, msg: StreamReply | _Lost) -> None:
         self._queue.put_nowait(msg)
 
     def _close(self) -> None:
@@ -240,15 +256,18 @@ class _Connection:
         self.lost: str | None = None
         self._task = asyncio.create_task(self._receive())
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: StreamRequest) -> None:
+        frame = _frame(msg, STREAM_REQUESTS)
         if self.lost is None:
-            self.writer.write(_frame(msg))
+            self.writer.write(frame)
 
     async def _receive(self) -> None:
         try:
             while True:
                 msg = await _read(self.reader)
-                stream = self.streams.get(msg[1])
+                if type(msg) not in STREAM_REPLIES:
+                    raise TypeError(f"{type(msg).__name__} {msg!r:.100} from the replica")
+                stream = self.streams.get(msg.sid)
                 if stream is not None:
                     stream._deliver(msg)
         except (asyncio.IncompleteReadError, ConnectionError, OSError) as e:
@@ -265,7 +284,7 @@ class _Connection:
         self.writer.close()
         self._on_lost()
         for stream in list(self.streams.values()):
-            stream._deliver(("lost", why))
+            stream._deliver(_Lost(why))
 
     def close(self) -> None:
         self._task.cancel()
@@ -308,7 +327,7 @@ class StreamClient:
         self._next_sid += 1
         stream = DirectStream(conn, self._next_sid, on_close)
         conn.streams[stream._sid] = stream
-        conn.send(("gen", stream._sid, request))
+        conn.send(StreamOpen(stream._sid, request))
         return stream
 
     async def _connection(self, address: Address) -> _Connection:

@@ -9,17 +9,20 @@ SGLang (the scheduler process) do, the engine runs in its own process and steps 
 the replica keeps only the front:
 
     replica process (Serve, asyncio)                 engine process (python -m chunkserve.replicas.engine_process)
-    EngineProcess.add / abort / compile ──pipe──▶    commands applied between two steps
-    receiver thread ◀──pipe── one message a step:    ("step", outputs, accepted, rejected, stats, events)
-      └─ loop.call_soon_threadsafe(on_step, ...)      engine.step() back to back while there is work;
-                                                      blocked on the pipe while idle
+    EngineProcess()  ── StartEngine ──▶              builds the engine (warms it up)
+                     ◀── EngineReady | StartFailed
+    EngineProcess.add / abort / compile / close      commands applied between two steps:
+       ── AddRequest, AbortRequest, CompileGuide, CloseEngine ──▶
+    receiver thread  ◀── StepOutputs, one a step ──  engine.step() back to back while there is work;
+      └─ loop.call_soon_threadsafe(on_step, step)    blocked on the pipe while idle
+                     ◀── GuideCompiled, EngineCrashed
 
-One message per step carries every request's new outputs (batched, one pickle), the adds it
-accepted or refused (the engine's ValueError text), the engine's stats, and the routing events
-of its prefix tree since the last message (chunkserve/router/events.py: the chunk hashes it stored and
-evicted, or a snapshot; None when nothing changed). Guided requests'
-grammars compile in a thread of the engine process (`compile`, answered by ("compiled", ...)),
-so a large schema never holds up the steps.
+The messages are chunkserve/replicas/wire.py's (each side refuses any other type). One StepOutputs
+a step carries every request's new outputs (batched, one pickle), the adds it accepted or refused
+(the engine's ValueError text), the engine's stats, and the routing events of its prefix tree
+since the last message (chunkserve/router/events.py: the chunk hashes it stored and evicted, or a
+snapshot; None when nothing changed). Guided requests' grammars compile in a thread of the engine
+process (CompileGuide, answered by GuideCompiled), so a large schema never holds up the steps.
 
 The engine process dies with the replica (PR_SET_PDEATHSIG on Linux, and the pipe's end), and a
 replica whose engine process died reports it (`EngineProcess.error`): its health check fails
@@ -46,11 +49,27 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
-from typing import Any
 
 from chunkserve.replicas.engine.llm_engine import EngineConfig
 from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
-from chunkserve.replicas.wire import EngineDied
+from chunkserve.replicas.wire import (
+    ENGINE_COMMANDS,
+    ENGINE_REPLIES,
+    AbortRequest,
+    AddRequest,
+    CloseEngine,
+    CompileGuide,
+    EngineCommand,
+    EngineCrashed,
+    EngineDied,
+    EngineReady,
+    EngineReply,
+    GuideCompiled,
+    StartEngine,
+    StartFailed,
+    StepOutputs,
+    check,
+)
 
 __all__ = ["EngineProcess"]
 
@@ -87,7 +106,7 @@ class EngineProcess:
         self._ids = itertools.count()
         self.error: str | None = None  # why the engine process is gone, once it is
         self._closed = False
-        self._send(("init", config, warm_up, route_events, tp_rendezvous))
+        self._send(StartEngine(config, warm_up, route_events, tp_rendezvous))
         deadline = time.monotonic() + ready_timeout_s
         while not self._conn.poll(1.0):
             if self._proc.poll() is not None:
@@ -101,20 +120,20 @@ class EngineProcess:
                 except BaseException:
                     self.close()
                     raise
-        kind, payload = self._recv()
-        if kind != "ready":
+        ready = self._recv()
+        if not isinstance(ready, EngineReady):
             self.close()
-            raise EngineDied(f"the engine failed to start: {payload}")
-        self.info: dict[str, Any] = payload  # max_model_len, vocab_size, warmup, stats, events
+            raise EngineDied(f"the engine failed to start: {ready.error if isinstance(ready, StartFailed) else ready}")
+        self.info = ready
         self._reader: threading.Thread | None = None
 
     # -- replica -> engine --------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], params: SamplingParams, tenancy: Tenancy | None = None) -> None:
         """Queued for the engine's next step; the outcome comes in a step message (accepted or rejected)."""
-        self._send(("add", request_id, prompt, params, tenancy))
+        self._send(AddRequest(request_id, prompt, params, tenancy))
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        self._send(AbortRequest(request_id))
 
     async def compile(self, guide) -> None:
         """Compile a guided request's grammar in the engine process (its add then finds it
@@ -122,7 +141,7 @@ class EngineProcess:
         token = next(self._ids)
         future = asyncio.get_running_loop().create_future()
         self._compiles[token] = future
-        self._send(("compile", token, guide))
+        self._send(CompileGuide(token, guide))
         await future
 
     def close(self) -> None:
@@ -132,7 +151,7 @@ class EngineProcess:
         self._closed = True
         if self._proc.poll() is None:
             try:
-                self._send(("close",))
+                self._send(CloseEngine())
                 self._proc.wait(10)
             except (OSError, EngineDied, subprocess.TimeoutExpired):
                 self._proc.kill()
@@ -140,10 +159,10 @@ class EngineProcess:
 
     # -- engine -> replica --------------------------------------------------------------------
     def start_receiving(
-        self, loop: asyncio.AbstractEventLoop, on_step: Callable[..., None], on_death: Callable[[str], None]
+        self, loop: asyncio.AbstractEventLoop, on_step: Callable[[StepOutputs], None], on_death: Callable[[str], None]
     ) -> None:
-        """Deliver each step message to on_step(outputs, accepted, rejected, stats, events) on
-        `loop`, from a receiver thread; on_death(reason) once if the engine process goes."""
+        """Deliver each StepOutputs to on_step on `loop`, from a receiver thread; on_death(reason)
+        once if the engine process goes."""
 
         def deliver(fn: Callable, *args) -> None:
             try:
@@ -154,13 +173,15 @@ class EngineProcess:
         def receive() -> None:
             try:
                 while True:
-                    kind, *payload = self._recv()
-                    if kind == "step":
-                        deliver(on_step, *payload)
-                    elif kind == "compiled":
-                        deliver(self._compiled, *payload)
-                    elif kind == "died":
-                        raise EngineDied(payload[0])
+                    match self._recv():
+                        case StepOutputs() as step:
+                            deliver(on_step, step)
+                        case GuideCompiled(token, error):
+                            deliver(self._compiled, token, error)
+                        case EngineCrashed(reason):
+                            raise EngineDied(reason)
+                        case other:
+                            raise EngineDied(f"the engine process sent {type(other).__name__} {other!r:.100}")
             except (EngineDied, EOFError, OSError) as e:
                 if self._closed or loop.is_closed():
                     return  # (closed on purpose)
@@ -193,7 +214,8 @@ class EngineProcess:
         self._compiles.clear()
 
     # -- the pipe -----------------------------------------------------------------------------
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: EngineCommand) -> None:
+        check(message, ENGINE_COMMANDS, "the engine pipe")
         if self.error is not None:
             raise EngineDied(self.error)
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
@@ -203,7 +225,7 @@ class EngineProcess:
         except OSError as e:
             raise EngineDied(f"the engine process is gone ({e})") from None
 
-    def _recv(self) -> tuple:
+    def _recv(self) -> EngineReply:
         return pickle.loads(self._conn.recv_bytes())
 
 
@@ -226,18 +248,20 @@ class _Core:
         self.lock = threading.Lock()
         self.compiler = ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar")
 
-    def send(self, message: tuple) -> None:
+    def send(self, message: EngineReply) -> None:
+        check(message, ENGINE_REPLIES, "the engine pipe")
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         with self.lock:
             self.conn.send_bytes(data)
 
     def start(self) -> None:
-        kind, config, warm_up, route_events, tp = pickle.loads(self.conn.recv_bytes())
-        assert kind == "init", kind
+        start = pickle.loads(self.conn.recv_bytes())
         try:
-            self.engine = _build(config, tp)
+            if not isinstance(start, StartEngine):
+                raise TypeError(f"the engine process began with {type(start).__name__} {start!r:.100}, not StartEngine")
+            self.engine = _build(start.config, start.tp_rendezvous)
             warm = None
-            if warm_up:
+            if start.warm_up:
                 from chunkserve.replicas.engine.warmup import warmup
 
                 warm = warmup(self.engine)
@@ -246,19 +270,20 @@ class _Core:
                 # request, their import and build held the interpreter lock from the steps running
                 self.engine.guides()
         except BaseException as e:  # noqa: BLE001 - the replica raises it
-            self.send(("failed", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            self.send(StartFailed(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             traceback.print_exc()
             os._exit(1)
-        if route_events is not None:  # (after warmup: its synthetic requests' chunks are the first snapshot's)
-            self.engine.record_route_events(*route_events)
-        info = {
-            "max_model_len": self.engine.max_model_len,
-            "vocab_size": self.engine.model_config.vocab_size,
-            "warmup": warm,
-            "stats": self.engine.stats(),
-            "events": self.engine.take_route_events(),
-        }
-        self.send(("ready", info))
+        if start.route_events is not None:  # (after warmup: its synthetic requests' chunks are the first snapshot's)
+            self.engine.record_route_events(*start.route_events)
+        self.send(
+            EngineReady(
+                self.engine.max_model_len,
+                self.engine.model_config.vocab_size,
+                warm,
+                self.engine.stats(),
+                self.engine.take_route_events(),
+            )
+        )
 
     def _compile(self, token: int, guide) -> None:
         try:
@@ -266,7 +291,7 @@ class _Core:
             error = None
         except ValueError as e:
             error = str(e)
-        self.send(("compiled", token, error))
+        self.send(GuideCompiled(token, error))
 
     def run(self) -> None:
         engine, conn = self.engine, self.conn
@@ -276,22 +301,23 @@ class _Core:
             # while idle, wait for a command; else take what came during the last step
             while conn.poll(None if idle else 0):
                 idle = False
-                op = pickle.loads(conn.recv_bytes())
-                kind = op[0]
-                if kind == "add":
-                    try:
-                        engine.add_request(op[1], op[2], op[3], op[4])
-                        accepted.append(op[1])
-                    except ValueError as e:
-                        rejected.append((op[1], str(e)))
-                elif kind == "abort":
-                    engine.abort(op[1])
-                elif kind == "compile":
-                    self.compiler.submit(self._compile, op[1], op[2])
-                elif kind == "close":
-                    return
+                match pickle.loads(conn.recv_bytes()):
+                    case AddRequest(rid, prompt, params, tenancy):
+                        try:
+                            engine.add_request(rid, prompt, params, tenancy)
+                            accepted.append(rid)
+                        except ValueError as e:
+                            rejected.append((rid, str(e)))
+                    case AbortRequest(rid):
+                        engine.abort(rid)
+                    case CompileGuide(token, guide):
+                        self.compiler.submit(self._compile, token, guide)
+                    case CloseEngine():
+                        return
+                    case other:  # (the replica's side checks what it sends: a bug there, or a stranger)
+                        raise TypeError(f"the engine process got {type(other).__name__} {other!r:.100}, not a command")
             outputs = engine.step() if engine.has_unfinished() else []
-            self.send(("step", outputs, accepted, rejected, engine.stats(), engine.take_route_events()))
+            self.send(StepOutputs(outputs, accepted, rejected, engine.stats(), engine.take_route_events()))
 
 
 def _build(config: EngineConfig, tp: tuple[str, int] | None):
@@ -325,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         code = 1
         try:
-            core.send(("died", f"{type(e).__name__}: {e}"))
+            core.send(EngineCrashed(f"{type(e).__name__}: {e}"))
         except OSError:
             pass
     finally:

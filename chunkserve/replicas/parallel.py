@@ -9,7 +9,7 @@ So every rank runs the same engine (scheduler, prefix tree, pool of the same siz
 same operations in the same order; all of it is deterministic given those operations:
 
     rank 0 (the replica)                       ranks 1 .. n-1 (TPWorker.serve, one process each)
-    TPEngine.add_request / abort ──record──▶ ops
+    TPEngine.add_request / abort ──record──▶ ops: AddRequest, AbortRequest (chunkserve/replicas/wire.py)
     TPEngine.step(): ops ══ broadcast (control group) ══▶ apply ops
                      engine.step()  ◀═══ all-reduces in the forward pass ═══▶ engine.step()
                      sampled tokens ═══════ broadcast from rank 0 ════════▶ the same tokens
@@ -42,6 +42,7 @@ import torch.distributed as dist
 from chunkserve.replicas.engine.distributed import control_group
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
+from chunkserve.replicas.wire import RANK_OPS, AbortRequest, AddRequest, RankOp, check
 
 __all__ = ["TPEngine", "TPWorker", "rank_device", "worker_config"]
 
@@ -56,15 +57,17 @@ def _fingerprint(outputs: Sequence[RequestOutput]) -> Fingerprint:
 _CLOSE = -1  # an ops length that ends the workers' serve loops
 
 
-def _send_ops(ops: list[tuple] | None) -> None:
+def _send_ops(ops: list[RankOp] | None) -> None:
     """Rank 0: the ops (None: close) to every rank over the control group."""
+    for op in ops or ():
+        check(op, RANK_OPS, "the ranks' ops")
     payload = b"" if not ops else pickle.dumps(ops)
     dist.broadcast(torch.tensor([_CLOSE if ops is None else len(payload)]), src=0, group=control_group())
     if payload:
         dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=control_group())
 
 
-def _recv_ops() -> list[tuple] | None:
+def _recv_ops() -> list[RankOp] | None:
     """Ranks > 0: the ops rank 0 sent, None when it closed the group."""
     n = torch.zeros(1, dtype=torch.long)
     dist.broadcast(n, src=0, group=control_group())
@@ -90,12 +93,15 @@ def _check_same(outputs: Sequence[RequestOutput], engine: LLMEngine) -> None:
         )
 
 
-def _apply(engine: LLMEngine, ops: list[tuple]) -> None:
+def _apply(engine: LLMEngine, ops: list[RankOp]) -> None:
     for op in ops:
-        if op[0] == "add":
-            engine.add_request(op[1], op[2], op[3], op[4])
-        else:
-            engine.abort(op[1])
+        match op:
+            case AddRequest(rid, prompt, params, tenancy):
+                engine.add_request(rid, prompt, params, tenancy)
+            case AbortRequest(rid):
+                engine.abort(rid)
+            case other:  # (rank 0 checks what it sends: a bug there)
+                raise TypeError(f"a rank got {type(other).__name__} {other!r:.100}, not an op")
 
 
 class TPWorker:
@@ -123,7 +129,7 @@ class TPEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._ops: list[tuple] = []
+        self._ops: list[RankOp] = []
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, stats, cache_digest, has_unfinished, ...
         return getattr(self.engine, name)
@@ -136,12 +142,12 @@ class TPEngine:
         tenancy: Tenancy | None = None,
     ) -> None:
         self.engine.add_request(request_id, prompt_token_ids, params, tenancy)
-        self._ops.append(("add", request_id, list(prompt_token_ids), params, tenancy))
+        self._ops.append(AddRequest(request_id, list(prompt_token_ids), params, tenancy))
 
     def abort(self, request_id: str) -> bool:
         if not self.engine.abort(request_id):
             return False
-        self._ops.append(("abort", request_id))
+        self._ops.append(AbortRequest(request_id))
         return True
 
     def step(self) -> list[RequestOutput]:

@@ -1,8 +1,22 @@
-"""The ingress's calls to a replica and what the replica streams back: the wire types between
-chunkserve/cluster/ingress.py and chunkserve/replicas/deployment.py (pickled by Ray), read by the router too
-(chunkserve/router/serve_router.py: the request's prefix hashes); and EngineDied, what a replica whose
-engine process is gone raises, on every path. The OpenAI HTTP schemas are apart, in
-chunkserve/cluster/protocol.py.
+"""Every message that crosses a process, by channel: each channel's sender refuses any other
+type (`check`), and each receiver dispatches on the class (`match`). The messages are NamedTuples,
+cheap to build; pickled, each costs its class's reference more than a plain tuple of its fields
+(chunkserve/replicas/tools/bench_wire.py measures both). Their payloads are the engine's own types.
+
+  Serve's calls   ingress -> replica (Ray pickles them), read by the router too
+                  (chunkserve/router/serve_router.py: the request's prefix hashes)
+                    GenerateRequest  ──▶   ◀── GenerateOutput (streamed)
+  direct stream   ingress <-> replica over TCP (chunkserve/replicas/direct_stream.py)
+                    StreamOpen, StreamCancel  ──▶
+                    ◀── StreamOutput, StreamEnd, StreamFull, StreamError
+  engine pipe     replica <-> its engine process (chunkserve/replicas/engine_process.py)
+                    StartEngine, AddRequest, AbortRequest, CompileGuide, CloseEngine  ──▶
+                    ◀── EngineReady | StartFailed, then StepOutputs (one a step), GuideCompiled,
+                        EngineCrashed;  EngineDied: the exception the replica raises for it
+  ranks           rank 0 -> ranks 1 .. n-1 (chunkserve/replicas/parallel.py)
+                    AddRequest, AbortRequest (as on the pipe), once a step
+
+The OpenAI HTTP schemas are apart, in chunkserve/cluster/protocol.py.
 """
 
 from __future__ import annotations
@@ -11,10 +25,46 @@ import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, get_args
 
 from chunkserve.replicas.engine.sequence import SamplingParams, Tenancy
 
-__all__ = ["EngineDied", "GenerateOutput", "GenerateRequest"]
+if TYPE_CHECKING:
+    from chunkserve.replicas.engine.llm_engine import EngineConfig, RequestOutput
+    from chunkserve.router.events import Events
+
+__all__ = [
+    "ENGINE_COMMANDS",
+    "ENGINE_REPLIES",
+    "RANK_OPS",
+    "STREAM_REPLIES",
+    "STREAM_REQUESTS",
+    "AbortRequest",
+    "AddRequest",
+    "CloseEngine",
+    "CompileGuide",
+    "EngineCommand",
+    "EngineCrashed",
+    "EngineDied",
+    "EngineReady",
+    "EngineReply",
+    "GenerateOutput",
+    "GenerateRequest",
+    "GuideCompiled",
+    "RankOp",
+    "StartEngine",
+    "StartFailed",
+    "StepOutputs",
+    "StreamCancel",
+    "StreamEnd",
+    "StreamError",
+    "StreamFull",
+    "StreamOpen",
+    "StreamOutput",
+    "StreamReply",
+    "StreamRequest",
+    "check",
+]
 
 
 class EngineDied(Exception):
@@ -22,6 +72,15 @@ class EngineDied(Exception):
     the ingress for a direct stream whose replica's engine died)."""
 
 
+def check(message: Any, allowed: frozenset[type], channel: str) -> None:
+    """Raise TypeError unless message is one of the channel's message types (a bare tuple, above
+    all: the messages were string-tagged tuples once)."""
+    if type(message) not in allowed:
+        names = ", ".join(sorted(t.__name__ for t in allowed))
+        raise TypeError(f"{channel}: {type(message).__name__} {message!r:.100} is not one of its messages ({names})")
+
+
+# -- Serve's calls: ingress -> replica --------------------------------------------------------
 @dataclass(frozen=True)
 class GenerateRequest:
     """One choice of one prompt. A request's choices carry the same stop strings, and each call
@@ -110,3 +169,135 @@ class GenerateOutput:
     # ingress's Server-Timing `replica`)
     first_output_s: float | None = None
     cached_tokens_host: int = 0  # of cached_tokens, those copied back from the replica's host tier
+
+
+# -- the direct stream: ingress -> replica (sid: the ingress's id of the stream, unique on its connection)
+class StreamOpen(NamedTuple):
+    sid: int
+    request: GenerateRequest
+
+
+class StreamCancel(NamedTuple):
+    sid: int
+
+
+# -- the direct stream: replica -> ingress ---------------------------------------------------
+class StreamOutput(NamedTuple):
+    sid: int
+    output: GenerateOutput
+
+
+class StreamEnd(NamedTuple):
+    sid: int
+
+
+class StreamFull(NamedTuple):
+    """The replica holds max_ongoing_requests already (the ingress sends the request through Serve)."""
+
+    sid: int
+
+
+class StreamError(NamedTuple):
+    """The stream's generate raised: its kind as the ingress raises it again (`exception`)."""
+
+    sid: int
+    kind: str  # "refused" (a ValueError: the request's fault) | "engine_died" | "failed"
+    message: str
+
+    @staticmethod
+    def of(sid: int, e: BaseException) -> StreamError:
+        kind = "engine_died" if isinstance(e, EngineDied) else "refused" if isinstance(e, ValueError) else "failed"
+        return StreamError(sid, kind, str(e))
+
+    def exception(self) -> Exception:
+        if self.kind == "refused":
+            return ValueError(self.message)
+        if self.kind == "engine_died":
+            return EngineDied(self.message)
+        return RuntimeError(f"the replica failed: {self.message}")
+
+
+StreamRequest = StreamOpen | StreamCancel
+StreamReply = StreamOutput | StreamEnd | StreamFull | StreamError
+STREAM_REQUESTS: frozenset[type] = frozenset(get_args(StreamRequest))
+STREAM_REPLIES: frozenset[type] = frozenset(get_args(StreamReply))
+
+
+# -- the engine pipe: replica -> engine process (AddRequest and AbortRequest: to the ranks too) --
+class StartEngine(NamedTuple):
+    """The first message: build the engine (and warm it up)."""
+
+    config: EngineConfig
+    warm_up: bool
+    route_events: tuple[str, int] | None  # (served model name, route_chunks): record the tree's routing events
+    tp_rendezvous: tuple[str, int] | None  # (address, port) of the ranks' group; None: one rank
+
+
+class AddRequest(NamedTuple):
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams | None
+    tenancy: Tenancy | None
+
+
+class AbortRequest(NamedTuple):
+    request_id: str
+
+
+class CompileGuide(NamedTuple):
+    """Compile a guided request's grammar (off the step loop), answered by GuideCompiled(token)."""
+
+    token: int
+    guide: Any  # chunkserve.replicas.engine.guided.Guide
+
+
+class CloseEngine(NamedTuple):
+    pass
+
+
+# -- the engine pipe: engine process -> replica ----------------------------------------------
+class EngineReady(NamedTuple):
+    """The engine is built (and warmed up)."""
+
+    max_model_len: int
+    vocab_size: int
+    warmup: dict | None  # the warm-up's figures (chunkserve/replicas/engine/warmup.py); None: not warmed up
+    stats: dict  # LLMEngine.stats()
+    events: Events | None  # the tree's routing events so far (a snapshot), None when not recorded
+
+
+class StartFailed(NamedTuple):
+    error: str  # the engine's exception and traceback
+
+
+class StepOutputs(NamedTuple):
+    """One a step: every request's new outputs, the adds taken since the last (or refused, with the
+    engine's ValueError text), the engine's stats, and its tree's routing events since the last
+    (chunkserve/router/events.py; None when nothing changed)."""
+
+    outputs: list[RequestOutput]
+    accepted: list[str]
+    rejected: list[tuple[str, str]]  # (request_id, why)
+    stats: dict
+    events: Events | None
+
+
+class GuideCompiled(NamedTuple):
+    token: int
+    error: str | None  # the grammar engine's ValueError text; None: compiled
+
+
+class EngineCrashed(NamedTuple):
+    """The engine raised mid-run (the process then exits): the replica raises EngineDied(reason)."""
+
+    reason: str
+
+
+EngineCommand = StartEngine | AddRequest | AbortRequest | CompileGuide | CloseEngine
+EngineReply = EngineReady | StartFailed | StepOutputs | GuideCompiled | EngineCrashed
+ENGINE_COMMANDS: frozenset[type] = frozenset(get_args(EngineCommand))
+ENGINE_REPLIES: frozenset[type] = frozenset(get_args(EngineReply))
+
+# -- the ranks: rank 0 -> ranks 1 .. n-1, with each step ------------------------------------
+RankOp = AddRequest | AbortRequest
+RANK_OPS: frozenset[type] = frozenset(get_args(RankOp))
