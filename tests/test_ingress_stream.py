@@ -1,4 +1,4 @@
-"""The ingress's SSE formatting (chunkserve/cluster/ingress.py `_sse`) and its Server-Timing header, fed
+"""The ingress's SSE formatting (chunkserve/cluster/responses.py `sse_response`) and its Server-Timing header, fed
 GenerateOutputs directly: which outputs become chunks, and the header the load test reads."""
 
 from __future__ import annotations
@@ -10,9 +10,16 @@ import threading
 import pytest
 from starlette.requests import ClientDisconnect
 
-from chunkserve.cluster.ingress import TIMING_HEADER, _CompletionFormat, _exclude, _server_timing, _sse, _whole
+from chunkserve.cluster.ingress import TIMING_HEADER
 from chunkserve.cluster.loadtest import client
 from chunkserve.cluster.logprobs import TokenTexts
+from chunkserve.cluster.responses import (
+    CompletionFormat,
+    exclude_fields,
+    server_timing,
+    sse_response,
+    whole_response,
+)
 from chunkserve.replicas.wire import GenerateOutput
 
 
@@ -38,9 +45,9 @@ def _out(text: str, ids: tuple[int, ...], finish: str | None = None, tokens: int
 
 
 def _events(outs: list[GenerateOutput]) -> list[dict]:
-    fmt = _CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    fmt = CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
     rest = _Outputs(outs[1:])
-    response = _sse([(outs[0], rest)], fmt, include_usage=True, headers={})
+    response = sse_response([(outs[0], rest)], fmt, include_usage=True, headers={})
 
     async def body() -> list[str]:
         return [piece async for piece in response.body_iterator]
@@ -68,7 +75,7 @@ def test_outputs_with_tokens_but_no_text_are_sent_as_vllm_does():
 
 
 def test_server_timing_header_reads_back_in_the_load_test():
-    header = _server_timing(0.0012, 0.0456, 0.0301)
+    header = server_timing(0.0012, 0.0456, 0.0301)
     assert header == "prepare;dur=1.20, first-output;dur=45.60, replica;dur=30.10"
     assert client.TIMING_HEADER == TIMING_HEADER  # (written again there: the tool runs without Serve)
     got = client.server_timing(header)
@@ -108,23 +115,23 @@ def test_first_output_past_its_deadline_is_late_on_a_loop_whose_timers_run_early
 
     import uvloop
 
-    from chunkserve.cluster.ingress import _first_output, _Late
+    from chunkserve.cluster.replica_calls import Late, first_output
 
     async def main():
         late = 0
         for _ in range(200):
             call = _First(delay=10)
             try:
-                await _first_output(call, time.perf_counter() + 0.002)
-            except _Late:
+                await first_output(call, time.perf_counter() + 0.002)
+            except Late:
                 late += 1
             assert call.cancelled == 1  # the call is cancelled, not left running
         assert late == 200
-        assert await _first_output(_First(0), time.perf_counter() + 5) == "first"
+        assert await first_output(_First(0), time.perf_counter() + 5) == "first"
         with pytest.raises(TimeoutError, match="its own"):  # the call's own error is not the deadline's
-            await _first_output(_First(0, TimeoutError("its own")), time.perf_counter() + 5)
-        with pytest.raises(_Late):  # no time left: late at once
-            await _first_output(_First(10), time.perf_counter() - 1)
+            await first_output(_First(0, TimeoutError("its own")), time.perf_counter() + 5)
+        with pytest.raises(Late):  # no time left: late at once
+            await first_output(_First(10), time.perf_counter() - 1)
 
     loop = uvloop.new_event_loop()
     try:
@@ -133,7 +140,7 @@ def test_first_output_past_its_deadline_is_late_on_a_loop_whose_timers_run_early
         loop.close()
 
 
-class _Recording(_CompletionFormat):
+class _Recording(CompletionFormat):
     """A completions format noting the thread each body and chunk is formatted on."""
 
     def __init__(self, prompts: list[list[int]]):
@@ -168,15 +175,17 @@ def test_large_bodies_and_chunks_are_formatted_off_the_event_loop(prompt_tokens,
     fmt = _Recording(prompts)
 
     async def whole():  # (a client that stays: its disconnect never comes)
-        return await _whole([(outs[0], _Outputs(outs[1:]))], fmt, {}, asyncio.get_running_loop().create_future())
+        return await whole_response(
+            [(outs[0], _Outputs(outs[1:]))], fmt, {}, asyncio.get_running_loop().create_future()
+        )
 
     response = asyncio.run(whole())
-    want = _Recording(prompts).whole([outs]).model_dump(exclude=_exclude(False, usage=True))
+    want = _Recording(prompts).whole([outs]).model_dump(exclude=exclude_fields(False, usage=True))
     assert json.loads(response.body) == want and response.media_type == "application/json"
     assert (fmt.threads[0] is not threading.main_thread()) == off_loop
 
     fmt = _Recording(prompts)
-    streamed = _sse([(outs[0], _Outputs(outs[1:]))], fmt, include_usage=False, headers={})
+    streamed = sse_response([(outs[0], _Outputs(outs[1:]))], fmt, include_usage=False, headers={})
 
     async def body() -> list[str]:
         return [piece async for piece in streamed.body_iterator]
@@ -193,11 +202,11 @@ def test_a_client_gone_before_the_body_began_aborts_and_charges(spec):
     # the client left while the handler waited: sending the response's start fails (ASGI 2.4:
     # OSError; older: a disconnect is what receive says), so the body's generator never starts and
     # its own finally never runs; the response must still abort the replica's request and end it
-    fmt = _CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    fmt = CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
     first = _out("A", (10,), tokens=1)
     rest = _Outputs([_out("B", (11,), tokens=2)])
     ended: list[list[GenerateOutput]] = []
-    response = _sse([(first, rest)], fmt, include_usage=False, headers={}, ended=ended.append)
+    response = sse_response([(first, rest)], fmt, include_usage=False, headers={}, ended=ended.append)
 
     async def send(message):
         await asyncio.sleep(0)

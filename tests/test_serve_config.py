@@ -235,19 +235,20 @@ def test_completion_request_rejects(body, param):
 def test_stop_strings_past_the_servers_limits_are_a_400_naming_them():
     """How many stop strings a request gives and their characters in all are the config's
     (max_stop_strings, max_stop_chars): the schema takes any, the ingress refuses past them."""
-    from chunkserve.cluster.ingress import APIError, _check_stop
+    from chunkserve.cluster.errors import APIError
+    from chunkserve.cluster.prompts import check_stop
 
     config = AppConfig()
     assert (config.max_stop_strings, config.max_stop_chars) == (64, 8192)
     long = CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 65 + ["x" * 10**6]})
     assert len(long.stop_strings) == 66
-    _check_stop(("s",) * 64, config)  # at the limits: taken
-    _check_stop(("a" * 8000, "b" * 192), config)
+    check_stop(("s",) * 64, config)  # at the limits: taken
+    check_stop(("a" * 8000, "b" * 192), config)
     for stop, limit in ((("s",) * 65, "max_stop_strings"), (("a" * 8000, "b" * 193), "max_stop_chars")):
         with pytest.raises(APIError) as e:
-            _check_stop(stop, config)
+            check_stop(stop, config)
         assert (e.value.status, e.value.detail.param) == (400, "stop") and limit in e.value.detail.message
-    _check_stop(("s",) * 65 + ("x" * 10**6,), AppConfig(max_stop_strings=100, max_stop_chars=2 * 10**6))
+    check_stop(("s",) * 65 + ("x" * 10**6,), AppConfig(max_stop_strings=100, max_stop_chars=2 * 10**6))
 
 
 def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it():
@@ -256,29 +257,30 @@ def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it(
     with 20 each (a 15 KB request, a 3.2 MB response) are refused, one choice of a whole 8K
     context with 20 is not, nor anything without logprobs, nor a request that sets no max_tokens
     (its output's entries are not counted up front)."""
-    from chunkserve.cluster.ingress import APIError, _check_logprob_entries
+    from chunkserve.cluster.errors import APIError
+    from chunkserve.cluster.prompts import check_logprob_entries
 
     most = AppConfig().max_logprob_entries
     assert most == 2**18
     prompts = [[1] * 3900] * 4
     echoed = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16})
     with pytest.raises(APIError) as e:
-        _check_logprob_entries(echoed, prompts, [16] * 4, most)
+        check_logprob_entries(echoed, prompts, [16] * 4, most)
     assert (e.value.status, e.value.detail.param) == (400, "logprobs")
     assert "max_logprob_entries" in e.value.detail.message and str(4 * 3916 * 21) in e.value.detail.message
-    _check_logprob_entries(echoed, prompts, [16] * 4, 4 * 3916 * 21)  # at the limit: taken
+    check_logprob_entries(echoed, prompts, [16] * 4, 4 * 3916 * 21)  # at the limit: taken
     plain = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "max_tokens": 16, "n": 16})
-    _check_logprob_entries(plain, prompts, [16] * 4, 1)
+    check_logprob_entries(plain, prompts, [16] * 4, 1)
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20, "max_tokens": 8092}
-    _check_logprob_entries(ChatCompletionRequest.model_validate(chat), [[1] * 100], [8092], most)
+    check_logprob_entries(ChatCompletionRequest.model_validate(chat), [[1] * 100], [8092], most)
     unset = {**chat, "max_tokens": None, "n": 16}  # OpenAI's clients often send none: the rest of the context
-    _check_logprob_entries(ChatCompletionRequest.model_validate(unset), [[1] * 100], [32668], most)
+    check_logprob_entries(ChatCompletionRequest.model_validate(unset), [[1] * 100], [32668], most)
     with pytest.raises(APIError) as e:  # n choices each
-        _check_logprob_entries(ChatCompletionRequest.model_validate({**chat, "n": 2}), [[1] * 100], [8092], most)
+        check_logprob_entries(ChatCompletionRequest.model_validate({**chat, "n": 2}), [[1] * 100], [8092], most)
     assert e.value.detail.param == "top_logprobs"
     # the echoed prompts' entries only with logprobs; without echo, only the generated tokens'
     one = CompletionRequest.model_validate({"prompt": [1] * 3900, "logprobs": 20, "max_tokens": 16})
-    _check_logprob_entries(one, [[1] * 3900], [16], 16 * 21)
+    check_logprob_entries(one, [[1] * 3900], [16], 16 * 21)
 
 
 def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():
@@ -613,7 +615,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     import asyncio
     import json
 
-    from chunkserve.cluster.ingress import _ChatFormat, _sse
+    from chunkserve.cluster.responses import ChatFormat, sse_response
 
     def out(text, n, end=None):
         return GenerateOutput(
@@ -652,7 +654,9 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     ]
 
     async def body() -> list[str]:
-        response = _sse(started, _ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], 3, False, TokenTexts(None)), True, {})
+        response = sse_response(
+            started, ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], 3, False, TokenTexts(None)), True, {}
+        )
         return [piece async for piece in response.body_iterator]
 
     events = [e.removeprefix("data: ").strip() for e in asyncio.run(body())]
@@ -683,7 +687,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
     import asyncio
     import json
 
-    from chunkserve.cluster.ingress import _CompletionFormat, _sse
+    from chunkserve.cluster.responses import CompletionFormat, sse_response
 
     out = GenerateOutput(
         replica_id="r",
@@ -708,8 +712,8 @@ def test_stream_that_fails_midway_says_so_and_ends():
             Failing.cancelled = True
 
     async def body() -> list[str]:
-        response = _sse(
-            [(out, Failing())], _CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {}
+        response = sse_response(
+            [(out, Failing())], CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {}
         )
         return [piece async for piece in response.body_iterator]
 

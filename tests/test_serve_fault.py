@@ -2,7 +2,7 @@
 
 App "fault": two LLMReplicas (tiny, CPU, a small KV pool, three sequences at a time each), 16
 streams running, one replica SIGKILLed. The ingress retries a request that had no token yet once
-on the other replica (chunkserve/cluster/ingress.py `_start`); a stream that has sent tokens ends with a
+on the other replica (chunkserve/cluster/replica_calls.py `Replicas._start`); a stream that has sent tokens ends with a
 clean error chunk; /ready stays 200 since a replica stays up.
 """
 

@@ -70,7 +70,7 @@ REPLICA_TIMEOUT_S = 2.0  # a replica that has not answered by then is counted as
 class HttpCounts:
     """The ingress's own responses, counted in this process (one ingress replica per actor
     process): by endpoint and status (CountResponses), and errors by status and OpenAI error
-    code (chunkserve.cluster.ingress.APIError.response) or, for errors sent inside a begun stream, by code."""
+    code (chunkserve.cluster.errors.APIError.response) or, for errors sent inside a begun stream, by code."""
 
     def __init__(self):
         self._lock = threading.Lock()  # (Starlette may answer on several threads: sync code, tests)
