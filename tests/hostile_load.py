@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 _prepared: list[tuple[str, str]] = []  # this process's hostile requests, handed over before they are sent
 
 
@@ -36,7 +37,9 @@ def send(url: str, burst: int, concurrency: int = 64) -> list[tuple[int, str | N
 
         async def bad(client, i: int):
             async with gate:
-                return await post(client, "/v1/completions", json.dumps({"prompt": f"x{i}", "temperature": 5}))
+                return await post(
+                    client, "/v1/completions", json.dumps({"model": MODEL, "prompt": f"x{i}", "temperature": 5})
+                )
 
         async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=concurrency + 16)) as client:
             return await asyncio.gather(
@@ -74,7 +77,14 @@ def measure(url: str, max_tokens: int, started, ended) -> tuple[list[float], lis
     """Stream completions one after another and poll /health every 20 ms until `ended` (a
     multiprocessing Event) is set; set `started` once a stream has sent 8 chunks. -> the gaps
     between a stream's chunks and /health's waits, in seconds, both counted from `started` on."""
-    body = {"prompt": "x", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "prompt": "x",
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     gaps: list[float] = []
     waits: list[float] = []
 

@@ -215,6 +215,8 @@ def test_a_dead_url_ends_with_errors_within_its_limit(tmp_path, capsys):
         [
             "--url",
             f"http://127.0.0.1:{port}",
+            "--model",  # (without it the run would stop at once: no /v1/models to name the model)
+            "m",
             "--num-prompts",
             "12",
             "--request-rate",
@@ -272,7 +274,7 @@ def test_a_server_that_stops_answering_gives_errors_not_a_hang():
                 reqs,
                 [0.0, 0.0, 0.1, 0.2, 5.0, 6.0],
                 [f"http://127.0.0.1:{server.port}"],
-                ClientOptions(request_timeout=60),
+                ClientOptions(model="m", request_timeout=60),
                 max_duration=1.5,
             )
         )
@@ -291,7 +293,7 @@ def test_a_server_that_stops_answering_gives_errors_not_a_hang():
                 [Request(0, 4, prompt=[1])],
                 [0.0],
                 [f"http://127.0.0.1:{server.port}"],
-                ClientOptions(request_timeout=0.5),
+                ClientOptions(model="m", request_timeout=0.5),
                 max_duration=30,
             )
         )

@@ -50,6 +50,8 @@ class _Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def _answer(self, path: str, body: dict) -> tuple[str, bytes]:
+        if path == "/v1/models":
+            return "application/json", json.dumps({"object": "list", "data": [{"id": "stub-model"}]}).encode()
         if path == "/tokenize":
             return "application/json", json.dumps({"tokens": [ord(c) for c in body["prompt"]]}).encode()
         if path == "/detokenize":
@@ -309,6 +311,20 @@ def test_the_command_replays_a_block_trace_against_a_server(tmp_path, server):
     )  # the trace's ms / 1000 / 10
     assert report["input_lens"] == [10, 12, 7, 12] and report["output_lens"] == [3, 2, 4, 1]
     sent = sorted((b for path, b in server.bodies if path == "/v1/completions"), key=lambda b: len(b["prompt"]))
+    assert {b["model"] for b in sent} == {"stub"}  # --model's
     by_len = {(len(b["prompt"]), b["max_tokens"]): b["prompt"] for b in sent}
     a, b, c, d = by_len[10, 3], by_len[12, 2], by_len[7, 4], by_len[12, 1]
     assert _common(a, b) == 8 and _common(a, c) == 4 and a[8:] == d[8:10] and b[4:8] == d[4:8]
+
+
+def test_the_load_test_names_the_served_model_or_says_why_it_cannot(tmp_path, server):
+    # OpenAI's API requires `model`: without --model the run asks /v1/models for it, and one that
+    # cannot ask stops there, saying so (rather than sending requests every server refuses)
+    f = _write(tmp_path / "m.jsonl", [_row(0, 10, 3, [1, 2, 3]), _row(100, 12, 2, [1, 2, 4])])
+    argv = ["--dataset", f, "--trace-block-size", "4", "--prompt-format", "tokens", "--no-progress"]
+    assert main(["--url", server.url, *argv]) == 0
+    assert [b["model"] for path, b in server.bodies if path == "/v1/completions"] == ["stub-model"] * 2
+    with pytest.raises(SystemExit) as e:
+        main(["--url", "http://127.0.0.1:1", *argv])
+    assert "cannot learn the served model's name from http://127.0.0.1:1/v1/models" in str(e.value.code)
+    assert "pass --model" in str(e.value.code)

@@ -33,6 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "local.yaml"
 SERVE = Path(sys.executable).parent / "serve"
 PROMPT = "The quick brown fox"
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 STARTUP_S = 300
 
 
@@ -41,7 +42,7 @@ def server(tmp_path_factory):
     """-> (base URL, the config's AppConfig args) of a running `serve run` of configs/local.yaml
     serving `tiny`, with the hermes tool-call parser (tiny's template writes <tool_call> blocks)."""
     config = yaml.safe_load(CONFIG.read_text())
-    config["applications"][0]["args"].update(model="tiny", tool_call_parser="hermes")
+    config["applications"][0]["args"].update(model=MODEL, tool_call_parser="hermes")
     path = tmp_path_factory.mktemp("config") / "local-tiny.yaml"
     path.write_text(yaml.safe_dump(config))
     host, port = config["http_options"]["host"], config["http_options"]["port"]
@@ -119,9 +120,11 @@ def test_completion_greedy_equals_engine(server, engine):
 
 def test_completion_stream_matches_non_stream(server):
     base, _ = server
-    whole = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, **GREEDY}, timeout=120).json()
+    whole = httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "model": MODEL, **GREEDY}, timeout=120).json()
     events = _sse(
-        base, "/v1/completions", {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, **GREEDY}
+        base,
+        "/v1/completions",
+        {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True}, "model": MODEL, **GREEDY},
     )
     *chunks, usage = events
     assert all("usage" not in c or c["usage"] is None for c in chunks)
@@ -134,7 +137,9 @@ def test_chat_greedy_equals_engine(server, engine):
     base, _ = server
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     r = httpx.post(
-        f"{base}/v1/chat/completions", timeout=120, json={"messages": messages, "return_token_ids": True, **GREEDY}
+        f"{base}/v1/chat/completions",
+        timeout=120,
+        json={"messages": messages, "return_token_ids": True, "model": MODEL, **GREEDY},
     )
     assert r.status_code == 200, r.text
     body = r.json()
@@ -146,7 +151,7 @@ def test_chat_greedy_equals_engine(server, engine):
     assert body["choices"][0]["token_ids"] == expected
     assert body["choices"][0]["message"] == {"role": "assistant", "content": tok.decode(expected)}
 
-    events = _sse(base, "/v1/chat/completions", {"messages": messages, "stream": True, **GREEDY})
+    events = _sse(base, "/v1/chat/completions", {"messages": messages, "stream": True, "model": MODEL, **GREEDY})
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == tok.decode(expected)
@@ -601,7 +606,7 @@ def test_openai_client_tool_calls(server, client, engine):
         assert r.choices[0].finish_reason == finish and message.content is None and len(message.tool_calls) == 1
         assert follows(message.tool_calls[0]) and message.tool_calls[0].id.startswith("call_"), message
         guide = ChatCompletionRequest.model_validate(
-            {"messages": messages, "tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+            {"messages": messages, "tools": tools, "tool_choice": choice, "parallel_tool_calls": False, "model": MODEL}
         ).guide
         want = engine.generate(
             [prompt_ids], SamplingParams(max_tokens=300, temperature=0, guided=guide, logit_bias=bias)

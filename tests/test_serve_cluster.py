@@ -31,8 +31,9 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_MODEL_LEN = 1024
 MAX_ONGOING = 16
 MAX_QUEUED = 16  # a burst of MAX_ONGOING requests is queued at the ingress until they are assigned
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 ONE = {
-    "model": "tiny",
+    "model": MODEL,
     "device": "cpu",
     "num_replicas": 1,
     "max_ongoing_requests": MAX_ONGOING,
@@ -83,13 +84,13 @@ async def _until(done) -> None:
 
 
 def _completion(url: str, **body) -> httpx.Response:
-    body = {"prompt": "Hello", "max_tokens": 2, "temperature": 0, **body}
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "temperature": 0, **body}
     return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, **body) -> list[dict]:
     """-> the JSON events of one SSE completion stream, checked to end with [DONE]."""
-    body = {"stream": True, "temperature": 0, "ignore_eos": True, **body}
+    body = {"model": MODEL, "stream": True, "temperature": 0, "ignore_eos": True, **body}
     events = []
     async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
         assert r.status_code == 200, await r.aread()
@@ -152,22 +153,24 @@ def test_shared_prefix_is_served_from_cache(one):
 
 BAD = [  # (id, body bytes or JSON, headers, status, error code)
     ("malformed-json", b'{"prompt": "x", ', AUTH, 400, "invalid_json"),
-    ("wrong-type", {"prompt": "x", "max_tokens": "5"}, AUTH, 400, None),
-    ("prompt-missing", {"max_tokens": 5}, AUTH, 400, None),
-    ("max-tokens-0", {"prompt": "x", "max_tokens": 0}, AUTH, 400, None),
-    ("temperature-3", {"prompt": "x", "temperature": 3}, AUTH, 400, None),
-    ("top-p-0", {"prompt": "x", "top_p": 0}, AUTH, 400, None),
-    ("n-17", {"prompt": "x", "n": 17}, AUTH, 400, None),
-    ("token-out-of-vocab", {"prompt": [1, 2, 100000]}, AUTH, 400, None),
+    ("wrong-type", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, AUTH, 400, None),
+    ("prompt-missing", {"model": MODEL, "max_tokens": 5}, AUTH, 400, None),
+    ("model-missing", {"prompt": "x"}, AUTH, 400, None),  # as OpenAI's API: `model` is required
+    ("max-tokens-0", {"model": MODEL, "prompt": "x", "max_tokens": 0}, AUTH, 400, None),
+    ("temperature-3", {"model": MODEL, "prompt": "x", "temperature": 3}, AUTH, 400, None),
+    ("top-p-0", {"model": MODEL, "prompt": "x", "top_p": 0}, AUTH, 400, None),
+    ("n-17", {"model": MODEL, "prompt": "x", "n": 17}, AUTH, 400, None),
+    ("token-out-of-vocab", {"model": MODEL, "prompt": [1, 2, 100000]}, AUTH, 400, None),
     ("unknown-model", {"prompt": "x", "model": "gpt-5"}, AUTH, 404, "model_not_found"),
-    ("too-long", {"prompt": [1] * 1000, "max_tokens": 100}, AUTH, 400, "context_length_exceeded"),
-    ("prompt-fills-context", {"prompt": [1] * MAX_MODEL_LEN}, AUTH, 400, "context_length_exceeded"),
-    ("no-key", {"prompt": "x"}, {}, 401, "invalid_api_key"),
-    ("wrong-key", {"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
-    ("too-large", {"prompt": "x" * 40000}, AUTH, 413, "request_too_large"),
+    ("too-long", {"model": MODEL, "prompt": [1] * 1000, "max_tokens": 100}, AUTH, 400, "context_length_exceeded"),
+    ("prompt-fills-context", {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, AUTH, 400, "context_length_exceeded"),
+    ("no-key", {"model": MODEL, "prompt": "x"}, {}, 401, "invalid_api_key"),
+    ("wrong-key", {"model": MODEL, "prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "invalid_api_key"),
+    ("too-large", {"model": MODEL, "prompt": "x" * 40000}, AUTH, 413, "request_too_large"),
     ("nested-too-deep", b"[" * 20000, AUTH, 400, "invalid_json"),  # parsed off the event loop (> 16 KB)
-    ("big-body-bad-field", {"prompt": "x" * 20000, "top_p": 2}, AUTH, 400, None),  # validated off the loop too
-    ("too-many-stops", {"prompt": "x", "stop": ["s"] * 65}, AUTH, 400, None),
+    # validated off the loop too
+    ("big-body-bad-field", {"model": MODEL, "prompt": "x" * 20000, "top_p": 2}, AUTH, 400, None),
+    ("too-many-stops", {"model": MODEL, "prompt": "x", "stop": ["s"] * 65}, AUTH, 400, None),
 ]
 
 
@@ -231,19 +234,22 @@ def test_unknown_routes_and_methods_get_openai_errors(one):
 def test_bad_chat_input(one):
     url, _ = one
     for body in (
-        {"messages": []},
-        {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-        {"messages": [{"role": "wizard", "content": "hi"}]},
-        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        {"model": MODEL, "messages": []},
+        {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
     ):  # without logprobs
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=AUTH, timeout=TIMEOUT)
         assert r.status_code == 400, (body, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"
+    # as in OpenAI's API, a chat without `model` is a 400 naming it (it used to be served)
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "model", r.text
     r = httpx.post(
         f"{url}/v1/chat/completions",
         headers=AUTH,
         timeout=TIMEOUT,
-        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "metadata": {"a": "b"}},
     )
     assert r.status_code == 200, r.text  # an OpenAI field we do not use is ignored
     assert set(r.json()["choices"][0]["message"]) == {"role", "content"}  # no reasoning_content: none was split off
@@ -252,7 +258,11 @@ def test_bad_chat_input(one):
         f"{url}/v1/chat/completions",
         headers=AUTH,
         timeout=TIMEOUT,
-        json={"messages": [{"role": "user", "content": "hi"}], "guided_regex": "<think>[a-z]{3}</think>[a-z]{2}"},
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "hi"}],
+            "guided_regex": "<think>[a-z]{3}</think>[a-z]{2}",
+        },
     )
     message = r.json()["choices"][0]["message"]
     assert r.status_code == 200 and "reasoning_content" not in message, r.text
@@ -271,7 +281,7 @@ def test_bad_chat_input(one):
         f"{url}/v1/chat/completions",
         headers=AUTH,
         timeout=TIMEOUT,
-        json={"messages": [{"role": "user", "content": "hi"}], "tools": tools},
+        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "tools": tools},
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice", r.text
     assert "tool_call_parser" in r.json()["error"]["message"]
@@ -280,6 +290,7 @@ def test_bad_chat_input(one):
         headers=AUTH,
         timeout=TIMEOUT,
         json={
+            "model": MODEL,
             "messages": [{"role": "user", "content": "hi"}],
             "tools": tools,
             "tool_choice": "required",
@@ -318,7 +329,15 @@ def test_disconnected_stream_frees_its_chunks(one):
 
     async def read_a_little(n: int):
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-            body = {"prompt": "x" * 50, "max_tokens": 960, "ignore_eos": True, "stream": True, "temperature": 0, "n": n}
+            body = {
+                "model": MODEL,
+                "prompt": "x" * 50,
+                "max_tokens": 960,
+                "ignore_eos": True,
+                "stream": True,
+                "temperature": 0,
+                "n": n,
+            }
             async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
                 lines = r.aiter_lines()
                 for _ in range(3 * n):
@@ -338,7 +357,7 @@ def test_overload_gets_503_with_retry_after(one):
 
     async def hold(client: httpx.AsyncClient, started: asyncio.Queue | None) -> None:
         """A long stream that holds one slot of the replica until cancelled (a disconnect)."""
-        body = {"prompt": "hold", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "hold", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
         async with client.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH) as r:
             assert r.status_code == 200
             async for _ in r.aiter_lines():
@@ -358,7 +377,9 @@ def test_overload_gets_503_with_retry_after(one):
             # the streams hold the replica, nothing queued can finish.
             extra = [
                 asyncio.create_task(
-                    client.post(f"{url}/v1/completions", headers=AUTH, json={"prompt": "x", "max_tokens": 2})
+                    client.post(
+                        f"{url}/v1/completions", headers=AUTH, json={"model": MODEL, "prompt": "x", "max_tokens": 2}
+                    )
                 )
                 for _ in range(MAX_QUEUED + 8)
             ]
@@ -403,7 +424,10 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
             for _ in range(20):  # waves of concurrent requests until every replica has answered one
                 responses = await asyncio.gather(
                     *(
-                        client.post(f"{cluster}/spread/v1/completions", json={"prompt": f"wave {i}", "max_tokens": 2})
+                        client.post(
+                            f"{cluster}/spread/v1/completions",
+                            json={"model": MODEL, "prompt": f"wave {i}", "max_tokens": 2},
+                        )
                         for i in range(6)
                     )
                 )
@@ -435,7 +459,7 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
         route_prefix="/gathered",
     )
     url = f"{cluster}/gathered/v1/completions"
-    body = {"prompt": "gather these", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": "gather these", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
 
     async def main():
@@ -508,6 +532,7 @@ def test_tensor_parallel_replica_serves_what_one_rank_does(tp):
                     client.post(
                         f"{tp}/v1/completions",
                         json={
+                            "model": MODEL,
                             "prompt": p,
                             "max_tokens": 12,
                             "temperature": 0,
@@ -579,7 +604,8 @@ def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(clu
             started, chunks = asyncio.Event(), []  # (when each chunk of the held stream came)
 
             async def hold():  # the replica's one slot, for as long as it streams
-                body = {"prompt": "hold", "max_tokens": 4000, "ignore_eos": True, "stream": True}  # (seconds long)
+                # (seconds long)
+                body = {"model": MODEL, "prompt": "hold", "max_tokens": 4000, "ignore_eos": True, "stream": True}
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
@@ -590,7 +616,7 @@ def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(clu
             holding = asyncio.create_task(hold())
             await started.wait()
             t0 = time.perf_counter()
-            late = await client.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            late = await client.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
             waited = time.perf_counter() - t0
             seen = len(chunks)
             await asyncio.wait_for(_until(lambda: len(chunks) > seen), 60)  # the stream goes on past the deadline
@@ -606,6 +632,6 @@ def test_request_past_its_deadline_is_refused_and_the_running_stream_goes_on(clu
     _wait_for(
         handle, lambda s: s["running"] == s["waiting"] == 0 and s["kv_chunks_used"] == 0, "the held stream's chunks"
     )
-    ok = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+    ok = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
     assert ok.status_code == 200, ok.text
     serve.delete("deadline")

@@ -11,12 +11,28 @@ from pydantic import ValidationError
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.logprobs import TokenTexts
-from chunkserve.cluster.protocol import MAX_SCHEMA_DEPTH, ChatCompletionRequest, CompletionRequest, Usage
+from chunkserve.cluster.protocol import (
+    MAX_SCHEMA_DEPTH,
+    ChatCompletionRequest,
+    CompletionRequest,
+    TokenizeRequest,
+    Usage,
+)
 from chunkserve.replicas.deployment import _take, _TextStream
 from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import RequestOutput
 from chunkserve.replicas.model import load_tokenizer
 from chunkserve.replicas.wire import GenerateOutput
+
+
+def _cmpl(body: dict) -> CompletionRequest:
+    """A /v1/completions body as the ingress validates it (`model` is required: given here)."""
+    return CompletionRequest.model_validate({"model": "m", **body})
+
+
+def _chat(body: dict) -> ChatCompletionRequest:
+    """A /v1/chat/completions body as the ingress validates it (`model` given here)."""
+    return ChatCompletionRequest.model_validate({"model": "m", **body})
 
 
 @pytest.mark.parametrize(
@@ -228,8 +244,21 @@ def _deep(depth: int) -> dict:
 )
 def test_completion_request_rejects(body, param):
     with pytest.raises(ValidationError) as e:
-        CompletionRequest.model_validate(body)
+        _cmpl(body)
     assert e.value.errors()[0]["loc"][0] == param
+
+
+@pytest.mark.parametrize("schema", [CompletionRequest, ChatCompletionRequest])
+@pytest.mark.parametrize("model", [{}, {"model": None}])
+def test_completions_and_chats_require_a_model_as_openai_does(schema, model):
+    # OpenAI's API answers a completion or chat without `model` with a 400 (the ingress: the
+    # schema's error, param "model"); /tokenize and /detokenize, vLLM's, may leave it out
+    body = {"prompt": "x"} if schema is CompletionRequest else {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ValidationError) as e:
+        schema.model_validate({**body, **model})
+    assert [err["loc"] for err in e.value.errors()] == [("model",)]
+    assert schema.model_validate({**body, "model": "m"}).model == "m"
+    assert TokenizeRequest.model_validate({"prompt": "x"}).model is None
 
 
 def test_stop_strings_past_the_servers_limits_are_a_400_naming_them():
@@ -240,7 +269,7 @@ def test_stop_strings_past_the_servers_limits_are_a_400_naming_them():
 
     config = AppConfig()
     assert (config.max_stop_strings, config.max_stop_chars) == (64, 8192)
-    long = CompletionRequest.model_validate({"prompt": "x", "stop": ["s"] * 65 + ["x" * 10**6]})
+    long = _cmpl({"prompt": "x", "stop": ["s"] * 65 + ["x" * 10**6]})
     assert len(long.stop_strings) == 66
     check_stop(("s",) * 64, config)  # at the limits: taken
     check_stop(("a" * 8000, "b" * 192), config)
@@ -263,32 +292,32 @@ def test_responses_with_more_logprob_entries_than_the_limit_are_a_400_naming_it(
     most = AppConfig().max_logprob_entries
     assert most == 2**18
     prompts = [[1] * 3900] * 4
-    echoed = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16})
+    echoed = _cmpl({"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16})
     with pytest.raises(APIError) as e:
         check_logprob_entries(echoed, prompts, [16] * 4, most)
     assert (e.value.status, e.value.detail.param) == (400, "logprobs")
     assert "max_logprob_entries" in e.value.detail.message and str(4 * 3916 * 21) in e.value.detail.message
     check_logprob_entries(echoed, prompts, [16] * 4, 4 * 3916 * 21)  # at the limit: taken
-    plain = CompletionRequest.model_validate({"prompt": prompts, "echo": True, "max_tokens": 16, "n": 16})
+    plain = _cmpl({"prompt": prompts, "echo": True, "max_tokens": 16, "n": 16})
     check_logprob_entries(plain, prompts, [16] * 4, 1)
     chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 20, "max_tokens": 8092}
-    check_logprob_entries(ChatCompletionRequest.model_validate(chat), [[1] * 100], [8092], most)
+    check_logprob_entries(_chat(chat), [[1] * 100], [8092], most)
     unset = {**chat, "max_tokens": None, "n": 16}  # OpenAI's clients often send none: the rest of the context
-    check_logprob_entries(ChatCompletionRequest.model_validate(unset), [[1] * 100], [32668], most)
+    check_logprob_entries(_chat(unset), [[1] * 100], [32668], most)
     with pytest.raises(APIError) as e:  # n choices each
-        check_logprob_entries(ChatCompletionRequest.model_validate({**chat, "n": 2}), [[1] * 100], [8092], most)
+        check_logprob_entries(_chat({**chat, "n": 2}), [[1] * 100], [8092], most)
     assert e.value.detail.param == "top_logprobs"
     # the echoed prompts' entries only with logprobs; without echo, only the generated tokens'
-    one = CompletionRequest.model_validate({"prompt": [1] * 3900, "logprobs": 20, "max_tokens": 16})
+    one = _cmpl({"prompt": [1] * 3900, "logprobs": 20, "max_tokens": 16})
     check_logprob_entries(one, [[1] * 3900], [16], 16 * 21)
 
 
 def test_schemas_nested_to_the_limit_pass_and_tools_are_bounded_too():
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    assert CompletionRequest.model_validate({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH)}).guide
+    assert _cmpl({"prompt": "x", "guided_json": _deep(MAX_SCHEMA_DEPTH)}).guide
     tool = {"type": "function", "function": {"name": "f", "parameters": _deep(MAX_SCHEMA_DEPTH + 1)}}
     with pytest.raises(ValidationError, match="nests more than") as e:
-        ChatCompletionRequest.model_validate({**chat, "tools": [tool]})
+        _chat({**chat, "tools": [tool]})
     assert e.value.errors()[0]["loc"][0] == "tools"
 
 
@@ -300,7 +329,7 @@ def test_prompt_forms_and_batches():
         ([5, 6], [[5, 6]]),
         ([[5], [6, 7]], [[5], [6, 7]]),
     ):
-        assert CompletionRequest.model_validate({"prompt": prompt}).prompts == want
+        assert _cmpl({"prompt": prompt}).prompts == want
 
 
 def test_usage_counts_each_prompt_once_and_every_completion():
@@ -321,7 +350,7 @@ def test_usage_counts_each_prompt_once_and_every_completion():
 
 
 def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
-    body = CompletionRequest.model_validate(
+    body = _cmpl(
         {
             "prompt": "x",
             "presence_penalty": 0.5,
@@ -334,14 +363,14 @@ def test_penalties_min_p_and_logit_bias_reach_the_sampling_params():
     p = body.sampling_params(8)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0.5, -1, 1.2, 0.1)
     assert p.logit_bias == ((3, 2.5), (7, -100)) and p.penalized
-    plain = CompletionRequest.model_validate({"prompt": "x", "presence_penalty": None, "logit_bias": None})
+    plain = _cmpl({"prompt": "x", "presence_penalty": None, "logit_bias": None})
     assert not plain.sampling_params(8).penalized and plain.sampling_params(8).logit_bias == ()
 
 
 def test_logprobs_reach_the_sampling_params():
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).sampling_params(8).logprobs == 3
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 0}).sampling_params(8).logprobs == 0
-    assert CompletionRequest.model_validate({"prompt": "x", "logprobs": None}).sampling_params(8).logprobs is None
+    assert _cmpl({"prompt": "x", "logprobs": 3}).sampling_params(8).logprobs == 3
+    assert _cmpl({"prompt": "x", "logprobs": 0}).sampling_params(8).logprobs == 0
+    assert _cmpl({"prompt": "x", "logprobs": None}).sampling_params(8).logprobs is None
     chat = {"messages": [{"role": "user", "content": "hi"}]}
     for extra, want in (
         ({}, None),
@@ -350,17 +379,17 @@ def test_logprobs_reach_the_sampling_params():
         ({"logprobs": True, "top_logprobs": 5}, 5),
         ({"logprobs": False, "top_logprobs": 0}, None),
     ):
-        assert ChatCompletionRequest.model_validate({**chat, **extra}).sampling_params(8).logprobs == want
+        assert _chat({**chat, **extra}).sampling_params(8).logprobs == want
     for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": 1}):
         with pytest.raises(ValidationError):
-            ChatCompletionRequest.model_validate({**chat, **bad})
+            _chat({**chat, **bad})
 
 
 def test_echo_with_logprobs_asks_for_the_prompts():
     body = {"prompt": "x", "logprobs": 1}
-    assert CompletionRequest.model_validate({**body, "echo": True}).sampling_params(8).prompt_logprobs == 1
-    assert CompletionRequest.model_validate(body).sampling_params(8).prompt_logprobs is None
-    assert CompletionRequest.model_validate({"prompt": "x", "echo": True}).sampling_params(8).prompt_logprobs is None
+    assert _cmpl({**body, "echo": True}).sampling_params(8).prompt_logprobs == 1
+    assert _cmpl(body).sampling_params(8).prompt_logprobs is None
+    assert _cmpl({"prompt": "x", "echo": True}).sampling_params(8).prompt_logprobs is None
 
 
 def test_logprob_forms():
@@ -402,23 +431,19 @@ def test_null_means_the_default():
             "user",
         )
     )
-    got = CompletionRequest.model_validate({"prompt": "x", **nulls})
-    want = CompletionRequest.model_validate({"prompt": "x"})
+    got = _cmpl({"prompt": "x", **nulls})
+    want = _cmpl({"prompt": "x"})
     assert got.model_dump() == dict(want.model_dump(), max_tokens=None)
-    streamed = CompletionRequest.model_validate(
-        {"prompt": "x", "stream": True, "stream_options": {"include_usage": None}}
-    )
+    streamed = _cmpl({"prompt": "x", "stream": True, "stream_options": {"include_usage": None}})
     assert streamed.stream_options.include_usage is False
-    chat = ChatCompletionRequest.model_validate(
-        {"messages": [{"role": "user", "content": "hi"}], **nulls, "max_completion_tokens": None}
-    )
+    chat = _chat({"messages": [{"role": "user", "content": "hi"}], **nulls, "max_completion_tokens": None})
     assert chat.temperature == 1.0 and chat.requested_max_tokens is None and not chat.stream
 
 
 def test_requests_accept_prompt_forms_and_ignore_unknown_fields():
     for prompt in ("hi", ["hi"], [1, 2], [[1, 2]]):
-        assert CompletionRequest.model_validate({"prompt": prompt, "store": True}).prompt == prompt
-    chat = ChatCompletionRequest.model_validate(
+        assert _cmpl({"prompt": prompt, "store": True}).prompt == prompt
+    chat = _chat(
         {
             "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
             "max_tokens": 5,
@@ -751,11 +776,11 @@ def test_structured_outputs_reach_the_sampling_params_in_every_form():
         ({"guided_regex": None, "response_format": None}, None),
     ]
     for extra, want in forms:
-        body = CompletionRequest.model_validate({"prompt": "x", **extra})
+        body = _cmpl({"prompt": "x", **extra})
         assert body.sampling_params(8).guided == want, extra
-        chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **extra})
+        chat = _chat({"messages": [{"role": "user", "content": "hi"}], **extra})
         assert chat.sampling_params(8).guided == want and chat.guide_field == body.guide_field
-    assert CompletionRequest.model_validate({"prompt": "x", "guided_regex": "a"}).guide_field == "guided_regex"
+    assert _cmpl({"prompt": "x", "guided_regex": "a"}).guide_field == "guided_regex"
 
 
 @pytest.mark.parametrize(
@@ -768,4 +793,4 @@ def test_structured_outputs_reach_the_sampling_params_in_every_form():
 )
 def test_structured_outputs_one_at_a_time_and_not_with_min_tokens(extra, match):
     with pytest.raises(ValidationError, match=match):
-        CompletionRequest.model_validate({"prompt": "x", **extra})
+        _cmpl({"prompt": "x", **extra})

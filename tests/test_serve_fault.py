@@ -30,8 +30,9 @@ pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's qui
 ROOT = Path(__file__).resolve().parents[1]
 MAX_SEQS = 3  # per replica: the rest of its requests wait in its engine, with no token yet
 MAX_TOKENS = 240  # long enough that no running stream ends, so no waiting one starts, before the kill
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 FAULT = {
-    "model": "tiny",
+    "model": MODEL,
     "device": "cpu",
     "num_replicas": 2,
     "num_cpus_per_replica": 0.5,
@@ -46,6 +47,7 @@ def _body(i: int, max_tokens: int = MAX_TOKENS, stream: bool = True) -> tuple[st
     """Request i: completions for even i, chat for odd; each prompt its own (no shared prefix)."""
     text = f"request {i}: " + f"tell me about chunk {i} " * (1 + i % 3)
     body = {
+        "model": MODEL,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "temperature": 0,

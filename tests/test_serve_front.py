@@ -21,11 +21,12 @@ pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's qui
 TIMEOUT = httpx.Timeout(300.0)
 KEY = "front-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 
 
 def _app(port: int, **over) -> dict:
     return {
-        "model": "tiny",
+        "model": MODEL,
         "device": "cpu",
         "num_replicas": 1,
         "api_key": KEY,
@@ -48,7 +49,7 @@ def urls():
 
 
 def _completion(url: str, **body) -> httpx.Response:
-    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}
+    body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 8, "temperature": 0, "ignore_eos": True, **body}
     return httpx.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=TIMEOUT)
 
 
@@ -68,13 +69,18 @@ def test_request_ids_and_timing_as_through_the_proxy(urls):
     _, front, _ = urls
     r = httpx.post(
         f"{front}/v1/completions",
-        json={"prompt": "Hi", "max_tokens": 2},
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
         headers={**AUTH, "x-request-id": "my-request-7"},
         timeout=TIMEOUT,
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "my-request-7"
     assert "replica;dur=" in r.headers["server-timing"]
-    bad = httpx.post(f"{front}/v1/completions", json={"prompt": "Hi", "max_tokens": -1}, headers=AUTH, timeout=TIMEOUT)
+    bad = httpx.post(
+        f"{front}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": -1},
+        headers=AUTH,
+        timeout=TIMEOUT,
+    )
     assert bad.status_code == 400 and len(bad.headers["x-request-id"]) == 36
 
 
@@ -84,7 +90,14 @@ def test_streams_over_many_connections_to_two_replicas_sharing_the_port(urls):
     assert status.replica_states.get("RUNNING") == 2  # both replicas listen on the one port
 
     async def one(i: int) -> str:
-        body = {"prompt": f"story {i}", "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"story {i}",
+            "max_tokens": 12,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         text = ""
         # a connection each: the kernel spreads them over the replicas sharing the port
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -110,7 +123,7 @@ def test_a_disconnect_through_the_front_aborts_the_request(urls):
     generated = handle.stats.remote().result(timeout_s=60)["generated_tokens"]
 
     async def read_a_little():
-        body = {"prompt": "x" * 50, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        body = {"model": MODEL, "prompt": "x" * 50, "max_tokens": 900, "ignore_eos": True, "stream": True}
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
             async with client.stream("POST", f"{front}/v1/completions", json=body, headers=AUTH) as r:
                 lines = r.aiter_lines()
@@ -142,7 +155,7 @@ def test_an_abandoned_whole_response_is_aborted(urls, port):
         assert time.monotonic() < deadline, f"the engine never went idle: {s}"
         time.sleep(0.2)
     generated = s["generated_tokens"]
-    body = {"prompt": ["x" * 50, "y" * 50], "n": 4, "max_tokens": 900, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": ["x" * 50, "y" * 50], "n": 4, "max_tokens": 900, "ignore_eos": True}
 
     async def abandon():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -251,7 +264,7 @@ def test_a_stream_through_the_front_finishes_when_its_app_goes_down(urls):
     port = free_port()
     serve.run(build_app(_app(port, api_key=None)), name="drain", route_prefix="/drain")
     front = f"http://127.0.0.1:{port}"
-    body = {"prompt": "long", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": MODEL, "prompt": "long", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:

@@ -33,8 +33,9 @@ from tests.serve_cluster import serve_on_local_cluster
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
 
 MAX_MODEL_LEN = 2048
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 HOSTILE = {
-    "model": "tiny",
+    "model": MODEL,
     "device": "cpu",
     "num_replicas": 1,
     "engine": {"kv_cache_tokens": 8192, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 32},
@@ -61,8 +62,8 @@ def url(urls):
 def _body(path: str, text: str) -> dict:
     """A request of `path` whose prompt (or user message) is text."""
     if path == "/v1/completions":
-        return {"prompt": text, "max_tokens": 2}
-    return {"messages": [{"role": "user", "content": text}], "max_tokens": 2}
+        return {"model": MODEL, "prompt": text, "max_tokens": 2}
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
 
 
 def _post(url: str, path: str, content: bytes, content_type: str | None = "application/json") -> httpx.Response:
@@ -91,7 +92,7 @@ def test_text_that_is_not_unicode_is_a_400(url, path):
     assert error["code"] == "invalid_unicode" and error["type"] == "invalid_request_error"
     assert error["param"] == ("prompt" if path == "/v1/completions" else "messages"), error
     # ... in a content part, and in a key
-    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}
     assert _openai_error(_post(url, path, json.dumps(chat).encode()), 400)["code"] == "invalid_unicode"
     assert _openai_error(_post(url, path, b'{"\\ud800": 1, "prompt": "x"}'), 400)["code"] == "invalid_unicode"
     # bytes that are not UTF-8: a stray byte, a truncated sequence, an encoded surrogate, Latin-1
@@ -128,7 +129,7 @@ LEAKS = re.compile(
     r"|\b\w+(?:Error|Exception)\(|object at 0x|Traceback",
     re.IGNORECASE,
 )
-CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 BAD = [  # (id, path, body bytes or JSON, content type, status)
     ("malformed-json", "/v1/completions", b'{"prompt": ', "application/json", 400),
     ("wrong-type", "/v1/chat/completions", {**CHAT, "max_tokens": "5"}, "application/json", 400),
@@ -142,8 +143,8 @@ BAD = [  # (id, path, body bytes or JSON, content type, status)
     ("invalid-utf8", "/v1/completions", b'{"prompt": "\xc3("}', "application/json", 400),
     ("text-plain", "/v1/chat/completions", CHAT, "text/plain", 415),
     ("unknown-model", "/v1/completions", {"prompt": "x", "model": "gpt-5"}, "application/json", 404),
-    ("out-of-vocab", "/v1/completions", {"prompt": [1, 10**6]}, "application/json", 400),
-    ("too-long", "/v1/completions", {"prompt": [1] * MAX_MODEL_LEN}, "application/json", 400),
+    ("out-of-vocab", "/v1/completions", {"model": MODEL, "prompt": [1, 10**6]}, "application/json", 400),
+    ("too-long", "/v1/completions", {"model": MODEL, "prompt": [1] * MAX_MODEL_LEN}, "application/json", 400),
     (
         "unknown-role",
         "/v1/chat/completions",
@@ -164,13 +165,19 @@ BAD = [  # (id, path, body bytes or JSON, content type, status)
         "application/json",
         400,
     ),
-    ("bad-regex", "/v1/completions", {"prompt": "x", "guided_regex": "a(b"}, "application/json", 400),
-    ("bad-logit-bias", "/v1/completions", {"prompt": "x", "logit_bias": {"999999": 1}}, "application/json", 400),
-    ("best-of", "/v1/completions", {"prompt": "x", "best_of": 3}, "application/json", 400),
+    ("bad-regex", "/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "a(b"}, "application/json", 400),
+    (
+        "bad-logit-bias",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"999999": 1}},
+        "application/json",
+        400,
+    ),
+    ("best-of", "/v1/completions", {"model": MODEL, "prompt": "x", "best_of": 3}, "application/json", 400),
     ("tokenize-both", "/tokenize", {"prompt": "x", "messages": CHAT["messages"]}, "application/json", 400),
     ("detokenize-range", "/detokenize", {"tokens": [-1]}, "application/json", 400),
     ("unknown-route", "/v1/embeddings", {"input": "x"}, "application/json", 404),
-    ("too-large", "/v1/completions", {"prompt": "x" * (11 << 20)}, "application/json", 413),
+    ("too-large", "/v1/completions", {"model": MODEL, "prompt": "x" * (11 << 20)}, "application/json", 413),
 ]
 
 
@@ -214,13 +221,20 @@ def test_logprobs_past_the_limit_are_a_400_and_within_it_are_right(url):
     choices with 20 each over 800 tokens). Within it echo and logprobs are served:
     each prompt token's entry (the first null) and the completion's, with their 5 most likely."""
     prompts = [[(p * 31 + i) % 250 + 1 for i in range(2000)] for p in range(8)]
-    big = {"prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16}
+    big = {"model": MODEL, "prompt": prompts, "echo": True, "logprobs": 20, "max_tokens": 16}
     error = _openai_error(httpx.post(f"{url}/v1/completions", json=big, timeout=TIMEOUT), 400)
     assert error["param"] == "logprobs" and "max_logprob_entries" in error["message"], error
     chat = {**CHAT, "max_tokens": 800, "n": 16, "logprobs": True, "top_logprobs": 20}
     error = _openai_error(httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=TIMEOUT), 400)
     assert error["param"] == "top_logprobs" and "max_logprob_entries" in error["message"], error
-    ok = {"prompt": [p[:50] for p in prompts[:2]], "echo": True, "logprobs": 5, "max_tokens": 3, "ignore_eos": True}
+    ok = {
+        "model": MODEL,
+        "prompt": [p[:50] for p in prompts[:2]],
+        "echo": True,
+        "logprobs": 5,
+        "max_tokens": 3,
+        "ignore_eos": True,
+    }
     r = httpx.post(f"{url}/v1/completions", json=ok, timeout=TIMEOUT)
     assert r.status_code == 200, r.text
     for choice in r.json()["choices"]:
@@ -253,7 +267,7 @@ def test_a_replica_fault_is_a_stable_server_error(url):
     ready = httpx.get(f"{url}/ready", timeout=TIMEOUT)
     assert ready.status_code == 200 and ready.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}
     [replica] = _replica_pids()
-    long = {"prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
+    long = {"model": MODEL, "prompt": "x", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True}
 
     async def main():
         async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -296,7 +310,7 @@ def test_a_replica_fault_is_a_stable_server_error(url):
         time.sleep(0.2)
     assert set(seen) == {200, 503} and r.json() == {"ready": True, "model_replicas": {"RUNNING": 1}}
     while (
-        r := httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
+        r := httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=TIMEOUT)
     ).status_code != 200:  # requests meanwhile: the same error, or 503 while no replica is up
         assert r.status_code in (500, 503) and not LEAKS.search(r.text), r.text
         assert time.monotonic() < deadline, "the killed replica was not replaced"
@@ -316,12 +330,14 @@ def _typed_as_text(url: str) -> tuple[list[int], list[int], list[int]]:
     r = httpx.post(
         f"{url}/v1/chat/completions",
         timeout=TIMEOUT,
-        json={"messages": messages, "max_tokens": 1, "return_token_ids": True},
+        json={"model": MODEL, "messages": messages, "max_tokens": 1, "return_token_ids": True},
     )
     assert r.status_code == 200, r.text
     ran = r.json()["prompt_token_ids"]
     r = httpx.post(
-        f"{url}/v1/completions", timeout=TIMEOUT, json={"prompt": FORGED, "max_tokens": 1, "return_token_ids": True}
+        f"{url}/v1/completions",
+        timeout=TIMEOUT,
+        json={"model": MODEL, "prompt": FORGED, "max_tokens": 1, "return_token_ids": True},
     )
     assert r.status_code == 200 and r.json()["choices"][0]["prompt_token_ids"] == prompt, r.text
     return prompt, chat, ran
@@ -370,8 +386,12 @@ def test_no_request_stalls_the_event_loop(urls, path):
     url = urls[path]
     huge = "ab c" * (9_900_000 // 4)
     hostile = [  # (path, body, the param its 400 names)
-        ("/v1/completions", {"prompt": huge, "max_tokens": 2}, "prompt"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}], "max_tokens": 2}, "messages"),
+        ("/v1/completions", {"model": MODEL, "prompt": huge, "max_tokens": 2}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": huge}], "max_tokens": 2},
+            "messages",
+        ),
         ("/tokenize", {"prompt": huge}, "prompt"),
         (
             "/v1/chat/completions",
@@ -381,7 +401,7 @@ def test_no_request_stalls_the_event_loop(urls, path):
             },
             "response_format",
         ),
-        ("/v1/completions", {"prompt": "x", "guided_json": json.dumps(_chain(270))}, "guided_json"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_json": json.dumps(_chain(270))}, "guided_json"),
         (
             "/v1/chat/completions",
             {
@@ -393,12 +413,22 @@ def test_no_request_stalls_the_event_loop(urls, path):
         ),
         # stop strings past max_stop_chars: once they went with each choice to the replica (one of
         # 9.4 MB on 16 prompts x n 16: 28 s, the replica 1.5 GB larger, the stream's gaps up to 1.4 s)
-        ("/v1/completions", {"prompt": ["x"] * 16, "n": 16, "max_tokens": 2, "stop": ["q" * 9_400_000]}, "stop"),
+        (
+            "/v1/completions",
+            {"model": MODEL, "prompt": ["x"] * 16, "n": 16, "max_tokens": 2, "stop": ["q" * 9_400_000]},
+            "stop",
+        ),
         ("/v1/chat/completions", {**CHAT, "stop": [f"{i:02d}" + "q" * 60_000 for i in range(64)]}, "stop"),
         # past max_logprob_entries: 8 echoed 2000-token prompts with their 20 most likely tokens each
         (
             "/v1/completions",
-            {"prompt": [[i % 250 + 1] * 2000 for i in range(8)], "echo": True, "logprobs": 20, "max_tokens": 2},
+            {
+                "model": MODEL,
+                "prompt": [[i % 250 + 1] * 2000 for i in range(8)],
+                "echo": True,
+                "logprobs": 20,
+                "max_tokens": 2,
+            },
             "logprobs",
         ),
     ]
@@ -459,9 +489,15 @@ def test_a_big_stop_string_is_held_once_and_given_back(url):
     stops = url.replace("/hostile", "/stops")
     try:
         [replica] = _replicas("stops").values()
-        warm = {"prompt": ["a", "b"], "n": 2, "max_tokens": 4, "stop": ["zz" * 1000]}
+        warm = {"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 4, "stop": ["zz" * 1000]}
         assert httpx.post(f"{stops}/v1/completions", json=warm, timeout=TIMEOUT).status_code == 200
-        big = {"prompt": [f"{i} hello" for i in range(4)], "n": 16, "max_tokens": 16, "ignore_eos": True}
+        big = {
+            "model": MODEL,
+            "prompt": [f"{i} hello" for i in range(4)],
+            "n": 16,
+            "max_tokens": 16,
+            "ignore_eos": True,
+        }
         big["stop"] = ["q" * 1_000_000]
         spawn = multiprocessing.get_context("spawn")
         with spawn.Manager() as manager, ProcessPoolExecutor(1, mp_context=spawn) as probe:
@@ -539,7 +575,13 @@ def test_a_request_with_no_token_yet_is_retried_on_another_replica(url):
 
         async def main():
             async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-                body = {"prompt": "Pick one", "max_tokens": 80, "stream": True, "guided_choice": choices}
+                body = {
+                    "model": MODEL,
+                    "prompt": "Pick one",
+                    "max_tokens": 80,
+                    "stream": True,
+                    "guided_choice": choices,
+                }
                 request = asyncio.create_task(client.post(f"{pair}/v1/completions", json=body))
                 await asyncio.sleep(0.5)  # the ingress checked it; a replica compiles it
                 before = {r: _cpu_seconds(pid) for r, pid in replicas.items()}

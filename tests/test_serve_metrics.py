@@ -25,8 +25,9 @@ from tests.serve_cluster import serve_on_local_cluster
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
 
 KEY = "metrics-key"
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 APP = {
-    "model": "tiny",
+    "model": MODEL,
     "device": "cpu",
     "num_replicas": 2,
     "num_cpus_per_replica": 0.5,
@@ -94,6 +95,7 @@ async def _requests(url: str, n: int) -> list[tuple[dict, str | None]]:
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[dict, str | None]:
         body = {
+            "model": MODEL,
             "prompt": f"{SHARED}request {i} " + "word " * (5 * i),
             "max_tokens": 3 + i,
             "temperature": 0,

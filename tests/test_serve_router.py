@@ -19,6 +19,7 @@ pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's qui
 # -- the router class, no cluster ------------------------------------------------------------------
 
 C = 4  # chunk size of the unit tests
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 
 
 def _router_env():
@@ -250,7 +251,7 @@ def test_shared_prefixes_stay_on_one_replica(serve_url):
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
 
             async def one(prompt):
-                r = await client.post(url, json={"prompt": prompt, "max_tokens": 2, "temperature": 0})
+                r = await client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
                 assert r.status_code == 200, r.text
                 return r.headers[REPLICA_HEADER], r.json()["usage"]
 
@@ -304,7 +305,7 @@ def test_a_prefix_spilled_to_a_host_tier_is_routed_back_and_predicted_in_both_ti
     url = f"{serve_url}/tiered/v1/completions"
 
     def one(client: httpx.Client, prompt: list[int]) -> tuple[str, dict, str]:
-        r = client.post(url, json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        r = client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
         assert r.status_code == 200, r.text
         return r.headers[REPLICA_HEADER], r.json()["usage"], r.headers.get(PREDICTED_HEADER)
 

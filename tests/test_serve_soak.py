@@ -45,8 +45,9 @@ MAX_IN_FLIGHT = 48  # ... unless this many are unanswered
 RSS_GROWTH_BOUND = 64 << 20
 CHUNK = 16
 MAX_MODEL_LEN = 1024
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 SOAK = {
-    "model": "tiny",
+    "model": MODEL,
     "device": "cpu",
     "num_replicas": 1,
     "engine": {"kv_cache_tokens": 4096, "chunk_size": CHUNK, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 16},
@@ -76,7 +77,7 @@ VALID = ("completion", "completion-stream", "chat", "chat-stream")
 
 
 def _greedy(m: int) -> dict:
-    return {"max_tokens": m, "temperature": 0, "return_token_ids": True}
+    return {"model": MODEL, "max_tokens": m, "temperature": 0, "return_token_ids": True}
 
 
 class Soak:
@@ -163,11 +164,15 @@ class Soak:
                     {"presence_penalty": 3},
                 )
             )
-            path, content = "/v1/completions", json.dumps({"prompt": "x", **bad}).encode()
+            path, content = "/v1/completions", json.dumps({"model": MODEL, "prompt": "x", **bad}).encode()
         else:  # longer than the context: as text and as token ids
             path = "/v1/completions"
             content = json.dumps(
-                {"prompt": self.rng.choice(("ab" * MAX_MODEL_LEN, [65] * (MAX_MODEL_LEN + 8))), "max_tokens": 4}
+                {
+                    "model": MODEL,
+                    "prompt": self.rng.choice(("ab" * MAX_MODEL_LEN, [65] * (MAX_MODEL_LEN + 8))),
+                    "max_tokens": 4,
+                }
             ).encode()
         self.sent[kind] += 1
         r = await self.client.post(f"{self.url}{path}", content=content, headers={"Content-Type": "application/json"})
@@ -183,8 +188,8 @@ class Soak:
         after = self.rng.randint(1, 6)
         path, body = self.rng.choice(
             (
-                ("/v1/completions", {"prompt": self.rng.choice(PROMPTS)}),
-                ("/v1/chat/completions", {"messages": self.rng.choice(CHATS)}),
+                ("/v1/completions", {"model": MODEL, "prompt": self.rng.choice(PROMPTS)}),
+                ("/v1/chat/completions", {"model": MODEL, "messages": self.rng.choice(CHATS)}),
             )
         )
         async with self.client.stream(
@@ -212,7 +217,7 @@ class Soak:
             async with self.client.stream(
                 "POST",
                 f"{self.url}/v1/completions",
-                json={"prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True},
+                json={"model": MODEL, "prompt": prompt, "max_tokens": 200, "ignore_eos": True, "stream": True},
             ) as r:
                 started.set()
                 async for _ in r.aiter_lines():

@@ -36,11 +36,12 @@ TABLE = [
     {"name": "calm", "api_keys": [KEYS["calm"]], "cache": "private"},
 ]
 C = 64  # chunk size
+MODEL = "tiny"  # the served model, which every completion and chat names (OpenAI's API requires it)
 
 
 def _app(num_replicas: int) -> dict:
     return {
-        "model": "tiny",
+        "model": MODEL,
         "device": "cpu",
         "num_replicas": num_replicas,
         "num_cpus_per_replica": 0.5,
@@ -73,7 +74,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 async def _complete(client: httpx.AsyncClient, url: str, tenant: str, prompt: list[int], **extra) -> tuple[float, dict]:
     """-> (seconds to the first streamed token, the usage) of one streamed completion."""
-    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True}
     body |= {"stream_options": {"include_usage": True}, **extra}
     sent, first, usage = time.perf_counter(), None, None
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
@@ -220,7 +221,7 @@ def test_a_flood_at_ten_times_its_limit_gets_429s_and_leaves_another_tenant_alon
     async def flood(client, seconds: float) -> list[tuple[int, str | None]]:
         async def one(i):
             await asyncio.sleep(0.2 * i)
-            body = {"prompt": _tokens(5000 + i, 64), "max_tokens": 2, "temperature": 0}
+            body = {"model": MODEL, "prompt": _tokens(5000 + i, 64), "max_tokens": 2, "temperature": 0}
             r = await client.post(
                 f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['flood']}"}
             )
@@ -261,7 +262,7 @@ def test_a_session_header_keeps_a_sessions_turns_on_one_replica(cluster):
             headers["x-session-id"] = session
         out = []
         for i in range(8):
-            body = {"prompt": _tokens(seed + i, 256), "max_tokens": 1, "temperature": 0}
+            body = {"model": MODEL, "prompt": _tokens(seed + i, 256), "max_tokens": 1, "temperature": 0}
             r = httpx.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
             assert r.status_code == 200, r.text
             out.append(r.headers[REPLICA_HEADER])

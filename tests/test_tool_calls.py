@@ -48,7 +48,7 @@ def _follows(name: str, args: dict) -> bool:
 
 
 def _request(**body) -> ChatCompletionRequest:
-    return ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **body})
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body})
 
 
 @pytest.fixture(scope="module")

@@ -210,6 +210,8 @@ class Prompts:
         return await off_loop_if(len(body) > OFF_LOOP_SIZE, _validate, bytes(body), model)
 
     def check_model(self, model: str | None) -> None:
+        """404 unless `model` names the served model (None: left out where it may be, /tokenize's
+        and /detokenize's as in vLLM; the completions' schemas require it, as OpenAI's API does)."""
         if model is not None and model != self.model_name:
             raise APIError(
                 404,

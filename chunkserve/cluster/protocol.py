@@ -139,7 +139,7 @@ class _SamplingRequest(_NullMeansDefault):
         "structured_outputs",
     )
 
-    model: str | None = None  # None: the served model
+    model: str  # the served model's name (/v1/models): required, as in OpenAI's API
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)

@@ -94,7 +94,9 @@ def measure(tokens: int = 128, concurrency: int = 64, seconds: float = 5.0) -> d
         n = max(1000, math.ceil(concurrency * seconds * 200))
         reqs = [Request(i, tokens, prompt=[1, 2, 3]) for i in range(n)]
         res = asyncio.run(
-            run_client(reqs, [0.0] * n, [url], ClientOptions(), max_concurrency=concurrency, max_duration=seconds)
+            run_client(
+                reqs, [0.0] * n, [url], ClientOptions(model="stub"), max_concurrency=concurrency, max_duration=seconds
+            )
         )
     done = [r for r in res.records if r.ok]
     report = summarize([res])

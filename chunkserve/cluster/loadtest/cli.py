@@ -372,13 +372,26 @@ def workload(args: argparse.Namespace) -> list[wl.Spec]:
     return gen.specs(args.seed, args.num_prompts)
 
 
+async def served_model(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> str:
+    """The name of the model `url` serves, its /v1/models' first: every request names it (OpenAI's
+    API requires `model`). Exits saying why when the server does not tell it (pass --model)."""
+    try:
+        r = await client.get(url + "/v1/models", headers=headers)
+        if r.status_code == 200 and r.json().get("data"):
+            return r.json()["data"][0]["id"]
+        why = f"it answered {r.status_code}: {r.text[:200]}"
+    except (httpx.HTTPError, ValueError) as e:
+        why = f"{type(e).__name__}: {e}"
+    raise SystemExit(f"loadtest: cannot learn the served model's name from {url}/v1/models ({why}); pass --model")
+
+
 class Runner:
     """Runs one rate at a time against the server, in this process or from client actors."""
 
     def __init__(self, args: argparse.Namespace, specs: list[wl.Spec]):
         self.args, self.specs = args, specs
         self.options = ClientOptions(
-            model=args.model,
+            model=args.model or "",  # (none given: the server's first, asked in _prepare)
             api_key=args.api_key,
             temperature=args.temperature,
             ignore_eos=args.ignore_eos,
@@ -405,13 +418,8 @@ class Runner:
         """The model name and prompt format (asked of the server once), then this run's requests."""
         async with httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0)) as client:
             headers = self.options.headers(self.prep_tenant)
-            if self.options.model is None:
-                try:
-                    r = await client.get(self.prep_url + "/v1/models", headers=headers)
-                    if r.status_code == 200 and r.json().get("data"):
-                        self.options = replace(self.options, model=r.json()["data"][0]["id"])
-                except (httpx.HTTPError, ValueError):
-                    pass  # (a server that does not answer: the run reports its errors)
+            if not self.options.model:
+                self.options = replace(self.options, model=await served_model(client, self.prep_url, headers))
             if self.fmt == "auto":
                 self.fmt = (
                     "text"

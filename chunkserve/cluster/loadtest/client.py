@@ -110,7 +110,7 @@ class Record:
 
 @dataclass(frozen=True)
 class ClientOptions:
-    model: str | None = None
+    model: str  # the served model's name, sent in every request (OpenAI's API requires it)
     api_key: str | None = None
     temperature: float = 0.0
     ignore_eos: bool = True
@@ -153,6 +153,7 @@ def http_client(options: ClientOptions, connections: int | None = None) -> httpx
 
 def request_body(req: Request, options: ClientOptions) -> dict:
     body = {
+        "model": options.model,
         "max_tokens": req.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -160,8 +161,6 @@ def request_body(req: Request, options: ClientOptions) -> dict:
         "ignore_eos": options.ignore_eos,
         **options.extra_body,
     }
-    if options.model:
-        body["model"] = options.model
     if options.cache_salt_per_tenant and req.tenant is not None:
         body["cache_salt"] = req.tenant
     if req.messages is not None:

@@ -48,15 +48,23 @@ def workload(groups: int, per_group: int, prefix_len: int, question_len: int, se
     return prompts
 
 
+MODEL = "tiny"  # the model both applications serve, named in every request
+
+
 async def send(url: str, prompts: list[list[int]], max_tokens: int, concurrency: int) -> list[tuple[str, dict]]:
     sem = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
 
         async def one(prompt):
             async with sem:
-                r = await client.post(
-                    url, json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-                )
+                body = {
+                    "model": MODEL,
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+                r = await client.post(url, json=body)
                 r.raise_for_status()
                 return r.headers[REPLICA_HEADER], r.json()["usage"]
 
@@ -68,7 +76,7 @@ def run_policy(base: str, policy: str, args) -> dict:
     serve.run(
         build_app(
             {
-                "model": "tiny",
+                "model": MODEL,
                 "device": "cpu",
                 "num_replicas": args.replicas,
                 "num_cpus_per_replica": 0.5,
