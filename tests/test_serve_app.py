@@ -158,10 +158,14 @@ def test_chat_greedy_equals_engine(server, engine):
     assert events[-1]["choices"][0]["finish_reason"] == body["choices"][0]["finish_reason"]
 
 
-def test_openai_client_completions(server, client):
+def test_openai_client_completions(server, client, engine):
     _, args = server
     assert [m.id for m in client.models.list().data] == [args["model"]]
     whole = client.completions.create(model=args["model"], prompt=PROMPT, **GREEDY)
+    # the greedy text is what the engine makes of the prompt (the replica's preset, seed and chunk size)
+    greedy = engine.generate([engine.tokenizer.encode(PROMPT)], SamplingParams(**GREEDY))[0]
+    assert whole.choices[0].text == engine.tokenizer.decode(greedy)
+    assert whole.usage.completion_tokens == len(greedy)
     assert whole.choices[0].finish_reason in ("stop", "length")
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
     stream = client.completions.create(model=args["model"], prompt=PROMPT, stream=True, **GREEDY)
