@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ from collections import Counter
 import pytest
 
 from chunkserve.cluster.loadtest import workloads as wl
-from chunkserve.cluster.loadtest.cli import main
+from chunkserve.cluster.loadtest.cli import loopback_only, main
 from chunkserve.cluster.loadtest.client import ClientOptions, run_client
 from chunkserve.cluster.loadtest.metrics import Slo, summarize
 from chunkserve.cluster.loadtest.render import Renderer, Request
@@ -235,6 +236,26 @@ def test_a_dead_url_ends_with_errors_within_its_limit(tmp_path, capsys):
     assert report["errors_by_kind"] == {"connect": 12}
     assert len(report["records"]) == 12 and all(r["error"] for r in report["records"])
     assert "no request completed" in capsys.readouterr().err
+
+
+def test_a_node_address_that_misses_a_server_on_loopback_is_explained():
+    # --address sends to each node's address (Ray's node IP), where a server bound to 127.0.0.1 (as
+    # configs/local.yaml binds) is not: loopback_only says so, and only then
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket() as loopback, socket.socket() as everywhere:
+        loopback.bind(("127.0.0.1", 0))
+        everywhere.bind(("0.0.0.0", 0))
+        loopback.listen()
+        everywhere.listen()
+        port, served = loopback.getsockname()[1], everywhere.getsockname()[1]
+        why = loopback_only(f"http://{ip}:{port}")
+        assert f"nothing listens at {ip}:{port}" in why and f"127.0.0.1:{port} answers" in why
+        assert f"--url http://127.0.0.1:{port}" in why
+        assert loopback_only(f"http://{ip}:{served}") is None  # the server is there
+        assert loopback_only(f"http://127.0.0.1:{port}") is None
+    assert loopback_only(f"http://{ip}:{port}") is None  # nothing anywhere: the requests' errors say so
 
 
 class _Hanging:

@@ -64,6 +64,22 @@ def test_the_client_reads_the_ingress_replica_header():
     assert client.PREDICTED_HEADER == PREDICTED_HEADER
 
 
+def test_the_nodes_address_against_a_server_on_loopback_says_why(app):
+    # Serve here binds 127.0.0.1 (as configs/local.yaml does), and --address without --url sends
+    # to each node's address, where nothing listens: the run stops before sending, saying why
+    import ray
+
+    url, _ = app
+    port = int(url.split(":")[2].split("/")[0])
+    node_ip = ray.util.get_node_ip_address()
+    assert node_ip != "127.0.0.1"  # (else the node's address would reach the server)
+    with pytest.raises(SystemExit) as e:
+        main(["--address", "auto", "--port", str(port), "--model", "tiny", "--num-prompts", "1", "--no-progress"])
+    message = str(e.value.code)
+    assert f"nothing listens at {node_ip}:{port}" in message and f"127.0.0.1:{port} answers" in message
+    assert f"--url http://127.0.0.1:{port}" in message
+
+
 def _settled_stats(handle, finished: int) -> dict:
     deadline = time.monotonic() + 60
     while True:

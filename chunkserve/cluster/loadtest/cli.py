@@ -8,8 +8,10 @@ import datetime
 import json
 import math
 import os
+import socket
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -372,6 +374,33 @@ def workload(args: argparse.Namespace) -> list[wl.Spec]:
     return gen.specs(args.seed, args.num_prompts)
 
 
+def _connects(host: str, port: int) -> bool:
+    try:
+        socket.create_connection((host, port), timeout=5).close()
+    except OSError:
+        return False
+    return True
+
+
+def loopback_only(url: str) -> str | None:
+    """Why no request can reach `url` (a node's address: http://<node ip>:<port>, where --address
+    sends) when that is because the server listens on 127.0.0.1 only, as a config binding it there
+    does (http_options.host, ingress.http_host: configs/local.yaml); None when `url` takes
+    connections, or when 127.0.0.1 does not either (then the requests' own errors say so)."""
+    parts = urllib.parse.urlsplit(url)
+    host, port = parts.hostname, parts.port or 80
+    if host is None or host == "localhost" or host.startswith("127.") or host == "::1" or _connects(host, port):
+        return None
+    if not _connects("127.0.0.1", port):
+        return None
+    return (
+        f"loadtest: --address sends to each node's address, and nothing listens at {host}:{port} (a node's) "
+        f"while 127.0.0.1:{port} answers: the server's config binds 127.0.0.1 (Serve's http_options.host, "
+        "or ingress.http_host), which a node's address does not reach. On one machine (a local cluster) "
+        f"pass --url http://127.0.0.1:{port}; across machines serve on 0.0.0.0 (as configs/serve.yaml does)"
+    )
+
+
 async def served_model(client: httpx.AsyncClient, url: str, headers: dict[str, str]) -> str:
     """The name of the model `url` serves, its /v1/models' first: every request names it (OpenAI's
     API requires `model`). Exits saying why when the server does not tell it (pass --model)."""
@@ -408,6 +437,9 @@ class Runner:
             from chunkserve.cluster.loadtest.distributed import node_urls  # Ray only where a cluster is asked for
 
             self.prep_url = (self.urls or node_urls(args.address, args.port))[0]
+            why = None if self.urls else loopback_only(self.prep_url)
+            if why is not None:
+                raise SystemExit(why)
         else:
             self.urls = self.urls or [DEFAULT_URL]
             self.prep_url = self.urls[0]
