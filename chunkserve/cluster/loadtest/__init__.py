@@ -22,7 +22,9 @@ usage), `server_router` from the `chunkserve_router_*` counters.
 `--sweep` runs several rates, `--search-goodput` finds the highest rate meeting SLOs,
 `--save-result` keeps the reports with their per-request lists, `--plot` draws them.
 With `--address` the requests are shared among client actors on the cluster's nodes
-(`distributed`), each sending to its node's Serve proxy or to `--url`. Prompts are real text
+(`distributed`), each sending to its node's Serve proxy or to `--url` (a server bound to
+127.0.0.1 only stops the run, saying to use `--url`). Every request names the model
+(`--model`, else the server's `/v1/models`; a run that cannot learn it stops). Prompts are real text
 where the server tokenizes (`/tokenize`, `/detokenize`: `render`), token ids otherwise.
 
 Traces (`--dataset`): our JSON lines (`prompt` or `messages`), or Mooncake's and Alibaba
