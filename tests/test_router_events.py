@@ -16,7 +16,7 @@ from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine.tree_events import RouteEvents
-from chunkserve.router.events import ChunkLog, Relay
+from chunkserve.router.events import ANCHOR, ChunkLog, Relay, decode
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 from chunkserve.router.index import PrefixIndex
 
@@ -24,11 +24,13 @@ C = 4  # chunk size of the tree tests
 SEED = model_seed("tiny")
 
 
-def make_tree(num_chunks: int, route_chunks: int = 3, max_delta: int = 4096, host_chunks: int = 0) -> PrefixTree:
+def make_tree(
+    num_chunks: int, route_chunks: int = 3, max_delta: int = 4096, host_chunks: int = 0, anchor_every: int = 16
+) -> PrefixTree:
     """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
     pool = KVPool(KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8), num_chunks, "cpu")
     tree = PrefixTree(pool, HostPool(pool, host_chunks) if host_chunks else None)
-    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta)
+    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta, anchor_every)
     return tree
 
 
@@ -59,8 +61,9 @@ def truth(tree: PrefixTree, route_chunks: int) -> set[int]:
     return truth_tiers(tree, route_chunks)[0]
 
 
-def truth_tiers(tree: PrefixTree, route_chunks: int) -> tuple[set[int], set[int]]:
-    """(the routable hashes of the tree, those of them whose node is in the host tier)."""
+def truth_tiers(tree: PrefixTree, route_chunks: int, anchors: set[int] | None = None) -> tuple[set[int], set[int]]:
+    """(the routable hashes of the tree, those of them whose node is in the host tier); `anchors`:
+    a set to fill with their hashes by depth (depth: the anchor spacing)."""
     out: set[int] = set()
     host: set[int] = set()
     for salt, root in tree.roots.items():
@@ -71,6 +74,8 @@ def truth_tiers(tree: PrefixTree, route_chunks: int) -> tuple[set[int], set[int]
                 continue
             h = chunk_hashes(tokens, C, route_chunks, cache_seed(SEED, salt))[-1]
             out.add(h)
+            if anchors is not None and (len(tokens) // C - 1) % tree.events.anchor_every == 0:
+                anchors.add(h)
             if node.tier == HOST:
                 host.add(h)
             stack.extend((n, tokens + list(n.tokens)) for n in node.children.values())
@@ -87,15 +92,15 @@ def test_log_nets_changes_and_snapshots_an_epochs_start_and_an_overflow():
     log.stored(1)
     log.stored(2)
     log.evicted(2)  # stored and evicted since the last take: no change
-    assert log.take() == (log.epoch, 2, ((2, 2, (1,), ()),), None)
+    assert log.take() == (log.epoch, 2, ((2, 2, (1,), (), (1,), ()),), None)  # (1 an anchor, as by default)
     log.evicted(1)
     log.stored(1)  # evicted and stored again: no change, but a publication all the same
     log.stored(3)
-    assert log.take() == (log.epoch, 3, ((3, 3, (3,), ()),), None)
+    assert log.take() == (log.epoch, 3, ((3, 3, (3,), (), (3,), ()),), None)
     for h in (4, 5, 6, 7):
         log.stored(h)
     epoch, seq, deltas, snapshot = log.take()  # more than max_delta changes: the whole set
-    assert (seq, deltas, set(snapshot)) == (4, (), {1, 3, 4, 5, 6, 7})
+    assert (seq, deltas, set(snapshot)) == (4, (), {h | ANCHOR for h in (1, 3, 4, 5, 6, 7)})  # anchors flagged
     old = log.epoch
     log.reset()
     assert log.epoch != old and log.take() == (log.epoch, 1, (), ())
@@ -106,27 +111,36 @@ def test_relay_repeats_recent_cuts_and_snapshots_when_due():
     assert relay.report(0.0) is None  # nothing from the engine yet
     relay.apply(log.take())
     epoch, seq, deltas, snapshot = relay.report(0.0)
-    assert (seq, deltas, snapshot) == (1, ((1, 1, (), ()),), ())  # a new epoch: a snapshot, and the ring from seq 1
+    assert (seq, deltas, snapshot) == (
+        1,
+        ((1, 1, (), (), (), ()),),
+        (),
+    )  # a new epoch: a snapshot, and the ring from seq 1
     log.stored(10)
     relay.apply(log.take())
-    log.stored(11)
+    log.stored(11, anchor=False)
     relay.apply(log.take())
     r1 = relay.report(1.0)
-    assert r1[1] == 3 and r1[2] == ((1, 1, (), ()), (2, 3, (10, 11), ()))  # two publications, one cut
-    assert r1[3] == (10, 11)  # (snapshots for ring_s after the epoch began)
+    assert r1[1] == 3 and r1[2] == (
+        (1, 1, (), (), (), ()),
+        (2, 3, (10, 11), (), (10,), ()),
+    )  # two publications, one cut
+    assert r1[3] == (11, 10 | ANCHOR)  # (snapshots for ring_s after the epoch began; the anchor flagged)
     log.evicted(10)
     relay.apply(log.take())
     r2 = relay.report(6.0)
-    assert r2[2] == ((2, 3, (10, 11), ()), (4, 4, (), (10,))) and r2[3] is None  # the ring keeps 5 s of cuts
+    assert (
+        r2[2] == ((2, 3, (10, 11), (), (10,), ()), (4, 4, (), (10,), (), (10,))) and r2[3] is None
+    )  # the ring keeps 5 s of cuts
     assert relay.report(6.0) is r2  # nothing new: the same report
-    assert relay.report(6.5)[2] == ((4, 4, (), (10,)),)  # (the cut at 1 s is older than ring_s)
+    assert relay.report(6.5)[2] == ((4, 4, (), (10,), (), (10,)),)  # (the cut at 1 s is older than ring_s)
     r3 = relay.report(11.0)  # snapshot_s after the last snapshot
-    assert r3[2] == ((4, 4, (), (10,)),) and r3[3] == (11,)
+    assert r3[2] == ((4, 4, (), (10,), (), (10,)),) and r3[3] == (11,)
     for h in range(20, 26):  # a cut larger than max_delta: the ring restarts after it, snapshots instead
         log.stored(h)
     relay.apply(log.take())
     r4 = relay.report(11.5)
-    assert r4[1] == 5 and r4[2] == () and set(r4[3]) == {11, *range(20, 26)}
+    assert r4[1] == 5 and r4[2] == () and set(r4[3]) == {11, *(h | ANCHOR for h in range(20, 26))}
     assert relay.report(12.0)[3] is not None and relay.report(17.0)[3] is None  # for ring_s
 
 
@@ -135,31 +149,31 @@ def test_log_and_relay_carry_tier_changes_netted():
     undone before the next take is none; snapshots are tier-coded too."""
     log, relay = ChunkLog(max_delta=4), Relay(max_delta=4, ring_s=5.0, snapshot_s=10.0)
     relay.apply(log.take())
-    log.stored(1)
-    log.stored(2)
+    log.stored(1, anchor=False)
+    log.stored(2, anchor=False)
     log.moved(2, host=True)  # stored then spilled since the last take: stored in the host tier
     relay.apply(pub := log.take())
-    assert pub[2] == ((2, 2, (1, ~2), ()),) and (relay.held, relay.host) == ({1, 2}, {2})
+    assert pub[2] == ((2, 2, (1, ~2), (), (), ()),) and (relay.held, relay.host) == ({1, 2}, {2})
     log.moved(1, host=True)
     log.moved(1, host=False)  # spilled and loaded back: no change
     assert log.take() is None
     log.moved(2, host=False)  # loaded back
     log.moved(1, host=True)  # spilled
     relay.apply(pub := log.take())
-    assert pub[2] == ((3, 3, (2, ~1), ()),) and (relay.held, relay.host) == ({1, 2}, {1})
+    assert pub[2] == ((3, 3, (2, ~1), (), (), ()),) and (relay.held, relay.host) == ({1, 2}, {1})
     log.evicted(1)  # (from the host tier: a plain eviction)
     relay.apply(pub := log.take())
-    assert pub[2] == ((4, 4, (), (1,)),) and (relay.held, relay.host) == ({2}, set())
+    assert pub[2] == ((4, 4, (), (1,), (), ()),) and (relay.held, relay.host) == ({2}, set())
     for h in (5, 6, 7, 8, 9):
-        log.stored(h, host=h % 2 == 1)  # (a restart lists spilled nodes in their tier)
+        log.stored(h, host=h % 2 == 1, anchor=h == 5)  # (a restart lists spilled nodes in their tier)
     relay.apply(pub := log.take())  # more than max_delta: a snapshot, tier-coded
-    assert pub[3] is not None and set(pub[3]) == {2, ~5, 6, ~7, 8, ~9}
+    assert pub[3] is not None and set(pub[3]) == {2, ~(5 | ANCHOR), 6, ~7, 8, ~9}  # (5: an anchor, flagged)
     assert (relay.held, relay.host) == ({2, 5, 6, 7, 8, 9}, {5, 7, 9})
     report = relay.report(0.0)  # the relay's own snapshot: tier-coded as well
-    assert set(report[3]) == {2, ~5, 6, ~7, 8, ~9}
+    assert set(report[3]) == {2, ~(5 | ANCHOR), 6, ~7, 8, ~9} and relay.anchors == {5}
     log.moved(5, host=False)
     relay.apply(log.take())
-    assert relay.report(1.0)[2][-1] == (6, 6, (5,), ()) and relay.host == {7, 9}  # loaded back
+    assert relay.report(1.0)[2][-1] == (6, 6, (5,), (), (), ()) and relay.host == {7, 9}  # loaded back
 
 
 # -- the index ---------------------------------------------------------------------------------------
@@ -306,17 +320,30 @@ OPS = st.lists(  # serves and reports the most, resets and spills of everything 
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from([1, 3, 6, 64]), st.sampled_from([0, 6, 40]), st.sampled_from([3, 6]))
-def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta, host_chunks, route_chunks):
+@given(
+    OPS,
+    st.sampled_from([1, 3, 6, 64]),
+    st.sampled_from([0, 6, 40]),
+    st.sampled_from([3, 6]),
+    st.sampled_from([1, 2, 16]),
+)
+def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta, host_chunks, route_chunks, anchor_every):
     """Random requests (shared prefixes, salts, eviction under a small pool: with a host tier,
     spills, loads back, recomputes over a host copy and the host tier's own evictions) and pool
     resets on a real PrefixTree; its events through a Relay to two routers' indexes, one seeing
     every report, one missing some. After every report the first equals the tree's routable set
     and each hash's tier, as an index built from that report's snapshot would; the second equals
-    them whenever it says it is exact, and after the next snapshot."""
-    tree = make_tree(num_chunks=10, route_chunks=route_chunks, max_delta=max_delta, host_chunks=host_chunks)
+    them whenever it says it is exact, and after the next snapshot. The reverse map of each holds
+    the tree's anchors (depths 1, 1 + anchor_every, ...) and nothing else whenever it is exact."""
+    tree = make_tree(
+        num_chunks=10,
+        route_chunks=route_chunks,
+        max_delta=max_delta,
+        host_chunks=host_chunks,
+        anchor_every=anchor_every,
+    )
     relay = Relay(max_delta=max_delta, ring_s=3.0, snapshot_s=5.0)
-    every, lagging = PrefixIndex(), PrefixIndex()
+    every, lagging = PrefixIndex(anchor_every=anchor_every), PrefixIndex(anchor_every=anchor_every)
     bases = [[b * 50 + i for i in range(6 * C)] for b in range(4)]
     t = 0.0
     for now, op in enumerate(ops, 1):
@@ -335,21 +362,67 @@ def test_an_index_built_from_deltas_equals_the_tree(ops, max_delta, host_chunks,
                 relay.apply(events)
             t += 1.0
             report = relay.report(t)
-            want, want_host = truth_tiers(tree, route_chunks)
-            assert (relay.held, relay.host) == (want, want_host)
+            anchors: set[int] = set()
+            want, want_host = truth_tiers(tree, route_chunks, anchors)
+            assert (relay.held, relay.host, relay.anchors) == (want, want_host, anchors)
             assert every.apply_events("r", report, t)
             assert (every.published("r"), every.published_host("r")) == (want, want_host)
+            assert every._digest_holders == dict.fromkeys(anchors, ("r",))  # the anchors, and only they
             if report[3] is not None:
-                fresh = PrefixIndex()
+                fresh = PrefixIndex(anchor_every=anchor_every)
                 assert fresh.apply_events("r", report, t)
                 assert (fresh.published("r"), fresh.published_host("r")) == (want, want_host)
+                assert fresh._digest_holders == dict.fromkeys(anchors, ("r",))
             if not op[1] and lagging.apply_events("r", report, t):
                 assert (lagging.published("r"), lagging.published_host("r")) == (want, want_host)
+                assert lagging._digest_holders == dict.fromkeys(anchors, ("r",))
         tree.check([])
     relay.apply(tree.events.take() or (relay.epoch, relay.seq, (), None))
     report = relay.report(t + 10.0)  # snapshot_s later: a snapshot
     assert lagging.apply_events("r", report, t)
-    assert (lagging.published("r"), lagging.published_host("r")) == truth_tiers(tree, route_chunks)
+    anchors = set()
+    assert (lagging.published("r"), lagging.published_host("r")) == truth_tiers(tree, route_chunks, anchors)
+    assert lagging._digest_holders == dict.fromkeys(anchors, ("r",))
+    lagging.remove_replica("r")
+    assert not lagging._digest_holders
+
+
+def test_the_reverse_map_holds_anchors_only_and_holders_finds_the_deepest_holder():
+    """Three replicas' real trees (anchors every 4 chunks, 10 routed) hold one 10-chunk prompt to
+    depths 10, 6 and 3, and another prompt each: the index's reverse map lists only the anchors
+    (depths 1, 5, 9), one entry a replica; `holders` finds the deepest holder of a prefix that ends
+    between two anchors, and the depths are exact."""
+    prompt = list(range(10 * C))
+    chain = tuple(chunk_hashes(prompt, C, 10, SEED))
+    index = PrefixIndex(anchor_every=4)
+    for r, depth in (("a", 10), ("b", 6), ("c", 3)):
+        tree = make_tree(num_chunks=32, route_chunks=10, anchor_every=4)
+        relay = Relay()
+        relay.apply(tree.events.take())
+        serve(tree, prompt[: depth * C], None, 1)
+        own = [1000 * ord(r) + i for i in range(5 * C)]  # (its own prompt: 5 chunks)
+        serve(tree, own, None, 2)
+        relay.apply(tree.events.take())
+        assert index.apply_events(r, relay.report(1.0), 1.0)
+        own_chain = chunk_hashes(own, C, 10, SEED)
+        assert relay.anchors == {chain[0], chain[4], chain[8]} & set(chain[:depth]) | {own_chain[0], own_chain[4]}
+    want = {chain[0]: ("a", "b", "c"), chain[4]: ("a", "b"), chain[8]: ("a",)}
+    assert {h: tuple(sorted(s)) for h, s in index._digest_holders.items() if h in chain} == want
+    assert len(index._digest_holders) == 3 + 3 * 2  # and each own prompt's depths 1 and 5
+    assert index.depths(["a", "b", "c"], chain) == [10, 6, 3]
+    assert index.holders(chain, 4) == ("a",)
+    assert index.holders(chain[:7] + (1, 2), 4) == ("a",)  # a holds 7 of it, b 6: both past the anchor at 5
+    assert set(index.holders(chain[:6] + (1,), 4)) == {"a", "b"}  # both hold all 6 known
+    assert index.holders(chain[:4] + (1,), 4) in (("a", "b"), ("b", "a"))  # c holds 3
+    assert index.holders(chain[:3] + (1,), 4) and len(index.holders(chain[:3] + (1,), 4)) == 3
+    index.remove_replica("a")
+    assert {h: tuple(sorted(s)) for h, s in index._digest_holders.items() if h in chain} == {
+        chain[0]: ("b", "c"),
+        chain[4]: ("b",),
+    }
+    index.replace_digest("b", chain[:2], as_of=2.0)  # (a digest: every hash an anchor)
+    assert index.depths(["b", "c"], chain) == [2, 3]
+    assert chain[1] in index._digest_holders and chain[4] not in index._digest_holders
 
 
 def test_spills_and_loads_reach_the_index_as_tiers():
@@ -387,12 +460,13 @@ def test_salted_and_deep_chunks_hash_as_the_ingress_hashes_prompts():
     serve(tree, prompt, "tenant", 2)
     events = tree.events.take()
     assert events[3] is not None  # the epoch's first publication: a snapshot
-    assert set(events[3]) == set(chunk_hashes(prompt, C, 2, SEED)) | set(
-        chunk_hashes(prompt, C, 2, cache_seed(SEED, "tenant"))
-    )  # two chunks deep, not four
+    held, _, anchors = decode(events[3])
+    plain, salted = chunk_hashes(prompt, C, 2, SEED), chunk_hashes(prompt, C, 2, cache_seed(SEED, "tenant"))
+    assert held == {*plain, *salted}  # two chunks deep, not four
+    assert anchors == {plain[0], salted[0]}  # (the roots: depth 1 of every ANCHOR_EVERY)
     with pytest.raises(ValueError, match="routing events"):
         tree.digest(model_seed("another"), 2, 100)  # the nodes' hashes are the events'
-    assert set(tree.digest(SEED, 2, 100)) == set(events[3])
+    assert set(tree.digest(SEED, 2, 100)) == held
 
 
 def test_engine_records_route_events_and_a_reset_starts_a_new_epoch():

@@ -14,13 +14,24 @@ chunkserve):
     Events = (epoch, seq, deltas, snapshot)
       deltas:   tuple of Delta, consecutive (each first_seq is the previous last_seq + 1), the last
                 ending at seq; possibly empty
-      snapshot: the whole set at seq (a tuple of tier-coded hashes, below), or None
-    Delta  = (first_seq, last_seq, stored, evicted)
+      snapshot: the whole set at seq (a tuple of tier-coded hashes, below, anchors flagged), or None
+    Delta  = (first_seq, last_seq, stored, evicted, anchors_stored, anchors_evicted)
       the net change over publications first_seq .. last_seq: tuples of hashes, disjoint, so
       applying one is O(its length) in any order. `stored` is tier-coded: h, the hash is held in
-      the GPU tier as of last_seq; ~h (bitwise not: negative), in the host tier. A hash that
+      the GPU tier as of last_seq; ~h (bitwise not: negative), in the host tier (these last). A hash that
       changed tier (a spill, GPU -> host; a load, host -> GPU) is stored again at its new tier;
-      `evicted` hashes left the tree (from either tier).
+      `evicted` hashes left the tree (from either tier). anchors_stored / anchors_evicted: those
+      of the hashes that entered / left the set that are anchors (below), plain (not tier-coded).
+      A router reads a Delta of four fields (hand-built) as one whose every hash is an anchor.
+
+Anchors: the hashes at depths 1, 1 + ANCHOR_EVERY, 1 + 2 ANCHOR_EVERY, ... of their chains (the
+roots among them). A router keeps its cross-replica map (hash -> replicas) for anchors only and
+each replica's whole set apart (chunkserve/router/index.py): the map is the part whose updates
+touch memory shared by every replica, so a delta costs a few global dict operations (one per
+ANCHOR_EVERY hashes), not one a hash. A set is prefix-closed and holds a root wherever it holds
+anything, so the anchors a set holds bound who can hold any prefix. In a snapshot an anchor
+carries the flag bit ANCHOR (h | ANCHOR, or ~(h | ANCHOR) in the host tier): a hash is below
+2^64, so the bit is free; a non-empty snapshot with no flag (hand-built) counts every hash an anchor.
 
 The tier (DESIGN §6 "Host tier") costs no field: a hash is in [0, 2^64), so its sign is free, and a
 replica without a host tier publishes exactly what it did before. Changes are netted per hash
@@ -49,12 +60,15 @@ import os
 from collections import deque
 from typing import Any
 
-Delta = tuple[int, int, tuple[int, ...], tuple[int, ...]]  # (first_seq, last_seq, stored, evicted)
+# (first_seq, last_seq, stored, evicted, anchors_stored, anchors_evicted)
+Delta = tuple[int, int, tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 Events = tuple[int, int, tuple[Delta, ...], "tuple[int, ...] | None"]  # (epoch, seq, deltas, snapshot)
 
 MAX_DELTA = 4096  # hashes in one delta (or ring) beyond which a snapshot is sent instead
 RING_S = 3.0  # seconds of cuts each report repeats: a router may miss reports for this long
 SNAPSHOT_S = 10.0  # a report carries a snapshot at least this often
+ANCHOR_EVERY = 16  # depths 1, 1 + this, ... are anchors (module docstring); a router must use the same
+ANCHOR = 1 << 64  # a snapshot's flag on an anchor's hash
 
 
 def new_epoch() -> int:
@@ -77,24 +91,54 @@ def _note(pending: dict[int, tuple[int, int]], h: int, was: int, now: int) -> No
 
 
 def _split(pending: dict[int, tuple[int, int]]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A delta's (stored, evicted) from `pending`: stored tier-coded (h: GPU, ~h: host)."""
-    stored = tuple([h if now == GPU else ~h for h, (_, now) in pending.items() if now])
+    """A delta's (stored, evicted) from `pending`: stored tier-coded (h: GPU, ~h: host), the
+    GPU tier's first (so its last tells a router whether any is host-coded)."""
+    stored = (
+        *[h for h, (_, now) in pending.items() if now == GPU],
+        *[~h for h, (_, now) in pending.items() if now == HOST],
+    )
     return stored, tuple([h for h, (_, now) in pending.items() if not now])
 
 
-def tier_coded(held: set[int] | dict[int, Any], host: set[int]) -> tuple[int, ...]:
-    """A snapshot of `held` (hashes; `host`: those of them in the host tier), tier-coded."""
-    if not host:
-        return tuple(held)
-    return tuple([~h if h in host else h for h in held])
+def _cut(pending: dict[int, tuple[int, int]], anchors: dict[int, tuple[int, int]]) -> tuple:
+    """(stored, evicted, anchors_stored, anchors_evicted) of a Delta from the netted changes of
+    every hash (`pending`) and of the anchors (`anchors`, states OUT / GPU)."""
+    return (
+        *_split(pending),
+        tuple([h for h, (_, now) in anchors.items() if now]),
+        tuple([h for h, (_, now) in anchors.items() if not now]),
+    )
 
 
-def decode(coded: tuple[int, ...] | list[int]) -> tuple[set[int], set[int]]:
-    """(every hash, the host tier's) of a tier-coded snapshot."""
-    host = {~x for x in coded if x < 0}
-    if not host:
-        return set(coded), host
-    return {x for x in coded if x >= 0} | host, host
+def tier_coded(held: set[int] | dict[int, Any], host: set[int], anchors: set[int]) -> tuple[int, ...]:
+    """A snapshot of `held` (hashes; `host`: those of them in the host tier; `anchors`: those of
+    them that are anchors), tier-coded, anchors flagged."""
+    a = ANCHOR
+    if not host:  # (the usual case: set operations in C, then the few anchors)
+        rest = held.keys() - anchors if isinstance(held, dict) else held - anchors
+        return (*rest, *[h | a for h in anchors])
+    return tuple([(~(h | a) if h in host else h | a) if h in anchors else (~h if h in host else h) for h in held])
+
+
+def decode(coded: tuple[int, ...] | list[int]) -> tuple[set[int], set[int], set[int]]:
+    """(every hash, the host tier's, the anchors) of a tier-coded snapshot (an unflagged one: every
+    hash is an anchor)."""
+    a = ANCHOR
+    host, anchors, held = set(), set(), set()
+    for x in coded:
+        if x < 0:
+            x = ~x
+            if x >= a:
+                x ^= a
+                anchors.add(x)
+            host.add(x)
+        elif x >= a:
+            x ^= a
+            anchors.add(x)
+        held.add(x)
+    if not anchors:
+        anchors = set(held)
+    return held, host, anchors
 
 
 class ChunkLog:
@@ -103,26 +147,35 @@ class ChunkLog:
     loaded back, is no change). O(1) a change.
 
     held: hash -> the caller's tag for it (the tree's hook keeps (depth, seed) there); host: the
-    held hashes in the host tier."""
+    held hashes in the host tier; anchors: the held hashes that are anchors."""
 
     def __init__(self, max_delta: int = MAX_DELTA):
         self.max_delta = max_delta
         self.held: dict[int, Any] = {}
         self.host: set[int] = set()
+        self.anchors: set[int] = set()
         self.epoch = new_epoch()
         self.seq = 0
         self._pending: dict[int, tuple[int, int]] = {}
+        self._anchors: dict[int, tuple[int, int]] = {}  # the anchors' net changes (OUT / GPU)
         self._fresh = True  # the epoch's first publication (a snapshot) is due
 
-    def stored(self, h: int, tag: Any = None, host: bool = False) -> None:
-        """`h` entered the set (in the host tier if `host`: a restart listing a spilled node)."""
+    def stored(self, h: int, tag: Any = None, host: bool = False, anchor: bool = True) -> None:
+        """`h` entered the set (in the host tier if `host`: a restart listing a spilled node);
+        `anchor`: it is an anchor (the tree's hook says by depth; by default every hash is)."""
         self.held[h] = tag
         if host:
             self.host.add(h)
+        if anchor:
+            self.anchors.add(h)
+            _note(self._anchors, h, OUT, GPU)
         _note(self._pending, h, OUT, HOST if host else GPU)
 
     def evicted(self, h: int) -> None:
         del self.held[h]
+        if h in self.anchors:
+            self.anchors.remove(h)
+            _note(self._anchors, h, GPU, OUT)
         host = self.host
         if h in host:
             host.remove(h)
@@ -144,7 +197,9 @@ class ChunkLog:
         self.epoch, self.seq = new_epoch(), 0
         self.held.clear()
         self.host.clear()
+        self.anchors.clear()
         self._pending.clear()
+        self._anchors.clear()
         self._fresh = True
 
     def take(self) -> Events | None:
@@ -156,10 +211,11 @@ class ChunkLog:
         self.seq += 1
         seq = self.seq
         if self._fresh or len(pending) > self.max_delta:
-            out: Events = (self.epoch, seq, (), tier_coded(self.held, self.host))
+            out: Events = (self.epoch, seq, (), tier_coded(self.held, self.host, self.anchors))
         else:
-            out = (self.epoch, seq, ((seq, seq, *_split(pending)),), None)
+            out = (self.epoch, seq, ((seq, seq, *_cut(pending, self._anchors)),), None)
         pending.clear()
+        self._anchors.clear()
         self._fresh = False
         return out
 
@@ -174,7 +230,9 @@ class Relay:
         self.seq = 0
         self.held: set[int] = set()
         self.host: set[int] = set()  # the held hashes in the host tier
+        self.anchors: set[int] = set()  # the held hashes that are anchors
         self._pending: dict[int, tuple[int, int]] = {}  # net change since the last cut
+        self._anchors: dict[int, tuple[int, int]] = {}  # the anchors' (OUT / GPU)
         self._cut_seq = 0  # the last seq a cut covers
         self._ring: deque[tuple[float, Delta]] = deque()  # (when cut, delta), oldest first
         self._ring_size = 0  # hashes in the ring's deltas
@@ -185,26 +243,40 @@ class Relay:
     def apply(self, events: Events) -> None:
         """One publication of the engine's ChunkLog. O(changes); a snapshot O(set)."""
         epoch, seq, deltas, snapshot = events
-        held, host, pending = self.held, self.host, self._pending
+        held, host, pending, anchors = self.held, self.host, self._pending, self.anchors
         if epoch != self.epoch:  # a new engine or a reset pool: start from the epoch's empty set
             self.epoch, self._cut_seq = epoch, 0
             held.clear()
             host.clear()
+            anchors.clear()
             pending.clear()
+            self._anchors.clear()
             self._ring.clear()
             self._ring_size = 0
             self._snapshot_until = float("inf")  # (set to ring_s from the next report)
         if snapshot is not None:  # the epoch's first, or an overflow: its difference is the change
-            new, new_host = decode(snapshot)
+            new, new_host, new_anchors = decode(snapshot)
             for h in held - new:
                 _note(pending, h, HOST if h in host else GPU, OUT)
             for h in new - held:
                 _note(pending, h, OUT, HOST if h in new_host else GPU)
             for h in (host ^ new_host) & held & new:  # held before and after, in the other tier
                 _note(pending, h, HOST if h in host else GPU, HOST if h in new_host else GPU)
-            self.held, self.host = new, new_host
+            for h in anchors - new_anchors:
+                _note(self._anchors, h, GPU, OUT)
+            for h in new_anchors - anchors:
+                _note(self._anchors, h, OUT, GPU)
+            self.held, self.host, self.anchors = new, new_host, new_anchors
         else:
-            for _, _, stored, evicted in deltas:
+            for _, _, stored, evicted, anchors_stored, anchors_evicted in deltas:
+                for h in anchors_evicted:
+                    if h in anchors:
+                        anchors.remove(h)
+                        _note(self._anchors, h, GPU, OUT)
+                for h in anchors_stored:
+                    if h not in anchors:
+                        anchors.add(h)
+                        _note(self._anchors, h, OUT, GPU)
                 for h in evicted:
                     if h in held:
                         held.remove(h)
@@ -242,8 +314,9 @@ class Relay:
         if self.seq > self._cut_seq:  # cut the changes since the last report into the ring
             pending = self._pending
             n = len(pending)
-            delta: Delta = (self._cut_seq + 1, self.seq, *_split(pending))
+            delta: Delta = (self._cut_seq + 1, self.seq, *_cut(pending, self._anchors))
             pending.clear()
+            self._anchors.clear()
             self._cut_seq = self.seq
             if n > self.max_delta:  # larger than a snapshot could be: the ring restarts after it
                 ring.clear()
@@ -254,14 +327,14 @@ class Relay:
                 self._ring_size += n
             changed = True
         while ring and (ring[0][0] < now - self.ring_s or self._ring_size > self.max_delta):
-            _, (_, _, stored, evicted) = ring.popleft()
+            _, (_, _, stored, evicted, _, _) = ring.popleft()
             self._ring_size -= len(stored) + len(evicted)
             changed = True
         if self._snapshot_until == float("inf"):  # a new epoch: snapshots for ring_s from now
             self._snapshot_until = now + self.ring_s
         snapshot = None
         if now < self._snapshot_until or now - self._snapshot_at >= self.snapshot_s:
-            snapshot = tier_coded(self.held, self.host)
+            snapshot = tier_coded(self.held, self.host, self.anchors)
             self._snapshot_at = now
             changed = True
         elif self._report is not None and self._report[3] is not None:

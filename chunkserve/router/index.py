@@ -22,10 +22,18 @@ depth a replica's set holds is found by binary search over the chain; a recorded
 its own prefixes, so the depth from own records is the longest common prefix with one of them. Both
 searches rest on the hashes being chained (chunkserve/router/hashing.py): a hash names its whole prefix.
 
-Costs: recording a prompt is O(1) dict work (the chain tuple is stored, not its hashes one by one);
-published sets keep an exact hash -> replicas reverse map, updated off the request path when a
-report arrives: O(1) per hash that changed (a delta's hashes; a snapshot's or digest's diff costs
-O(hashes) more). Reads are O(candidates): one lookup by root serves a decision's candidates. The
+Costs: recording a prompt is O(1) dict work (the chain tuple is stored, not its hashes one by one).
+Published sets: each replica's own set (exact), and a reverse map hash -> replicas for *anchors*
+only (chunkserve/router/events.py: the hashes at depths 1, 1 + anchor_every, ...; a digest's or a
+hand-built delta's every hash), updated off the request path when a report arrives. Why anchors:
+a replica's set is small and its updates touch little memory, but the reverse map is shared by every
+replica and large, and each update of it is a few cache misses; a delta costs one set operation in
+C over its hashes and one map operation per anchor among them (one in anchor_every). Nothing is
+lost: sets are prefix-closed, so whoever holds any prefix of a chain holds its root, and whoever
+holds the chain's deepest held prefix holds its deepest held anchor; `holders` takes that anchor's
+holders and ranks them by their own sets within the anchor's span (O(log anchor_every) probes a
+holder). A snapshot's or digest's diff costs O(hashes) more. Reads are O(candidates): one lookup by
+root serves a decision's candidates. The
 LRU maps are plain dicts (re-inserted on use, so oldest first), not OrderedDicts: at the decision
 rate the maps are cold in the CPU caches, and an OrderedDict's move-to-end also touches the
 linked-list neighbours of the entry, each a likely miss.
@@ -35,6 +43,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import islice
+
+from chunkserve.router.events import ANCHOR_EVERY, decode
 
 
 def common_prefix(a: Sequence, b: Sequence) -> int:
@@ -88,10 +98,11 @@ def chain_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def _deepest(chain: Sequence[int], known: int, held) -> int:
-    """The largest d with chain[d - 1] in `held`, given chain[known - 1] is. Digests are closed
-    under ancestors, so membership is monotone along the chain: binary search."""
-    lo, hi = known, len(chain)
+def _deepest(chain: Sequence[int], known: int, held, end: int | None = None) -> int:
+    """The largest d <= `end` (default: the whole chain) with chain[d - 1] in `held`, given
+    chain[known - 1] is. Digests are closed under ancestors, so membership is monotone along the
+    chain: binary search."""
+    lo, hi = known, len(chain) if end is None else end
     if chain[hi - 1] in held:  # the usual case: all of it
         return hi
     hi -= 1
@@ -106,6 +117,7 @@ def _deepest(chain: Sequence[int], known: int, held) -> int:
 
 _NO_RECORDS: dict = {}  # (never written)
 _FEW = 8  # a hash's digest holders: a tuple up to this many (see PrefixIndex._digest_holders)
+_RANKED = 32  # an anchor's holders `holders` ranks by depth at most (a hot prefix has hundreds)
 
 
 def _drop_holder(holders: dict, h: int, replica_id: str) -> None:
@@ -135,9 +147,17 @@ def _add_holder(holders: dict, h: int, replica_id: str) -> None:
 
 class PrefixIndex:
     """roots_per_replica: prefixes (roots) remembered per replica; chains_per_root: distinct chains
-    kept per (replica, root); holders_per_root: most recent replicas per root `holders` offers."""
+    kept per (replica, root); holders_per_root: most recent replicas per root `holders` offers;
+    anchor_every: the replicas' anchor spacing (chunkserve/router/events.ANCHOR_EVERY)."""
 
-    def __init__(self, roots_per_replica: int = 4096, chains_per_root: int = 4, holders_per_root: int = 8):
+    def __init__(
+        self,
+        roots_per_replica: int = 4096,
+        chains_per_root: int = 4,
+        holders_per_root: int = 8,
+        anchor_every: int = ANCHOR_EVERY,
+    ):
+        self.anchor_every = anchor_every
         self.roots_per_replica = roots_per_replica
         self.chains_per_root = chains_per_root
         self.holders_per_root = holders_per_root
@@ -155,9 +175,10 @@ class PrefixIndex:
         # exact: no gap since the epoch's start or the last snapshot
         self._sync: dict[str, list] = {}
         self.gaps = 0  # times a replica's events had a gap (missed reports): it waits for a snapshot
-        # hash -> the replicas whose digest holds it (reverse of _digest): a tuple while few (most
-        # hashes have one holder: a tuple of strings is small and the cyclic GC stops tracking it),
-        # a set beyond
+        # anchor hash -> the replicas whose published set holds it (every hash is an anchor in a
+        # digest and in a hand-built delta of four fields; chunkserve/router/events.py): a
+        # tuple while few (most hashes have one holder: a tuple of strings is small and the cyclic
+        # GC stops tracking it), a set beyond
         self._digest_holders: dict[int, tuple[str, ...] | set[str]] = {}
 
     # -- writes ---------------------------------------------------------------------------------
@@ -190,8 +211,8 @@ class PrefixIndex:
 
     def replace_digest(self, replica_id: str, hashes: Iterable[int], as_of: float) -> None:
         """`replica_id` published the hashes its tree held at time `as_of` (this router's clock)."""
-        self._sync.pop(replica_id, None)  # (a digest has no epoch: events start afresh)
         self._replace(replica_id, hashes)
+        self._sync.pop(replica_id, None)  # (a digest has no epoch: events start afresh)
         self._drop_own_before(replica_id, as_of)
 
     def apply_events(self, replica_id: str, events: tuple, as_of: float) -> bool:
@@ -226,7 +247,7 @@ class PrefixIndex:
                     self.gaps += 1
                 sync[2] = False
             sync[1] = seq
-        if sync[2]:
+        if sync[2] and replica_id in self._own:
             self._drop_own_before(replica_id, as_of)
         return sync[2]
 
@@ -244,32 +265,50 @@ class PrefixIndex:
         return frozenset(self._host.get(replica_id, ()))
 
     def _apply_delta(self, replica_id: str, held: set[int], delta: tuple, exact: bool) -> None:
-        """One delta into `held` and the reverse map, O(its hashes). Exact (no gap before it): its
-        evicted hashes are all held and its stored ones none, so the set work is two C calls and
-        each hash one dict operation (most have this replica as their only holder: inline).
-        After a gap, only what changes anything is applied. With tiers in play (a host-coded hash
-        in the delta, or host hashes held before it), the tiers are set first, and a stored hash
-        already held (a tier change) is no new holder: only the others are applied, as after a gap."""
-        _, _, stored, evicted = delta
-        if replica_id in self._host or stored and min(stored) < 0:
+        """One delta into `held`, O(its hashes) in two C calls, and its anchors into the reverse
+        map, one dict operation each. Exact (no gap before it): its evicted hashes are all held
+        and its stored ones none. After a gap, only what changes anything is applied. With tiers
+        in play (a host-coded hash in the delta, or host hashes held before it), the tiers are set
+        first, and a stored hash already held (a tier change) is no new holder: only the others
+        are applied, as after a gap. A delta of four fields (hand-built) counts every hash an anchor."""
+        if len(delta) == 6:  # (its host-coded hashes come last: one test says if there are any)
+            _, _, stored, evicted, a_stored, a_evicted = delta
+            tiers = replica_id in self._host or stored and stored[-1] < 0
+        else:
+            _, _, stored, evicted = delta
+            a_stored = a_evicted = None
+            tiers = replica_id in self._host or stored and min(stored) < 0
+        if tiers:
             stored, exact = self._apply_tiers(replica_id, stored, evicted), False
-        holders = self._digest_holders
         if not exact:
+            # (the anchors first: a replica is among an anchor's holders exactly when it holds it)
+            if a_stored is not None:
+                a_evicted = held.intersection(a_evicted)
+                a_stored = set(a_stored).difference(held)
             evicted = held.intersection(evicted)
             stored = set(stored).difference(held)
         held.difference_update(evicted)
         held.update(stored)
-        pop = holders.pop
-        for h in evicted:
-            s = pop(h)
-            if s.__class__ is not tuple or len(s) != 1:  # (shared with other replicas)
-                holders[h] = s
-                _drop_holder(holders, h, replica_id)
-        one = (replica_id,)
-        add = holders.setdefault
-        for h in stored:
-            if add(h, one) is not one:  # (others hold it too)
-                _add_holder(holders, h, replica_id)
+        if a_stored is None:
+            a_stored, a_evicted = stored, evicted
+        holders = self._digest_holders  # (_drop_holder and _add_holder, inline: one probe a hash)
+        for h in a_evicted:
+            s = holders.pop(h)
+            if s.__class__ is tuple:
+                if len(s) > 1:
+                    holders[h] = tuple([r for r in s if r != replica_id])
+            else:
+                s.discard(replica_id)
+                if s:
+                    holders[h] = s
+        for h in a_stored:
+            s = holders.get(h)
+            if s is None:
+                holders[h] = (replica_id,)
+            elif s.__class__ is tuple:
+                holders[h] = (*s, replica_id) if len(s) < _FEW else {*s, replica_id}
+            else:
+                s.add(replica_id)
 
     def _apply_tiers(self, replica_id: str, stored: Sequence[int], evicted: Sequence[int]) -> list[int]:
         """A delta's tiers into `replica_id`'s host set; returns its stored hashes, decoded."""
@@ -296,23 +335,33 @@ class PrefixIndex:
 
     def _replace(self, replica_id: str, hashes: Iterable[int], coded: bool = False) -> None:
         """Make `replica_id`'s published set exactly `hashes` (`coded`: an events snapshot,
-        tier-coded, ~h a host-tier hash; else a digest, all on the GPU): O(hashes + changes)."""
-        new = set(hashes)
-        host = None
-        if coded and new and min(new) < 0:
-            host = {~x for x in new if x < 0}
-            new = {x for x in new if x >= 0} | host
-        self._set_host(replica_id, host)
-        old = self._digest.get(replica_id)
-        if old is None:
-            old = set()
-        if new != old:  # (an unchanged digest, an idle replica's: no diff)
+        tier-coded, ~h a host-tier hash, anchors flagged; else a digest, all on the GPU, every
+        hash an anchor): O(hashes + changes)."""
+        if coded:
+            new, host, anchors = decode(tuple(hashes))
+        else:
+            new, host = set(hashes), set()
+            anchors = new
+        self._set_host(replica_id, host or None)
+        old = self._anchors_of(replica_id)
+        if anchors != old:  # (an unchanged digest, an idle replica's: no diff)
             holders = self._digest_holders
-            for h in old - new:
+            for h in old - anchors:
                 _drop_holder(holders, h, replica_id)
-            for h in new - old:
+            for h in anchors - old:
                 _add_holder(holders, h, replica_id)
         self._digest[replica_id] = new
+
+    def _anchors_of(self, replica_id: str) -> set[int]:
+        """The anchors among `replica_id`'s published set: all of it from a digest, else those
+        the reverse map lists it for (O(set) probes: a resync's or a removal's)."""
+        held = self._digest.get(replica_id)
+        if not held:
+            return set()
+        if replica_id not in self._sync:  # (a digest: every hash)
+            return held
+        holders = self._digest_holders
+        return {h for h in held if replica_id in holders.get(h, ())}
 
     def _drop_own_before(self, replica_id: str, as_of: float) -> None:
         """Drop `replica_id`'s own records last refreshed at or before `as_of`: its published set,
@@ -340,8 +389,9 @@ class PrefixIndex:
         own = self._own.pop(replica_id, None)
         if own:
             self._forget(replica_id, own, list(own))
-        for h in self._digest.pop(replica_id, ()):
+        for h in self._anchors_of(replica_id):
             _drop_holder(self._digest_holders, h, replica_id)
+        self._digest.pop(replica_id, None)
         self._host.pop(replica_id, None)
         self._sync.pop(replica_id, None)
 
@@ -356,12 +406,12 @@ class PrefixIndex:
         if not chain:
             return [0] * len(replica_ids)
         root, n, last = chain[0], len(chain), chain[-1]
-        digests, digest_holders = self._digest, self._digest_holders
+        digests = self._digest
+        rooted = self._digest_holders.get(root)  # (an anchor): no other replica's set holds any of the chain
         recorded = self._recorded.get(root, _NO_RECORDS)
-        if not recorded and root not in digest_holders:  # nobody is known to hold any of it
+        if not recorded and rooted is None:  # nobody is known to hold any of it
             return [0] * len(replica_ids)
         out = []
-        at, held_by = -1, None  # the digest holders of chain[at]: one lookup for the candidates sharing `at`
         for r in replica_ids:
             best = 0
             entry = recorded.get(r)
@@ -373,11 +423,10 @@ class PrefixIndex:
                     d = chain_prefix(chain, c)
                     if d > best:
                         best = d
-            if best < n:  # its digest may hold more than our records say
-                if best != at:
-                    at, held_by = best, digest_holders.get(chain[best])
-                if held_by and r in held_by:
-                    best = _deepest(chain, best + 1, digests[r])
+            if best < n and rooted is not None and r in rooted:  # its set may hold more than our records say
+                held = digests[r]
+                if not best or chain[best] in held:
+                    best = _deepest(chain, best + 1, held)
             out.append(best)
         return out
 
@@ -414,22 +463,42 @@ class PrefixIndex:
 
     def holders(self, chain: tuple[int, ...], limit: int) -> tuple[str, ...]:
         """Replicas that may hold a prefix of the chain: the (up to holders_per_root) most recently
-        sent its root whose own record of it stands, then up to `limit` whose digest holds its
-        longest digest-known prefix. Unverified: read `depth` for each."""
+        sent its root whose own record of it stands, then up to `limit` whose published set holds
+        its longest published prefix: found among the holders of its deepest held anchor (the
+        first _RANKED of them, when more hold it), or, where the map lists more than anchors (a
+        digest's hashes), by the map alone (a fleet follows one or the other: where both mix, an
+        events replica past a digest's anchor may be missed). Unverified: read `depth` for each."""
         if not chain:
             return ()
         recent = self._recorded.get(chain[0])
         found = list(islice(reversed(recent), self.holders_per_root)) if recent else []  # most recent first
         dh = self._digest_holders
         if chain[0] in dh:
-            lo = _deepest(chain, 1, dh)  # largest depth any digest holds
-            n = 0
-            for r in dh[chain[lo - 1]]:
-                if n == limit:
+            b, n = self.anchor_every, len(chain)
+            lo, hi = 0, (n - 1) // b  # the deepest anchor anyone holds, chain[lo * b]: binary search
+            while lo < hi:
+                mid = (lo + hi + 1) >> 1
+                if chain[mid * b] in dh:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            at = lo * b
+            if at + 1 < n and chain[at + 1] in dh:  # the map lists more than anchors (digests): search it
+                held_by = dh[chain[_deepest(chain, at + 2, dh) - 1]]
+            else:
+                held_by = dh[chain[at]]
+                if len(held_by) > 1 and at + 1 < n:  # who of them holds the most past the anchor
+                    end, digests = min(n, at + b), self._digest
+                    depth = {r: _deepest(chain, at + 1, digests[r], end) for r in islice(held_by, _RANKED)}
+                    most = max(depth.values())
+                    held_by = [r for r, d in depth.items() if d == most]
+            k = 0
+            for r in held_by:
+                if k == limit:
                     break
                 if r not in found:
                     found.append(r)
-                    n += 1
+                    k += 1
         return tuple(found)
 
     def replicas(self) -> set[str]:

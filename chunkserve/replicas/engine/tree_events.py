@@ -6,7 +6,8 @@ The tree calls `stored` at its one insertion point, `evicted` at its one evictio
 `moved` where a node changes tier (a spill to the host tier, a load or a recompute back to the GPU)
 (PrefixTree.events). A node's hash is made once, when it is stored, from its parent's (kept on
 the node, `Node.hash`), and the log keeps each held hash's (depth, seed), so a change costs one
-xxh3 call and O(1) dict work: events cost O(changes), never a walk of the tree. The hashes are
+xxh3 call and O(1) dict work: events cost O(changes), never a walk of the tree. The nodes at
+depths 1, 1 + anchor_every, ... are published as anchors (chunkserve/router/events.py). The hashes are
 the ingress's (chunkserve/router/hashing.chunk_hashes, seeded by the served model and each tree's
 cache salt), so the router matches prompts against them directly.
 """
@@ -14,15 +15,17 @@ cache salt), so the router matches prompts against them directly.
 from __future__ import annotations
 
 from chunkserve.replicas.engine.prefix_tree import HOST, Node, PrefixTree
-from chunkserve.router.events import MAX_DELTA, ChunkLog, Events
+from chunkserve.router.events import ANCHOR_EVERY, MAX_DELTA, ChunkLog, Events
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
 class RouteEvents:
     """Attached to `tree` (tree.events): records from now on, starting with what it holds."""
 
-    def __init__(self, tree: PrefixTree, seed: int, max_depth: int, max_delta: int = MAX_DELTA):
-        self.tree, self.seed, self.max_depth = tree, seed, max_depth
+    def __init__(
+        self, tree: PrefixTree, seed: int, max_depth: int, max_delta: int = MAX_DELTA, anchor_every: int = ANCHOR_EVERY
+    ):
+        self.tree, self.seed, self.max_depth, self.anchor_every = tree, seed, max_depth, anchor_every
         self.log = ChunkLog(max_delta)
         tree.use_hash_seed(seed)
         self._store_all()
@@ -37,7 +40,7 @@ class RouteEvents:
                 return
             depth, seed, after = tag[0] + 1, tag[1], parent.hash
         h = node.hash = chunk_hashes(node.tokens, self.tree.c, 1, seed, after=after)[0]
-        self.log.stored(h, (depth, seed), node.tier == HOST)
+        self.log.stored(h, (depth, seed), node.tier == HOST, (depth - 1) % self.anchor_every == 0)
 
     def evicted(self, node: Node) -> None:
         """`node` left the tree."""
