@@ -11,12 +11,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from chunkserve.replicas.engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
-from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine.tree_events import RouteEvents
-from chunkserve.router.events import ANCHOR, ChunkLog, Relay, decode
+from chunkserve.router.events import ANCHOR, ANCHOR_EVERY, ChunkLog, Relay, decode
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 from chunkserve.router.index import PrefixIndex
 
@@ -25,7 +25,11 @@ SEED = model_seed("tiny")
 
 
 def make_tree(
-    num_chunks: int, route_chunks: int = 3, max_delta: int = 4096, host_chunks: int = 0, anchor_every: int = 16
+    num_chunks: int,
+    route_chunks: int = 3,
+    max_delta: int = 4096,
+    host_chunks: int = 0,
+    anchor_every: int = ANCHOR_EVERY,
 ) -> PrefixTree:
     """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
     pool = KVPool(KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8), num_chunks, "cpu")
