@@ -17,7 +17,9 @@ applying a digest every period cost before events).
 One JSON line: per path the router's CPU seconds (its thread's: a busy machine's other processes
 are not billed) per simulated second (= the fraction of one core it keeps busy; the target for events is <= 0.02 at 1024 replicas reporting once a second), µs per
 report (mean, p99), and the pickled bytes a second the reports come to (what Serve's broadcast
-carries to each router); the churn (routable hashes stored + evicted per replica a second) and the
+carries to each router); the replica side's cost (`relay_us_per_replica_s`: µs a replica a second
+of its log's take and its Relay's apply and report; the log's notes inside the tree's calls are
+not separated); the churn (routable hashes stored + evicted per replica a second) and the
 mean routable set. The first `--warmup` seconds (caches filling) are not measured. The cyclic GC
 is off while it runs (a heap of a thousand trees: its pauses would be billed to whichever call
 allocates), as in chunkserve/router/tools/simulate.py.
@@ -99,6 +101,7 @@ def run(
     events_index, snapshot_index = PrefixIndex(), PrefixIndex()
     paths: dict[str, dict[str, Any]] = {n: {"s": 0.0, "us": [], "bytes": 0} for n in ("events", "snapshot")}
     churn = held = 0
+    relay_s = 0.0  # the replica side's take + Relay.apply + Relay.report (its engine's ChunkLog notes are in serve)
     last_seq = [0] * replicas  # each replica's seq at its last report
     question = 0
     gc_was_enabled = gc.isenabled()
@@ -113,10 +116,12 @@ def run(
                     question += 1
                     own = [(question * 7919 + k) % 32000 for k in range((QUESTION + OUTPUT) * CHUNK)]
                     rep.serve(systems[g] + own, second * 1000 + question)
+                r0 = time.thread_time()
                 published = rep.tree.events.take()
                 if published is not None:
                     rep.relay.apply(published)
                 report = rep.relay.report(float(second))
+                relay_s += (time.thread_time() - r0) if measured else 0.0
                 snapshot = tuple(rep.relay.held)  # (a digest as it arrived: a sequence off the wire)
                 t0 = time.thread_time()
                 events_index.apply_events(ids[r], report, float(second))
@@ -155,6 +160,7 @@ def run(
         out[f"{name}_us_p99"] = round(float(np.percentile(us, 99)), 2)
         out[f"{name}_bytes_per_s"] = int(p["bytes"] / seconds)
     out["events_target_met"] = out["events_core_fraction"] <= 0.02
+    out["relay_us_per_replica_s"] = round(relay_s / (replicas * seconds) * 1e6, 2)
     # this machine's speed at plain Python (as chunkserve/router/tools/simulate.py reports it): best µs of sum(range(1000))
     out["cpu_ref_us"] = round(min(timeit.repeat("sum(range(1000))", number=200, repeat=5)) / 200 * 1e6, 2)
     return out
