@@ -117,7 +117,7 @@ def _deepest(chain: Sequence[int], known: int, held, end: int | None = None) -> 
 
 _NO_RECORDS: dict = {}  # (never written)
 _FEW = 8  # a hash's digest holders: a tuple up to this many (see PrefixIndex._digest_holders)
-_RANKED = 32  # an anchor's holders `holders` ranks by depth at most (a hot prefix has hundreds)
+_RANKED = 8  # an anchor's holders `holders` ranks by depth at most (a hot prefix has hundreds: see holders)
 
 
 def _drop_holder(holders: dict, h: int, replica_id: str) -> None:
