@@ -17,6 +17,7 @@ FIELDS = {
     "max_mean_load",
     "p99_queue",
     "decision_us",
+    "decision_wall_us",
     "groups",
     "groups_scaled",
     "requests",

@@ -57,8 +57,11 @@ Model:
     outstanding work; ttft_p90_s / ttft_p99_s; throughput_rps, output_tps: measured requests
     done by the last arrival ÷ the measured span; p99_queue = 99th percentile of the requests
     already at the chosen replica when one arrives; decision_us / decision_p50_us = mean / median
-    wall time of the routing call (choose + bookkeeping; the ingress's hashing and Ray's text
-    extraction excluded), with cpu_ref_us to say how fast the machine was.
+    CPU time of the routing call (choose + bookkeeping; the ingress's hashing and Ray's text
+    extraction excluded; the calling thread's CPU clock, less the clock reads' own cost), with
+    cpu_ref_us to say how fast the machine was; decision_wall_us = its mean wall time, which on a
+    shared machine also counts the time slices other processes take in the middle of a call (a
+    few ms each, on a few calls in a thousand: most of the wall mean's excess over the CPU mean).
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from time import thread_time
 from typing import Any
 
 import numpy as np
@@ -595,6 +599,16 @@ def _backlog_area(since: float, until: float, busy_until: float) -> float:
     return ((busy_until - since) ** 2 - (busy_until - end) ** 2) / 2
 
 
+def _clock_cost() -> float:
+    """The part of a pair of thread_time() reads that lands between them (a system call here):
+    taken off each decision's CPU time. Median of many back-to-back pairs, in seconds."""
+    pairs = []
+    for _ in range(2000):
+        t0 = thread_time()
+        pairs.append(thread_time() - t0)
+    return float(np.median(pairs))
+
+
 def cpu_ref_us() -> float:
     """This machine's speed at plain Python: best time of sum(range(1000)), in µs (it was
     ~25 on the shared 2-core VM these numbers were first taken on; ~8-10 is a current desktop)."""
@@ -672,7 +686,7 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
         heapq.heappush(events, (scale_t, next(seq), SCALE, None))
     m0 = wl.measure_from
     hit = prompt = 0
-    queue_seen, ttft, decisions = [], [], []
+    queue_seen, ttft, decisions, walls = [], [], [], []
     t_arr, r_arr, w_arr, finish_at = [], [], [], []
     for i, req in enumerate(wl.requests):
         now = req.arrival
@@ -700,9 +714,10 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
         j = pick_router.randrange(k)
         router = rs[j]
         view = router.prepare(wl, req)
-        t0 = time.perf_counter()
+        w0, t0 = time.perf_counter(), thread_time()
         r, ticket = router.route(view, req, now)
-        decisions.append(time.perf_counter() - t0)
+        decisions.append(thread_time() - t0)
+        walls.append(time.perf_counter() - w0)
         matched = min(caches[r].serve(req.chain, req.out_chain) * CHUNK, req.prompt_tokens)
         uncached = req.prompt_tokens - matched
         cost = uncached + DECODE_WEIGHT * req.output_tokens
@@ -722,6 +737,7 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
             r_arr.append(r)
             w_arr.append(cost)
             finish_at.append(busy_until[r])
+    clock_us = _clock_cost()
     begin, horizon = wl.requests[m0].arrival, wl.requests[-1].arrival
     for r in range(n):
         area[r] += _backlog_area(last_t[r], horizon, busy_until[r])
@@ -765,8 +781,9 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
         "utilisation": round(
             busy / (n0 * span if scale_t is None else n0 * (scale_t - begin) + n * (horizon - scale_t)), 4
         ),
-        "decision_us": round(float(np.mean(decisions)) * 1e6, 2),
-        "decision_p50_us": round(float(np.median(decisions)) * 1e6, 2),
+        "decision_us": round(max(0.0, float(np.mean(decisions)) - clock_us) * 1e6, 2),
+        "decision_p50_us": round(max(0.0, float(np.median(decisions)) - clock_us) * 1e6, 2),
+        "decision_wall_us": round(float(np.mean(walls)) * 1e6, 2),
         "cpu_ref_us": cpu_ref_us(),
         "cache_tokens": wl.cache_tokens,
         "digest_period_s": digest_period if reports else None,
