@@ -577,15 +577,19 @@ def test_k_routers_place_a_new_prefix_alike_without_each_others_state():
     assert _k_routers_place(4, 256, 30) >= 0.55  # (0.66 here; the commitment rule before: 0.29)
 
 
-def test_a_join_keeps_the_work_done_and_starts_newcomers_at_the_mean():
-    policy = PrefixPolicy(replicas=[f"r{i}" for i in range(4)])
+@pytest.mark.parametrize("join_past", [1.0, PolicyConfig().join_past])
+def test_a_join_rescales_the_past_and_starts_newcomers_at_the_mean(join_past):
+    policy = PrefixPolicy(PolicyConfig(join_past=join_past), replicas=[f"r{i}" for i in range(4)])
     rng = random.Random(31)
     for t in range(40):  # uneven past: each request finishes at once, only work lately remains
         policy.on_finished(policy.on_routed(f"r{t % 3}", _chain(rng), 2176, 256, 0.0))
     before = policy._rate.total(0.0)
+    r0 = policy.work_lately("r0", 0.0)
     policy.update_replicas(ReplicaView(r) for r in [f"r{i}" for i in range(4)] + ["n0", "n1", "n2", "n3"])
-    assert policy._rate.total(0.0) == pytest.approx(before)
-    mean = before / 8
+    f = 0.5**join_past  # (4 joined 4): join_past 1 keeps the total, spread over the 8
+    assert policy.work_lately("r0", 0.0) == pytest.approx(f * r0)
+    mean = f * before / 4
+    assert policy._rate.total(0.0) == pytest.approx(8 * mean)
     assert policy.work_lately("n0", 0.0) == pytest.approx(mean)
     assert policy.work_lately("r3", 0.0) == 0.0  # (idle before: still below everyone)
     assert policy.work_lately("r0", 0.0) > mean
@@ -612,3 +616,36 @@ def test_after_a_scale_up_new_work_is_shared_by_old_and_new_replicas_within_the_
     mean = sum(after.values()) / len(after)
     assert max(after.values()) <= 1.5 * mean
     assert sum(after[r] for r in old) >= 0.35 * sum(after.values())
+
+
+def _after_scale_up_max_mean(join_past: float) -> tuple[float, float]:
+    """Shared prefixes (gsp-like: 48 groups, each request its own question) on 8 replicas, then 16:
+    (max ÷ mean of the work routed after the join, over the 16; the old replicas' share of it)."""
+    rng = random.Random(41)
+    old, new = [f"r{i}" for i in range(8)], [f"n{i}" for i in range(8)]
+    policy = PrefixPolicy(PolicyConfig(join_past=join_past), replicas=old)
+    systems = [_chain(rng) for _ in range(48)]
+    flying: list = []
+    after: dict[str, float] = {r: 0.0 for r in old + new}
+    for t in range(1152):  # the rate doubles with the fleet, at request 576
+        if t == 576:
+            policy.update_replicas(ReplicaView(r) for r in old + new)
+        ch, now = systems[rng.randrange(48)] + _chain(rng, 2), t * 0.01 if t < 576 else 5.76 + (t - 576) * 0.005
+        r = policy.choose(ch, 2176, 256, now)[0]
+        flying.append(policy.on_routed(r, ch, 2176, 256, now))
+        if len(flying) > 16:
+            policy.on_finished(flying.pop(0))
+        if t >= 576:
+            after[r] += flying[-1].cost
+    mean = sum(after.values()) / len(after)
+    return max(after.values()) / mean, sum(after[r] for r in old) / sum(after.values())
+
+
+def test_a_join_forgets_enough_of_the_past_that_old_holders_stay_level_with_newcomers():
+    # the replicas holding the prefixes (the old ones: affinity prefers them) may take up to the
+    # work bound, (1 + ε_w) × the mean work lately; with the past kept whole at a doubling that is
+    # ε_w × the past beyond the mean of the work after it, and the newcomers get the rest
+    kept, kept_old = _after_scale_up_max_mean(1.0)
+    level, level_old = _after_scale_up_max_mean(PolicyConfig().join_past)
+    assert level <= 1.3 < kept
+    assert 0.4 <= level_old < kept_old

@@ -293,16 +293,19 @@ class DecayingArray(Decaying):
         scale = self.clock.scale(now)
         return self._v[key] / scale
 
-    def join(self, keys: Sequence[int], among: int) -> None:
-        """Keys `keys` (at 0) join `among` existing ones: the total is kept, spread as over the
-        larger set (each existing sum × among / (among + joined)), and the newcomers start at the
-        new mean. Scale-free: all stored sums share one scale."""
+    def join(self, keys: Sequence[int], among: int, past: float = 1.0) -> None:
+        """Keys `keys` (at 0) join `among` existing ones: each existing sum × f^past, with f =
+        among / (among + joined), and the newcomers start at the existing ones' new mean. With
+        past = 1 the total is kept, spread as over the larger set; a larger `past` also forgets
+        that much more of it. Scale-free: all stored sums share one scale."""
         if among <= 0 or not keys:
             return
-        v, f = self._v, among / (among + len(keys))
+        v, f = self._v, (among / (among + len(keys))) ** past
         for k in range(len(v)):
             v[k] *= f
-        mean = self._total / (among + len(keys))
+        self._total *= f
+        mean = self._total / among
+        self._total += mean * len(keys)
         for k in keys:
             v[k] = mean
 
@@ -382,6 +385,11 @@ class PolicyConfig:
     load_weight: float = 0.25  # score = matched tokens − load_weight × load
     fanout_fill: float = 1.0  # a prefix gets a home member per this fraction of a mean replica it fills
     half_life_s: float = 10.0  # of the routed-work rates (per replica, per prefix) and placements
+    # at a join of j replicas to n, the work routed lately is rescaled by (n / (n + j))^join_past
+    # and the newcomers start at the mean: 1 keeps the work done; more forgets more of the past,
+    # whose ε-share would otherwise let the replicas holding the prefixes (the old ones, which
+    # affinity prefers) take ε × the past beyond the mean of the work after the join
+    join_past: float = 3.0
     spare: int = 2  # rendezvous candidates scored beyond the prefix's home set
     hot_sample: int = 3  # members sampled from a home set wider than this
     max_holders: int = 2  # replicas the index says hold the prefix, scored besides the window
@@ -462,7 +470,7 @@ class PrefixPolicy:
                 for a in (self._own, self._external, self._load):
                     a.append(0.0)
         self._rate.resize(len(self._own))
-        self._rate.join([self._pos[r] for r in added], len(self._pos) - len(added))
+        self._rate.join([self._pos[r] for r in added], len(self._pos) - len(added), self.config.join_past)
         self._hrw.add(added)
         for v in views:
             if v.others is not None:
