@@ -189,7 +189,7 @@ def test_each_test_file_says_what_it_tests():
 # Constructors still over the bound (issue 49 item 2), each to take a config or a small shape
 # object: the FlashInfer wrappers and fixed TPP plans (GPU-only paths, changed with a GPU run),
 # the model's tensor-parallel layers, the replica deployment's bind arguments, its text stream,
-# the local cluster's options and the ingress's formatters (its split).
+# the local cluster's options, OpenAI's error body and the response formatters.
 WIDE_CONSTRUCTORS = {
     "chunkserve.kernels.fi_decode.FlashInferDecode",
     "chunkserve.kernels.paged_prefill.FlashInferPrefill",
@@ -200,9 +200,9 @@ WIDE_CONSTRUCTORS = {
     "chunkserve.replicas.deployment.LLMReplica",
     "chunkserve.replicas.deployment._TextStream",
     "chunkserve.cluster.local.LocalCluster",
-    "chunkserve.cluster.ingress.APIError",
-    "chunkserve.cluster.ingress._CompletionFormat",
-    "chunkserve.cluster.ingress._ChatFormat",
+    "chunkserve.cluster.errors.APIError",
+    "chunkserve.cluster.responses.CompletionFormat",
+    "chunkserve.cluster.responses.ChatFormat",
 }
 
 
