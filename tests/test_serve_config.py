@@ -104,7 +104,7 @@ def test_sparse_options_the_config_refuses_blockunion_refuses_too(sparse):
 
 def test_direct_streams_bind_the_replicas_bound():
     _, llm = _replica(build_app({"device": "cpu", "max_ongoing_requests": 8, "router": {"direct_stream": True}}))
-    assert llm.init_args[-1] == 8  # the replica bounds its engine's requests from both paths at this
+    assert llm.init_args[1].direct_streams == 8  # the replica bounds its engine's requests from both paths at this
 
 
 def test_api_key_from_the_environment(monkeypatch):
@@ -139,13 +139,16 @@ def test_build_app_binds_ingress_and_replicas():
     assert llm.num_replicas == 3 and llm.max_ongoing_requests == 8 and llm.max_queued_requests == 5
     assert llm.backpressure_config.retry_after_s == 2
     assert llm.ray_actor_options["num_gpus"] == 0
-    engine_config, served_name, route_chunks, cpus_per_rank, warm_up, stream_interval_ms, direct = llm.init_args
-    assert direct is None  # no direct streams unless router.direct_stream
+    engine_config, options = llm.init_args
+    assert options.direct_streams is None  # no direct streams unless router.direct_stream
     assert engine_config.device == "cpu" and engine_config.tp_size == 1
-    assert stream_interval_ms == 50  # the default: a stream's steps gathered per 50 ms
-    assert warm_up is False  # warmup: None, on GPUs only
-    assert (served_name, route_chunks) == ("tiny", 32)  # the digest is seeded as the ingress hashes
-    assert cpus_per_rank == 1  # the tensor-parallel ranks' actors (none here) would take the bundle's CPUs
+    assert options.stream_interval_ms == 50  # the default: a stream's steps gathered per 50 ms
+    assert options.warm_up is False  # warmup: None, on GPUs only
+    assert (options.served_model_name, options.route_chunks) == (
+        "tiny",
+        32,
+    )  # the digest is seeded as the ingress hashes
+    assert options.cpus_per_rank == 1  # the tensor-parallel ranks' actors (none here) would take the bundle's CPUs
     assert llm._replica_config.placement_group_bundles is None
 
 
@@ -162,14 +165,14 @@ def test_build_app_tensor_parallel_bundles_and_autoscaling():
     )
     assert llm._replica_config.placement_group_bundles == [{"CPU": 4, "GPU": 1}] * 2
     assert llm._replica_config.placement_group_strategy == "STRICT_PACK"
-    assert llm.init_args[-1] is None
+    assert llm.init_args[1].direct_streams is None
     assert llm.ray_actor_options == {"num_cpus": 4, "num_gpus": 1}
     assert llm._deployment_config.autoscaling_config.max_replicas == 6
     assert llm.init_args[0].device == "cuda" and llm.init_args[0].tp_size == 2
-    assert llm.init_args[3] == 4  # each tensor-parallel rank's actor takes its bundle's CPUs
-    assert llm.init_args[4] is True  # GPU replicas warm up by default
+    assert llm.init_args[1].cpus_per_rank == 4  # each tensor-parallel rank's actor takes its bundle's CPUs
+    assert llm.init_args[1].warm_up is True  # GPU replicas warm up by default
     _, llm = _replica(build_app({"device": "cuda", "warmup": False}))
-    assert llm.init_args[4] is False
+    assert llm.init_args[1].warm_up is False
 
 
 def test_build_app_gpu_share():

@@ -14,7 +14,7 @@ from ray.serve import Application
 
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.ingress import OpenAIIngress
-from chunkserve.replicas.deployment import LLMReplica
+from chunkserve.replicas.deployment import LLMReplica, ReplicaOptions
 from chunkserve.replicas.engine.llm_engine import EngineConfig
 
 PREFIX_ROUTER = "chunkserve.router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §3)
@@ -31,15 +31,15 @@ def build_app(args: dict[str, Any]) -> Application:
         **config.engine.model_dump(),
     )
     # the replica seeds its cache digest as the ingress seeds prompt hashes: by the served model name
-    llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(
-        engine_config,
-        config.model_name,
-        config.router.route_chunks,
-        config.num_cpus_per_replica,
-        use_gpu if config.warmup is None else config.warmup,
-        config.stream_interval_ms,
-        config.max_ongoing_requests if config.router.direct_stream else None,
+    options = ReplicaOptions(
+        served_model_name=config.model_name,
+        route_chunks=config.router.route_chunks,
+        cpus_per_rank=config.num_cpus_per_replica,
+        warm_up=use_gpu if config.warmup is None else config.warmup,
+        stream_interval_ms=config.stream_interval_ms,
+        direct_streams=config.max_ongoing_requests if config.router.direct_stream else None,
     )
+    llm = LLMReplica.options(name="LLMReplica", **_replica_options(config, use_gpu)).bind(engine_config, options)
     ingress = OpenAIIngress.options(
         name="OpenAIIngress",
         num_replicas=config.ingress.num_replicas,

@@ -91,37 +91,46 @@ class _Stream:
     outputs: asyncio.Queue[RequestOutput | EngineDied]  # one per step; EngineDied if the engine process dies
 
 
+@dataclass(frozen=True)
+class ReplicaOptions:
+    """How a replica serves its engine, besides the engine's own config (build_app fills it from
+    the AppConfig).
+
+    served_model_name: seeds the routing events' hashes as the ingress seeds prompt hashes
+    (chunkserve/router/hashing.py); None: the engine's model. route_chunks: the leading chunks of a
+    prompt the router hashes. cpus_per_rank: each tensor-parallel rank's actor's CPUs (its bundle's).
+    warm_up: compile the kernels before the replica reports ready. stream_interval_ms: a stream's
+    outputs after its first are sent at most this often, the steps between gathered into one
+    (each send is a Ray message, and one more at the ingress to the proxy: per token, the ingress
+    and proxy bound the stack's tokens per second); 0: one a step. direct_streams: take
+    ingresses' direct streams (chunkserve/replicas/direct_stream.py) while the replica holds
+    fewer requests than this (its max_ongoing_requests); None: none."""
+
+    served_model_name: str | None = None
+    route_chunks: int = 32
+    cpus_per_rank: float = 1
+    warm_up: bool = False
+    stream_interval_ms: float = 0
+    direct_streams: int | None = None
+
+
 @serve.deployment
 class LLMReplica:
     TP_PING_TIMEOUT_S = 20.0  # a tensor-parallel rank that does not answer a health check ping in this is dead
 
-    def __init__(
-        self,
-        engine_config: EngineConfig,
-        served_model_name: str | None = None,
-        route_chunks: int = 32,
-        cpus_per_rank: float = 1,
-        warm_up: bool = False,
-        stream_interval_ms: float = 0,
-        direct_streams: int | None = None,
-    ):
-        """stream_interval_ms: a stream's outputs after its first are sent at most this often, the
-        steps between gathered into one (each send is a Ray message, and one more at the ingress
-        to the proxy: per token, the ingress and proxy bound the stack's tokens per second); 0:
-        one a step. direct_streams: take ingresses' direct streams (chunkserve/replicas/direct_stream.py)
-        while the replica holds fewer requests than this (its max_ongoing_requests); None: none."""
-        self._stream_interval_s = stream_interval_ms / 1000
+    def __init__(self, engine_config: EngineConfig, options: ReplicaOptions = ReplicaOptions()):
+        self._stream_interval_s = options.stream_interval_ms / 1000
         self._tp_ranks: list = []  # ranks 1 .. n-1 (Ray actors) of a tensor-parallel replica
         rendezvous, check = None, None
         if engine_config.tp_size > 1:
-            engine_config, self._tp_ranks, rendezvous, check = _start_tp_ranks(engine_config, cpus_per_rank)
+            engine_config, self._tp_ranks, rendezvous, check = _start_tp_ranks(engine_config, options.cpus_per_rank)
         # the router's view of this replica's tree: routing events, hashes seeded by the served model
         # name as the ingress hashes prompts (chunkserve/router/hashing.py), taken between steps.
         # Built and warmed up (kernels compiled) before the replica reports ready: Serve waits for __init__.
         self.core = EngineProcess(
             engine_config,
-            warm_up=warm_up,
-            route_events=(served_model_name or engine_config.model, route_chunks),
+            warm_up=options.warm_up,
+            route_events=(options.served_model_name or engine_config.model, options.route_chunks),
             tp_rendezvous=rendezvous,
             while_waiting=check,
         )
@@ -141,11 +150,11 @@ class LLMReplica:
         self.core.start_receiving(loop, self._on_step, self._on_death)
         self._direct: StreamServer | None = None
         self._slots: _Slots | None = None
-        if direct_streams is not None:
+        if options.direct_streams is not None:
             # Serve counts only its own calls against max_ongoing_requests: with direct streams
             # the replica bounds the requests in its engine itself, from both paths; Serve's calls
             # past it wait here in order, a direct one past it goes through Serve instead
-            self._slots = slots = _Slots(direct_streams)
+            self._slots = slots = _Slots(options.direct_streams)
             self._direct = StreamServer(ray.util.get_node_ip_address(), self._generate_direct, slots.free)
             loop.create_task(self._direct.start())
 
