@@ -18,7 +18,7 @@ from chunkserve.cluster.protocol import (
     TokenizeRequest,
     Usage,
 )
-from chunkserve.replicas.deployment import _take, _TextStream
+from chunkserve.replicas.deployment import _Stops, _take, _TextStream
 from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import RequestOutput
 from chunkserve.replicas.model import load_tokenizer
@@ -476,30 +476,30 @@ def _run(stream: _TextStream, tokenizer, text: str) -> tuple[str, bool]:
 def test_text_stream_stop_strings_and_utf8():
     tok = load_tokenizer("tiny")
     prompt = tuple(tok.encode("p"))
-    assert _run(_TextStream(tok, prompt, ()), tok, "héllo wörld €") == ("héllo wörld €", False)
-    assert _run(_TextStream(tok, prompt, ("wör",)), tok, "héllo wörld") == ("héllo ", True)
-    assert _run(_TextStream(tok, prompt, ("zzz", "lo")), tok, "héllo wörld") == ("hél", True)
+    assert _run(_TextStream(tok, prompt), tok, "héllo wörld €") == ("héllo wörld €", False)
+    assert _run(_TextStream(tok, prompt, _Stops(("wör",))), tok, "héllo wörld") == ("héllo ", True)
+    assert _run(_TextStream(tok, prompt, _Stops(("zzz", "lo"))), tok, "héllo wörld") == ("hél", True)
     # min_tokens: no stop string is looked for before that many tokens (byte tokens here: "lo"
     # ends at token 5 of "héllo", é being two; from token 7 on, "wör" ends at 11)
-    assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=5), tok, "héllo wörld") == ("hél", True)
-    assert _run(_TextStream(tok, prompt, ("lo", "wör"), min_tokens=7), tok, "héllo wörld") == ("héllo ", True)
-    assert _run(_TextStream(tok, prompt, ("lo",), min_tokens=7), tok, "héllo wörld") == ("héllo wörld", False)
+    assert _run(_TextStream(tok, prompt, _Stops(("lo", "wör"), min_tokens=5)), tok, "héllo wörld") == ("hél", True)
+    assert _run(_TextStream(tok, prompt, _Stops(("lo", "wör"), min_tokens=7)), tok, "héllo wörld") == ("héllo ", True)
+    assert _run(_TextStream(tok, prompt, _Stops(("lo",), min_tokens=7)), tok, "héllo wörld") == ("héllo wörld", False)
     # vLLM's include_stop_str_in_output: the text ends after the stop string
-    assert _run(_TextStream(tok, prompt, ("wör",), include_stop=True), tok, "héllo wörld") == ("héllo wör", True)
-    assert _run(_TextStream(tok, prompt, ("zzz", "lo"), include_stop=True), tok, "héllo wörld") == ("héllo", True)
+    assert _run(_TextStream(tok, prompt, _Stops(("wör",), include=True)), tok, "héllo wörld") == ("héllo wör", True)
+    assert _run(_TextStream(tok, prompt, _Stops(("zzz", "lo"), include=True)), tok, "héllo wörld") == ("héllo", True)
     # vLLM's skip_special_tokens=False: special tokens' text too
     ids = tok.encode("ab", add_special_tokens=False) + [257] + tok.encode("c", add_special_tokens=False)
     for skip, want in ((True, "abc"), (False, "ab<|eos|>c")):
-        stream = _TextStream(tok, prompt, (), skip_special_tokens=skip)
+        stream = _TextStream(tok, prompt, skip_special_tokens=skip)
         assert "".join(stream.push((t,), final=i == len(ids) - 1)[0] for i, t in enumerate(ids)) == want
     # the last len(longest stop) - 1 chars are held back (they may begin a stop string) until the end
-    stream = _TextStream(tok, prompt, ("abc",))
+    stream = _TextStream(tok, prompt, _Stops(("abc",)))
     assert stream.push(tuple(tok.encode("xab", add_special_tokens=False)), final=False) == ("x", False)
     assert stream.push(tuple(tok.encode("d", add_special_tokens=False)), final=False) == ("a", False)
     assert stream.push(tuple(tok.encode("e", add_special_tokens=False)), final=True) == ("bde", False)
     # a trailing incomplete character is flushed when the request ends
     euro = tok.encode("€", add_special_tokens=False)
-    stream = _TextStream(tok, prompt, ())
+    stream = _TextStream(tok, prompt)
     assert stream.push(tuple(euro[:2]), final=True) == (tok.decode(euro[:2]), False)
 
 
@@ -509,7 +509,7 @@ def test_text_stream_keeps_only_the_text_not_yet_sent():
     text so far, for each stop string at each token)."""
     tok = load_tokenizer("tiny")
     stops = ("abc", "z" * 40)
-    stream, sent, kept = _TextStream(tok, tuple(tok.encode("p")), stops), "", 0
+    stream, sent, kept = _TextStream(tok, tuple(tok.encode("p")), _Stops(stops)), "", 0
     text = "lorem ipsum dolor sit amet, " * 200  # 5600 byte tokens, no stop string
     for t in tok.encode(text, add_special_tokens=False):
         new, stopped = stream.push((t,), final=False)
@@ -541,7 +541,7 @@ def test_a_requests_choices_hold_one_copy_of_its_stop_strings_in_the_replica():
     ]
     assert got == sent and got[0].stop == stop and got[0].stop is not stop  # (a copy of this process's own)
     assert all(r.stop is got[0].stop for r in got) and len(HELD_STOPS) == 1
-    streams = [_TextStream(tok, r.prompt_token_ids, r.stop) for r in got]
+    streams = [_TextStream(tok, r.prompt_token_ids, _Stops(r.stop)) for r in got]
     assert all(s._stop is got[0].stop for s in streams)
     other = pickle.loads(pickle.dumps(dataclasses.replace(sent[0], stop=("other",))))
     assert other.stop == ("other",) and len(HELD_STOPS) == 2
@@ -583,23 +583,23 @@ def test_a_stop_string_inside_a_batch_of_steps_ends_text_tokens_and_usage_there(
     upto = next(i for i in range(len(ids)) if "STOP" in tok.decode(ids[: i + 1])) + 1  # tokens through the stop
     assert upto < len(ids) - 2
     batch = _outputs(ids, per_step, finish)
-    got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
+    got = _take(_TextStream(tok, prompt, _Stops(("STOP",))), batch)
     assert got.stopped and got.reason == "stop" and got.text == "ab cd "
     assert got.token_ids == tuple(ids[:upto]) and got.output_tokens == upto and got.logprobs is None
     # logprobs stay with their tokens: through the stop string's, none after
     batch = _outputs(ids, per_step, finish, logprobs=True)
     batch[0] = batch[0]._replace(prompt_logprobs=[None, (-1.0, ())])  # the first output's
-    got = _take(_TextStream(tok, prompt, ("STOP",)), batch)
+    got = _take(_TextStream(tok, prompt, _Stops(("STOP",))), batch)
     assert got.token_ids == tuple(ids[:upto]) and got.logprobs == tuple((-t, ((t, -t),)) for t in ids[:upto])
     assert got.prompt_logprobs == (None, (-1.0, ()))
     assert got.engine_done == (finish is not None)  # only then does the engine hold it no more
     # without the stop string the whole batch goes, and its end with the last step
-    got = _take(_TextStream(tok, prompt, ()), batch)
+    got = _take(_TextStream(tok, prompt), batch)
     assert not got.stopped and got.token_ids == tuple(ids) and got.output_tokens == len(ids)
     assert got.reason == finish and got.engine_done == (finish is not None)
     assert got.text == (tok.decode(ids) if finish else got.text) and tok.decode(ids).startswith(got.text)
     # step by step, the same text and the same end
-    stream, sent = _TextStream(tok, prompt, ("STOP",)), ""
+    stream, sent = _TextStream(tok, prompt, _Stops(("STOP",))), ""
     for out in batch:
         got = _take(stream, [out])
         sent += got.text

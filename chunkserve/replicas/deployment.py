@@ -164,14 +164,8 @@ class LLMReplica:
         entered = time.perf_counter()
         self._raise_if_dead()
         rid = request.request_id
-        text = _TextStream(
-            self.tokenizer,
-            request.prompt_token_ids,
-            request.stop,
-            request.params.min_tokens,
-            request.skip_special_tokens,
-            request.include_stop_str_in_output,
-        )
+        stops = _Stops(request.stop, request.params.min_tokens, request.include_stop_str_in_output)
+        text = _TextStream(self.tokenizer, request.prompt_token_ids, stops, request.skip_special_tokens)
         if request.params.guided is not None:
             # compiled in the engine process off its step loop (seconds for a large schema and
             # vocabulary): its add then finds it cached (a ValueError for a bad guide reaches the caller)
@@ -478,14 +472,24 @@ def _tuple(logprobs: list | None) -> tuple | None:
     return None if logprobs is None else tuple(logprobs)
 
 
+@dataclass(frozen=True)
+class _Stops:
+    """A request's stop strings and how they end its text: looked for from the min_tokens-th
+    token on; include: the text ends after the stop string instead of before it (vLLM's
+    include_stop_str_in_output)."""
+
+    strings: tuple[str, ...] = ()
+    min_tokens: int = 0
+    include: bool = False
+
+
 class _TextStream:
     """One request's output text: incremental detokenization and stop strings.
 
     Text that could still be the start of a stop string is held back (longest stop - 1 chars);
-    on a stop string the text ends right before it. Stop strings are looked for from the
-    min_tokens-th token on (vLLM: text before it is not searched again). vLLM's options:
-    skip_special_tokens=False renders special tokens' text; include_stop=True ends the text after
-    the stop string instead.
+    on a stop string the text ends right before it (after it: stops.include). Stop strings are
+    looked for from the stops.min_tokens-th token on (vLLM: text before it is not searched
+    again). vLLM's skip_special_tokens=False renders special tokens' text.
 
     Only the text not yet sent is kept: a stop string found now ends in the new text, so it
     begins in the held-back part at the earliest, and each token's search covers, per stop
@@ -497,18 +501,17 @@ class _TextStream:
         self,
         tokenizer: Tokenizer | None,
         prompt_ids: tuple[int, ...],
-        stop: tuple[str, ...],
-        min_tokens: int = 0,
+        stops: _Stops = _Stops(),
         skip_special_tokens: bool = True,
-        include_stop: bool = False,
     ):
+        stop = stops.strings
         if stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer and this model has none")
         self._detok = (
             None if tokenizer is None else IncrementalDetokenizer(tokenizer, list(prompt_ids), skip_special_tokens)
         )
-        self._stop, self._include_stop = stop, include_stop
-        self._min_tokens, self._tokens = min_tokens, 0
+        self._stop, self._include_stop = stop, stops.include
+        self._min_tokens, self._tokens = stops.min_tokens, 0
         self._hold = max(map(len, stop), default=1) - 1
         self._text = ""  # not yet sent: at most _hold chars between pushes
 
