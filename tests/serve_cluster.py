@@ -12,13 +12,12 @@ def serve_on_local_cluster(num_nodes: int, include_dashboard: bool = False):
     import ray
     from ray import serve
 
-    from chunkserve.cluster.local import LocalCluster
+    from chunkserve.cluster.local import LocalCluster, NodeSpec
 
     # the dashboard on a free port: another cluster on this machine may hold the default one
     with LocalCluster(
         num_nodes=num_nodes,
-        num_cpus_per_node=2,
-        object_store_bytes=100 * 2**20,
+        node=NodeSpec(cpus=2, object_store_bytes=100 * 2**20),
         include_dashboard=include_dashboard,
         dashboard_port=free_port() if include_dashboard else None,
     ) as c:

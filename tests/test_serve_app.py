@@ -21,7 +21,7 @@ import openai
 import pytest
 import yaml
 
-from chunkserve.cluster.local import LocalCluster
+from chunkserve.cluster.local import LocalCluster, NodeSpec
 from chunkserve.cluster.protocol import ChatCompletionRequest
 from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.engine.llm_engine import LLMEngine, SamplingParams
@@ -52,7 +52,7 @@ def server(tmp_path_factory):
     base = f"http://{host}:{port}"
     log_path = tmp_path_factory.mktemp("serve") / "serve-run.log"
     with (
-        LocalCluster(num_nodes=1, num_cpus_per_node=2, object_store_bytes=100 * 2**20) as cluster,
+        LocalCluster(num_nodes=1, node=NodeSpec(cpus=2, object_store_bytes=100 * 2**20)) as cluster,
         open(log_path, "w") as log,
     ):
         proc = subprocess.Popen(

@@ -37,7 +37,7 @@ from ray.serve.schema import ServeDeploySchema
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.config import AppConfig
 from chunkserve.cluster.ingress import REPLICA_HEADER
-from chunkserve.cluster.local import LocalCluster
+from chunkserve.cluster.local import LocalCluster, NodeSpec
 from chunkserve.replicas.engine.distributed import free_port
 from tests.serve_cluster import wait_until_serving
 
@@ -307,13 +307,8 @@ def test_serve_deploy_updates_in_place_while_requests_stream_then_shutdown(tmp_p
     dashboard = f"http://127.0.0.1:{dashboard_port}"
     # 4 logical CPUs on one node: two replicas of 1 CPU each, and room for replacements while old
     # replicas drain
-    with LocalCluster(
-        num_nodes=1,
-        num_cpus_per_node=4,
-        object_store_bytes=100 * 2**20,
-        include_dashboard=True,
-        dashboard_port=dashboard_port,
-    ) as cluster:
+    node = NodeSpec(cpus=4, object_store_bytes=100 * 2**20)
+    with LocalCluster(num_nodes=1, node=node, include_dashboard=True, dashboard_port=dashboard_port) as cluster:
         ray.init(address=cluster.address)
         _deploy(config, tmp_path / "v1.yaml", dashboard)
         wait_until_serving(base, STARTUP_S)

@@ -3,7 +3,7 @@
 Each node has its own node id, raylet, object store and resources, so Serve schedules replicas
 across them as it would across machines. For tests, demos and load tests:
 
-    with LocalCluster(num_nodes=3, num_cpus_per_node=2) as cluster:
+    with LocalCluster(num_nodes=3, node=NodeSpec(cpus=2)) as cluster:
         ray.init(address=cluster.address)
         ...
 
@@ -14,19 +14,28 @@ from __future__ import annotations
 
 import argparse
 import signal
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import ray
 from ray.cluster_utils import Cluster
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """What each node of a LocalCluster has: logical CPUs, GPUs, object store, custom resources."""
+
+    cpus: float = 2
+    gpus: int = 0
+    object_store_bytes: int = 200 * 2**20
+    resources: Mapping[str, float] = field(default_factory=dict)
 
 
 class LocalCluster:
     def __init__(
         self,
         num_nodes: int = 3,
-        num_cpus_per_node: float = 2,
-        num_gpus_per_node: int = 0,
-        object_store_bytes: int = 200 * 2**20,
-        resources_per_node: dict[str, float] | None = None,
+        node: NodeSpec = NodeSpec(),
         include_dashboard: bool = False,
         dashboard_port: int | None = None,
     ):
@@ -38,10 +47,10 @@ class LocalCluster:
         self.include_dashboard = include_dashboard
         self.dashboard_port = dashboard_port
         self._node_args = {
-            "num_cpus": num_cpus_per_node,
-            "num_gpus": num_gpus_per_node,
-            "object_store_memory": object_store_bytes,
-            "resources": resources_per_node or {},
+            "num_cpus": node.cpus,
+            "num_gpus": node.gpus,
+            "object_store_memory": node.object_store_bytes,
+            "resources": dict(node.resources),
         }
         self._cluster: Cluster | None = None
 
@@ -96,9 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--object-store-mb", type=int, default=200)
     ap.add_argument("--dashboard", action="store_true", help="start the dashboard (for `serve deploy`, `ray list`)")
     args = ap.parse_args(argv)
-    with LocalCluster(
-        args.nodes, args.cpus, args.gpus, args.object_store_mb * 2**20, include_dashboard=args.dashboard
-    ) as cluster:
+    node = NodeSpec(args.cpus, args.gpus, args.object_store_mb * 2**20)
+    with LocalCluster(args.nodes, node, include_dashboard=args.dashboard) as cluster:
         print(
             f"{args.nodes}-node Ray cluster at {cluster.address}; "
             f"e.g. serve run --address {cluster.address} configs/local.yaml; Ctrl-C stops it",

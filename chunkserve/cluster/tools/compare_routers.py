@@ -34,7 +34,7 @@ from ray import serve
 
 from chunkserve.cluster.app import build_app
 from chunkserve.cluster.ingress import REPLICA_HEADER
-from chunkserve.cluster.local import LocalCluster
+from chunkserve.cluster.local import LocalCluster, NodeSpec
 from chunkserve.replicas.engine.distributed import free_port
 
 
@@ -128,7 +128,7 @@ def main() -> None:
     p.add_argument("--policies", default="prefix,pow2")
     args = p.parse_args()
     port = free_port()
-    with LocalCluster(num_nodes=args.nodes, num_cpus_per_node=args.cpus_per_node) as cluster:
+    with LocalCluster(num_nodes=args.nodes, node=NodeSpec(cpus=args.cpus_per_node)) as cluster:
         ray.init(address=cluster.address, log_to_driver=False)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         try:
