@@ -1,7 +1,8 @@
 """The ingress's errors: OpenAI's error body, what a failure tells the client, and the app's handlers.
 
 APIError is an HTTP error answered with {"error": {"message", "type", "param", "code"}} (and
-counted by code, chunkserve/cluster/metrics.py). server_error logs a failure with the request's
+counted by code, chunkserve/cluster/metrics.py); its subclasses NotFoundError, RateLimitError and
+ServerError set the type. server_error logs a failure with the request's
 Serve id and tells the client only that id; unavailable and deadline_exceeded are the 503s of an
 overloaded model. install() makes FastAPI answer every error in that body: an unknown route, an
 unexpected exception, a client gone (499, logged as no error)."""
@@ -35,14 +36,16 @@ def client_left(e: Exception) -> bool:
 
 
 class APIError(Exception):
-    """An HTTP error answered with OpenAI's error body."""
+    """An HTTP error answered with OpenAI's error body; the body's type is the class's (OpenAI's
+    own for a 404 of an unknown model, as for a 401: invalid_request_error)."""
+
+    error_type = "invalid_request_error"
 
     def __init__(
         self,
         status: int,
         message: str,
         *,
-        type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
@@ -50,7 +53,7 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.headers = status, headers
         self.detail = ErrorDetail(
-            message=_text(message), type=type, param=None if param is None else _text(param), code=code
+            message=_text(message), type=self.error_type, param=None if param is None else _text(param), code=code
         )
 
     def response(self) -> JSONResponse:
@@ -58,6 +61,24 @@ class APIError(Exception):
         return JSONResponse(
             ErrorResponse(error=self.detail).model_dump(), status_code=self.status, headers=self.headers
         )
+
+
+class NotFoundError(APIError):
+    """An unknown route's 404."""
+
+    error_type = "not_found_error"
+
+
+class RateLimitError(APIError):
+    """A tenant over its rate (429)."""
+
+    error_type = "rate_limit_error"
+
+
+class ServerError(APIError):
+    """The server's failure or overload (5xx)."""
+
+    error_type = "server_error"
 
 
 def _text(s: str) -> str:
@@ -70,20 +91,17 @@ def serve_request_id() -> str:
     return serve_context._get_serve_request_context().request_id or str(uuid.uuid4())
 
 
-def server_error(e: BaseException, request_id: str | None = None) -> APIError:
+def server_error(e: BaseException, request_id: str | None = None) -> ServerError:
     """e logged here with the request's id; the client's error names that id and nothing else of
     e (a replica's death carries actor ids, pids, node addresses and Ray's advice)."""
     rid = request_id or serve_request_id()
     replica = isinstance(e, (RayActorError, RayTaskError, EngineDied, StreamLost))
     logger.error("request %s failed (%s)", rid, "a model replica failed" if replica else "internal error", exc_info=e)
     if replica:
-        return APIError(
-            500,
-            f"the model replica serving this request failed; retry it (request id {rid})",
-            type="server_error",
-            code="replica_failed",
+        return ServerError(
+            500, f"the model replica serving this request failed; retry it (request id {rid})", code="replica_failed"
         )
-    return APIError(500, f"internal server error (request id {rid})", type="server_error", code="internal_error")
+    return ServerError(500, f"internal server error (request id {rid})", code="internal_error")
 
 
 def request_refused(e: Exception) -> ValueError | None:
@@ -92,21 +110,18 @@ def request_refused(e: Exception) -> ValueError | None:
     return cause if isinstance(cause, ValueError) and not isinstance(cause, RayError) else None
 
 
-def unavailable(e: Exception) -> APIError:
+def unavailable(e: Exception) -> ServerError:
     retry_after = getattr(e, "retry_after_s", None)
     headers = {"Retry-After": str(max(1, math.ceil(retry_after)))} if retry_after is not None else None
-    return APIError(
-        503, f"the model is overloaded, retry later ({e})", type="server_error", code="overloaded", headers=headers
-    )
+    return ServerError(503, f"the model is overloaded, retry later ({e})", code="overloaded", headers=headers)
 
 
-def deadline_exceeded(config: AppConfig) -> APIError:
+def deadline_exceeded(config: AppConfig) -> ServerError:
     """A request with no first output within config.request_deadline_s."""
-    return APIError(
+    return ServerError(
         503,
         f"the request got no output within its deadline of {config.request_deadline_s:g} s "
         "(request_deadline_s): the model is overloaded, retry later",
-        type="server_error",
         code="deadline_exceeded",
         headers={"Retry-After": str(max(1, math.ceil(config.retry_after_s)))},
     )
@@ -127,12 +142,8 @@ async def _api_error(_: Request, e: APIError) -> JSONResponse:
 
 async def _http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
     # an unknown route (404) or method (405): OpenAI's error body rather than FastAPI's {"detail"}
-    return APIError(
-        e.status_code,
-        str(e.detail),
-        type="not_found_error" if e.status_code == 404 else "invalid_request_error",
-        headers=getattr(e, "headers", None),
-    ).response()
+    error = NotFoundError if e.status_code == 404 else APIError
+    return error(e.status_code, str(e.detail), headers=getattr(e, "headers", None)).response()
 
 
 async def _internal_error(_: Request, e: Exception) -> JSONResponse:

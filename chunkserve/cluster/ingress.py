@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from chunkserve.cluster import errors
 from chunkserve.cluster import metrics as cluster_metrics
 from chunkserve.cluster.config import AppConfig
-from chunkserve.cluster.errors import APIError
+from chunkserve.cluster.errors import APIError, RateLimitError, ServerError
 from chunkserve.cluster.front import HTTPFront
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.cluster.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -157,11 +157,8 @@ class OpenAIIngress:
         if states.get("RUNNING", 0) > 0:
             return JSONResponse({"ready": True, "model_replicas": states})
         doing = ", ".join(f"{n} {state.lower()}" for state, n in states.items()) or "none deployed"
-        raise APIError(
-            503,
-            f"not ready: no model replica is running and warmed up (model replicas: {doing})",
-            type="server_error",
-            code="not_ready",
+        raise ServerError(
+            503, f"not ready: no model replica is running and warmed up (model replicas: {doing})", code="not_ready"
         )
 
     @app.get("/metrics")
@@ -308,10 +305,9 @@ class OpenAIIngress:
                 self.tenants.admit(tenant)
                 return await answer
             except RateLimited as e:  # (admit's, before the body is read; or its prompt's tokens, as sent)
-                raise APIError(
+                raise RateLimitError(
                     429,
                     str(e),
-                    type="rate_limit_error",
                     code="rate_limit_exceeded",
                     headers={"Retry-After": retry_after(e.retry_after_s)},
                 ) from None
