@@ -15,6 +15,7 @@ from chunkserve.cluster.loadtest import client
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.cluster.responses import (
     CompletionFormat,
+    ResponseHead,
     exclude_fields,
     server_timing,
     sse_response,
@@ -45,7 +46,7 @@ def _out(text: str, ids: tuple[int, ...], finish: str | None = None, tokens: int
 
 
 def _events(outs: list[GenerateOutput]) -> list[dict]:
-    fmt = CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    fmt = CompletionFormat(ResponseHead("cmpl-1", "m", 1, False, TokenTexts(None)), [[1, 2, 3]])
     rest = _Outputs(outs[1:])
     response = sse_response([(outs[0], rest)], fmt, include_usage=True, headers={})
 
@@ -144,7 +145,7 @@ class _Recording(CompletionFormat):
     """A completions format noting the thread each body and chunk is formatted on."""
 
     def __init__(self, prompts: list[list[int]]):
-        super().__init__("cmpl-1", "m", prompts, 1, False, TokenTexts(None), ["p"] * len(prompts))
+        super().__init__(ResponseHead("cmpl-1", "m", 1, False, TokenTexts(None)), prompts, ["p"] * len(prompts))
         self.threads: list[threading.Thread] = []
 
     def whole(self, choices):
@@ -202,7 +203,7 @@ def test_a_client_gone_before_the_body_began_aborts_and_charges(spec):
     # the client left while the handler waited: sending the response's start fails (ASGI 2.4:
     # OSError; older: a disconnect is what receive says), so the body's generator never starts and
     # its own finally never runs; the response must still abort the replica's request and end it
-    fmt = CompletionFormat("cmpl-1", "m", [[1, 2, 3]], 1, False, TokenTexts(None))
+    fmt = CompletionFormat(ResponseHead("cmpl-1", "m", 1, False, TokenTexts(None)), [[1, 2, 3]])
     first = _out("A", (10,), tokens=1)
     rest = _Outputs([_out("B", (11,), tokens=2)])
     ended: list[list[GenerateOutput]] = []

@@ -188,7 +188,7 @@ def test_each_test_file_says_what_it_tests():
 
 # Constructors still over the bound (issue 49 item 2), each to take a config or a small shape
 # object: the FlashInfer wrappers and fixed TPP plans (GPU-only paths, changed with a GPU run),
-# the model's tensor-parallel layers and the response formatters.
+# and the model's tensor-parallel layers.
 WIDE_CONSTRUCTORS = {
     "chunkserve.kernels.fi_decode.FlashInferDecode",
     "chunkserve.kernels.paged_prefill.FlashInferPrefill",
@@ -196,8 +196,6 @@ WIDE_CONSTRUCTORS = {
     "chunkserve.replicas.model.layers.ColumnParallelLinear",
     "chunkserve.replicas.model.layers.MergedColumnParallelLinear",
     "chunkserve.replicas.model.layers.QKVParallelLinear",
-    "chunkserve.cluster.responses.CompletionFormat",
-    "chunkserve.cluster.responses.ChatFormat",
 }
 
 

@@ -7,7 +7,7 @@ from tokenizers import AddedToken
 
 from chunkserve.cluster.logprobs import TokenTexts
 from chunkserve.cluster.reasoning import ReasoningSplit, think_tags
-from chunkserve.cluster.responses import ChatFormat
+from chunkserve.cluster.responses import ChatFormat, ResponseHead
 from chunkserve.replicas.engine import LLMEngine, SamplingParams
 from chunkserve.replicas.engine.guided import Guide
 from chunkserve.replicas.model.tokenizer import Tokenizer
@@ -69,6 +69,9 @@ def test_unknown_parser_is_refused():
         ReasoningSplit("o1")
 
 
+HEAD = ResponseHead("chatcmpl-1", "m", 1, False, TokenTexts(Tokenizer.byte()))  # one choice, no token ids
+
+
 def _outputs(pieces: list[str], finish: str) -> list[GenerateOutput]:
     return [
         GenerateOutput(
@@ -92,7 +95,7 @@ def test_chat_messages_carry_reasoning_apart_then_content_and_calls(tools):
         '<think>Call it? Yes: <tool_call> it.</think>Sure.<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     )
     args = ("auto", "hermes") if tools else ("none", None)
-    fmt = ChatFormat("chatcmpl-1", "m", [1, 2, 3], 1, False, TokenTexts(Tokenizer.byte()), *args, "qwen3")
+    fmt = ChatFormat(HEAD, [1, 2, 3], *args, "qwen3")
     whole = fmt.whole([_outputs([text], "stop")]).choices[0]
     assert whole.message.reasoning_content == "Call it? Yes: <tool_call> it."
     if tools:
@@ -101,7 +104,7 @@ def test_chat_messages_carry_reasoning_apart_then_content_and_calls(tools):
     else:
         assert whole.message.content == text.split("</think>")[1] and whole.message.tool_calls is None
     for seed in range(6):
-        fmt = ChatFormat("chatcmpl-1", "m", [1, 2, 3], 1, False, TokenTexts(Tokenizer.byte()), *args, "qwen3")
+        fmt = ChatFormat(HEAD, [1, 2, 3], *args, "qwen3")
         chunks = [fmt.chunk(out, 0) for out in _outputs(_splits(text, seed), "stop")]
         deltas = [c.choices[0].delta for c in chunks if c is not None]
         assert deltas[0]["role"] == "assistant"
@@ -115,10 +118,10 @@ def test_chat_messages_carry_reasoning_apart_then_content_and_calls(tools):
 
 
 def test_an_output_all_thinking_has_no_content_and_a_plain_one_no_reasoning():
-    fmt = ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(Tokenizer.byte()), reasoning_parser="deepseek_r1")
+    fmt = ChatFormat(HEAD, [1], reasoning_parser="deepseek_r1")
     message = fmt.whole([_outputs(["thinking, cut sh"], "length")]).choices[0].message
     assert (message.reasoning_content, message.content) == ("thinking, cut sh", None)
-    fmt = ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(Tokenizer.byte()), reasoning_parser="qwen3")
+    fmt = ChatFormat(HEAD, [1], reasoning_parser="qwen3")
     body = fmt.whole([_outputs(["plain"], "stop")]).model_dump()
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "plain"}  # no reasoning_content key
 
@@ -145,7 +148,7 @@ def test_a_guided_chat_thinks_first_then_answers_in_its_grammar():
     tok = _byte_tokenizer_with_think_tags(engine.tokenizer)
     start, end = think_tags(tok, "qwen3", guided=True)
     eos, regex = engine.model_config.eos_token_ids[0], r"[a-z]{3}-\d{2}"
-    fmt = ChatFormat("chatcmpl-1", "m", [1], 1, False, TokenTexts(tok), reasoning_parser="qwen3")
+    fmt = ChatFormat(HEAD._replace(texts=TokenTexts(tok)), [1], reasoning_parser="qwen3")
     for seed in range(3):
         params = SamplingParams(
             max_tokens=200,

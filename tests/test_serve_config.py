@@ -643,7 +643,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
     import asyncio
     import json
 
-    from chunkserve.cluster.responses import ChatFormat, sse_response
+    from chunkserve.cluster.responses import ChatFormat, ResponseHead, sse_response
 
     def out(text, n, end=None):
         return GenerateOutput(
@@ -683,7 +683,7 @@ def test_streams_of_n_choices_interleave_with_their_indices_and_sum_their_usage(
 
     async def body() -> list[str]:
         response = sse_response(
-            started, ChatFormat("chatcmpl-1", "tiny", [1, 2, 3], 3, False, TokenTexts(None)), True, {}
+            started, ChatFormat(ResponseHead("chatcmpl-1", "tiny", 3, False, TokenTexts(None)), [1, 2, 3]), True, {}
         )
         return [piece async for piece in response.body_iterator]
 
@@ -715,7 +715,7 @@ def test_stream_that_fails_midway_says_so_and_ends():
     import asyncio
     import json
 
-    from chunkserve.cluster.responses import CompletionFormat, sse_response
+    from chunkserve.cluster.responses import CompletionFormat, ResponseHead, sse_response
 
     out = GenerateOutput(
         replica_id="r",
@@ -741,7 +741,10 @@ def test_stream_that_fails_midway_says_so_and_ends():
 
     async def body() -> list[str]:
         response = sse_response(
-            [(out, Failing())], CompletionFormat("cmpl-1", "tiny", [[1, 2, 3]], 1, False, TokenTexts(None)), False, {}
+            [(out, Failing())],
+            CompletionFormat(ResponseHead("cmpl-1", "tiny", 1, False, TokenTexts(None)), [[1, 2, 3]]),
+            False,
+            {},
         )
         return [piece async for piece in response.body_iterator]
 

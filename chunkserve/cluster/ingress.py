@@ -49,7 +49,14 @@ from chunkserve.cluster.protocol import (
 )
 from chunkserve.cluster.reasoning import think_tags
 from chunkserve.cluster.replica_calls import Replicas, until_gone
-from chunkserve.cluster.responses import ChatFormat, CompletionFormat, server_timing, sse_response, whole_response
+from chunkserve.cluster.responses import (
+    ChatFormat,
+    CompletionFormat,
+    ResponseHead,
+    server_timing,
+    sse_response,
+    whole_response,
+)
 from chunkserve.cluster.tenants import (
     SESSION_HEADER,
     RateLimited,
@@ -242,12 +249,8 @@ class OpenAIIngress:
         rid, reqs = self.prompts.generate_request("cmpl", prompts, limits, body, tenant, session=session)
         echo = [self.prompts.echo_text(sent, ids) for sent, ids in zip(body.prompts, prompts)] if body.echo else None
         fmt = CompletionFormat(
-            rid,
-            self.model_name,
+            ResponseHead(rid, self.model_name, body.n, body.return_token_ids, self.token_texts),
             prompts,
-            body.n,
-            body.return_token_ids,
-            self.token_texts,
             echo,
             [self.prompts.echo_hidden(sent, ids) for sent, ids in zip(body.prompts, prompts)],
             self.prompts.hidden_ids(body),
@@ -284,12 +287,8 @@ class OpenAIIngress:
         session = session_key(tenant, request.headers.get(SESSION_HEADER))
         rid, reqs = self.prompts.generate_request("chatcmpl", [prompt], [max_tokens], body, tenant, think, session)
         fmt = ChatFormat(
-            rid,
-            self.model_name,
+            ResponseHead(rid, self.model_name, body.n, body.return_token_ids, self.token_texts),
             prompt,
-            body.n,
-            body.return_token_ids,
-            self.token_texts,
             body.effective_tool_choice,
             self.config.tool_call_parser,
             None if body.guide is not None and think is None else self.config.reasoning_parser,

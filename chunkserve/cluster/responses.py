@@ -10,7 +10,7 @@ are formatted off the event loop (chunkserve/cluster/prompts.py OFF_LOOP_SIZE)."
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
@@ -38,24 +38,32 @@ from chunkserve.cluster.tool_calls import ToolOutput
 from chunkserve.replicas.wire import GenerateOutput
 
 
+class ResponseHead(NamedTuple):
+    """What every body of one response carries or follows: its id and model name, the choices per
+    prompt (n), whether choices carry their token ids (return_token_ids), and the token texts
+    logprobs are written with."""
+
+    request_id: str
+    model: str
+    n: int
+    token_ids: bool
+    texts: TokenTexts
+
+
 class CompletionFormat:
     """GenerateOutputs -> /v1/completions bodies: stream chunks, the usage chunk, the whole
     response. Choice c is the c-th generate request's output: prompt c // n's choice c % n."""
 
     def __init__(
         self,
-        request_id: str,
-        model: str,
+        head: ResponseHead,
         prompts: list[list[int]],
-        n: int,
-        token_ids: bool,
-        texts: TokenTexts,
         echo: list[str] | None = None,
         echo_hidden: list[frozenset[int]] | None = None,
         hidden_ids: frozenset[int] = frozenset(),
     ):
-        self.id, self.model, self.prompts, self.n = request_id, model, prompts, n
-        self.token_ids, self.texts = token_ids, texts
+        self.id, self.model, self.n, self.token_ids, self.texts = head
+        self.prompts = prompts
         self.echo = echo  # per prompt, its text, sent before each of its choices' (completions' echo), or None
         # text_offset counts no characters for these: per echoed prompt, the positions of tokens its
         # echo does not show (a BOS the tokenizer added); generated ids whose text is skipped
@@ -138,17 +146,13 @@ class ChatFormat(CompletionFormat):
 
     def __init__(
         self,
-        request_id: str,
-        model: str,
+        head: ResponseHead,
         prompt: list[int],
-        n: int,
-        token_ids: bool,
-        texts: TokenTexts,
         tool_choice: Any = "none",
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
     ):
-        super().__init__(request_id, model, [prompt], n, token_ids, texts)
+        super().__init__(head, [prompt])
         self.sent_role: set[int] = set()  # choices whose role went out
         self.tool_choice, self.tool_call_parser = tool_choice, tool_call_parser
         self.reasoning_parser = reasoning_parser
