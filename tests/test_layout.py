@@ -187,15 +187,11 @@ def test_each_test_file_says_what_it_tests():
 
 
 # Constructors still over the bound (issue 49 item 2), each to take a config or a small shape
-# object: the FlashInfer wrappers and fixed TPP plans (GPU-only paths, changed with a GPU run),
-# and the model's tensor-parallel layers.
+# object: the FlashInfer wrappers and fixed TPP plans (GPU-only paths, changed with a GPU run).
 WIDE_CONSTRUCTORS = {
     "chunkserve.kernels.fi_decode.FlashInferDecode",
     "chunkserve.kernels.paged_prefill.FlashInferPrefill",
     "chunkserve.kernels.tpp_plan.FixedPlans",
-    "chunkserve.replicas.model.layers.ColumnParallelLinear",
-    "chunkserve.replicas.model.layers.MergedColumnParallelLinear",
-    "chunkserve.replicas.model.layers.QKVParallelLinear",
 }
 
 

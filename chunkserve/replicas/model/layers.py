@@ -4,17 +4,29 @@ Every parameter carries `weight_loader(param, full_tensor[, shard_id])`: it rece
 checkpoint tensor and copies the slice that belongs to this rank. Column-parallel layers split
 output features across ranks; row-parallel layers split input features and all-reduce their output;
 the vocabulary is split in contiguous row blocks of ceil(V / tp) (the last block zero-padded).
-With tp_size == 1 nothing here touches torch.distributed.
+Each layer takes its rank's place in the group as one TP(rank, size); with size 1 nothing here
+touches torch.distributed.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from chunkserve.replicas.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class TP:
+    """A rank's place in its tensor-parallel group: rank `rank` of `size` (one rank: no group)."""
+
+    rank: int = 0
+    size: int = 1
 
 
 def divide(n: int, tp_size: int, what: str) -> int:
@@ -61,14 +73,13 @@ class ColumnParallelLinear(nn.Module):
         out_features: int,
         *,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TP = TP(),
         out_local: int | None = None,
     ):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         if out_local is None:
-            out_local = divide(out_features, tp_size, "output features")
+            out_local = divide(out_features, tp.size, "output features")
         self.weight = _param(out_local, in_features, loader=self.weight_loader)
         self.bias = _param(out_local, loader=self.weight_loader) if bias else None
 
@@ -94,16 +105,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         output_sizes: list[int],
         *,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp: TP = TP(),
         local: list[tuple[int, int]] | None = None,
     ):
         if local is None:
-            local = [(tp_rank * n, n) for n in (divide(o, tp_size, "output features") for o in output_sizes)]
+            local = [(tp.rank * n, n) for n in (divide(o, tp.size, "output features") for o in output_sizes)]
         sizes = [n for _, n in local]
-        super().__init__(
-            in_features, sum(output_sizes), bias=bias, tp_rank=tp_rank, tp_size=tp_size, out_local=sum(sizes)
-        )
+        super().__init__(in_features, sum(output_sizes), bias=bias, tp=tp, out_local=sum(sizes))
         self.local, self.local_sizes = local, sizes
 
     # (a loader takes the shard id its module's packed_modules_mapping gives: not the base's signature)
@@ -114,30 +122,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k, v projections in one matmul; heads split across ranks (shard ids "q", "k", "v"), the
-    KV heads replicated where there are fewer than ranks (kv_heads_of_rank)."""
+    """q, k, v projections in one matmul, shaped by the model's config (hidden size, heads, head
+    dim, attention_bias); heads split across ranks (shard ids "q", "k", "v"), the KV heads
+    replicated where there are fewer than ranks (kv_heads_of_rank)."""
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        num_heads: int,
-        num_kv_heads: int,
-        *,
-        bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-    ):
-        q = divide(num_heads, tp_size, "num_heads") * head_dim
-        first, count = kv_heads_of_rank(num_kv_heads, tp_rank, tp_size)
+    def __init__(self, config: ModelConfig, *, tp: TP = TP()):
+        head_dim, num_heads, num_kv_heads = config.head_dim, config.num_heads, config.num_kv_heads
+        q = divide(num_heads, tp.size, "num_heads") * head_dim
+        first, count = kv_heads_of_rank(num_kv_heads, tp.rank, tp.size)
         kv = (first * head_dim, count * head_dim)
         super().__init__(
-            hidden_size,
+            config.hidden_size,
             [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim],
-            bias=bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-            local=[(tp_rank * q, q), kv, kv],
+            bias=config.attention_bias,
+            tp=tp,
+            local=[(tp.rank * q, q), kv, kv],
         )
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor, shard_id: str) -> None:  # type: ignore[override]
@@ -147,10 +146,10 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W's input columns split; partial products are summed across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = False, tp: TP = TP()):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.weight = _param(out_features, divide(in_features, tp_size, "input features"), loader=self.weight_loader)
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.weight = _param(out_features, divide(in_features, tp.size, "input features"), loader=self.weight_loader)
         self.bias = _param(out_features, loader=default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:
@@ -168,12 +167,12 @@ class RowParallelLinear(nn.Module):
 class VocabParallelEmbedding(nn.Module):
     """Embedding table split by vocabulary rows: rank r holds ids [r*n, (r+1)*n), n = ceil(V/tp)."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp: TP = TP()):
         super().__init__()
         self.num_embeddings = num_embeddings
-        self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.rows = math.ceil(num_embeddings / tp_size)
-        self.start = tp_rank * self.rows
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.rows = math.ceil(num_embeddings / tp.size)
+        self.start = tp.rank * self.rows
         self.weight = _param(self.rows, embedding_dim, loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, full: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ from torch import nn
 
 from chunkserve.replicas.model.config import ModelConfig
 from chunkserve.replicas.model.layers import (
+    TP,
     MergedColumnParallelLinear,
     ParallelLMHead,
     QKVParallelLinear,
@@ -29,24 +30,14 @@ from chunkserve.replicas.model.layers import (
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TP):
         super().__init__()
         self.layer_idx = layer_idx
         self.head_dim = cfg.head_dim
-        self.num_heads = divide(cfg.num_heads, tp_size, "num_heads")
-        self.num_kv_heads = kv_heads_of_rank(cfg.num_kv_heads, tp_rank, tp_size)[1]  # (replicated past Hkv ranks)
-        self.qkv_proj = QKVParallelLinear(
-            cfg.hidden_size,
-            cfg.head_dim,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            bias=cfg.attention_bias,
-            tp_rank=tp_rank,
-            tp_size=tp_size,
-        )
-        self.o_proj = RowParallelLinear(
-            cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias, tp_rank=tp_rank, tp_size=tp_size
-        )
+        self.num_heads = divide(cfg.num_heads, tp.size, "num_heads")
+        self.num_kv_heads = kv_heads_of_rank(cfg.num_kv_heads, tp.rank, tp.size)[1]  # (replicated past Hkv ranks)
+        self.qkv_proj = QKVParallelLinear(cfg, tp=tp)
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
@@ -71,26 +62,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, tp: TP):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(
-            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
+            cfg.hidden_size, [cfg.intermediate_size] * 2, bias=cfg.mlp_bias, tp=tp
         )
-        self.down_proj = RowParallelLinear(
-            cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp_rank=tp_rank, tp_size=tp_size
-        )
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))  # [T, I/tp] in between
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, tp: TP):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_idx, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(cfg, layer_idx, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp_rank, tp_size)
+        self.mlp = LlamaMLP(cfg, tp)
 
     # The residual stream h is carried beside the layer outputs so that each add fuses into the
     # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
@@ -118,11 +107,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp_rank: int, tp_size: int):
+    def __init__(self, cfg: ModelConfig, tp: TP):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp=tp)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp_rank, tp_size) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -148,11 +137,11 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, tp: TP):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, tp_rank, tp_size)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
+        self.model = LlamaModel(cfg, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp=tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from chunkserve.replicas.model import gguf_cache
 from chunkserve.replicas.model.config import ModelConfig, read_json
 from chunkserve.replicas.model.gguf import GGUFCheckpoint, find_gguf
+from chunkserve.replicas.model.layers import TP
 from chunkserve.replicas.model.llama import LlamaForCausalLM, checkpoint_shapes
 from chunkserve.replicas.model.tokenizer import BYTE_SPECIALS, Tokenizer
 
@@ -148,7 +149,7 @@ def _build(
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            return LlamaForCausalLM(cfg, tp_rank=tp_rank, tp_size=tp_size)
+            return LlamaForCausalLM(cfg, TP(tp_rank, tp_size))
     finally:
         torch.set_default_dtype(previous)
 
