@@ -125,36 +125,30 @@ class Attention:
         self.pool, self.device = pool, device
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.sm_scale = head_dim**-0.5
-        self._fi = None  # fi_decode.FlashInferDecode for unshared GQA batches, if usable
         num_kv_heads = pool.kv.shape[3]
+        # what both FlashInfer wrappers take: the pool's layout and this rank's heads
+        paged = dict(
+            num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            chunk_size=pool.chunk_size,
+            dtype=pool.kv.dtype,
+            device=device,
+            sm_scale=self.sm_scale,
+        )
+        self._fi = None  # fi_decode.FlashInferDecode for unshared GQA batches, if usable
         if (
             backend == "triton"
             and config.flashinfer_fallback
             and num_q_heads != num_kv_heads
             and pool.kv.dtype in (torch.float16, torch.bfloat16)
+            and fi_decode.available()
         ):
-            if fi_decode.available():
-                self._fi = fi_decode.FlashInferDecode(
-                    num_q_heads=num_q_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    chunk_size=pool.chunk_size,
-                    dtype=pool.kv.dtype,
-                    device=device,
-                    sm_scale=self.sm_scale,
-                )
+            self._fi = fi_decode.FlashInferDecode(**paged)
         # paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
         self._prefill = None
         if config.flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
-            self._prefill = paged_prefill.FlashInferPrefill(
-                num_q_heads=num_q_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                chunk_size=pool.chunk_size,
-                dtype=pool.kv.dtype,
-                device=device,
-                sm_scale=self.sm_scale,
-            )
+            self._prefill = paged_prefill.FlashInferPrefill(**paged)
         self.sparse = sparse
         if sparse is not None:
             sparse.check_chunk_size(pool.chunk_size)
@@ -165,9 +159,8 @@ class Attention:
         self._signature: tuple | None = None
         self._decode_plan = None
         self.fixed: FixedPlans | None = None  # the fixed plans' buffers decode plans are built into (fix_plans)
-        self.plan_rows = (
-            config.graph_mixed_steps
-        )  # with fixed plans: mixed steps as decode rows where they fit (_plan_rows)
+        # with fixed plans: mixed steps as decode rows where they fit (_plan_rows)
+        self.plan_rows = config.graph_mixed_steps
 
     def fix_plans(self, sizes: tuple[int, ...]) -> None:
         """From now on build each decode plan of at most max(sizes) rows as a fixed plan of the
