@@ -220,8 +220,8 @@ def test_random_add_step_abort_keeps_invariants(small_pool, ops):
 def test_async_scheduling_defaults_to_the_device(tiny):
     # None (the default): on for CUDA, off on the CPU, where the host runs the step itself
     assert EngineConfig(model="tiny").async_scheduling is None
-    assert tiny.device.type == "cpu" and tiny.async_scheduling is False
-    assert LLMEngine.from_model("tiny", kv_cache_tokens=1024, async_scheduling=True).async_scheduling is True
+    assert tiny.device.type == "cpu" and tiny.config.async_scheduling is False
+    assert LLMEngine.from_model("tiny", kv_cache_tokens=1024, async_scheduling=True).config.async_scheduling is True
 
 
 def test_async_scheduling_gives_the_same_outputs_as_sync():

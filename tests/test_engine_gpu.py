@@ -79,7 +79,7 @@ def test_tiny_fp32_triton_decode_matches_reference_and_cpu():
     eager = LLMEngine.from_model("tiny", device="cuda", enforce_eager=True, async_scheduling=False, **opts)
     ahead = LLMEngine.from_model("tiny", device="cuda", decode_graphs=True, **opts)  # asynchronous: CUDA's default
     assert tri.attention.backend == "triton" and eager.runner.graphs is None
-    assert ahead.async_scheduling and not tri.async_scheduling
+    assert ahead.config.async_scheduling and not tri.config.async_scheduling
     assert tri.generate(prompts, params) == ref.generate(prompts, params) == cpu == eager.generate(prompts, params)
     assert ahead.generate(prompts, params) == cpu and ahead.counters.graph_replays >= 16
     assert tri.stats()["cached_prompt_tokens"] > 0

@@ -361,7 +361,7 @@ def test_cuda_engine_guides_as_the_cpu_engine_does():
         return engine, dict(outs)
 
     engine, got = run("cuda")
-    assert engine.async_scheduling and engine.runner.graphs is not None and engine.counters.graph_replays > 0
+    assert engine.config.async_scheduling and engine.runner.graphs is not None and engine.counters.graph_replays > 0
     _, want = run("cpu")
     assert got == want
     for name in ("json_compact", "regex", "choice", "grammar"):

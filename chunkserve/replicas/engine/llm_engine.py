@@ -109,7 +109,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.tree, config, self.counters)
         self.attention = Attention(self.pool, config, mc.num_heads // config.tp_size, self.counters)
         self.runner = ModelRunner(self.model, self.attention, config, mc, self.counters)
-        self.async_scheduling = config.async_scheduling
         self._inflight: Launched | None = None  # the step launched, not collected yet (async_scheduling)
         self._seqs: dict[str, Sequence] = {}
         self._guides: Guides | None = None  # grammars of guided requests, made at the first one
@@ -256,7 +255,7 @@ class LLMEngine:
         if batch:  # after the collect: the chunks this step fills hold the tokens it collected
             self.scheduler.advance(batch)
             self._count_step(batch)
-        if not self.async_scheduling:
+        if not self.config.async_scheduling:
             outputs += self._collect_inflight()  # this step's own tokens
         return outputs
 
