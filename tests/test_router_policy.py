@@ -595,24 +595,32 @@ def test_a_join_rescales_the_past_and_starts_newcomers_at_the_mean(join_past):
     assert policy.work_lately("r0", 0.0) > mean
 
 
+def _route_through_a_doubling(policy, old, new, requests, join_at, chain, now, in_flight) -> dict[str, float]:
+    """Requests chain(t) at now(t), the last in_flight of them outstanding, the fleet old doubled
+    with new at request join_at: the work routed to each replica from the join on."""
+    flying: list = []
+    after: dict[str, float] = {r: 0.0 for r in old + new}
+    for t in range(requests):
+        if t == join_at:
+            policy.update_replicas(ReplicaView(r) for r in old + new)
+        ch = chain(t)
+        r = policy.choose(ch, 2176, 256, now(t))[0]
+        flying.append(policy.on_routed(r, ch, 2176, 256, now(t)))
+        if len(flying) > in_flight:
+            policy.on_finished(flying.pop(0))
+        if t >= join_at:
+            after[r] += flying[-1].cost
+    return after
+
+
 def test_after_a_scale_up_new_work_is_shared_by_old_and_new_replicas_within_the_bound():
     # before, the old fleet's past work read as an excess against the empty newcomers, and every
     # request after a scale-up went to them; now the work routed after it is level over the fleet
     rng = random.Random(23)
     old, new = [f"r{i}" for i in range(8)], [f"n{i}" for i in range(8)]
     policy = PrefixPolicy(replicas=old)
-    flying: list = []
-    after: dict[str, float] = {r: 0.0 for r in old + new}
-    for t in range(480):  # distinct prefixes, the last 12 in flight; the fleet doubles at 160
-        if t == 160:
-            policy.update_replicas(ReplicaView(r) for r in old + new)
-        ch, now = _chain(rng), t * 0.05
-        r = policy.choose(ch, 2176, 256, now)[0]
-        flying.append(policy.on_routed(r, ch, 2176, 256, now))
-        if len(flying) > 12:
-            policy.on_finished(flying.pop(0))
-        if t >= 160:
-            after[r] += flying[-1].cost
+    # distinct prefixes, the last 12 in flight; the fleet doubles at request 160
+    after = _route_through_a_doubling(policy, old, new, 480, 160, lambda t: _chain(rng), lambda t: t * 0.05, 12)
     mean = sum(after.values()) / len(after)
     assert max(after.values()) <= 1.5 * mean
     assert sum(after[r] for r in old) >= 0.35 * sum(after.values())
@@ -625,18 +633,17 @@ def _after_scale_up_max_mean(join_past: float) -> tuple[float, float]:
     old, new = [f"r{i}" for i in range(8)], [f"n{i}" for i in range(8)]
     policy = PrefixPolicy(PolicyConfig(join_past=join_past), replicas=old)
     systems = [_chain(rng) for _ in range(48)]
-    flying: list = []
-    after: dict[str, float] = {r: 0.0 for r in old + new}
-    for t in range(1152):  # the rate doubles with the fleet, at request 576
-        if t == 576:
-            policy.update_replicas(ReplicaView(r) for r in old + new)
-        ch, now = systems[rng.randrange(48)] + _chain(rng, 2), t * 0.01 if t < 576 else 5.76 + (t - 576) * 0.005
-        r = policy.choose(ch, 2176, 256, now)[0]
-        flying.append(policy.on_routed(r, ch, 2176, 256, now))
-        if len(flying) > 16:
-            policy.on_finished(flying.pop(0))
-        if t >= 576:
-            after[r] += flying[-1].cost
+    # the rate doubles with the fleet, at request 576
+    after = _route_through_a_doubling(
+        policy,
+        old,
+        new,
+        1152,
+        576,
+        lambda t: systems[rng.randrange(48)] + _chain(rng, 2),
+        lambda t: t * 0.01 if t < 576 else 5.76 + (t - 576) * 0.005,
+        16,
+    )
     mean = sum(after.values()) / len(after)
     return max(after.values()) / mean, sum(after[r] for r in old) / sum(after.values())
 
