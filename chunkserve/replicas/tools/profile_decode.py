@@ -12,6 +12,10 @@ device-to-device copy reaches in the same run.
                                                 # nothing shared; every step also prefills a new
                                                 # 1024-token prompt (a mixed step)
 
+    python -m chunkserve.replicas.tools.profile_decode --prompt 32768 --batch 1
+                                                # one fresh prompt's prefill to its first token
+                                                # (its steps together), not a decode step
+
 Rows share a `--prefix`-token prompt and have `--suffix` own tokens, as the load test's gsp; the
 engine is the replica's (CUDA graphs, async scheduling: EngineConfig's defaults on the device).
 """
@@ -29,9 +33,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
 
-KINDS = (  # first match wins; names as the CUDA kernels are called
-    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
+KINDS = (  # first match wins; names as the CUDA kernels are called (FlashInfer's sm90 kernels are
+    # cutlass templates: attention before gemm)
     ("attention", re.compile(r"tpp|attn|attend|attention|merge|flash|prefill|paged|decode", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
     ("kv_write", re.compile(r"index_put|scatter", re.I)),  # the step's K/V into the pool
     ("norm_rope", re.compile(r"norm|rope|rotary", re.I)),
     ("sampler", re.compile(r"sampl|nucleus|philox|argmax|topk|top_k|softmax|multinomial", re.I)),
@@ -112,29 +117,61 @@ def profile_batch(engine: LLMEngine, args: argparse.Namespace, batch: int, run: 
         engine.abort(f"{run}.{i}")
     while engine.has_unfinished():
         engine.step()
+    split = kernel_split(prof, args.steps, args.top)
+    return {
+        "batch": batch,
+        "wall_ms_per_step": round(wall_ms, 3),
+        "device_busy_ms_per_step": split["device_busy_ms"],
+        "device_idle_ms_per_step": round(max(0.0, wall_ms - split["device_busy_ms"]), 3),
+        "kernels_per_step": split["kernels"],
+        "kind_ms_per_step": split["kind_ms"],
+        "top": split["top"],
+    }
+
+
+def profile_prompt(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """One fresh --prompt-token prompt from arrival to its first token, alone: wall time (the
+    second of two, unprofiled), then a third under the profiler, by kind as a step's."""
+    rng = random.Random(args.prompt)
+
+    steps = [0, 0, 0]
+
+    def run(i: int) -> None:
+        engine.add_request(
+            f"p{i}", [rng.randrange(256, 30000) for _ in range(args.prompt)], SamplingParams(max_tokens=1)
+        )
+        while engine.has_unfinished():
+            engine.step()
+            steps[i] += 1
+        torch.cuda.synchronize()
+
+    run(0)
+    t0 = time.perf_counter()
+    run(1)
+    wall_ms = 1e3 * (time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run(2)
+    return {"prompt": args.prompt, "wall_ms": round(wall_ms, 1), "steps": steps[1], **kernel_split(prof, 1, args.top)}
+
+
+def kernel_split(prof, per: int, top_n: int) -> dict:
+    """The profiled kernels' device time: busy (their intervals' union), by kind and the top
+    names, each divided by per (steps)."""
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / args.steps
+    busy_ms = union_us([(e.time_range.start, e.time_range.end) for e in kernels]) / 1e3 / per
     by_kind: dict[str, float] = {}
     by_name: dict[str, list[float]] = {}
     for e in kernels:
         us = e.time_range.end - e.time_range.start
         by_kind[kind(e.name)] = by_kind.get(kind(e.name), 0.0) + us
         by_name.setdefault(e.name, []).append(us)
-    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[: args.top]
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top_n]
     return {
-        "batch": batch,
-        "wall_ms_per_step": round(wall_ms, 3),
-        "device_busy_ms_per_step": round(busy_ms, 3),
-        "device_idle_ms_per_step": round(max(0.0, wall_ms - busy_ms), 3),
-        "kernels_per_step": round(len(kernels) / args.steps, 1),
-        "kind_ms_per_step": {k: round(v / 1e3 / args.steps, 3) for k, v in sorted(by_kind.items())},
+        "device_busy_ms": round(busy_ms, 3),
+        "kernels": round(len(kernels) / per, 1),
+        "kind_ms": {k: round(v / 1e3 / per, 3) for k, v in sorted(by_kind.items())},
         "top": [
-            {
-                "name": n[:120],
-                "kind": kind(n),
-                "ms_per_step": round(sum(v) / 1e3 / args.steps, 3),
-                "calls_per_step": len(v) / args.steps,
-            }
+            {"name": n[:120], "kind": kind(n), "ms": round(sum(v) / 1e3 / per, 3), "calls": len(v) / per}
             for n, v in top
         ],
     }
@@ -158,6 +195,12 @@ def main(argv: list[str] | None = None) -> None:
         default=0,
         help="a fresh prompt of this many tokens (nothing shared, one output token) joins every step: "
         "mixed steps, as under Poisson arrivals of `random` traffic",
+    )
+    p.add_argument(
+        "--prompt",
+        type=int,
+        default=0,
+        help="profile one fresh prompt of this many tokens to its first token (a prefill), not decode steps",
     )
     p.add_argument("--top", type=int, default=12)
     args = p.parse_args(argv)
@@ -189,6 +232,9 @@ def main(argv: list[str] | None = None) -> None:
         json.dumps({"tool": "profile_decode", "model": args.model, "device": torch.cuda.get_device_name(), **floor}),
         flush=True,
     )
+    if args.prompt:
+        print(json.dumps({"tool": "profile_decode", "model": args.model, **profile_prompt(engine, args)}), flush=True)
+        return
     for run, b in enumerate(batches):
         print(
             json.dumps(
