@@ -55,7 +55,7 @@ def drive(
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, async_scheduling):
-    # a budget past the largest bucket under it (96): full prefill pieces of 97-100 tokens run eagerly
+    # a budget between two buckets (96, 112): full prefill pieces of 97-100 tokens pad to 112
     opts = dict(
         device=device,
         dtype="float32",
@@ -71,7 +71,7 @@ def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, 
     steps = pieces.stats()["steps"]
     runs = pieces.counters.piecewise_replays
     full = pieces.counters.graph_replays
-    assert steps / 2 < runs + full < steps  # most steps from the pieces, some eagerly
+    assert runs + full == steps  # every step from the pieces or a whole-step graph
     if full == 0:  # every decode-only step (15 rows at most) fits a bucket: all from the pieces
         assert pieces.counters.piecewise_decode_replays == pieces.stats()["decode_steps"] > 0
     pieces.check()
@@ -80,9 +80,15 @@ def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, 
 def test_buckets_cover_every_count_up_to_the_largest_once():
     engine = LLMEngine.from_model("tiny", piecewise_graphs=False)
     g = PiecewiseGraphs(engine.model, engine.pool, max_tokens=300, graphs=False)
-    assert g.sizes == tuple(n for n in BUCKETS if n <= 300) and g.sizes[-1] == 256
-    assert [g.bucket(t) for t in (1, 8, 9, 16, 17, 129, 256)] == [8, 8, 16, 16, 32, 160, 256]
-    assert g.bucket(257) is None  # past the largest: the step runs eagerly
+    # up to the first bucket that holds a step of max_tokens
+    assert g.sizes == tuple(n for n in BUCKETS if n <= 320) and g.sizes[-1] == 320
+    assert [g.bucket(t) for t in (1, 8, 9, 16, 17, 129, 256, 257, 300)] == [8, 8, 16, 16, 32, 160, 256, 320, 320]
+    assert g.bucket(321) is None  # past the largest: the step runs eagerly
+    big = PiecewiseGraphs(engine.model, engine.pool, max_tokens=8192, graphs=False)
+    assert big.sizes == BUCKETS and big.bucket(1032) == 1088 and big.bucket(8192) == 8192
+    # past 1024 tokens a step is padded by at most a sixteenth
+    assert all(big.bucket(t) - t <= t / 16 for t in range(1025, 8193))
+    assert PiecewiseGraphs(engine.model, engine.pool, max_tokens=20000, graphs=False).sizes == BUCKETS
     assert all(len(runs) == len(g.model.layers) + 1 for runs in g.runs.values())
 
 

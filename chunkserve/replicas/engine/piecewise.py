@@ -19,9 +19,12 @@ chunks of its new tokens' slots go into static buffers; rows past T keep their i
 positions (valid ones, their results are never read) and write their K/V into the pool's
 scratch chunk, which no sequence holds. Each piece reads and writes static buffers (q,
 residual, the attention's output), so one set of buffers serves every bucket and the pieces'
-temporaries share one memory pool. Steps of more tokens than the largest bucket run eagerly (their matrix products dwarf the
-launches). Captured once, when the engine is built (a warm run of each piece first compiles its
-kernels); never on a user's request.
+temporaries share one memory pool. The buckets reach the step's token budget
+(max_num_batched_tokens) up to 8192: run eagerly, a step of a 1024-token prompt and a few
+decode rows took longer to launch than to run, the device idle about half of it (figures:
+chunkserve/replicas/tools/records/README.md, h200-2026-12-06b). Only steps past 8192 tokens run
+eagerly, their matrix products longer than the launches. Captured once, when the engine is built
+(a warm run of each piece first compiles its kernels); never on a user's request.
 
 On the CPU (no graphs) the pieces run as plain calls, the same buffers and order: the tests
 check the plumbing there against the plain forward.
@@ -42,8 +45,18 @@ if TYPE_CHECKING:
     from chunkserve.replicas.model.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 # token counts graphed: every decode batch up to 8 rows in one, then steps of 16 to 128, of 32
-# to 256, of 64 to 512, of 128 to 1024
-BUCKETS = (8, *range(16, 129, 16), *range(160, 257, 32), *range(320, 513, 64), *range(640, 1025, 128))
+# to 256, of 64 to 512, of 128 to 1024; past it, steps of prefill pieces padded by at most 1/16:
+# of 64 to 2048, of 128 to 4096, of 256 to 8192
+BUCKETS = (
+    8,
+    *range(16, 129, 16),
+    *range(160, 257, 32),
+    *range(320, 513, 64),
+    *range(640, 1025, 128),
+    *range(1088, 2049, 64),
+    *range(2176, 4097, 128),
+    *range(4352, 8193, 256),
+)
 
 
 class PiecewiseGraphs:
@@ -58,11 +71,13 @@ class PiecewiseGraphs:
         counters: EngineStats | None = None,
     ):
         """model: a LlamaForCausalLM; pool: its K/V pool; max_tokens: a step's tokens at most
-        (larger buckets are not made); graphs: capture CUDA graphs (else the pieces run as
-        calls: the CPU); counters: the engine's, where replays are counted (None: one of its own)."""
+        (buckets past the first that holds it are not made); graphs: capture CUDA graphs (else
+        the pieces run as calls: the CPU); counters: the engine's, where replays are counted
+        (None: one of its own)."""
         self.model, self.pool = model.model, pool
         self.layers: list[LlamaDecoderLayer] = list(self.model.layers)
-        self.sizes = tuple(sorted(n for n in sizes if n <= max(max_tokens, sizes[0])))
+        sizes = tuple(sorted(sizes))
+        self.sizes = sizes[: next((i + 1 for i, n in enumerate(sizes) if n >= max_tokens), len(sizes))]
         w = self.model.embed_tokens.weight
         attn = self.layers[0].self_attn
         n, hq, d = self.sizes[-1], attn.num_heads, attn.head_dim
