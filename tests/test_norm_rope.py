@@ -7,8 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkserve.kernels.norm_rope import rmsnorm, rope
-from chunkserve.replicas.model.layers import RMSNorm, RotaryEmbedding, apply_rotary, apply_rotary_qk, rms_norm
+from chunkserve.kernels.norm_rope import rmsnorm, rope, silu_mul
+from chunkserve.replicas.model.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    apply_rotary_qk,
+    rms_norm,
+    silu_and_mul,
+    silu_mul_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -69,3 +77,20 @@ def test_rope_matches_torch_bit_for_bit(dtype, rows, hq, hkv, d):
             assert torch.equal(g, w)
     if DEVICE == "cuda":  # the model's q/k rotation runs the kernel
         assert all(torch.equal(a, b) for a, b in zip(apply_rotary_qk(q, k, cos, sin), got))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(0, 64), (1, 96), (7, 1024), (3, 1500)])
+def test_silu_mul_matches_torch(dtype, rows, n):
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    # an MLP's gate_up output: gates spread wide (exp's tails), rows of a wider tensor's views
+    x = torch.randn(rows, 2 * n, generator=gen).mul(6).to(DEVICE, dtype)
+    x = torch.cat([x, torch.zeros(rows, 8, dtype=dtype, device=DEVICE)], 1)[:, : 2 * n]
+    got, want = silu_mul(x), silu_mul_ref(x)
+    assert got.shape == want.shape == (rows, n) and got.dtype == want.dtype
+    if DEVICE == "cuda":  # torch's bits (libdevice's expf as torch's silu calls it, IEEE division)
+        assert torch.equal(got, want)
+        assert torch.equal(silu_and_mul(x), got)  # the model's op runs the kernel
+    else:  # the interpreter's exp is numpy's, torch's CPU silu vectorized (a last place or two), and
+        # its bf16/fp16 conversions truncate (TRUNCATES): a last place more at each rounding
+        assert ulps(got, want) <= (3 if dtype == torch.float32 else 2)

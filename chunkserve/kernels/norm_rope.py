@@ -1,4 +1,4 @@
-"""Fused RMSNorm (with the residual add before it) and rotary embedding, in Triton.
+"""Fused RMSNorm (with the residual add before it), rotary embedding and SiLU-and-multiply, in Triton.
 
 Eager torch runs RMSNorm as eight elementwise kernels and RoPE as five per tensor: about 830
 launches per decode step of a 32-layer model (counted from the ops). These do each in one
@@ -12,18 +12,27 @@ references, which are the model's own ops in `chunkserve.replicas.model.layers`:
   is reduced in another order than torch's, so a result may differ from torch's in its last bit.
 - `rope(q, k, cos, sin)` against `layers.apply_rotary`: x * cos + rotate_half(x) * sin with each
   product and the sum rounded to the dtype, as torch's three ops round: equal to torch's bits.
+- `silu_mul(x)` against `layers.silu_and_mul`: silu(gate) * up of x = [gate | up], silu(g) =
+  g / (1 + exp(-g)) in fp32 (CUDA's expf, a correctly rounded division) rounded to the dtype,
+  then the product rounded, as torch's two ops: equal to torch's bits. One pass over x and one
+  write where torch's two ops read x, write silu(gate), read it and up again and write y.
 
 Both run on CUDA and under TRITON_INTERPRET=1 (tests); `layers.py` keeps the torch ops on the CPU.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from triton.language.extra import libdevice
 
-__all__ = ["rmsnorm", "rope"]
+__all__ = ["rmsnorm", "rope", "silu_mul"]
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -128,3 +137,41 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
             )
         outs.append(out)
     return outs[0], outs[1]
+
+
+@triton.jit
+def _silu_mul_kernel(X, Y, stride_x, stride_y, n, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr):
+    # grid: (T, cdiv(n, BLOCK)): a block of row t's y[t] = silu(x[t, :n]) * x[t, n:]
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(X + t * stride_x + offs, mask=mask, other=0.0)
+    u = tl.load(X + t * stride_x + n + offs, mask=mask, other=0.0)
+    gf = g.to(tl.float32)
+    if LIBDEVICE:  # CUDA's expf, as torch's silu calls it (tl.exp is an approximation there)
+        e = libdevice.exp(-gf)
+    else:  # the interpreter (no libdevice): numpy's exp
+        e = tl.exp(-gf)
+    s = tl.math.div_rn(gf, 1.0 + e).to(g.dtype)  # torch's silu, rounded to the dtype
+    tl.store(Y + t * stride_y + offs, (s.to(tl.float32) * u.to(tl.float32)).to(g.dtype), mask=mask)
+
+
+def silu_mul(x: Tensor) -> Tensor:
+    """x: [T, 2I] = [gate | up] (rows with a contiguous last dim) -> silu(gate) * up: [T, I]."""
+    t, two_n = x.shape
+    n = two_n // 2
+    y = torch.empty(t, n, dtype=x.dtype, device=x.device)
+    if t and n:
+        block = min(1024, triton.next_power_of_2(n))
+        _silu_mul_kernel[(t, triton.cdiv(n, block))](
+            x,
+            y,
+            x.stride(0),
+            y.stride(0),
+            n,
+            BLOCK=block,
+            LIBDEVICE=not _INTERPRETED,
+            num_warps=4,
+            enable_fp_fusion=False,
+        )
+    return y

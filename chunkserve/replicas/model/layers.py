@@ -240,6 +240,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [T, 2I] = [gate | up] -> silu(gate) * up [T, I]; on CUDA one Triton kernel
+    (chunkserve/kernels/norm_rope.py), the same bits."""
+    if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1 and x.shape[1] % 2 == 0:
+        from chunkserve.kernels.norm_rope import silu_mul  # imports triton: the CPU path must not need it
+
+        return silu_mul(x)
+    return silu_mul_ref(x)
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """Plain torch (the reference of chunkserve/kernels/norm_rope.py's kernel)."""
     gate, up = x.chunk(2, dim=-1)  # x: [T, 2I] = [gate | up]
     return F.silu(gate) * up
 
