@@ -108,6 +108,23 @@ def test_k_routers_and_a_scale_up_run_and_report_per_phase():
     assert sim.simulate(wl, "prefix", routers=4)["hit_rate"] > sim.simulate(wl, "pow2", routers=4)["hit_rate"]
 
 
+def test_shared_routers_that_mirror_each_other_route_as_one():
+    # `shared`: each of k routers books every other's decisions and completions a share delay
+    # later. With the delay under the gap between arrivals, each router decides on the state one
+    # router would hold: on gsp (no home wide enough to sample at random) the same placements to
+    # the request as k = 1, scale-up included; `prefix` with k routers (reports only) does not.
+    wl = sim.build_workload("gsp", replicas=4, requests=384, scale_up=True)
+    one = sim.simulate(wl, "prefix", routers=1)
+    shared = sim.simulate(wl, "shared", routers=4, share_delay=1e-9)
+    apart = sim.simulate(wl, "prefix", routers=4)
+    key = ("hit_rate", "max_mean_load", "max_mean_backlog", "p99_queue")
+    assert [shared[k] for k in key] == [one[k] for k in key]
+    assert shared["routers"] == 4 and shared["share_delay_s"] == 1e-9 and one["share_delay_s"] is None
+    assert apart["hit_rate"] < one["hit_rate"]
+    # one router: nobody to share with, so shared is prefix
+    assert sim.simulate(wl, "shared", routers=1)["hit_rate"] == one["hit_rate"]
+
+
 def test_tenants_sessions_resend_their_conversation():
     wl = sim.build_workload("tenants", replicas=2, requests=200)
     by_session: dict = {}

@@ -46,7 +46,11 @@ Model:
     `--digest-delay` s later: the chunk hashes it holds at depth ≤ route_chunks, and the work it
     holds by router (DESIGN §3 "Load": a router adds the others' share to its own exact count).
     Never the caches. `approx` is the same policy on its own decisions only (no reports: the
-    approximate trees of SGLang's gateway or llm-d's estimated scorer). `pow2` (Serve's default)
+    approximate trees of SGLang's gateway or llm-d's estimated scorer). `shared` is `prefix` whose
+    k routers mirror each other: each applies every other router's decisions and completions
+    `--share-delay-ms` (10) later, as its own (loads, work lately, prefix rates, predicted chains,
+    sessions), and takes from the reports only the digests (the routers that agree of issue 47
+    item 3, by exchanging decisions instead of waiting for reports). `pow2` (Serve's default)
     and `ray-prefix` (one actor for all ingresses) read every replica's true queue length.
   - metrics (over the measured requests): hit_rate = cached prompt tokens / prompt tokens;
     oracle_hit_rate = the same for one pooled LRU of the whole cluster's capacity seeing every
@@ -103,7 +107,7 @@ LLMD_GROUPS, LLMD_USERS, LLMD_SYSTEM, LLMD_QUESTION, LLMD_OUTPUT = 150, 5, 6000,
 LLMD_REPLICAS, LLMD_KV_TOKENS, LLMD_WARMUP_RATE = 16, 307_328, 15.0
 LLMD_RATES = (3.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 WINDOW_S, WINDOW_STEP_S = 10.0, 1.0
-POLICIES = ("prefix", "approx", "pow2", "ray-prefix")
+POLICIES = ("prefix", "shared", "approx", "pow2", "ray-prefix")
 WORKLOADS = ("gsp", "zipf", "unique", "tenants")
 
 
@@ -407,6 +411,7 @@ class _PrefixRouter:
     delayed reports (digest + the work held by router)."""
 
     reports = True
+    mirrors = False  # (_SharedRouter: the other routers' decisions, a share delay later)
 
     def __init__(self, ids: list[str], fleet: _Fleet, seed: int, name: int = 0):
         self.ids = ids
@@ -436,6 +441,23 @@ class _PrefixRouter:
         self.policy.set_others(r, sum(held) - held[me])
 
 
+class _SharedRouter(_PrefixRouter):
+    """Ours with peers mirrored: every other router's decisions and completions arrive a share
+    delay later and are booked as if its own (the policy's on_routed / on_finished), so the k
+    routers' loads, work lately and predicted chains differ only by the decisions in flight
+    between them; the replicas' reports give the digests only (the others' work is known
+    exactly, not by report)."""
+
+    mirrors = True
+
+    def mirror(self, replica: int, req: Request, now: float) -> Ticket:
+        chain = req.chain[:ROUTE_CHUNKS]
+        return self.policy.on_routed(self.ids[replica], chain, req.prompt_tokens, req.output_tokens, now, req.session)
+
+    def report(self, replica: int, hashes: frozenset[int], held: list[float], as_of: float, now: float) -> None:
+        self.policy.update_digest(self.ids[replica], hashes, as_of)
+
+
 class _ApproxRouter(_PrefixRouter):
     """The same policy on its own decisions only: no replica reports (each router's approximate
     tree, as SGLang's gateway or llm-d's estimated scorer keep)."""
@@ -448,6 +470,7 @@ class _Pow2Router:
     (first on ties), from the replicas' queue lengths."""
 
     reports = False
+    mirrors = False
 
     def __init__(self, ids: list[str], fleet: _Fleet, seed: int, name: int = 0):
         self.fleet = fleet
@@ -585,7 +608,13 @@ class _RayPrefixRouter(_Pow2Router):
         return i, None
 
 
-ROUTERS = {"prefix": _PrefixRouter, "approx": _ApproxRouter, "pow2": _Pow2Router, "ray-prefix": _RayPrefixRouter}
+ROUTERS = {
+    "prefix": _PrefixRouter,
+    "shared": _SharedRouter,
+    "approx": _ApproxRouter,
+    "pow2": _Pow2Router,
+    "ray-prefix": _RayPrefixRouter,
+}
 
 
 # -- the event loop --------------------------------------------------------------------------------
@@ -642,19 +671,22 @@ def simulate(
     digest_period: float = 1.0,
     digest_delay: float = 0.5,
     routers: int = 1,
+    share_delay: float = 0.01,
 ) -> dict:
     # The simulator's own heap (every replica's cache) is large and cycle-free: with the cyclic
     # GC on, its pauses would be billed to whichever routing call happens to allocate.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(wl, policy, seed, digest_period, digest_delay, routers)
+        return _simulate(wl, policy, seed, digest_period, digest_delay, routers, share_delay)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest_delay: float, k: int) -> dict:
+def _simulate(
+    wl: Workload, policy: str, seed: int, digest_period: float, digest_delay: float, k: int, share_delay: float
+) -> dict:
     started = time.perf_counter()
     n0, n = wl.replicas, wl.final_replicas
     ids = [f"replica-{i}" for i in range(n)]
@@ -666,13 +698,14 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
     else:
         rs = [cls(ids, fleet, seed * 1000 + j, j) for j in range(k)]
     reports = cls.reports
+    mirrors = cls.mirrors and k > 1
     pick_router = random.Random(seed + 17)
     caches = [_LRU(wl.cache_tokens // CHUNK) for _ in range(n)]
     busy_until, prefill_free, area, last_t = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
     held = [[0.0] * k for _ in range(n)]  # [replica][router] work in flight from that router
     events: list[tuple[float, int, int, Any]] = []  # (time, unique seq, kind, payload)
     seq = itertools.count()
-    FINISH, SNAPSHOT, DELIVER, SCALE = 0, 1, 2, 3
+    FINISH, SNAPSHOT, DELIVER, SCALE, SHARE, UNSHARE = 0, 1, 2, 3, 4, 5
 
     def publish(first: int, last: int, t0: float) -> None:
         for r in range(first, last):  # staggered publication
@@ -705,6 +738,14 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
                 r, hashes, by_router, as_of = payload
                 for router in rs:
                     router.report(r, hashes, by_router, as_of, t)
+            elif kind == SHARE:  # another router's decision reaches the others: booked as theirs
+                src, dest, shared_req, booked = payload
+                for jj, router in enumerate(rs):
+                    if jj != src:
+                        booked[jj] = router.mirror(dest, shared_req, t)
+            elif kind == UNSHARE:  # ... and its completion
+                for jj, tk in payload.items():
+                    rs[jj].finished(tk)
             else:  # the fleet doubles: every router learns it at once; the new replicas start reporting
                 fleet.live = n
                 for router in dict.fromkeys(rs):
@@ -729,6 +770,10 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
         fleet.outstanding[r] += 1
         held[r][j] += cost
         heapq.heappush(events, (busy_until[r], next(seq), FINISH, (r, j, ticket, cost)))
+        if mirrors:  # (pushed in this order, the completion cannot pass the decision)
+            mirrored: dict[int, Ticket] = {}  # (the other routers' tickets, filled at SHARE)
+            heapq.heappush(events, (now + share_delay, next(seq), SHARE, (j, r, req, mirrored)))
+            heapq.heappush(events, (busy_until[r] + share_delay, next(seq), UNSHARE, mirrored))
         if i >= m0:
             hit += matched
             prompt += req.prompt_tokens
@@ -788,6 +833,7 @@ def _simulate(wl: Workload, policy: str, seed: int, digest_period: float, digest
         "cache_tokens": wl.cache_tokens,
         "digest_period_s": digest_period if reports else None,
         "digest_delay_s": digest_delay if reports else None,
+        "share_delay_s": share_delay if mirrors else None,
         "seed": seed,
         "sim_s": round(time.perf_counter() - started, 2),
     }
@@ -806,10 +852,10 @@ DECISION_TARGET_US = 30.0
 
 def _cell(args: tuple) -> list[dict]:
     """One grid cell: its workload built once, then every policy on it (a worker process's job)."""
-    workload, n, k, scale_up, policies, seed, util, cache_factor, period, delay = args
+    workload, n, k, scale_up, policies, seed, util, cache_factor, period, delay, share = args
     requests = SHORT_PER_REPLICA * n * (2 if scale_up else 1)
     wl = build_workload(workload, n, requests, seed, util, cache_factor, scale_up)
-    return [simulate(wl, p, seed, period, delay, k) for p in policies]
+    return [simulate(wl, p, seed, period, delay, k, share) for p in policies]
 
 
 def _llmd_cell(args: tuple) -> list[dict]:
@@ -818,10 +864,16 @@ def _llmd_cell(args: tuple) -> list[dict]:
     return [simulate(wl, p, seed, period, delay, 1) for p in policies]
 
 
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's acceptance targets on the grid's prefix rows: one line per target, with the
-    worst cell and by how much it misses (margin < 0: missed)."""
-    ours = [r for r in rows if r["policy"] == "prefix" and r["workload"] != "llmd"]
+def targets(rows: list[dict], policy: str = "prefix") -> list[dict]:
+    """The issue's acceptance targets on the grid's rows of `policy` (`shared`: its k > 1 rows
+    and prefix's k = 1 rows, the same policy there): one line per target, with the worst cell and
+    by how much it misses (margin < 0: missed)."""
+    ours = [
+        r
+        for r in rows
+        if r["workload"] != "llmd"
+        and (r["policy"] == policy or policy == "shared" and r["policy"] == "prefix" and r["routers"] == 1)
+    ]
     pow2 = {(r["workload"], r["replicas"], r["routers"], r["replicas_after"]): r for r in rows if r["policy"] == "pow2"}
     out = []
 
@@ -834,6 +886,7 @@ def targets(rows: list[dict]) -> list[dict]:
         out.append(
             {
                 "target": name,
+                "policy": policy,
                 "met": margin >= 0,
                 "worst": round(worst_v, 4),
                 "limit": limit,
@@ -891,6 +944,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--digest-period", type=float, default=1.0, help="seconds between a replica's reports")
     ap.add_argument("--digest-delay", type=float, default=0.5, help="seconds from a report's snapshot to the routers")
+    ap.add_argument(
+        "--share-delay-ms",
+        type=float,
+        default=10.0,
+        help="shared: milliseconds from a router's decision (or completion) to the other routers",
+    )
     ap.add_argument("--llmd", action="store_true", help="llm-d's setup at each of --rates, every policy but ray-prefix")
     ap.add_argument("--rates", default=",".join(f"{r:g}" for r in LLMD_RATES), help="llm-d's Poisson rates, req/s")
     ap.add_argument("--llmd-seconds", type=float, default=60.0, help="each llm-d rate's measured stage")
@@ -902,7 +961,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ap.add_argument("--jobs", type=int, default=1, help="worker processes for --all / --llmd")
     args = ap.parse_args(argv)
-    period, delay = args.digest_period, args.digest_delay
+    period, delay, share = args.digest_period, args.digest_delay, args.share_delay_ms / 1e3
 
     def emit(rows: list[dict]) -> list[dict]:
         for row in rows:
@@ -921,25 +980,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         wl = build_workload(
             args.workload, args.replicas, args.requests, args.seed, args.util, args.cache_factor, args.scale_up
         )
-        emit([simulate(wl, args.policy, args.seed, period, delay, args.routers)])
+        emit([simulate(wl, args.policy, args.seed, period, delay, args.routers, share)])
         return
     cells = []
     for n in sorted(GRID_REPLICAS, reverse=True):  # the long cells first: the pool ends evenly
         for w in WORKLOADS:
             for k in GRID_ROUTERS:
                 for scale_up in (False, True):
-                    policies = GRID_POLICIES
+                    policies = GRID_POLICIES + (("shared",) if k > 1 else ())  # (k = 1: shared is prefix)
                     if k == 1 and not scale_up and n <= RAY_MAX_REPLICAS and w != "tenants":
                         policies += ("ray-prefix",)
-                    cells.append((w, n, k, scale_up, policies, args.seed, args.util, args.cache_factor, period, delay))
+                    cells.append(
+                        (w, n, k, scale_up, policies, args.seed, args.util, args.cache_factor, period, delay, share)
+                    )
     rows: list[dict] = []
     with ProcessPoolExecutor(args.jobs) as pool:
         for out in pool.map(_cell, cells):
             rows += emit(out)
         for out in pool.map(_llmd_cell, llmd_jobs):
             rows += emit(out)
-    for line in targets(rows):
-        print(json.dumps({"target": line}), flush=True)
+    for policy in ("prefix", "shared"):
+        for line in targets(rows, policy):
+            print(json.dumps({"target": line}), flush=True)
 
 
 if __name__ == "__main__":
