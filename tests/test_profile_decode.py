@@ -25,6 +25,9 @@ def test_union_counts_busy_time_once(intervals, busy):
         ("nvjet_tst_128x64_64x4", "gemm"),
         ("_tpp_phase2_kernel", "attention"),
         ("BatchPrefillWithPagedKVCacheKernel", "attention"),
+        # FlashInfer's sm90 (FA3) prefill is a cutlass template: attention, not a GEMM
+        ("void flashinfer::PrefillWithKVCacheKernel<flashinfer::SparseCollectiveMainloop<Params", "attention"),
+        ("void cutlass::device_kernel<flashinfer::BatchPrefillKernelTraits<128>>", "attention"),
         ("_fused_rms_norm_rope", "norm_rope"),
         ("_nucleus_search", "sampler"),
         ("Memcpy DtoD (Device -> Device)", "copy"),
