@@ -69,6 +69,7 @@ def test_unknown_field_is_an_error_naming_it(args, field):
         {"engine": {"sparse_prefill": {"block": 64, "stride": 8}}},  # 8 rows of a block scored
         {"router": {"direct_stream": True, "policy": "pow2"}},  # the direct route is the prefix router's
         {"router": {"direct_stream": True}, "autoscaling_config": {"max_replicas": 4}},
+        {"router": {"share_decisions": True, "policy": "pow2"}},  # pow2 keeps no decisions to share
         {"ingress": {"header_timeout_s": 0}},
         {"openapi_docs": "yes"},  # off, key or open
     ],

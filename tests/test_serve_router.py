@@ -273,6 +273,59 @@ def test_shared_prefixes_stay_on_one_replica(serve_url):
     serve.delete("prefix")
 
 
+def test_two_ingresses_sharing_decisions_find_each_other_and_serve(serve_url):
+    """router.share_decisions with two ingress replicas: each one's router (made by Serve in the
+    ingress process, on Serve's router loop) registers in Ray's GCS and serves as before."""
+    from ray import serve
+
+    from chunkserve.cluster.app import build_app
+    from chunkserve.router.serve_router import GcsRegistry
+
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 2,
+                "num_cpus_per_replica": 0.5,
+                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
+                "router": {"policy": "prefix", "routing_stats_period_s": 0.5, "share_decisions": True},
+                "ingress": {"num_replicas": 2},
+            }
+        ),
+        name="peers",
+        route_prefix="/peers",
+    )
+    url = f"{serve_url}/peers/v1/completions"
+    registry = GcsRegistry("peers", "LLMReplica")
+    deadline = time.monotonic() + 120
+    with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+        # each ingress makes its router at its first request, which Serve's proxy spreads
+        while len(registry.others("")) < 2:
+            assert time.monotonic() < deadline, f"routers registered: {registry.others('')}"
+            prefix = [(7 * i + 3) % 256 for i in range(128)]
+            r = client.post(url, json={"model": MODEL, "prompt": prefix + [5], "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200, r.text
+        # ... connect, and book each other's decisions: /metrics shows it per ingress replica
+        while True:
+            for q in range(4):
+                prompt = [(11 * i + q) % 256 for i in range(128)]
+                r = client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+            text = client.get(f"{serve_url}/peers/metrics").text
+            peers = [ln for ln in text.splitlines() if ln.startswith("chunkserve_router_peers{")]
+            booked = [ln for ln in text.splitlines() if ln.startswith("chunkserve_router_peer_decisions_total{")]
+            if (
+                len(peers) == 2
+                and all(ln.endswith(" 1.0") for ln in peers)
+                and any(float(ln.rsplit(" ", 1)[1]) > 0 for ln in booked)
+            ):
+                break
+            assert time.monotonic() < deadline, f"no decisions shared: {peers} {booked}"
+            time.sleep(0.5)
+    serve.delete("peers")
+
+
 def test_a_prefix_spilled_to_a_host_tier_is_routed_back_and_predicted_in_both_tiers(serve_url):
     """Two replicas with a host tier and a small GPU pool: a prompt's chunks spill on its replica
     as other prompts arrive there; once the replica's tier-coded events reach the router, the
@@ -340,10 +393,13 @@ def test_config_selects_the_router():
 
     rc = router_config({"device": "cpu", "engine": {"chunk_size": 32}, "router": {"routing_stats_period_s": 2}})
     assert rc.request_router_class == PREFIX_ROUTER  # prefix is the default
-    assert rc.request_router_kwargs == {"chunk_size": 32, "host_hit_credit": 0.8}
+    assert rc.request_router_kwargs == {"chunk_size": 32, "host_hit_credit": 0.8, "share_decisions": False}
     assert rc.request_routing_stats_period_s == 2
     rc = router_config({"device": "cpu", "router": {"host_hit_credit": 0}})  # (--set router.host_hit_credit=0)
     assert rc.request_router_kwargs["host_hit_credit"] == 0
+    assert router_config({"device": "cpu", "router": {"share_decisions": True}}).request_router_kwargs[
+        "share_decisions"
+    ]
     assert (
         router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class
         == DEFAULT_REQUEST_ROUTER_PATH

@@ -71,6 +71,7 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
             "request_router_kwargs": {
                 "chunk_size": config.engine.chunk_size,
                 "host_hit_credit": config.router.host_hit_credit,
+                "share_decisions": config.router.share_decisions,
             },
             "request_routing_stats_period_s": config.router.routing_stats_period_s,
         }

@@ -90,6 +90,10 @@ class RouterOptions(_Strict):
     # sees only its own calls: a replica holding max_ongoing_requests lets Serve's next ones wait
     # inside it (up to max_ongoing_requests more) before Serve queues (max_queued_requests)
     direct_stream: bool = False
+    # each ingress's router books the other ingresses' routing decisions and completions as its
+    # own, milliseconds after them (chunkserve/router/peers.py, DESIGN §3 "Routers that agree"),
+    # where otherwise it learns their share of a replica's load from the replicas' reports
+    share_decisions: bool = False
 
 
 class IngressOptions(_Strict):
@@ -239,6 +243,10 @@ class AppConfig(_Strict):
             raise ValueError(
                 "router.direct_stream needs router.policy prefix and a fixed num_replicas (Serve's "
                 "autoscaling counts only the requests Serve routed)"
+            )
+        if self.router.share_decisions and self.router.policy != "prefix":
+            raise ValueError(
+                "router.share_decisions shares the prefix router's decisions: it needs router.policy prefix"
             )
         tp = self.tensor_parallel_size
         if tp > 1 and self.num_gpus_per_replica not in (None, tp):

@@ -68,6 +68,7 @@ from chunkserve.cluster.tenants import (
 )
 from chunkserve.replicas.model import load_tokenizer
 from chunkserve.replicas.wire import GenerateOutput, GenerateRequest
+from chunkserve.router import direct
 
 FRONT_DRAIN_S = 15.0  # a stopping replica's front finishes its open requests this long at most
 REPLICA_HEADER = "x-chunkserve-replica"  # which LLMReplica served the request
@@ -414,5 +415,6 @@ class OpenAIIngress:
         return {
             "http": cluster_metrics.HTTP.snapshot(),
             "predictions": cluster_metrics.PREDICTIONS.snapshot(self.config.engine.chunk_size),
+            "peers": direct.peer_stats(),
             **({"tenants": self.tenants.counts.snapshot()} if tenants else {}),
         }

@@ -36,6 +36,8 @@ is the application's p99. The names, and vLLM's for the same thing (vLLM's /metr
     chunkserve_router_predicted_cached_tokens_total tokens the prefix router predicted, by agreement with
     chunkserve_router_reported_cached_tokens_total  the replica's count; both token sums over them; the
     chunkserve_router_prediction_error_tokens        error |predicted − reported| per request, in tokens)
+    chunkserve_router_peers                     (none: router.share_decisions, per ingress replica and
+    chunkserve_router_peer_decisions_total       deployment: the other routers it sends to; their decisions booked)
     chunkserve_tenant_requests_total            (none: per tenant, the ingress's answered completions;
     chunkserve_tenant_prompt_tokens_total        prompt, cached prompt and generated tokens; its hit
     chunkserve_tenant_cached_prompt_tokens_total rate: rate(cached) / rate(prompt); requests refused
@@ -367,6 +369,7 @@ def _families(model_name: str, replicas: dict[tuple[str, str], dict], unreached:
             stream.add_metric([rid, code], n)
     yield from (responses, errors, stream)
     yield from _prediction_families(replicas)
+    yield from _peer_families(replicas)
     yield from _tenant_families(replicas)
     reached = GaugeMetricFamily(
         "chunkserve_metrics_replicas",
@@ -442,6 +445,25 @@ def _prediction_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metr
         reported.add_metric([rid], p["reported"])
         error.add_metric([rid], _buckets(p["error"]), p["error"]["sum"])
     yield from (agreement, predicted, reported, error)
+
+
+def _peer_families(replicas: dict[tuple[str, str], dict]) -> Iterable[Metric]:
+    """Routers that share decisions (router.share_decisions), per ingress replica and deployment."""
+    peers = GaugeMetricFamily(
+        "chunkserve_router_peers",
+        "Other ingresses' routers this ingress's router sends its decisions to (router.share_decisions).",
+        labels=["replica", "deployment"],
+    )
+    booked = CounterMetricFamily(
+        "chunkserve_router_peer_decisions",
+        "Other ingresses' routing decisions this ingress's router booked as its own (router.share_decisions).",
+        labels=["replica", "deployment"],
+    )
+    for (_, rid), s in sorted(replicas.items()):
+        for deployment, (n, decisions) in sorted((s.get("peers") or {}).items()):
+            peers.add_metric([rid, deployment], n)
+            booked.add_metric([rid, deployment], decisions)
+    yield from (peers, booked)
 
 
 def _buckets(hist: dict) -> list[tuple[str, float]]:

@@ -6,5 +6,6 @@ index          one router's map  chain of hashes -> replicas holding a prefix of
 policy         the choice: rendezvous placement, cache affinity, load bounded as work
 serve_router   PrefixAffinityRouter, the policy as Ray Serve's request router
 direct         this process's routers for the ingress's direct streams
+peers          routers that book each other's decisions (router.share_decisions)
 tools          the routing simulator (simulate) and the events benchmark (bench_events)
 """

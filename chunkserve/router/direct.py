@@ -75,6 +75,17 @@ async def route_direct(app_name: str, deployment_name: str, request: Any) -> Dir
         raise
 
 
+def peer_stats() -> dict[str, list[int]]:
+    """Per deployment ("app/deployment") of this process's routers that share decisions
+    (chunkserve/router/peers.py): [routers it sends to, decisions of others booked, ever]."""
+    out = {}
+    for (app, name), router in list(_ROUTERS.items()):
+        stats = getattr(router, "peer_stats", None)
+        if stats is not None and (s := stats()) is not None:
+            out[f"{app}/{name}"] = s
+    return out
+
+
 def _release_chosen(chosen: Any) -> None:
     if not chosen.cancelled() and chosen.exception() is None and chosen.result() is not None:
         chosen.result().release()

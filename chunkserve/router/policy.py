@@ -518,6 +518,9 @@ class PrefixPolicy:
         self._external[p] = ext
         self._load[p] = self._own[p] + ext
 
+    def has_replica(self, replica_id: str) -> bool:
+        return replica_id in self._pos
+
     def load(self, replica_id: str) -> float:
         return self._load[self._pos[replica_id]]
 

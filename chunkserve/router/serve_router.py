@@ -44,6 +44,11 @@ route_direct        the ingress's direct stream (chunkserve/replicas/direct_stre
                       The ingress finds its process's router through chunkserve/router/direct.py (Serve
                       pickles this module by value: its globals are not the ingress's).
 
+share_decisions (router.share_decisions): the router joins the deployment's other routers
+(chunkserve/router/peers.py: a PeerLink on its loop, found through GcsRegistry) and books their
+decisions and completions as its own; the replicas' reports of those routers' work are then not
+added (PeerBook.mirrored_keys).
+
 Load units: the policy counts outstanding work in prefill tokens. A replica reports what it holds
 by router (`held_by_router`, keyed by each ingress process's `direct.ROUTER_ID`, which the ingress
 puts on every GenerateRequest): the other routers' share, converted to work, is added to this
@@ -56,6 +61,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import random
 import time
 from collections.abc import Callable
@@ -65,6 +71,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from chunkserve.router import direct
 from chunkserve.router.direct import DirectRoute
+from chunkserve.router.peers import Peer, PeerBook, PeerLink, PeerLog
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView, Ticket
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log files
@@ -99,16 +106,60 @@ def _build_rendezvous(replica_ids: list[str]) -> Rendezvous:
     return hrw
 
 
+class GcsRegistry:
+    """Where a deployment's routers find each other (peers.Registry): Ray's GCS key-value store,
+    one key per router under the deployment's prefix. Its calls block (gRPC): PeerLink runs them
+    off its loop."""
+
+    NAMESPACE = "chunkserve_router_peers"
+
+    def __init__(self, app_name: str, deployment_name: str):
+        self._prefix = f"{app_name}/{deployment_name}/"
+
+    def put(self, router: str, address: tuple[str, int, str]) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(
+            self._prefix + router, pickle.dumps(address), overwrite=True, namespace=self.NAMESPACE
+        )
+
+    def others(self, router: str) -> dict[str, tuple[str, int, str]]:
+        from ray.experimental import internal_kv
+
+        out = {}
+        for key in internal_kv._internal_kv_list(self._prefix, namespace=self.NAMESPACE):
+            name = (key.decode() if isinstance(key, bytes) else key)[len(self._prefix) :]
+            if name != router:
+                value = internal_kv._internal_kv_get(key, namespace=self.NAMESPACE)
+                if value is not None:
+                    out[name] = pickle.loads(value)
+        return out
+
+    def remove(self, router: str) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_del(self._prefix + router, namespace=self.NAMESPACE)
+
+
 class PrefixAffinityRouter(RequestRouter):
     """Routes requests sharing a prompt prefix to the replica(s) caching it, with bounded load."""
 
-    def initialize_state(self, chunk_size: int = 64, seed: int = 0, **policy_options: Any) -> None:
+    def initialize_state(
+        self, chunk_size: int = 64, seed: int = 0, share_decisions: bool = False, **policy_options: Any
+    ) -> None:
         """request_router_kwargs: chunk_size (the replicas' tree chunk size, as the ingress hashes
-        with), seed (of the policy's random choices), and any other PolicyConfig field."""
+        with), seed (of the policy's random choices), share_decisions (book the deployment's other
+        routers' decisions as this one's own: chunkserve/router/peers.py), and any other
+        PolicyConfig field."""
         self._policy = PrefixPolicy(PolicyConfig(chunk_size=chunk_size, **policy_options), seed=seed)
+        # (share_decisions) this router's decisions for the others, theirs booked here, the link
+        self._share = share_decisions
+        self._log: PeerLog | None = PeerLog() if share_decisions else None
+        self._book: PeerBook | None = PeerBook(self._policy) if share_decisions else None
+        self._link: PeerLink | None = None
         self._rng = random.Random(seed)
         self._by_uid: dict[str, RunningReplica] = {}  # live replicas by unique id (the policy's ids)
-        self._tickets: dict[str, Ticket] = {}  # internal request id -> the policy's bookkeeping
+        self._tickets: dict[str, tuple[Ticket, int]] = {}  # internal request id -> (ticket, PeerLog number)
         self._stats_seen: dict[str, Any] = {}  # replica -> the last routing stats applied
         self._mean_cost = 0.0  # EWMA of routed requests' work: replica-reported requests -> work
         self._building: asyncio.Task | None = None  # an off-loop rendezvous build in progress
@@ -122,11 +173,33 @@ class PrefixAffinityRouter(RequestRouter):
             try:
                 self._home = asyncio.get_running_loop()
                 direct.register(self._deployment_id.app_name, self._deployment_id.name, self, self._home)
+                if self._share:
+                    self._home.create_task(self._start_link())
             except RuntimeError:
                 pass
         self._by_uid = {r.replica_id.unique_id: r for r in replicas}
         self._sync_membership()
         self._apply_routing_stats(replicas)
+
+    async def _start_link(self) -> None:
+        """Join the deployment's other routers (share_decisions): listen, register, connect."""
+        import ray
+
+        assert self._log is not None and self._book is not None
+        try:
+            me = Peer(direct.ROUTER_ID + "." + hex(id(self))[2:], direct.ROUTER_ID, ray.util.get_node_ip_address())
+            registry = GcsRegistry(self._deployment_id.app_name, self._deployment_id.name)
+            link = PeerLink(me, self._log, self._book, registry)
+            await link.start()
+            self._link = link
+        except Exception:
+            logger.exception("PrefixAffinityRouter: sharing decisions failed to start; the reports alone count")
+
+    def peer_stats(self) -> list[int] | None:
+        """[routers this one sends to, the others' decisions booked here], or None without sharing."""
+        if self._book is None:
+            return None
+        return [len(self._link.peers()) if self._link is not None else 0, self._book.booked]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
@@ -218,8 +291,10 @@ class PrefixAffinityRouter(RequestRouter):
         if not isinstance(held, dict):
             return None
         dw, work = self._policy.config.decode_weight, 0.0
+        # (routers whose decisions are booked here already: not added again)
+        mirrored = self._book.mirrored_keys() if self._book is not None else frozenset()
         for router, (_, prompt, cached, max_tokens) in held.items():
-            if router != direct.ROUTER_ID:
+            if router != direct.ROUTER_ID and router not in mirrored:
                 work += prompt - cached + dw * max_tokens
         return work
 
@@ -272,41 +347,52 @@ class PrefixAffinityRouter(RequestRouter):
         if address is None:
             return None
         uid = replica.replica_id.unique_id
-        ticket = self._routed(uid, req, now)
+        booked = self._routed(uid, req, now)
         loop = self._home
         assert loop is not None
-        return DirectRoute(uid, address, lambda: _call_soon(loop, self._policy.on_finished, ticket))
+        return DirectRoute(uid, address, lambda: _call_soon(loop, self._finish, booked))
 
-    def _routed(self, uid: str, req: Any, now: float) -> Ticket:
+    def _routed(self, uid: str, req: Any, now: float) -> tuple[Ticket, int]:
+        """-> the policy's ticket and the decision's number among those shared (0: not shared)."""
         ticket = self._policy.on_routed(
             uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, now, req.session
         )
         self._mean_cost += 0.05 * (ticket.cost - self._mean_cost) if self._mean_cost else ticket.cost
         direct.predict(req.request_id, ticket.matched)  # (the ingress compares it with the replica's count)
-        return ticket
+        n = 0
+        if self._log is not None:
+            n = self._log.routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, req.session)
+        return ticket, n
+
+    def _finish(self, booked: tuple[Ticket, int]) -> None:
+        """A routed request ended: its work leaves this router's loads (and the others')."""
+        ticket, n = booked
+        self._policy.on_finished(ticket)
+        if n and self._log is not None:
+            self._log.finished(n)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         req = _generate_request(pending_request)
         uid = replica_id.unique_id
         if req is None or uid not in self._policy_ids:
             return
-        ticket = self._routed(uid, req, time.monotonic())
+        booked = self._routed(uid, req, time.monotonic())
         request_id = pending_request.metadata.internal_request_id
-        self._tickets[request_id] = ticket
+        self._tickets[request_id] = booked
         if result is not None:
             # on_request_completed may have run already (then the ticket would stay, and the
             # replica's load with it: a short request finishes before Serve reports it routed);
             # a done callback fires at once on a finished result, from Ray's or gRPC's thread
             loop = self._event_loop
-            result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, request_id, ticket))
+            result.add_done_callback(lambda _: loop.call_soon_threadsafe(self._release, request_id, booked))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        ticket = self._tickets.pop(internal_request_id, None)
-        if ticket is not None:
-            self._policy.on_finished(ticket)
+        booked = self._tickets.pop(internal_request_id, None)
+        if booked is not None:
+            self._finish(booked)
 
-    def _release(self, request_id: str, ticket: Ticket) -> None:
+    def _release(self, request_id: str, booked: tuple[Ticket, int]) -> None:
         """The result's done callback: release its ticket unless on_request_completed has."""
-        if self._tickets.get(request_id) is ticket:
+        if self._tickets.get(request_id) is booked:
             del self._tickets[request_id]
-            self._policy.on_finished(ticket)
+            self._finish(booked)
