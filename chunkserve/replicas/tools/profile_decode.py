@@ -125,7 +125,10 @@ def profile_batch(engine: LLMEngine, args: argparse.Namespace, batch: int, run: 
         "device_idle_ms_per_step": round(max(0.0, wall_ms - split["device_busy_ms"]), 3),
         "kernels_per_step": split["kernels"],
         "kind_ms_per_step": split["kind_ms"],
-        "top": split["top"],
+        "top": [  # (per step, as the records before --prompt name them)
+            {"name": t["name"], "kind": t["kind"], "ms_per_step": t["ms"], "calls_per_step": t["calls"]}
+            for t in split["top"]
+        ],
     }
 
 
@@ -133,8 +136,7 @@ def profile_prompt(engine: LLMEngine, args: argparse.Namespace) -> dict:
     """One fresh --prompt-token prompt from arrival to its first token, alone: wall time (the
     second of two, unprofiled), then a third under the profiler, by kind as a step's."""
     rng = random.Random(args.prompt)
-
-    steps = [0, 0, 0]
+    steps = [0, 0, 0]  # each run's engine steps
 
     def run(i: int) -> None:
         engine.add_request(
