@@ -131,6 +131,17 @@ def test_two_routers_book_each_others_decisions_over_the_wire(ray_local):
         c = _sharing(reps)
         await until(lambda: c._link is not None and len(c._book.held_keys) == 2)
         await until(lambda: loads(c) == loads(a) == loads(b))
+        # a router killed without removing its entry: after a few refused connections it goes
+        from chunkserve.replicas.engine.distributed import free_port  # (a port nothing listens on)
+        from chunkserve.router.serve_router import GcsRegistry
+
+        registry = GcsRegistry("test", "LLMReplica")
+        registry.put("dead", ("127.0.0.1", free_port(), "00" * 16))
+        for _ in range(4):
+            await a._link.discover()
+            await asyncio.sleep(0.2)
+        await until(lambda: "dead" not in registry.others(""))
+        assert len(registry.others("")) == 3  # the live ones stay
         for r in (a, b, c):
             r._link.close()
 

@@ -49,6 +49,7 @@ logger = logging.getLogger("ray.serve")
 FLUSH_S = 0.005  # a router's decisions wait at most this long before they go to the others
 DISCOVER_S = 2.0  # how often a router lists the others in the registry
 CONNECT_TIMEOUT_S = 2.0
+FORGET_AFTER = 3  # failed connections in a row after which a registered router is taken as gone
 TOKEN_BYTES = 16
 MAX_FRAME = 64 << 20
 MAX_UNSENT = 8 << 20  # bytes queued to a peer past which it is cut off (it is not reading)
@@ -191,6 +192,7 @@ class PeerLink:
         self.address = (host, self._sock.getsockname()[1], self._token.hex())
         self._out: dict[str, asyncio.StreamWriter] = {}  # peer -> the connection this router sends on
         self._connecting: set[str] = set()
+        self._failed: dict[str, int] = {}  # peer -> connection attempts failed in a row
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._closed = False
@@ -254,9 +256,16 @@ class PeerLink:
             host, port, token = address
             _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), CONNECT_TIMEOUT_S)
         except (OSError, asyncio.TimeoutError, ValueError, TypeError):
-            return  # (a router gone without removing its entry: tried again at the next listing)
+            # a router gone without removing its entry (its process killed): after a few tries its
+            # entry goes (a live router puts its own back at each listing)
+            self._failed[peer] = self._failed.get(peer, 0) + 1
+            if self._failed[peer] >= FORGET_AFTER:
+                del self._failed[peer]
+                await asyncio.get_running_loop().run_in_executor(None, self.registry.remove, peer)
+            return
         finally:
             self._connecting.discard(peer)
+        self._failed.pop(peer, None)
         if self._closed or peer in self._out:
             writer.close()
             return
@@ -287,9 +296,11 @@ class PeerLink:
             self.flush()
 
     async def discover(self) -> None:
-        """Connect to the routers registered and not yet connected to."""
+        """Put this router's entry (back), and connect to the routers registered and not yet
+        connected to."""
         loop = asyncio.get_running_loop()
         try:
+            await loop.run_in_executor(None, self.registry.put, self.router, self.address)
             others = await loop.run_in_executor(None, self.registry.others, self.router)
         except Exception as e:  # (the GCS unreachable a moment: tried again)
             logger.warning(f"router peers: listing the registry failed: {e}")
