@@ -39,11 +39,8 @@ def test_a_book_holds_the_other_routers_loads_and_chains():
     now, tickets = 1.0, {}
     for i, (chain, prompt, max_tokens) in enumerate(_requests(40)):
         r = a.choose(chain, prompt, max_tokens, now)[0]
-        tickets[log.routed(r, chain, prompt, max_tokens, None)] = (
-            a.on_routed(r, chain, prompt, max_tokens, now),
-            chain,
-            r,
-        )
+        ticket = a.on_routed(r, chain, prompt, max_tokens, now)
+        tickets[log.routed(r, chain, prompt, max_tokens, None, ticket.matched)] = (ticket, chain, r)
         if i % 3 == 2:  # some finish meanwhile
             n = min(tickets)
             a.on_finished(tickets.pop(n)[0])
@@ -72,8 +69,9 @@ def test_a_book_holds_the_other_routers_loads_and_chains():
 def test_a_decision_for_a_replica_the_book_does_not_know_is_skipped():
     b = _policy()
     book = PeerBook(b)
-    book.apply("A", (Routed(1, "gone", (1, 2), 100, 8, None), Routed(2, "rep0", (1, 2), 100, 8, None)), 0.0)
-    assert book.booked == 1 and b.load("rep0") > 0 and not b.has_replica("gone")
+    book.apply("A", (Routed(1, "gone", (1, 2), 100, 8, None, 0), Routed(2, "rep0", (1, 2), 100, 8, None, 64)), 0.0)
+    assert b.load("rep0") == 100 - 64 + 4 * 8  # the sender's matched tokens: its work, as it booked it
+    assert book.booked == 1 and not b.has_replica("gone")
     assert Batch((Finished(2),)).events == (Finished(2),)
 
 
@@ -127,6 +125,14 @@ def test_two_routers_book_each_others_decisions_over_the_wire(ray_local):
             a.on_request_completed(None, f"internal-{n}")
         await until(lambda: loads(b) == loads(a))
         assert sum(loads(a)) > 0  # (B's own request is still open)
+        # A's connection to B is cut: B releases A's decisions; A's next listing reconnects and
+        # its first Batch books every open one again, once
+        await _route(a, pending(prompts[1], 60))
+        await until(lambda: loads(b) == loads(a))
+        a._link._out.pop(b._link.router).close()
+        await until(lambda: loads(b) != loads(a))
+        await a._link.discover()
+        await until(lambda: loads(b) == loads(a))
         # a router joining late books what is open at the others when it connects
         c = _sharing(reps)
         await until(lambda: c._link is not None and len(c._book.held_keys) == 2)

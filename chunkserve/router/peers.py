@@ -22,7 +22,9 @@ is unpickled), then length-prefixed pickles of plain tuples: first Hello, then B
                               its requests under (its process's direct.ROUTER_ID)
     Batch(events)             Routed and Finished in the order they happened; the first Batch
                               on a connection holds every decision the sender has open
-    Routed(n, replica, chain, prompt_tokens, max_tokens, session)   decision n of the sender
+    Routed(n, replica, chain, prompt_tokens, max_tokens, session, matched)   decision n of the
+                              sender, with the tokens it counted as cached (every router books
+                              the same work, whatever its own index knows)
     Finished(n)                                                      its request ended
 
 A decision booked twice (the first Batch overlaps the next) counts once; a Finished for one never
@@ -63,6 +65,7 @@ class Routed(NamedTuple):
     prompt_tokens: int
     max_tokens: int
     session: int | None
+    matched: int  # the prompt tokens the sender counted as cached there (its work, booked as is)
 
 
 class Finished(NamedTuple):
@@ -87,9 +90,11 @@ class PeerLog:
         self.open: dict[int, Routed] = {}
         self._pending: list[Routed | Finished] = []
 
-    def routed(self, replica: str, chain: Sequence[int], prompt_tokens: int, max_tokens: int, session) -> int:
+    def routed(
+        self, replica: str, chain: Sequence[int], prompt_tokens: int, max_tokens: int, session, matched: int
+    ) -> int:
         self._n += 1
-        event = Routed(self._n, replica, tuple(chain), prompt_tokens, max_tokens, session)
+        event = Routed(self._n, replica, tuple(chain), prompt_tokens, max_tokens, session, matched)
         self.open[self._n] = event
         self._pending.append(event)
         return self._n
@@ -124,7 +129,9 @@ class PeerBook:
             if type(e) is Routed:
                 if e.n in open_ or not policy.has_replica(e.replica):
                     continue
-                open_[e.n] = policy.on_routed(e.replica, e.chain, e.prompt_tokens, e.max_tokens, now, e.session)
+                open_[e.n] = policy.on_routed(
+                    e.replica, e.chain, e.prompt_tokens, e.max_tokens, now, e.session, e.matched
+                )
                 self.booked += 1
             else:
                 ticket = open_.pop(e.n, None)
@@ -193,6 +200,7 @@ class PeerLink:
         self._out: dict[str, asyncio.StreamWriter] = {}  # peer -> the connection this router sends on
         self._connecting: set[str] = set()
         self._failed: dict[str, int] = {}  # peer -> connection attempts failed in a row
+        self._inbound: dict[str, object] = {}  # sender -> its current connection (a marker)
         self._tasks: set[asyncio.Task] = set()
         self._server: asyncio.Server | None = None
         self._closed = False
@@ -229,7 +237,7 @@ class PeerLink:
 
     # -- receiving ---------------------------------------------------------------------------
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        sender = None
+        sender, conn = None, object()
         try:
             token = await reader.readexactly(TOKEN_BYTES)
             if not secrets.compare_digest(token, self._token):
@@ -238,6 +246,9 @@ class PeerLink:
             if not isinstance(hello, Hello):
                 return
             sender = hello.router
+            if sender in self._inbound:  # it reconnected: its first Batch books every open decision again
+                self.book.drop(sender)
+            self._inbound[sender] = conn
             self.book.hello(sender, hello.held_key)
             while True:
                 batch = await _read(reader)
@@ -246,7 +257,8 @@ class PeerLink:
         except (asyncio.IncompleteReadError, ConnectionError, OSError, pickle.UnpicklingError, asyncio.CancelledError):
             pass
         finally:
-            if sender is not None:
+            if sender is not None and self._inbound.get(sender) is conn:  # (not a newer connection's)
+                del self._inbound[sender]
                 self.book.drop(sender)
             writer.close()
 

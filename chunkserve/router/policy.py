@@ -737,9 +737,12 @@ class PrefixPolicy:
         max_tokens: int,
         now: float,
         session: int | None = None,
+        matched: int | None = None,
     ) -> Ticket:
         """The request went to `replica_id` (Serve may pick another than `choose`'s first); a
-        session's next request prefers it."""
+        session's next request prefers it. matched: another router's decision (peers.PeerBook),
+        the prompt tokens it counted as cached there, so that every router books the same work;
+        None: this router's own, from its index."""
         if session is not None:
             sessions = self._sessions
             sessions[session] = replica_id
@@ -747,9 +750,9 @@ class PrefixPolicy:
             if len(sessions) > self.config.session_entries:
                 sessions.popitem(last=False)
         chain, cfg = tuple(prefix_hashes), self.config
-        depth = -1
+        depth = -1 if matched is None else 0
         last_chain, cands = self._last
-        if last_chain is chain:
+        if matched is None and last_chain is chain:
             for cand in cands:  # best first: usually the first
                 if cand[3] == replica_id:
                     depth = cand[2]
@@ -759,7 +762,8 @@ class PrefixPolicy:
         # the engine never matches the chunk holding the prompt's last token (its logits give the
         # first output): at most (prompt − 1) // c chunks count as cached, as the replica reports
         c = cfg.chunk_size
-        matched = min(depth * c, (num_prompt_tokens - 1) // c * c) if depth else 0
+        if matched is None:
+            matched = min(depth * c, (num_prompt_tokens - 1) // c * c) if depth else 0
         cost = num_prompt_tokens - matched + cfg.decode_weight * max_tokens  # (request_work's)
         key = chain[0] if chain else None
         p = self._pos.get(replica_id)

@@ -361,7 +361,9 @@ class PrefixAffinityRouter(RequestRouter):
         direct.predict(req.request_id, ticket.matched)  # (the ingress compares it with the replica's count)
         n = 0
         if self._log is not None:
-            n = self._log.routed(uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, req.session)
+            n = self._log.routed(
+                uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, req.session, ticket.matched
+            )
         return ticket, n
 
     def _finish(self, booked: tuple[Ticket, int]) -> None:
