@@ -276,6 +276,49 @@ def test_shared_prefixes_stay_on_one_replica(serve_url):
     serve.delete("prefix")
 
 
+def test_rays_own_prefix_router_routes_our_requests(serve_url):
+    """router.policy ray_prefix: Ray Serve LLM's PrefixCacheAffinityRouter, the peer #47 compares
+    against, routes our requests by GenerateRequest.prompt (a character per token); prompts that
+    share a prefix follow the first one's replica, where that prefix is then cached."""
+    from ray import serve
+
+    from chunkserve.cluster.app import build_app
+    from chunkserve.cluster.ingress import REPLICA_HEADER
+
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 2,
+                "num_cpus_per_replica": 0.5,
+                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
+                "router": {"policy": "ray_prefix", "routing_stats_period_s": 0.5},
+            }
+        ),
+        name="rayprefix",
+        route_prefix="/rayprefix",
+    )
+    url = f"{serve_url}/rayprefix/v1/completions"
+
+    async def main():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+
+            async def one(prompt):
+                r = await client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+                return r.headers[REPLICA_HEADER], r.json()["usage"]
+
+            prefix = [(13 * i + 5) % 256 for i in range(256)]
+            return [await one(prefix + [10 + q]) for q in range(4)]
+
+    results = asyncio.run(main())
+    assert len({rep for rep, _ in results}) == 1, results  # one at a time, queues level: the match decides
+    for _, usage in results[1:]:
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 192, usage
+    serve.delete("rayprefix")
+
+
 def test_two_ingresses_sharing_decisions_find_each_other_and_serve(serve_url):
     """router.share_decisions with two ingress replicas: each one's router (made by Serve in the
     ingress process, on Serve's router loop) registers in Ray's GCS and serves as before."""
@@ -387,7 +430,7 @@ def test_config_selects_the_router():
     import yaml
     from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
 
-    from chunkserve.cluster.app import PREFIX_ROUTER, build_app
+    from chunkserve.cluster.app import PREFIX_ROUTER, RAY_PREFIX_ROUTER, build_app
     from chunkserve.cluster.config import AppConfig
 
     def router_config(args):
@@ -407,6 +450,8 @@ def test_config_selects_the_router():
         router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class
         == DEFAULT_REQUEST_ROUTER_PATH
     )
+    rc = router_config({"device": "cpu", "router": {"policy": "ray_prefix", "routing_stats_period_s": 3}})
+    assert rc.request_router_class == RAY_PREFIX_ROUTER and rc.request_routing_stats_period_s == 3
     with pytest.raises(ValueError, match="policy"):
         AppConfig.model_validate({"router": {"policy": "random"}})
     for path in ("configs/local.yaml", "configs/serve.yaml"):

@@ -97,3 +97,15 @@ def test_bench_wire_prints_a_line_per_message(capsys):
         "AddRequest (2000-token prompt)",
     ]
     assert all(r["wire_dumps_us"] > 0 and r["tuple_loads_us"] > 0 and r["wire_bytes"] > 0 for r in rows)
+
+
+def test_prompt_for_rays_prefix_router_is_a_character_per_token_behind_the_salt():
+    from chunkserve.replicas.engine.sequence import Tenancy
+
+    ids = (0, 1, 128255)
+    plain = GenerateRequest("r", ids, SamplingParams(max_tokens=3), (), "m").prompt
+    assert len(plain) == 3 and [ord(c) - 0x10000 for c in plain] == list(ids)
+    a = GenerateRequest("r", ids, SamplingParams(max_tokens=3), (), "m", tenancy=Tenancy(cache_salt="a")).prompt
+    b = GenerateRequest("r", ids, SamplingParams(max_tokens=3), (), "m", tenancy=Tenancy(cache_salt="ab")).prompt
+    assert a.endswith(plain) and b.endswith(plain) and not a.startswith(b[:3]) and a != b
+    assert not a.startswith(plain[:1])  # a salted prompt never matches an unsalted one's head

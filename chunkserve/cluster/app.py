@@ -18,6 +18,10 @@ from chunkserve.replicas.deployment import LLMReplica, ReplicaOptions
 from chunkserve.replicas.engine.llm_engine import EngineConfig
 
 PREFIX_ROUTER = "chunkserve.router.serve_router:PrefixAffinityRouter"  # router.policy: prefix (DESIGN §3)
+# router.policy ray_prefix: Ray Serve LLM's own prefix router (its public path imports vLLM or SGLang)
+RAY_PREFIX_ROUTER = (
+    "ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router:PrefixCacheAffinityRouter"
+)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -73,6 +77,11 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
                 "host_hit_credit": config.router.host_hit_credit,
                 "share_decisions": config.router.share_decisions,
             },
+            "request_routing_stats_period_s": config.router.routing_stats_period_s,
+        }
+    elif config.router.policy == "ray_prefix":
+        options["request_router_config"] = {
+            "request_router_class": RAY_PREFIX_ROUTER,
             "request_routing_stats_period_s": config.router.routing_stats_period_s,
         }
     if tp > 1:

@@ -77,8 +77,10 @@ class RouterOptions(_Strict):
     """Prefix-aware routing (DESIGN §3)."""
 
     route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
-    # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two choices
-    policy: Literal["prefix", "pow2"] = "prefix"
+    # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two
+    # choices; ray_prefix: Ray Serve LLM's PrefixCacheAffinityRouter, as a peer to compare against
+    # (it matches GenerateRequest.prompt, a character per token, in one tree actor)
+    policy: Literal["prefix", "pow2", "ray_prefix"] = "prefix"
     routing_stats_period_s: float = Field(1.0, gt=0)  # how often replicas publish load and routing events
     # a prompt chunk in a replica's host tier (engine.host_cache_tokens) scores this fraction of
     # one on its GPU (PolicyConfig.host_hit_credit, DESIGN §3 "Tiers"); 0: a host hit scores as a miss

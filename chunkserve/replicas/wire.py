@@ -80,6 +80,9 @@ def check(message: Any, allowed: frozenset[type], channel: str) -> None:
         raise TypeError(f"{channel}: {type(message).__name__} {message!r:.100} is not one of its messages ({names})")
 
 
+_TOKEN_CHAR0 = 0x10000  # GenerateRequest.prompt: token id t is chr(0x10000 + t), past the surrogates
+
+
 # -- Serve's calls: ingress -> replica --------------------------------------------------------
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -107,6 +110,15 @@ class GenerateRequest:
 
     def __reduce__(self):
         return _received, tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+    @property
+    def prompt(self) -> str:
+        """The prompt as Ray Serve LLM's PrefixCacheAffinityRouter reads it (router.policy
+        ray_prefix): its tree matches characters, so one character per token id, after the cache
+        salt's, so that tenants who share no cache share no match."""
+        salt = self.tenancy.cache_salt
+        head = "" if salt is None else f"{len(salt)}:{salt}"  # (its length: no salt is another's head)
+        return head + "".join([chr(_TOKEN_CHAR0 + t) for t in self.prompt_token_ids])
 
 
 class _HeldStops:

@@ -7,7 +7,7 @@ Defaults, measured on a 2-core machine (2 nodes, 4 replicas, 256 requests, ~1 mi
     {"policy": "pow2",   ..., "cached_fraction": 0.261, ...}
 With a KV pool holding every group's prefix (--kv-tokens 16384) pow2 reaches ~0.39 (prefix 0.81).
 
-Starts a LocalCluster, and for each policy (prefix, pow2) deploys `tiny` with that
+Starts a LocalCluster, and for each policy (prefix, pow2; ray_prefix: Ray Serve LLM's own) deploys `tiny` with that
 `router.policy`, sends a scaled-down gsp workload (groups of prompts sharing a long system prompt,
 each prompt = prefix + a short question; the groups interleaved in random order, `--concurrency`
 requests in flight), and prints one JSON line per policy:
