@@ -21,6 +21,7 @@ from chunkserve.kernels.block_union import (
     select_blocks,
     subgroup_size,
 )
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.reference import block_scores_ref, prefill_attention_ref, sparse_prefill_ref
 from chunkserve.replicas.engine.llm_engine import LLMEngine
 from chunkserve.replicas.engine.sequence import SamplingParams
@@ -763,15 +764,7 @@ def test_flashinfer_runs_the_page_lists_as_the_reference(dtype, hq, hkv, sub, d,
 
     rng = random.Random(c + hq)
     k_cache, v_cache = _cache(256, hkv, c, d, dtype, "cuda", seed=c)
-    fi = FlashInferPrefill(
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        chunk_size=c,
-        dtype=dtype,
-        device=torch.device("cuda"),
-        sm_scale=d**-0.5,
-    )
+    fi = FlashInferPrefill(PagedHeads(hq, hkv, d, c), dtype=dtype, device=torch.device("cuda"), sm_scale=d**-0.5)
     pieces, spans = [], []
     for context, new in [(40 * c, 3 * c + 5), (17 * c + 9, 40), (9 * c, 1)]:
         total = context + new
@@ -803,9 +796,7 @@ def test_flashinfer_runs_budget_lists_rewritten_in_place(hq, hkv, c):
     sub = subgroup_size(hq, hkv, cfg.subgroup)
     e = hq // sub
     k_cache, v_cache = _cache(300, hkv, c, d, dtype, "cuda", seed=c)
-    fi = FlashInferPrefill(
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev, sm_scale=d**-0.5
-    )
+    fi = FlashInferPrefill(PagedHeads(hq, hkv, d, c), dtype=dtype, device=dev, sm_scale=d**-0.5)
     rng = random.Random(hq)
     spans = []
     for context, new in [(60 * c, 2 * c + 3), (33 * c + 7, 20)]:

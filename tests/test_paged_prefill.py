@@ -6,6 +6,7 @@ import random
 import pytest
 import torch
 
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.reference import prefill_attention_ref
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -58,15 +59,7 @@ def test_spans_match_the_reference(dtype, hq, hkv, d, c):
     k = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
     v = torch.randn(num_chunks, hkv, c, d, generator=gen, device="cuda").to(dtype)
     scale = d**-0.5
-    fi = FlashInferPrefill(
-        num_q_heads=hq,
-        num_kv_heads=hkv,
-        head_dim=d,
-        chunk_size=c,
-        dtype=dtype,
-        device=torch.device("cuda"),
-        sm_scale=scale,
-    )
+    fi = FlashInferPrefill(PagedHeads(hq, hkv, d, c), dtype=dtype, device=torch.device("cuda"), sm_scale=scale)
     for step in range(2):  # the two wrappers in turn
         spans = _spans(rng, c, num_chunks)
         rows = sum(n for _, _, n in spans)
@@ -89,10 +82,7 @@ def test_bad_plans_and_runs_are_refused():
     assert not usable(torch.float32, 64, torch.device("cuda")) and not usable(torch.bfloat16, 64, torch.device("cpu"))
     assert not usable(torch.bfloat16, 96, torch.device("cuda"))
     fi = FlashInferPrefill(
-        num_q_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        chunk_size=16,
+        PagedHeads(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16),
         dtype=torch.bfloat16,
         device=torch.device("cuda"),
         sm_scale=0.125,
@@ -107,10 +97,7 @@ def test_bad_plans_and_runs_are_refused():
         fi.run(torch.zeros(4, 4, 64, dtype=torch.bfloat16, device="cuda"), k, k)
     with pytest.raises(ValueError, match="16-bit"):
         FlashInferPrefill(
-            num_q_heads=4,
-            num_kv_heads=2,
-            head_dim=64,
-            chunk_size=16,
+            PagedHeads(num_q_heads=4, num_kv_heads=2, head_dim=64, chunk_size=16),
             dtype=torch.float32,
             device=torch.device("cuda"),
             sm_scale=0.125,

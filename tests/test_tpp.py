@@ -13,6 +13,7 @@ import torch
 import triton
 
 from chunkserve.kernels import tpp, tpp_plan
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.reference import decode_attention_ref, tpp_decode_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -687,16 +688,8 @@ def test_the_planners_powers_of_two_are_tritons():
 
 
 def fixed_for(q, k, sizes, **kw):
-    return tpp_plan.FixedPlans(
-        q.device,
-        sizes,
-        num_q_heads=q.shape[1],
-        num_kv_heads=k.shape[1],
-        head_dim=q.shape[2],
-        chunk_size=k.shape[2],
-        num_chunks=k.shape[0],
-        **kw,
-    )
+    heads = PagedHeads(num_q_heads=q.shape[1], num_kv_heads=k.shape[1], head_dim=q.shape[2], chunk_size=k.shape[2])
+    return tpp_plan.FixedPlans(q.device, sizes, heads, num_chunks=k.shape[0], **kw)
 
 
 FIXED_CASES = [  # (dtype, head_dim, groups, chunk_size, rows, seed, depth): both phases, folds, merges

@@ -5,6 +5,7 @@ tpp, tpp_plan, tpp_torch   two-phase partition decode attention over the prefix 
 reference                  plain-torch attention over the chunked cache: the oracle
 block_union                block-union sparse KV selection for long prefills
 paged_prefill, fi_decode   FlashInfer's paged prefill and decode over our chunk pool
+heads                      PagedHeads: the shape those wrappers and tpp_plan's fixed plans take
 norm_rope                  fused RMSNorm and rotary embedding
 nucleus, philox            top-p without a sort; counter-based random numbers
 launch                     launching compiled Triton kernels past the dispatcher

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chunkserve.kernels.heads import PagedHeads
+
 __all__ = ["FlashInferDecode", "FiPlan", "available"]
 
 
@@ -40,11 +42,8 @@ class FlashInferDecode:
 
     def __init__(
         self,
+        heads: PagedHeads,
         *,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        chunk_size: int,
         dtype: torch.dtype,
         device: torch.device,
         sm_scale: float,
@@ -53,8 +52,9 @@ class FlashInferDecode:
 
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"FlashInfer decode needs a 16-bit cache, got {dtype}")
+        num_q_heads, num_kv_heads, head_dim = heads.num_q_heads, heads.num_kv_heads, heads.head_dim
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.chunk_size, self.dtype, self.device, self.sm_scale = chunk_size, dtype, device, sm_scale
+        self.chunk_size, self.dtype, self.device, self.sm_scale = heads.chunk_size, dtype, device, sm_scale
         self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
         self._wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "HND", use_tensor_cores=num_q_heads != num_kv_heads

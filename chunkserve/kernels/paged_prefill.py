@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 
 from chunkserve.kernels.fi_decode import available
+from chunkserve.kernels.heads import PagedHeads
 
 __all__ = ["FlashInferPrefill", "SparsePiece", "available", "from_lists", "planned_runs", "to_lists", "usable"]
 
@@ -58,24 +59,21 @@ class FlashInferPrefill:
 
     def __init__(
         self,
+        heads: PagedHeads,
         *,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        chunk_size: int,
         dtype: torch.dtype,
         device: torch.device,
         sm_scale: float,
     ):
         import flashinfer
 
-        if not usable(dtype, head_dim, device):
+        if not usable(dtype, heads.head_dim, device):
             raise ValueError(
                 f"FlashInfer prefill needs CUDA, a 16-bit cache and head dim 64/128/256, "
-                f"got {dtype}, {head_dim}, {device}"
+                f"got {dtype}, {heads.head_dim}, {device}"
             )
-        self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim
-        self.chunk_size, self.dtype, self.device, self.sm_scale = chunk_size, dtype, device, sm_scale
+        self.num_q_heads, self.num_kv_heads, self.head_dim = heads.num_q_heads, heads.num_kv_heads, heads.head_dim
+        self.chunk_size, self.dtype, self.device, self.sm_scale = heads.chunk_size, dtype, device, sm_scale
         # Two wrappers, planned in turn: a plan stages its metadata in the wrapper's page-locked
         # host buffer and copies it to the device in stream order, and under asynchronous
         # scheduling the next step is planned before this one has run; the step after it is

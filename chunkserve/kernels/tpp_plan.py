@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.reference import TreePlan, build_tree_plan
 
 __all__ = ["FixedPlans", "FixedShape", "TppPlan", "build_fixed_plan", "build_plan"]
@@ -225,13 +226,16 @@ class FixedPlans:
         self,
         device: torch.device | str,
         sizes: Sequence[int],
+        heads: PagedHeads,
         *,
-        num_q_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        chunk_size: int,
         num_chunks: int,
     ):
+        num_q_heads, num_kv_heads, head_dim, chunk_size = (
+            heads.num_q_heads,
+            heads.num_kv_heads,
+            heads.head_dim,
+            heads.chunk_size,
+        )
         _check_heads(num_q_heads, num_kv_heads, head_dim, chunk_size)
         self.device = device = torch.device(device)
         self.num_q_heads, self.num_kv_heads, self.head_dim = num_q_heads, num_kv_heads, head_dim

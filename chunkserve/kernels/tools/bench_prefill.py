@@ -34,6 +34,7 @@ import torch
 
 from chunkserve.kernels import block_union
 from chunkserve.kernels.block_union import BlockUnion
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.paged_prefill import FlashInferPrefill, SparsePiece
 
 
@@ -74,9 +75,7 @@ def run_case(
     random.Random(context).shuffle(table)
     table = table[:used]
     q = torch.randn(piece, hq, d, device=dev, dtype=dtype)
-    fi = FlashInferPrefill(
-        num_q_heads=hq, num_kv_heads=hkv, head_dim=d, chunk_size=c, dtype=dtype, device=dev, sm_scale=d**-0.5
-    )
+    fi = FlashInferPrefill(PagedHeads(hq, hkv, d, c), dtype=dtype, device=dev, sm_scale=d**-0.5)
     fi.plan([(table, context, piece)])
     row: dict[str, Any] = dict(context=context, piece=piece, hq=hq, hkv=hkv, head_dim=d, dtype="bf16", chunk_size=c)
     row["dense_us"] = round(_per_call(lambda: fi.run(q, k, v), layers, reps), 1)

@@ -56,6 +56,7 @@ from chunkserve.kernels import (
     reference,
     tpp_torch,
 )  # flashinfer imported only when used
+from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.tpp_plan import FixedPlans
 from chunkserve.replicas.engine.kv_pool import KVPool
 from chunkserve.replicas.engine.stats import EngineStats
@@ -126,16 +127,9 @@ class Attention:
         self.num_q_heads, self.head_dim = num_q_heads, head_dim
         self.sm_scale = head_dim**-0.5
         num_kv_heads = pool.kv.shape[3]
-        # what both FlashInfer wrappers take: the pool's layout and this rank's heads
-        paged = dict(
-            num_q_heads=num_q_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            chunk_size=pool.chunk_size,
-            dtype=pool.kv.dtype,
-            device=device,
-            sm_scale=self.sm_scale,
-        )
+        # what both FlashInfer wrappers and the fixed plans take: the pool's layout, this rank's heads
+        self.heads = PagedHeads(num_q_heads, num_kv_heads, head_dim, pool.chunk_size)
+        paged = dict(dtype=pool.kv.dtype, device=device, sm_scale=self.sm_scale)
         self._fi = None  # fi_decode.FlashInferDecode for unshared GQA batches, if usable
         if (
             backend == "triton"
@@ -144,11 +138,11 @@ class Attention:
             and pool.kv.dtype in (torch.float16, torch.bfloat16)
             and fi_decode.available()
         ):
-            self._fi = fi_decode.FlashInferDecode(**paged)
+            self._fi = fi_decode.FlashInferDecode(self.heads, **paged)
         # paged_prefill.FlashInferPrefill for every step's prefill spans, if usable
         self._prefill = None
         if config.flashinfer_prefill and paged_prefill.usable(pool.kv.dtype, head_dim, device):
-            self._prefill = paged_prefill.FlashInferPrefill(**paged)
+            self._prefill = paged_prefill.FlashInferPrefill(self.heads, **paged)
         self.sparse = sparse
         if sparse is not None:
             sparse.check_chunk_size(pool.chunk_size)
@@ -168,15 +162,7 @@ class Attention:
         graphs (chunkserve/replicas/engine/cuda_graph.py) replay. The triton backend only."""
         if self.backend != "triton":
             raise ValueError(f"fixed decode plans need the triton backend, not {self.backend!r}")
-        self.fixed = FixedPlans(
-            self.device,
-            sizes,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.pool.kv.shape[3],
-            head_dim=self.head_dim,
-            chunk_size=self.pool.chunk_size,
-            num_chunks=self.pool.kv.shape[2],
-        )
+        self.fixed = FixedPlans(self.device, sizes, self.heads, num_chunks=self.pool.kv.shape[2])
         self._signature = self._decode_plan = None
 
     def plan(self, batch: Batch) -> StepAttention:
