@@ -372,6 +372,40 @@ def test_a_sweep_against_a_stub_writes_reports_and_plots(tmp_path, capsys):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_oracle_counts_whole_chunks_an_earlier_prompt_of_the_same_salt_had():
+    from chunkserve.cluster.loadtest.metrics import oracle_cached_tokens
+
+    a = list(range(1, 11))  # 10 tokens: 2 whole chunks of 4
+    prompts = [
+        (None, a),
+        (None, a[:8] + [99, 98, 97]),  # both chunks seen
+        (None, a),  # the same prompt: its last token is computed, the chunks before it served
+        (None, a[:8]),  # 8 tokens: the second chunk holds its last token, so only the first is served
+        (None, [5] + a[1:]),  # its first chunk differs: the second one, though seen, is not a head
+        ("t1", a),  # another cache salt shares nothing
+        ("t1", a[:4] + [0] * 6),
+    ]
+    assert oracle_cached_tokens(prompts, 4) == [0, 8, 8, 4, 0, 0, 4]
+
+
+def test_the_reports_oracle_over_a_gsp_run_against_a_stub(tmp_path):
+    from chunkserve.cluster.loadtest.capacity import stub_server
+
+    out = tmp_path / "r.jsonl"
+    with stub_server(tokens=3) as url:
+        code = main(
+            ["--url", url, "--prompt-format", "tokens", "--model", "stub", "--workload", "gsp", "--num-prompts", "10"]
+            + ["--gsp-num-groups", "2", "--gsp-prompts-per-group", "5", "--gsp-system-prompt-len", "128"]
+            + ["--gsp-question-len", "8", "--gsp-output-len", "3", "--request-rate", "200", "--no-progress"]
+            + ["--save-result", str(out)]
+        )
+    assert code == 0
+    (report,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert report["completed"] == 10
+    # each group's first prompt finds nothing, the 4 after it their system prompt's 2 chunks of 64
+    assert report["oracle_cached_fraction"] == pytest.approx(2 * 4 * 128 / (10 * 136))
+
+
 def test_stack_overrides_an_apps_args():
     from chunkserve.cluster.loadtest.stack import apply_overrides
 

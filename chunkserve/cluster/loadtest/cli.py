@@ -261,6 +261,13 @@ def parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--request-timeout", type=pfloat, default=300.0, help="seconds one request may take")
     g.add_argument(
+        "--oracle-chunk-size",
+        type=pint,
+        default=64,
+        help="the chunk (block) size of the oracle's cached fraction, reported beside the server's for "
+        "token prompts: one cache holding every earlier prompt (chunkserve's chunk_size; vLLM's block is 16)",
+    )
+    g.add_argument(
         "--max-duration",
         type=pfloat,
         default=600.0,
@@ -489,6 +496,11 @@ class Runner:
             results = [self._in_process(requests, offsets, bar.step)]
         bar.close()
         server, router, error = asyncio.run(self._server_counts(before, [r for res in results for r in res.records]))
+        salted = self.options.cache_salt_per_tenant
+        oracle = (
+            {q.index: (q.tenant if salted else None, q.prompt) for q in requests if isinstance(q.prompt, list)},
+            args.oracle_chunk_size,
+        )
         return summarize(
             results,
             percentiles=args.percentiles,
@@ -498,6 +510,7 @@ class Runner:
             server_tenants=server,
             server_metrics_error=error,
             server_router=router,
+            oracle=oracle if self.fmt == "tokens" else None,
         )
 
     async def _scrape(self) -> tuple[str | None, str | None, float]:

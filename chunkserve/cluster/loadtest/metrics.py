@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,6 +118,27 @@ def _max_concurrency(records: list[Record]) -> int:
     return total
 
 
+def oracle_cached_tokens(prompts: Sequence[tuple[str | None, Sequence[int]]], chunk_size: int) -> list[int]:
+    """Per prompt, in the order given (the order sent): the tokens one cache holding every earlier
+    prompt would serve, in whole chunks of chunk_size (the leading chunks an earlier prompt of
+    the same cache salt had; the last token is always computed, as an engine must, for its
+    logits). The bound a router's cached fraction is measured against (issue 47's oracle)."""
+    seen: set[int] = set()
+    out = []
+    for salt, ids in prompts:
+        key, matched, hit = hash(("salt", salt)), 0, True
+        usable = (len(ids) - 1) // chunk_size
+        for k in range(len(ids) // chunk_size):
+            key = hash((key, tuple(ids[k * chunk_size : (k + 1) * chunk_size])))  # the chain: a chunk and its head
+            if hit and k < usable and key in seen:
+                matched += 1
+            else:
+                hit = False
+            seen.add(key)
+        out.append(matched * chunk_size)
+    return out
+
+
 def summarize(
     results: list[ClientResult],
     *,
@@ -127,12 +149,15 @@ def summarize(
     server_tenants: dict | None = None,
     server_metrics_error: str | None = None,
     server_router: dict | None = None,
+    oracle: tuple[dict[int, tuple[str | None, Sequence[int]]], int] | None = None,
 ) -> dict:
     """One run's report from every client's records. detail: also the raw per-request lists
     (vLLM's input_lens, output_lens, ttfts, itls, errors, ours besides), for plots and merges.
     server_tenants: the server's per-tenant counts over the run (`tenant_deltas`); and why
     they could not be read, if so. server_router: its router's predictions over the run
-    (`router_deltas`)."""
+    (`router_deltas`). oracle: each request's (cache salt, prompt ids) by index, and the chunk
+    size: the cached fraction a cache holding everything would give the completed requests, in
+    the order they were sent (`oracle_cached_tokens`); None (text prompts): not known."""
     records = [r for res in results for r in res.records]
     duration = max((res.duration for res in results), default=0.0) or 1e-9
     ok = [r for r in records if r.ok]
@@ -162,6 +187,7 @@ def summarize(
     report |= {
         "total_cached_tokens": cached,
         "cached_fraction": cached / total_in if total_in else 0.0,
+        "oracle_cached_fraction": _oracle_fraction(records, oracle),
         "goodput_fraction": None if good is None else good / max(1, len(records)),
         "slo": None if slo is None else slo.as_dict(),
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
@@ -186,6 +212,20 @@ def summarize(
             "records": [r.as_dict() for r in records],
         }
     return report
+
+
+def _oracle_fraction(
+    records: list[Record], oracle: tuple[dict[int, tuple[str | None, Sequence[int]]], int] | None
+) -> float | None:
+    if oracle is None:
+        return None
+    prompts, chunk_size = oracle
+    # the order sent (the clients' clocks start together: one order over all of them)
+    sent = sorted((r for r in records if r.sent is not None and r.index in prompts), key=lambda r: r.sent)
+    hits = oracle_cached_tokens([prompts[r.index] for r in sent], chunk_size)
+    ok = [(r, h) for r, h in zip(sent, hits) if r.ok]
+    total = sum(len(prompts[r.index][1]) for r, _ in ok)
+    return sum(h for _, h in ok) / total if total else None
 
 
 def _tenants(records: list[Record]) -> dict:
@@ -452,6 +492,7 @@ def sweep_summary(runs: list[dict], norm_latency_slo_ms: float = 40.0) -> dict:
         "p99_tpot_ms",
         "mean_norm_latency_ms",
         "cached_fraction",
+        "oracle_cached_fraction",
         "failed",
     )
     return {
