@@ -406,6 +406,37 @@ def test_the_reports_oracle_over_a_gsp_run_against_a_stub(tmp_path):
     assert report["oracle_cached_fraction"] == pytest.approx(2 * 4 * 128 / (10 * 136))
 
 
+def test_stack_waits_for_every_replica_of_a_fixed_size_config(monkeypatch):
+    import subprocess
+    import sys
+
+    import httpx
+
+    from chunkserve.cluster.loadtest import stack
+
+    assert stack.fixed_replicas({"applications": [{"args": {"num_replicas": 4}}]}) == 4
+    assert stack.fixed_replicas({"applications": [{"args": {}}]}) == 1
+    assert stack.fixed_replicas({"applications": [{"args": {"autoscaling_config": {"max_replicas": 4}}}]}) is None
+    answers = iter(
+        [(503, {}), (200, {"RUNNING": 1, "STARTING": 3}), (200, {"RUNNING": 3, "STARTING": 1}), (200, {"RUNNING": 4})]
+    )
+    asked = []
+
+    def get(url, timeout):
+        status, states = next(answers)
+        asked.append(states)
+        return httpx.Response(status, json={"ready": status == 200, "model_replicas": states})
+
+    monkeypatch.setattr(stack.httpx, "get", get)
+    monkeypatch.setattr(stack.time, "sleep", lambda s: None)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        stack.wait_ready("http://x", 60, proc, replicas=4)
+    finally:
+        proc.kill()
+    assert asked[-1] == {"RUNNING": 4} and len(asked) == 4  # not on the first replica's 200
+
+
 def test_stack_overrides_an_apps_args():
     from chunkserve.cluster.loadtest.stack import apply_overrides
 

@@ -42,20 +42,36 @@ def apply_overrides(config: dict, sets: list[str]) -> dict:
     return config
 
 
-def wait_ready(url: str, timeout: float, proc: subprocess.Popen, path: str = "/ready") -> float:
+def wait_ready(
+    url: str, timeout: float, proc: subprocess.Popen, path: str = "/ready", replicas: int | None = None
+) -> float:
     """Seconds until url + path answers 200 (ours: /ready, a model replica is up: the ingress's
-    readiness, which needs no API key); raises if the server's process exits first."""
+    readiness, which needs no API key) and, given `replicas`, its `model_replicas` count that
+    many RUNNING: a load test over several replicas must not start on the first one alone.
+    Raises if the server's process exits first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
         try:
-            if httpx.get(url + path, timeout=5).status_code == 200:
+            r = httpx.get(url + path, timeout=5)
+            if r.status_code == 200 and (
+                replicas is None or r.json().get("model_replicas", {}).get("RUNNING", 0) >= replicas
+            ):
                 return time.monotonic() - t0
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(2)
     raise TimeoutError(f"{url} was not ready within {timeout:.0f} s")
+
+
+def fixed_replicas(config: dict) -> int | None:
+    """The model replicas a config's first application runs when their number is fixed (None:
+    autoscaling, or the field absent, where the app's default of 1 holds)."""
+    args = (config.get("applications") or [{}])[0].get("args", {})
+    if args.get("autoscaling_config") is not None:
+        return None
+    return int(args.get("num_replicas") or 1)
 
 
 def api_url(config: dict) -> str:
@@ -90,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", f.name]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
     try:
-        ready_s = wait_ready(url, args.ready_timeout, proc)
+        ready_s = wait_ready(url, args.ready_timeout, proc, replicas=fixed_replicas(config))
         print(f"# {args.config} {' '.join(args.set)}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
         return loadtest(["--url", url, *rest])
     finally:
