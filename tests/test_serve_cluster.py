@@ -494,6 +494,44 @@ def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     serve.delete("gathered")
 
 
+def test_a_streams_end_is_not_held_for_its_interval(cluster):
+    # a 5 s interval over a stream the engine ends in well under a second: the first chunk goes at
+    # once, the steps after it are gathered, and the end goes as it comes, not when the interval is
+    # up (it held back the last chunk, and every request's E2EL and TPOT with it, by up to an interval)
+    interval = 5.0
+    serve.run(
+        build_app(
+            {
+                "model": "tiny",
+                "device": "cpu",
+                "num_replicas": 1,
+                "stream_interval_ms": interval * 1000,
+                "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
+            }
+        ),
+        name="ends",
+        route_prefix="/ends",
+    )
+    url = f"{cluster}/ends/v1/completions"
+    body = {"model": MODEL, "prompt": "end now", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    httpx.post(url, json=body, timeout=TIMEOUT).raise_for_status()  # (warm)
+
+    async def main():
+        times = []
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            async with client.stream("POST", url, json={**body, "stream": True}) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        times.append(time.perf_counter())
+        return times
+
+    times = asyncio.run(main())
+    assert 2 <= len(times) <= 3  # the first token, the rest gathered (the finish reason may come apart)
+    assert times[-1] - times[0] < interval / 2, times
+    serve.delete("ends")
+
+
 TP = {
     "model": "tiny",
     "device": "cpu",

@@ -83,12 +83,25 @@ class _HeldByRouter:
         return {r: list(v) for r, v in self._sums.items()}
 
 
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 @dataclass
 class _Stream:
     """The event-loop side of one request in the engine."""
 
     accepted: asyncio.Future  # set when the engine applied the add: None, or its ValueError
     outputs: asyncio.Queue[RequestOutput | EngineDied]  # one per step; EngineDied if the engine process dies
+    # while generate waits out its stream interval: resolved by then, or as soon as the last
+    # output (or EngineDied) is queued, so that a stream's end is never held back
+    gather: asyncio.Future | None = None
+
+    def put(self, out: RequestOutput | EngineDied) -> None:
+        self.outputs.put_nowait(out)
+        if self.gather is not None and (isinstance(out, EngineDied) or out.finished):
+            _resolve(self.gather)
 
 
 @dataclass(frozen=True)
@@ -185,8 +198,8 @@ class LLMReplica:
                 batch = [await stream.outputs.get()]
                 if sent_at is not None and not isinstance(batch[-1], EngineDied) and not batch[-1].finished:
                     wait = sent_at + self._stream_interval_s - time.perf_counter()
-                    if wait > 0:  # gather the steps until the interval is up (the end goes at once)
-                        await asyncio.sleep(wait)
+                    if wait > 0:  # gather the steps until the interval is up, or the end comes (at once)
+                        await self._gather(stream, wait)
                 while not stream.outputs.empty():  # steps that came meanwhile: sent as one
                     batch.append(stream.outputs.get_nowait())
                 if isinstance(batch[-1], EngineDied):
@@ -229,6 +242,17 @@ class LLMReplica:
                 except EngineDied:  # (it died meanwhile: nothing left to abort)
                     pass
 
+    @staticmethod
+    async def _gather(stream: _Stream, wait: float) -> None:
+        loop = asyncio.get_running_loop()
+        stream.gather = done = loop.create_future()
+        timer = loop.call_later(wait, _resolve, done)
+        try:
+            await done
+        finally:
+            timer.cancel()
+            stream.gather = None
+
     def _generate_direct(self, request: GenerateRequest) -> AsyncGenerator[GenerateOutput, None]:
         """generate for a request an ingress sent on a direct stream (chunkserve/replicas/direct_stream.py)."""
         self._metrics.count_direct()
@@ -248,7 +272,7 @@ class LLMReplica:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is not None:  # None: aborted while the step ran
-                stream.outputs.put_nowait(out)
+                stream.put(out)
         self._stats = stats
         self._metrics.update(stats)
         if events is not None:
@@ -259,7 +283,7 @@ class LLMReplica:
         for stream in self._streams.values():
             if not stream.accepted.done():
                 stream.accepted.set_exception(died)
-            stream.outputs.put_nowait(died)
+            stream.put(died)
 
     def _raise_if_dead(self) -> None:
         if self.core.error is not None:  # (set by the receiver thread: why the engine process is gone)
