@@ -97,11 +97,14 @@ class _Stream:
     # while generate waits out its stream interval: resolved by then, or as soon as the last
     # output (or EngineDied) is queued, so that a stream's end is never held back
     gather: asyncio.Future | None = None
+    ended: bool = False  # the last output (or EngineDied) is queued: nothing to wait for
 
     def put(self, out: RequestOutput | EngineDied) -> None:
         self.outputs.put_nowait(out)
-        if self.gather is not None and (isinstance(out, EngineDied) or out.finished):
-            _resolve(self.gather)
+        if isinstance(out, EngineDied) or out.finished:
+            self.ended = True
+            if self.gather is not None:
+                _resolve(self.gather)
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,7 @@ class LLMReplica:
                 batch = [await stream.outputs.get()]
                 if sent_at is not None and not isinstance(batch[-1], EngineDied) and not batch[-1].finished:
                     wait = sent_at + self._stream_interval_s - time.perf_counter()
-                    if wait > 0:  # gather the steps until the interval is up, or the end comes (at once)
+                    if wait > 0 and not stream.ended:  # gather the steps until the interval is up, or the end comes
                         await self._gather(stream, wait)
                 while not stream.outputs.empty():  # steps that came meanwhile: sent as one
                     batch.append(stream.outputs.get_nowait())
