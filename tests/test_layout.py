@@ -16,10 +16,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("cluster", "replicas", "router", "kernels")  # the layers, chunkserve.<package>
 # what each runtime package may import of the others (chunkserve/router/hashing.py and events.py are
-# shared by the replicas' tree and the router, which runs beside them)
+# shared by the replicas' tree and the router, which runs beside them; frames.py by their TCP links)
 MAY_IMPORT = {
     "cluster": {"chunkserve.replicas", "chunkserve.router", "chunkserve.kernels"},
-    "replicas": {"chunkserve.kernels", "chunkserve.router.hashing", "chunkserve.router.events"},
+    "replicas": {
+        "chunkserve.kernels",
+        "chunkserve.router.hashing",
+        "chunkserve.router.events",
+        "chunkserve.router.frames",
+    },
     "router": set(),
     "kernels": set(),
 }

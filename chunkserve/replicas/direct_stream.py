@@ -27,10 +27,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import pickle
 import secrets
-import socket
-import struct
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -50,10 +47,10 @@ from chunkserve.replicas.wire import (
     StreamRequest,
     check,
 )
+from chunkserve.router.frames import frame, listening_socket, read_frame
 
 logger = logging.getLogger("ray.serve")
 
-_LEN = struct.Struct("!I")
 TOKEN_BYTES = 16
 MAX_FRAME = 256 << 20  # a frame's bytes: a prompt of a million tokens with logprobs fits
 WRITE_HIGH_WATER = 1 << 20  # a stream waits for the socket past this many unsent bytes
@@ -96,15 +93,11 @@ class _Lost(NamedTuple):
 
 def _frame(msg: StreamRequest | StreamReply, allowed: frozenset[type]) -> bytes:
     check(msg, allowed, "the direct stream")
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LEN.pack(len(data)) + data
+    return frame(msg)
 
 
 async def _read(reader: asyncio.StreamReader) -> Any:
-    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"a frame of {n} bytes (at most {MAX_FRAME})")
-    return pickle.loads(await reader.readexactly(n))
+    return await read_frame(reader, MAX_FRAME)
 
 
 def _reply(writer: asyncio.StreamWriter, msg: StreamReply) -> None:
@@ -122,12 +115,7 @@ class StreamServer:
         generate: Callable[[GenerateRequest], AsyncGenerator[GenerateOutput, None]],
         room: Callable[[], bool],
     ):
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(1024)
-        self._sock.setblocking(False)
+        self._sock = listening_socket(host, 1024)
         self.address = Address(host, self._sock.getsockname()[1], secrets.token_bytes(TOKEN_BYTES))
         self._generate, self._room = generate, room
         self._server: asyncio.Server | None = None

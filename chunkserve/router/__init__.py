@@ -2,6 +2,7 @@
 
 hashing        chained, process-independent hashes of a prompt's leading chunks
 events         a replica's chunk-tree changes as numbered deltas; the relay that serves them
+frames         length-prefixed pickle frames and listening sockets: the direct streams' and peers' wire
 index          one router's map  chain of hashes -> replicas holding a prefix of it
 policy         the choice: rendezvous placement, cache affinity, load bounded as work
 serve_router   PrefixAffinityRouter, the policy as Ray Serve's request router

@@ -38,12 +38,11 @@ import asyncio
 import logging
 import pickle
 import secrets
-import socket
-import struct
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from chunkserve.router.frames import frame, listening_socket, read_frame
 from chunkserve.router.policy import PrefixPolicy, Ticket
 
 logger = logging.getLogger("ray.serve")
@@ -55,7 +54,6 @@ FORGET_AFTER = 3  # failed connections in a row after which a registered router 
 TOKEN_BYTES = 16
 MAX_FRAME = 64 << 20
 MAX_UNSENT = 8 << 20  # bytes queued to a peer past which it is cut off (it is not reading)
-_LEN = struct.Struct("!I")
 
 
 class Routed(NamedTuple):
@@ -166,16 +164,8 @@ class Registry(Protocol):
     def remove(self, router: str) -> None: ...
 
 
-def _frame(msg: Hello | Batch) -> bytes:
-    data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-    return _LEN.pack(len(data)) + data
-
-
 async def _read(reader: asyncio.StreamReader) -> Any:
-    (n,) = _LEN.unpack(await reader.readexactly(_LEN.size))
-    if n > MAX_FRAME:
-        raise ConnectionError(f"a frame of {n} bytes (at most {MAX_FRAME})")
-    msg = pickle.loads(await reader.readexactly(n))
+    msg = await read_frame(reader, MAX_FRAME)
     if not isinstance(msg, (Hello, Batch)):
         raise ConnectionError(f"a peer sent a {type(msg).__name__}, not a Hello or Batch")
     return msg
@@ -189,12 +179,7 @@ class PeerLink:
     def __init__(self, me: Peer, log: PeerLog, book: PeerBook, registry: Registry):
         self.router, self.held_key, host = me
         self.log, self.book, self.registry = log, book, registry
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self._sock = socket.socket(family, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, 0))
-        self._sock.listen(64)
-        self._sock.setblocking(False)
+        self._sock = listening_socket(host, 64)
         self._token = secrets.token_bytes(TOKEN_BYTES)
         self.address = (host, self._sock.getsockname()[1], self._token.hex())
         self._out: dict[str, asyncio.StreamWriter] = {}  # peer -> the connection this router sends on
@@ -282,9 +267,9 @@ class PeerLink:
             writer.close()
             return
         writer.write(bytes.fromhex(token))
-        writer.write(_frame(Hello(self.router, self.held_key)))
+        writer.write(frame(Hello(self.router, self.held_key)))
         # every decision still open, before anything flushed after it: the peer books each once
-        writer.write(_frame(Batch(tuple(self.log.open.values()))))
+        writer.write(frame(Batch(tuple(self.log.open.values()))))
         self._out[peer] = writer
 
     def flush(self) -> None:
@@ -292,7 +277,7 @@ class PeerLink:
         events = self.log.take()
         if not events or not self._out:
             return
-        frame = _frame(Batch(events))
+        data = frame(Batch(events))
         for peer, writer in list(self._out.items()):
             if writer.is_closing() or writer.transport.get_write_buffer_size() > MAX_UNSENT:
                 # gone, or too slow to keep up: it drops this router's decisions and counts its
@@ -300,7 +285,7 @@ class PeerLink:
                 writer.close()
                 del self._out[peer]
                 continue
-            writer.write(frame)
+            writer.write(data)
 
     async def _flush_loop(self) -> None:
         while not self._closed:
