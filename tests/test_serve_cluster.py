@@ -441,24 +441,24 @@ def test_three_replicas_on_three_nodes_all_serve(cluster):
     serve.delete("spread")
 
 
+def _deploy_with_interval(base: str, name: str, interval: float) -> str:
+    """One `tiny` replica whose streams send a chunk per `interval` seconds; -> its completions URL."""
+    config = {
+        "model": "tiny",
+        "device": "cpu",
+        "num_replicas": 1,
+        "stream_interval_ms": interval * 1000,
+        "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
+    }
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    return f"{base}/{name}/v1/completions"
+
+
 def test_stream_interval_gathers_steps_into_fewer_chunks(cluster):
     # stream_interval_ms: after the first chunk, a stream sends at most one chunk per interval, the
     # steps between gathered into it; the text and token count are those of one chunk per step
     interval = 0.1
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 1,
-                "stream_interval_ms": interval * 1000,
-                "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
-            }
-        ),
-        name="gathered",
-        route_prefix="/gathered",
-    )
-    url = f"{cluster}/gathered/v1/completions"
+    url = _deploy_with_interval(cluster, "gathered", interval)
     body = {"model": MODEL, "prompt": "gather these", "max_tokens": 300, "temperature": 0, "ignore_eos": True}
     whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["text"]
 
@@ -499,20 +499,7 @@ def test_a_streams_end_is_not_held_for_its_interval(cluster):
     # once, the steps after it are gathered, and the end goes as it comes, not when the interval is
     # up (it held back the last chunk, and every request's E2EL and TPOT with it, by up to an interval)
     interval = 5.0
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 1,
-                "stream_interval_ms": interval * 1000,
-                "engine": {"kv_cache_tokens": 4096, "max_model_len": 1024},
-            }
-        ),
-        name="ends",
-        route_prefix="/ends",
-    )
-    url = f"{cluster}/ends/v1/completions"
+    url = _deploy_with_interval(cluster, "ends", interval)
     body = {"model": MODEL, "prompt": "end now", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     httpx.post(url, json=body, timeout=TIMEOUT).raise_for_status()  # (warm)
 

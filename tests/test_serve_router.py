@@ -225,46 +225,46 @@ def serve_url():
         yield url
 
 
-def test_shared_prefixes_stay_on_one_replica(serve_url):
+def _deploy(base: str, name: str, router: dict, replicas: int = 2, engine: dict | None = None, **args) -> str:
+    """`tiny` on CPU replicas as the application `name` at /name; -> its completions URL."""
     from ray import serve
 
     from chunkserve.cluster.app import build_app
+
+    config = {
+        "model": "tiny",
+        "device": "cpu",
+        "num_replicas": replicas,
+        "num_cpus_per_replica": 0.5,
+        "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64, **(engine or {})},
+        "router": {"routing_stats_period_s": 0.5, **router},
+        **args,
+    }
+    serve.run(build_app(config), name=name, route_prefix=f"/{name}")
+    return f"{base}/{name}/v1/completions"
+
+
+def _complete(client: httpx.Client, url: str, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
+    r = client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+    assert r.status_code == 200, r.text
+    return r
+
+
+def test_shared_prefixes_stay_on_one_replica(serve_url):
+    from ray import serve
+
     from chunkserve.cluster.ingress import REPLICA_HEADER
 
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 3,
-                "num_cpus_per_replica": 0.5,
-                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
-                "router": {"policy": "prefix", "routing_stats_period_s": 0.5},
-            }
-        ),
-        name="prefix",
-        route_prefix="/prefix",
-    )
-    url = f"{serve_url}/prefix/v1/completions"
-
-    async def main():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-
-            async def one(prompt):
-                r = await client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
-                assert r.status_code == 200, r.text
-                return r.headers[REPLICA_HEADER], r.json()["usage"]
-
-            out = {}
-            # groups of prompts sharing a 256-token prefix, one at a time: each new one placed by
-            # its rendezvous order (the replicas are idle between them), so with 4 groups all
-            # landed on one of the 3 replicas in 1 run of 27 (seen); with 8, 1 in 2187
-            for g in range(8):
-                prefix = [(31 * g + 7 * i + 3) % 256 for i in range(256)]
-                out[g] = [await one(prefix + [10 + q]) for q in range(3)]
-            return out
-
-    out = asyncio.run(main())
+    url = _deploy(serve_url, "prefix", {"policy": "prefix"}, replicas=3)
+    out = {}
+    with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+        # groups of prompts sharing a 256-token prefix, one at a time: each new one placed by
+        # its rendezvous order (the replicas are idle between them), so with 4 groups all
+        # landed on one of the 3 replicas in 1 run of 27 (seen); with 8, 1 in 2187
+        for g in range(8):
+            prefix = [(31 * g + 7 * i + 3) % 256 for i in range(256)]
+            responses = [_complete(client, url, prefix + [10 + q]) for q in range(3)]
+            out[g] = [(r.headers[REPLICA_HEADER], r.json()["usage"]) for r in responses]
     homes = set()
     for g, results in out.items():
         replicas = {rep for rep, _ in results}
@@ -282,37 +282,13 @@ def test_rays_own_prefix_router_routes_our_requests(serve_url):
     share a prefix follow the first one's replica, where that prefix is then cached."""
     from ray import serve
 
-    from chunkserve.cluster.app import build_app
     from chunkserve.cluster.ingress import REPLICA_HEADER
 
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 2,
-                "num_cpus_per_replica": 0.5,
-                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
-                "router": {"policy": "ray_prefix", "routing_stats_period_s": 0.5},
-            }
-        ),
-        name="rayprefix",
-        route_prefix="/rayprefix",
-    )
-    url = f"{serve_url}/rayprefix/v1/completions"
-
-    async def main():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
-
-            async def one(prompt):
-                r = await client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
-                assert r.status_code == 200, r.text
-                return r.headers[REPLICA_HEADER], r.json()["usage"]
-
-            prefix = [(13 * i + 5) % 256 for i in range(256)]
-            return [await one(prefix + [10 + q]) for q in range(4)]
-
-    results = asyncio.run(main())
+    url = _deploy(serve_url, "rayprefix", {"policy": "ray_prefix"})
+    prefix = [(13 * i + 5) % 256 for i in range(256)]
+    with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
+        responses = [_complete(client, url, prefix + [10 + q]) for q in range(4)]
+    results = [(r.headers[REPLICA_HEADER], r.json()["usage"]) for r in responses]
     assert len({rep for rep, _ in results}) == 1, results  # one at a time, queues level: the match decides
     for _, usage in results[1:]:
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 192, usage
@@ -324,40 +300,20 @@ def test_two_ingresses_sharing_decisions_find_each_other_and_serve(serve_url):
     ingress process, on Serve's router loop) registers in Ray's GCS and serves as before."""
     from ray import serve
 
-    from chunkserve.cluster.app import build_app
     from chunkserve.router.serve_router import GcsRegistry
 
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 2,
-                "num_cpus_per_replica": 0.5,
-                "engine": {"kv_cache_tokens": 8192, "max_model_len": 1024, "chunk_size": 64},
-                "router": {"policy": "prefix", "routing_stats_period_s": 0.5, "share_decisions": True},
-                "ingress": {"num_replicas": 2},
-            }
-        ),
-        name="peers",
-        route_prefix="/peers",
-    )
-    url = f"{serve_url}/peers/v1/completions"
+    url = _deploy(serve_url, "peers", {"policy": "prefix", "share_decisions": True}, ingress={"num_replicas": 2})
     registry = GcsRegistry("peers", "LLMReplica")
     deadline = time.monotonic() + 120
     with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
         # each ingress makes its router at its first request, which Serve's proxy spreads
         while len(registry.others("")) < 2:
             assert time.monotonic() < deadline, f"routers registered: {registry.others('')}"
-            prefix = [(7 * i + 3) % 256 for i in range(128)]
-            r = client.post(url, json={"model": MODEL, "prompt": prefix + [5], "max_tokens": 2, "temperature": 0})
-            assert r.status_code == 200, r.text
+            _complete(client, url, [(7 * i + 3) % 256 for i in range(128)] + [5])
         # ... connect, and book each other's decisions: /metrics shows it per ingress replica
         while True:
             for q in range(4):
-                prompt = [(11 * i + q) % 256 for i in range(128)]
-                r = client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0})
-                assert r.status_code == 200, r.text
+                _complete(client, url, [(11 * i + q) % 256 for i in range(128)])
             text = client.get(f"{serve_url}/peers/metrics").text
             peers = [ln for ln in text.splitlines() if ln.startswith("chunkserve_router_peers{")]
             booked = [ln for ln in text.splitlines() if ln.startswith("chunkserve_router_peer_decisions_total{")]
@@ -379,33 +335,15 @@ def test_a_prefix_spilled_to_a_host_tier_is_routed_back_and_predicted_in_both_ti
     counts those tokens as cached."""
     from ray import serve
 
-    from chunkserve.cluster.app import build_app
     from chunkserve.cluster.ingress import PREDICTED_HEADER, REPLICA_HEADER
 
-    serve.run(
-        build_app(
-            {
-                "model": "tiny",
-                "device": "cpu",
-                "num_replicas": 2,
-                "num_cpus_per_replica": 0.5,
-                "engine": {
-                    "kv_cache_tokens": 1024,  # 16 chunks: two prompts' worth
-                    "host_cache_tokens": 8192,
-                    "max_model_len": 1024,
-                    "chunk_size": 64,
-                },
-                "router": {"policy": "prefix", "routing_stats_period_s": 0.5},
-            }
-        ),
-        name="tiered",
-        route_prefix="/tiered",
+    # 16 chunks of GPU pool: two prompts' worth
+    url = _deploy(
+        serve_url, "tiered", {"policy": "prefix"}, engine={"kv_cache_tokens": 1024, "host_cache_tokens": 8192}
     )
-    url = f"{serve_url}/tiered/v1/completions"
 
-    def one(client: httpx.Client, prompt: list[int]) -> tuple[str, dict, str]:
-        r = client.post(url, json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0})
-        assert r.status_code == 200, r.text
+    def one(client: httpx.Client, prompt: list[int]) -> tuple[str, dict, str | None]:
+        r = _complete(client, url, prompt, max_tokens=1)
         return r.headers[REPLICA_HEADER], r.json()["usage"], r.headers.get(PREDICTED_HEADER)
 
     with httpx.Client(timeout=httpx.Timeout(300.0)) as client:
