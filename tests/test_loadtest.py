@@ -516,6 +516,46 @@ def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
         httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
 
 
+@pytest.mark.slow  # serve run on a Ray of its own whose application cannot build
+def test_stack_ends_the_wait_when_serve_reports_the_app_failed(tmp_path):
+    # an app whose args do not validate never answers /ready: Serve marks it DEPLOY_FAILED, and the
+    # stack says so (with Serve's message) long before --ready-timeout, then shuts everything down
+    import time
+    from pathlib import Path
+
+    import httpx
+
+    root = Path(__file__).resolve().parents[1]
+    t0 = time.monotonic()
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chunkserve.cluster.loadtest.stack",
+            str(root / "configs/local.yaml"),
+            "--set",
+            "router.policy=no_such_policy",
+            "--ready-timeout",
+            "900",
+            "--log",
+            str(tmp_path / "serve.log"),
+            "--",
+            "--num-prompts",
+            "1",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    elapsed = time.monotonic() - t0
+    assert p.returncode != 0
+    assert "DEPLOY_FAILED" in p.stderr and "no_such_policy" in p.stderr, p.stderr[-3000:]
+    assert elapsed < 600, elapsed  # not the ready timeout
+    with pytest.raises(httpx.ConnectError):  # and it is down again
+        httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
+
+
 @pytest.mark.slow
 def test_peer_serves_a_command_labels_the_report_and_stops_it(tmp_path):
     # the peer launcher around a real OpenAI-compatible server: ours, `serve run` of local.yaml

@@ -364,7 +364,7 @@ def test_a_prefix_spilled_to_a_host_tier_is_routed_back_and_predicted_in_both_ti
     serve.delete("tiered")
 
 
-def test_config_selects_the_router():
+def test_config_selects_the_router(monkeypatch):
     import yaml
     from ray.serve._private.constants import DEFAULT_REQUEST_ROUTER_PATH
 
@@ -390,6 +390,13 @@ def test_config_selects_the_router():
     )
     rc = router_config({"device": "cpu", "router": {"policy": "ray_prefix", "routing_stats_period_s": 3}})
     assert rc.request_router_class == RAY_PREFIX_ROUTER and rc.request_routing_stats_period_s == 3
+    # a Ray without ray.llm (some builds strip it): the config says so, not each replica's import
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray.llm" else real(name, *a))
+    with pytest.raises(ValueError, match=r"ray_prefix .* no ray\.llm"):
+        router_config({"device": "cpu", "router": {"policy": "ray_prefix"}})
     with pytest.raises(ValueError, match="policy"):
         AppConfig.model_validate({"router": {"policy": "random"}})
     for path in ("configs/local.yaml", "configs/serve.yaml"):

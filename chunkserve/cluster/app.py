@@ -6,6 +6,7 @@ serve.run(build_app({"model": "tiny", "num_replicas": 2}))
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import ray
@@ -80,6 +81,12 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
             "request_routing_stats_period_s": config.router.routing_stats_period_s,
         }
     elif config.router.policy == "ray_prefix":
+        if importlib.util.find_spec("ray.llm") is None:  # (a Ray built without it: every replica would fail)
+            raise ValueError(
+                "router.policy ray_prefix is Ray Serve LLM's PrefixCacheAffinityRouter, in the ray.llm package of "
+                f"Ray's own wheel; this Ray ({ray.__version__}) has no ray.llm: install ray[serve] from PyPI or "
+                "choose router.policy prefix or pow2"
+            )
         options["request_router_config"] = {
             "request_router_class": RAY_PREFIX_ROUTER,
             "request_routing_stats_period_s": config.router.routing_stats_period_s,

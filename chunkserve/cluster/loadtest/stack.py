@@ -8,18 +8,22 @@
 16, pow2). The application is started with `serve run` in a process group of its own, the load
 test (`python -m chunkserve.cluster.loadtest` with the arguments after `--`) runs once `/ready`
 answers (a model replica is up; it needs no API key, so configs with keys or tenants start too),
-and the application and its Ray instance are stopped after, whatever happened.
+and the application and its Ray instance are stopped after, whatever happened. An application
+Serve reports DEPLOY_FAILED (its import raised, its replicas cannot start) ends the wait at once
+with Serve's message, rather than at --ready-timeout.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -42,17 +46,54 @@ def apply_overrides(config: dict, sets: list[str]) -> dict:
     return config
 
 
+# Asked from a driver of its own (the load test's process stays out of Ray): each application's
+# status and message, or nothing while Ray or Serve is not up yet.
+_SERVE_STATUS = """
+import json, ray
+from ray import serve
+ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+print(json.dumps({n: [str(a.status), a.message] for n, a in serve.status().applications.items()}))
+"""
+
+
+def deploy_failure(timeout: float = 60.0) -> str | None:
+    """Serve's word on an application of the running Ray that failed to deploy (status
+    DEPLOY_FAILED: its import or build raised, or its replicas keep failing to start), None while
+    none has or Ray is not reachable yet."""
+    try:
+        p = subprocess.run([sys.executable, "-c", _SERVE_STATUS], capture_output=True, text=True, timeout=timeout)
+        apps = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else {}
+    except (subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    for name, (status, message) in apps.items():
+        if status.endswith("DEPLOY_FAILED"):
+            return f"Serve reports application {name!r} DEPLOY_FAILED: {message}"
+    return None
+
+
 def wait_ready(
-    url: str, timeout: float, proc: subprocess.Popen, path: str = "/ready", replicas: int | None = None
+    url: str,
+    timeout: float,
+    proc: subprocess.Popen,
+    path: str = "/ready",
+    replicas: int | None = None,
+    failed: Callable[[], str | None] | None = None,
+    check_every: float = 15.0,
 ) -> float:
     """Seconds until url + path answers 200 (ours: /ready, a model replica is up: the ingress's
     readiness, which needs no API key) and, given `replicas`, its `model_replicas` count that
     many RUNNING: a load test over several replicas must not start on the first one alone.
-    Raises if the server's process exits first."""
-    t0 = time.monotonic()
+    Raises if the server's process exits first, or if `failed` (asked every `check_every` s while
+    not ready: `deploy_failure`) says why it never will be."""
+    t0 = last_check = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        if failed is not None and time.monotonic() - last_check >= check_every:
+            last_check = time.monotonic()
+            why = failed()
+            if why is not None:
+                raise RuntimeError(why)
         try:
             r = httpx.get(url + path, timeout=5)
             if r.status_code == 200 and (
@@ -106,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", f.name]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
     try:
-        ready_s = wait_ready(url, args.ready_timeout, proc, replicas=fixed_replicas(config))
+        ready_s = wait_ready(url, args.ready_timeout, proc, replicas=fixed_replicas(config), failed=deploy_failure)
         print(f"# {args.config} {' '.join(args.set)}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
         return loadtest(["--url", url, *rest])
     finally:
