@@ -36,7 +36,7 @@ def test_every_policy_runs_every_workload(workloads, policy, workload):
     if policy == "ray-prefix" and workload == "tenants":  # (its text tree needs tokens; tenants keeps hashes)
         with pytest.raises(ValueError, match="tokens"):
             sim.simulate(workloads[workload], policy)
-        return
+        return  # (with keep_tokens it runs: test_tenants_shape_of_a_load_test_run)
     row = sim.simulate(workloads[workload], policy, digest_period=0.2, digest_delay=0.1)
     assert FIELDS <= set(row) and row["policy"] == policy and row["workload"] == workload
     assert 0.0 <= row["hit_rate"] <= 1.0 and 0.0 <= row["oracle_hit_rate"] <= 1.0
@@ -87,6 +87,26 @@ def test_ray_text_tree_matches_the_published_example():
     assert tree.prefix_match("hellx", range(3)) == (4, [1, 2])  # stops inside the shared "hello"
     assert tree.prefix_match("xyz", range(3)) == (0, [0, 1, 2])  # the root: every tenant
     assert tree.smallest_tenants() == [0]
+
+
+def test_tenants_shape_of_a_load_test_run(capsys):
+    # a GPU run's shape (--tenants 16 --tenant-prompt-len 3584, 16384-token pools) from the command
+    # line, ray-prefix included: its prompts' tokens are kept, each the chain's tokens
+    wl = sim.build_workload(
+        "tenants", 3, 96, seed=1, tenants=16, tenant_prompt_len=384, cache_tokens=2048, keep_tokens=True
+    )
+    assert wl.groups == 16 and wl.cache_tokens == 2048 and len(wl.texts) == 96
+    for r in wl.requests[:8]:
+        tokens = wl.tokens(r)
+        assert len(tokens) == r.prompt_tokens and len(r.chain) == r.prompt_tokens // sim.CHUNK
+        assert list(r.chain) == sim.chunk_hashes(tokens.tolist(), sim.CHUNK, 1 << 30, sim.MODEL)
+    sim.main(
+        ["--workload", "tenants", "--replicas", "3", "--requests", "96", "--tenants", "16"]
+        + ["--tenant-prompt-len", "384", "--cache-tokens", "2048", "--policy", "ray-prefix"]
+    )
+    row = json.loads(capsys.readouterr().out)
+    assert row["policy"] == "ray-prefix" and row["groups"] == 16 and row["cache_tokens"] == 2048
+    assert 0.0 < row["hit_rate"] <= row["oracle_hit_rate"] + 1e-9
 
 
 def test_command_line_prints_one_json_object_per_run(capsys):

@@ -2,6 +2,7 @@
 
     python -m chunkserve.router.tools.simulate --policy prefix|approx|pow2|ray-prefix
         --workload gsp|zipf|unique|tenants --replicas N [--routers K] [--scale-up] [--requests M] [--seed S]
+        [--tenants T --tenant-prompt-len L] [--cache-tokens C]
     python -m chunkserve.router.tools.simulate --llmd [--rates 3,10,...]   # llm-d's setup, per rate
     python -m chunkserve.router.tools.simulate --all [--jobs J]  # the grid + llm-d + targets, JSON lines
 
@@ -22,7 +23,10 @@ Model:
     its conversation (system prompt, earlier 64-token user turns and 128-token replies) plus a new
     turn, 4 turns a session; the session id goes with it (the router's session hint). (The load
     test sends a turn only after the previous one completed; here sessions are many enough that a
-    session's turns are far apart, not ordered.) `llmd` (--llmd): llm-d's precise-prefix benchmark
+    session's turns are far apart, not ordered.) `--tenants T --tenant-prompt-len L
+    --cache-tokens C` give a load test's run its own shape (T tenants of L tokens, C-token pools:
+    a GPU run of loadtest.stack), ray-prefix included (the prompts' tokens are kept for it).
+    `llmd` (--llmd): llm-d's precise-prefix benchmark
     (llm-d's inference-perf shared_prefix profile: 150 groups × 5 users, a 6000-token system prompt
     and a 1200-token question per user, 1000 output tokens; a user's prompt repeats) on 16
     replicas of 307,328 KV tokens; a warm-up of one full set (750 requests at 15 req/s) then
@@ -140,8 +144,11 @@ class Workload:
     questions: np.ndarray  # [requests, QUESTION_LEN]
     scale_at: int | None = None  # request index from which the fleet is 2 × replicas
     measure_from: int = 0  # requests before this are a warm-up: routed, not measured
+    texts: tuple[np.ndarray, ...] = ()  # tenants, kept for ray-prefix: each request's prompt tokens
 
     def tokens(self, req: Request) -> np.ndarray:
+        if self.texts:
+            return self.texts[req.source[1]]
         if not len(self.questions):
             raise ValueError(f"ray-prefix needs a prompt's tokens: workload {self.name!r} keeps only hashes")
         group, q = req.source
@@ -208,9 +215,18 @@ class _Stream:
             )
 
 
-def _tenants(replicas: int, total: int, rng: np.random.Generator) -> tuple[list[_Shape], int]:
-    """The load test's Tenants shape (see the module docstring); returns the shapes and the tenants."""
-    tenants = TENANTS_PER_REPLICA * replicas
+def _tenants(
+    replicas: int,
+    total: int,
+    rng: np.random.Generator,
+    tenants: int | None = None,
+    prompt_len: int = TENANT_PROMPT,
+    texts: list[np.ndarray] | None = None,
+) -> tuple[list[_Shape], int]:
+    """The load test's Tenants shape (see the module docstring): `tenants` (default 4 a replica)
+    of `prompt_len`-token system prompts; returns the shapes and the tenants, and appends each
+    prompt's tokens to `texts` if given (ray-prefix matches them)."""
+    tenants = tenants or TENANTS_PER_REPLICA * replicas
     weights = 1.0 / np.arange(1, tenants + 1) ** ZIPF_ALPHA
     weights /= weights.sum()
     systems: dict[int, _Stream] = {}
@@ -219,7 +235,7 @@ def _tenants(replicas: int, total: int, rng: np.random.Generator) -> tuple[list[
         t = int(rng.choice(tenants, p=weights))
         if t not in systems:
             systems[t] = _Stream()
-            systems[t].extend(rng.integers(0, VOCAB, TENANT_PROMPT).tolist())
+            systems[t].extend(rng.integers(0, VOCAB, prompt_len).tolist())
         base = systems[t]
         return {"id": sid, "turn": 0, "stream": _Stream(base.tokens, base.chain)}
 
@@ -232,6 +248,8 @@ def _tenants(replicas: int, total: int, rng: np.random.Generator) -> tuple[list[
         conv: _Stream = s["stream"]
         conv.extend(rng.integers(0, VOCAB, TURN_LEN).tolist())
         prompt_tokens, chain = len(conv.tokens), tuple(conv.chain)
+        if texts is not None:
+            texts.append(np.array(conv.tokens, dtype=np.uint16))
         conv.extend(rng.integers(0, VOCAB, REPLY_LEN).tolist())  # the reply, resent by the next turn
         out.append((chain, tuple(conv.chain[len(chain) :]), prompt_tokens, REPLY_LEN, (-1, len(out)), s["id"]))
         s["turn"] += 1
@@ -267,8 +285,16 @@ def build_workload(
     util: float = 0.75,
     cache_factor: float = 2.0,
     scale_up: bool = False,
+    *,
+    tenants: int | None = None,
+    tenant_prompt_len: int = TENANT_PROMPT,
+    cache_tokens: int | None = None,
+    keep_tokens: bool = False,
 ) -> Workload:
-    """A workload for `replicas` replicas (the fleet at the start; 2 × after the half with `scale_up`)."""
+    """A workload for `replicas` replicas (the fleet at the start; 2 × after the half with `scale_up`).
+    tenants, tenant_prompt_len: the `tenants` shape's (a load test's `--tenants`,
+    `--tenant-prompt-len`); cache_tokens: each replica's pool (default: from `cache_factor`);
+    keep_tokens: keep `tenants`' prompt tokens (ray-prefix needs them)."""
     rng = np.random.default_rng(seed)
     arrays: dict = {"systems": np.zeros((0, 0)), "heads": np.zeros((0, 0)), "questions": np.zeros((0, 0))}
     if name in ("gsp", "zipf", "unique"):
@@ -279,12 +305,15 @@ def build_workload(
         scaled = groups > GROUPS
     elif name == "tenants":
         total = requests or 48 * replicas
-        shapes, groups = _tenants(replicas, total, rng)
-        distinct, scaled = groups * TENANT_PROMPT, True
+        texts: list[np.ndarray] | None = [] if keep_tokens else None
+        shapes, groups = _tenants(replicas, total, rng, tenants, tenant_prompt_len, texts)
+        distinct, scaled = groups * tenant_prompt_len, True
+        arrays["texts"] = tuple(texts or ())
     else:
         raise ValueError(f"unknown workload {name!r}")
     prompt_len = SYSTEM_LEN + QUESTION_LEN
-    cache_tokens = max(int(cache_factor * distinct / replicas), 4 * (prompt_len + OUTPUT_LEN))
+    if cache_tokens is None:
+        cache_tokens = max(int(cache_factor * distinct / replicas), 4 * (prompt_len + OUTPUT_LEN))
     scale_at = total // 2 if scale_up else None
     # Arrival rate: `util` busy at the oracle's hit rate (computed on the arrival order, which does
     # not depend on the times); after a scale-up, twice that.
@@ -942,6 +971,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=2.0,
         help="replica cache = this x its share of the distinct system prompts",
     )
+    ap.add_argument("--cache-tokens", type=int, help="each replica's pool, in tokens (instead of --cache-factor)")
+    ap.add_argument("--tenants", type=int, help="tenants: how many (default 4 a replica)")
+    ap.add_argument("--tenant-prompt-len", type=int, default=TENANT_PROMPT, help="tenants: each system prompt's tokens")
     ap.add_argument("--digest-period", type=float, default=1.0, help="seconds between a replica's reports")
     ap.add_argument("--digest-delay", type=float, default=0.5, help="seconds from a report's snapshot to the routers")
     ap.add_argument(
@@ -978,7 +1010,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     if not args.all:
         wl = build_workload(
-            args.workload, args.replicas, args.requests, args.seed, args.util, args.cache_factor, args.scale_up
+            args.workload,
+            args.replicas,
+            args.requests,
+            args.seed,
+            args.util,
+            args.cache_factor,
+            args.scale_up,
+            tenants=args.tenants,
+            tenant_prompt_len=args.tenant_prompt_len,
+            cache_tokens=args.cache_tokens,
+            keep_tokens=args.policy == "ray-prefix",
         )
         emit([simulate(wl, args.policy, args.seed, period, delay, args.routers, share)])
         return
