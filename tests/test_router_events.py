@@ -16,7 +16,7 @@ from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine.tree_events import RouteEvents
-from chunkserve.router.events import ANCHOR, ANCHOR_EVERY, ChunkLog, Relay, decode
+from chunkserve.router.events import ANCHOR, ANCHOR_EVERY, EAGER_DEPTH, ChunkLog, Relay, decode
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 from chunkserve.router.index import PrefixIndex
 
@@ -30,11 +30,12 @@ def make_tree(
     max_delta: int = 4096,
     host_chunks: int = 0,
     anchor_every: int = ANCHOR_EVERY,
+    eager_depth: int = EAGER_DEPTH,
 ) -> PrefixTree:
     """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
     pool = KVPool(KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8), num_chunks, "cpu")
     tree = PrefixTree(pool, HostPool(pool, host_chunks) if host_chunks else None)
-    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta, anchor_every)
+    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta, anchor_every, eager_depth)
     return tree
 
 
@@ -471,6 +472,64 @@ def test_salted_and_deep_chunks_hash_as_the_ingress_hashes_prompts():
     with pytest.raises(ValueError, match="routing events"):
         tree.digest(model_seed("another"), 2, 100)  # the nodes' hashes are the events'
     assert set(tree.digest(SEED, 2, 100)) == held
+
+
+def nodes_by_hash(tree: PrefixTree, route_chunks: int) -> dict[int, tuple[int, int | None]]:
+    """Each routable node's hash (as the ingress makes it) -> (its depth, its parent's hash)."""
+    out: dict[int, tuple[int, int | None]] = {}
+    for salt, root in tree.roots.items():
+        stack = [(n, list(n.tokens), None) for n in root.children.values()]
+        while stack:
+            node, tokens, parent = stack.pop()
+            if len(tokens) // C > route_chunks:
+                continue
+            h = chunk_hashes(tokens, C, route_chunks, cache_seed(SEED, salt))[-1]
+            out[h] = (len(tokens) // C, parent)
+            stack.extend((n, tokens + list(n.tokens), h) for n in node.children.values())
+    return out
+
+
+@pytest.mark.parametrize("host_chunks", [0, 24])
+def test_deep_chunks_are_published_once_a_request_reuses_them(host_chunks):
+    # routed 6 chunks deep, published eagerly 2 deep: a prompt's own deeper chunks, used once, are
+    # not published; a second request over them publishes them (its own tail not); evictions
+    # (and spills and loads, with a host tier) keep the set prefix-closed and true to the tree
+    tree = make_tree(num_chunks=40 if not host_chunks else 20, route_chunks=6, host_chunks=host_chunks, eager_depth=2)
+    index = PrefixIndex()
+
+    def published() -> frozenset[int]:
+        events = tree.events.take()
+        if events is not None:
+            assert index.apply_events("r", events, 0.0)
+        return index.published("r")
+
+    a = list(range(100, 100 + 6 * C))
+    ha = chunk_hashes(a, C, 6, SEED)
+    serve(tree, a, None, 1)
+    assert published() == set(ha[:2])
+    b = a[: 5 * C] + [7] * C  # a's first 5 chunks, then its own
+    serve(tree, b, None, 2)
+    assert published() == set(ha[:5])
+    assert index.depth("r", tuple(chunk_hashes(b, C, 6, SEED))) == 5  # what a third request would match
+    serve(tree, a, None, 3)
+    assert published() == set(ha)
+    salted = list(range(300, 300 + 6 * C))  # a salt's tree follows the same rule (its own seed)
+    serve(tree, salted, "t1", 4)
+    serve(tree, salted, "t1", 5)
+    assert set(chunk_hashes(salted, C, 6, cache_seed(SEED, "t1"))) <= published()
+    for i in range(40):  # churn: prompts sharing 0-5 chunks with a, some twice, evicting
+        k = i % 6
+        p = a[: k * C] + [1000 + i] * (6 - k) * C
+        for t in range(1 + i % 2):
+            serve(tree, p, None, 10 + 2 * i + t)
+        held, nodes = published(), nodes_by_hash(tree, 6)
+        assert held <= nodes.keys()  # nothing the tree lost
+        assert {h for h, (d, _) in nodes.items() if d <= 2} <= held  # every eager node
+        assert all(parent is None or parent in held for h, (_, parent) in nodes.items() if h in held)
+        assert tree.events._latent.keys() == nodes.keys() - held  # the rest waits, none lost track of
+        assert index.published_host("r") == held & truth_tiers(tree, 6)[1]  # tiers as the tree's
+    tree.evict_all()  # a reset: a new epoch, nothing held
+    assert published() == set() and not tree.events._latent
 
 
 def test_engine_records_route_events_and_a_reset_starts_a_new_epoch():

@@ -76,7 +76,9 @@ class EngineOptions(_Strict):
 class RouterOptions(_Strict):
     """Prefix-aware routing (DESIGN §3)."""
 
-    route_chunks: PositiveInt = 32  # leading chunks of a prompt hashed for routing
+    route_chunks: PositiveInt = (
+        128  # leading chunks of a prompt hashed for routing (past EAGER_DEPTH: published once reused)
+    )
     # prefix: chunkserve.router.serve_router.PrefixAffinityRouter; pow2: Serve's default power of two
     # choices; ray_prefix: Ray Serve LLM's PrefixCacheAffinityRouter, as a peer to compare against
     # (it matches GenerateRequest.prompt, a character per token, in one tree actor)

@@ -123,7 +123,7 @@ class ReplicaOptions:
     fewer requests than this (its max_ongoing_requests); None: none."""
 
     served_model_name: str | None = None
-    route_chunks: int = 32
+    route_chunks: int = 128
     cpus_per_rank: float = 1
     warm_up: bool = False
     stream_interval_ms: float = 0

@@ -67,11 +67,14 @@ Events = tuple[int, int, tuple[Delta, ...], "tuple[int, ...] | None"]  # (epoch,
 MAX_DELTA = 4096  # hashes in one delta (or ring) beyond which a snapshot is sent instead
 RING_S = 3.0  # seconds of cuts each report repeats: a router may miss reports for this long
 SNAPSHOT_S = 10.0  # a report carries a snapshot at least this often
-# depths 1, 1 + this, ... are anchors (module docstring); a router must use the same. At the default
-# route_chunks (32) the roots alone: each anchor changed costs a router one map update (~2 us on a
+# depths 1, 1 + this, ... are anchors (module docstring); a router must use the same. Within
+# EAGER_DEPTH (below) the roots alone: each anchor changed costs a router one map update (~2 us on a
 # loaded 2-core VM, bench_events), and a denser spacing only sharpens `holders` where more than
 # _RANKED replicas hold a prefix's deepest anchor (chunkserve/router/index.py)
 ANCHOR_EVERY = 32
+# hashes deeper than this are published once a request reuses them, not when stored
+# (chunkserve/replicas/engine/tree_events.py): the depth every prompt's own chunks may reach
+EAGER_DEPTH = 32
 ANCHOR = 1 << 64  # a snapshot's flag on an anchor's hash
 
 

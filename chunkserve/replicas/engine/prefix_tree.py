@@ -107,13 +107,16 @@ class PrefixTree:
         return self.pool.num_free + self.num_cached
 
     # -- refcounts ------------------------------------------------------------------------
-    def acquire(self, path: Iterable[Node], now: int) -> None:
+    def acquire(self, path: Seq[Node], now: int) -> None:
+        """A sequence takes `path` (matched GPU nodes, top-down; or a node computed twice)."""
         for n in path:
             assert n.tier == GPU, f"{n} is in the host tier: load it"
             if n.ref == 0:
                 self.num_cached -= 1
             n.ref += 1
             n.last_use = now
+        if self.events is not None:  # reused: a deep node is routable from now on
+            self.events.reused(path)
 
     def release(self, path: Seq[Node], now: int) -> None:
         for n in reversed(path):  # leaf first, so a parent sees its child's final state
@@ -153,6 +156,8 @@ class PrefixTree:
             loaded += 1
             if self.events is not None:
                 self.events.moved(n)
+        if loaded and self.events is not None:  # (a load is a reuse)
+            self.events.reused(nodes[:loaded])
         return loaded
 
     # -- growth -----------------------------------------------------------------------------

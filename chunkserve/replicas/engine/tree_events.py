@@ -1,6 +1,10 @@
 """The prefix tree's routing events: the chained hash of each node it stores or evicts, at most
 `route_chunks` deep, and each such node's tier changes, into a ChunkLog (chunkserve/router/events.py;
-DESIGN §3).
+DESIGN §3). A node deeper than `eager_depth` (EAGER_DEPTH) is published once a request reuses it
+(`reused`: a match, a duplicate computed): a long shared prompt (a tenant's system prompt past
+2048 tokens, a conversation's history) is routable in full, where every prompt's own tail (its
+question, its reply), used once, is not published at all: the events cost what they did with
+everything at most `eager_depth` deep (chunkserve/router/tools/records, bench-events).
 
 The tree calls `stored` at its one insertion point, `evicted` at its one eviction point, and
 `moved` where a node changes tier (a spill to the host tier, a load or a recompute back to the GPU)
@@ -14,8 +18,10 @@ cache salt), so the router matches prompts against them directly.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from chunkserve.replicas.engine.prefix_tree import HOST, Node, PrefixTree
-from chunkserve.router.events import ANCHOR_EVERY, MAX_DELTA, ChunkLog, Events
+from chunkserve.router.events import ANCHOR_EVERY, EAGER_DEPTH, MAX_DELTA, ChunkLog, Events
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
@@ -23,10 +29,20 @@ class RouteEvents:
     """Attached to `tree` (tree.events): records from now on, starting with what it holds."""
 
     def __init__(
-        self, tree: PrefixTree, seed: int, max_depth: int, max_delta: int = MAX_DELTA, anchor_every: int = ANCHOR_EVERY
+        self,
+        tree: PrefixTree,
+        seed: int,
+        max_depth: int,
+        max_delta: int = MAX_DELTA,
+        anchor_every: int = ANCHOR_EVERY,
+        eager_depth: int = EAGER_DEPTH,
     ):
         self.tree, self.seed, self.max_depth, self.anchor_every = tree, seed, max_depth, anchor_every
+        self.eager_depth = eager_depth
         self.log = ChunkLog(max_delta)
+        # hashes made (a child's chain needs its parent's) but not published: deeper than
+        # eager_depth and not reused yet; hash -> (depth, seed)
+        self._latent: dict[int, tuple[int, int]] = {}
         tree.use_hash_seed(seed)
         self._store_all()
 
@@ -35,17 +51,45 @@ class RouteEvents:
         if parent.chunk_id < 0:  # a root: the chain starts at its salt's seed
             depth, seed, after = 1, cache_seed(self.seed, self.tree.salt_of(parent)), None
         else:
-            tag = self.log.held.get(parent.hash) if parent.hash is not None else None
+            h = parent.hash
+            tag = None if h is None else self.log.held.get(h) or self._latent.get(h)
             if tag is None or tag[0] >= self.max_depth:  # below the routed depth
                 return
-            depth, seed, after = tag[0] + 1, tag[1], parent.hash
+            depth, seed, after = tag[0] + 1, tag[1], h
         h = node.hash = chunk_hashes(node.tokens, self.tree.c, 1, seed, after=after)[0]
-        self.log.stored(h, (depth, seed), node.tier == HOST, (depth - 1) % self.anchor_every == 0)
+        if depth <= self.eager_depth:
+            self.log.stored(h, (depth, seed), node.tier == HOST, (depth - 1) % self.anchor_every == 0)
+        else:
+            self._latent[h] = (depth, seed)
+
+    def reused(self, path: Iterable[Node]) -> None:
+        """A request reuses `path` (top-down, from a root's child, or one node whose parent is
+        on its own path): its latent nodes are published, each once its parent is (the set stays
+        prefix-closed)."""
+        latent = self._latent
+        if not latent:
+            return
+        held = self.log.held
+        for n in path:
+            h = n.hash
+            if h is None:  # below the routed depth: so is the rest
+                return
+            tag = latent.get(h)
+            if tag is None:
+                continue
+            if n.parent is None or n.parent.hash not in held:  # (its parent latent too: not on this path)
+                return
+            del latent[h]
+            self.log.stored(h, tag, n.tier == HOST, (tag[0] - 1) % self.anchor_every == 0)
 
     def evicted(self, node: Node) -> None:
         """`node` left the tree."""
-        if node.hash is not None and node.hash in self.log.held:
-            self.log.evicted(node.hash)
+        h = node.hash
+        if h is not None:
+            if h in self.log.held:
+                self.log.evicted(h)
+            else:
+                self._latent.pop(h, None)
 
     def moved(self, node: Node) -> None:
         """`node` changed tier (now `node.tier`)."""
@@ -53,8 +97,10 @@ class RouteEvents:
             self.log.moved(node.hash, node.tier == HOST)
 
     def restart(self) -> None:
-        """The pool was reset: a new epoch, holding what the tree still holds."""
+        """The pool was reset: a new epoch, holding what the tree still holds (deep nodes latent
+        again until reused)."""
         self.log.reset()
+        self._latent.clear()
         self._store_all()
 
     def take(self) -> Events | None:

@@ -49,7 +49,7 @@ from chunkserve.router.index import PrefixIndex
 
 CHUNK = 16  # tokens a chunk (the counts below are gsp's in chunks of 64; hashing cost scales little)
 SYSTEM, QUESTION, OUTPUT = 32, 2, 4  # chunks: gsp's 2048-token system prompt, 128-token question, 256 output
-ROUTE_CHUNKS = 32
+ROUTE_CHUNKS = 128
 
 
 class _Replica:

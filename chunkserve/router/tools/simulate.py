@@ -91,12 +91,13 @@ from typing import Any
 
 import numpy as np
 
+from chunkserve.router.events import EAGER_DEPTH
 from chunkserve.router.hashing import chunk_hashes, model_seed
 from chunkserve.router.index import common_prefix
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaView, Ticket
 
 CHUNK = 64
-ROUTE_CHUNKS = 32
+ROUTE_CHUNKS = 128  # the default router.route_chunks; deeper than EAGER_DEPTH, a chunk is published once reused
 SYSTEM_LEN, QUESTION_LEN, OUTPUT_LEN, PER_GROUP, GROUPS = 2048, 128, 256, 16, 64  # SGLang gsp defaults
 GROUPS_PER_REPLICA = 16
 ZIPF_ALPHA = 1.1
@@ -397,15 +398,18 @@ class _LRU:
     def __init__(self, capacity_chunks: int):
         self.capacity = capacity_chunks
         self.chunks: OrderedDict[int, None] = OrderedDict()
-        self.routable: set[int] = set()  # held hashes at depth ≤ ROUTE_CHUNKS: the digest
+        # held hashes at depth ≤ EAGER_DEPTH, and deeper to ROUTE_CHUNKS once matched: the digest
+        self.routable: set[int] = set()
 
     def serve(self, chain: Sequence[int], output_ids: Sequence[int]) -> int:
         """Match `chain`, then insert it and the output chunks; returns matched chunks."""
         chunks = self.chunks
-        matched = 0
+        matched, routable = 0, self.routable
         for h in chain:
             if h not in chunks:
                 break
+            if matched < ROUTE_CHUNKS:  # (a reused chunk is published, however deep: tree_events)
+                routable.add(h)
             matched += 1
         for h in reversed(output_ids):  # deepest first: the root ends most recently used
             chunks[h] = None
@@ -416,8 +420,8 @@ class _LRU:
                 chunks.move_to_end(h)
             else:
                 chunks[h] = None
-                if k < ROUTE_CHUNKS:
-                    self.routable.add(h)
+                if k < EAGER_DEPTH:
+                    routable.add(h)
         while len(chunks) > self.capacity:
             self.routable.discard(chunks.popitem(last=False)[0])
         return matched
