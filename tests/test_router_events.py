@@ -16,7 +16,7 @@ from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
 from chunkserve.replicas.engine.sequence import SamplingParams
 from chunkserve.replicas.engine.tree_events import RouteEvents
-from chunkserve.router.events import ANCHOR, ANCHOR_EVERY, EAGER_DEPTH, ChunkLog, Relay, decode
+from chunkserve.router.events import ANCHOR, ANCHOR_EVERY, EAGER_DEPTH, ChunkLog, PublishConfig, Relay, decode
 from chunkserve.router.hashing import cache_seed, chunk_hashes, model_seed
 from chunkserve.router.index import PrefixIndex
 
@@ -35,7 +35,7 @@ def make_tree(
     """host_chunks: a host tier of that many chunks (tests/test_host_tier.py's kind), or none."""
     pool = KVPool(KVShape(num_layers=1, num_kv_heads=1, chunk_size=C, head_dim=1, dtype=torch.uint8), num_chunks, "cpu")
     tree = PrefixTree(pool, HostPool(pool, host_chunks) if host_chunks else None)
-    tree.events = RouteEvents(tree, SEED, route_chunks, max_delta, anchor_every, eager_depth)
+    tree.events = RouteEvents(tree, SEED, PublishConfig(route_chunks, eager_depth, anchor_every, max_delta))
     return tree
 
 

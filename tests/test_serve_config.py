@@ -147,8 +147,8 @@ def test_build_app_binds_ingress_and_replicas():
     assert options.warm_up is False  # warmup: None, on GPUs only
     assert (options.served_model_name, options.route_chunks) == (
         "tiny",
-        32,
-    )  # the digest is seeded as the ingress hashes
+        128,
+    )  # the digest is seeded as the ingress hashes, as deep
     assert options.cpus_per_rank == 1  # the tensor-parallel ranks' actors (none here) would take the bundle's CPUs
     assert llm._replica_config.placement_group_bundles is None
 

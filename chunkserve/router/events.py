@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 # (first_seq, last_seq, stored, evicted, anchors_stored, anchors_evicted)
@@ -76,6 +77,16 @@ ANCHOR_EVERY = 32
 # (chunkserve/replicas/engine/tree_events.py): the depth every prompt's own chunks may reach
 EAGER_DEPTH = 32
 ANCHOR = 1 << 64  # a snapshot's flag on an anchor's hash
+
+
+@dataclass(frozen=True)
+class PublishConfig:
+    """What a replica's tree publishes for routing (chunkserve/replicas/engine/tree_events.py)."""
+
+    max_depth: int  # router.route_chunks: no deeper chunk is published
+    eager_depth: int = EAGER_DEPTH  # published when stored; deeper, once reused
+    anchor_every: int = ANCHOR_EVERY
+    max_delta: int = MAX_DELTA
 
 
 def new_epoch() -> int:

@@ -33,7 +33,7 @@ from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.replicas.engine.tree_events import RouteEvents
 from chunkserve.replicas.model import load_model
 from chunkserve.replicas.model.layers import kv_heads_of_rank
-from chunkserve.router.events import Events
+from chunkserve.router.events import Events, PublishConfig
 from chunkserve.router.hashing import model_seed
 
 __all__ = ["EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
@@ -413,7 +413,7 @@ class LLMEngine:
         """From now on, record the tree's routing events (chunkserve/replicas/engine/tree_events.py): the
         chained hashes, seeded as `cache_digest`'s, of the chunks it stores and evicts up to
         `route_chunks` deep, for `take_route_events`. A new epoch starts here."""
-        self.tree.events = RouteEvents(self.tree, model_seed(model_name), route_chunks)
+        self.tree.events = RouteEvents(self.tree, model_seed(model_name), PublishConfig(route_chunks))
 
     def take_route_events(self) -> Events | None:
         """The routing events since the last take (chunkserve/router/events.py: a delta, or a snapshot at an

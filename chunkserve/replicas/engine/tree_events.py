@@ -21,25 +21,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from chunkserve.replicas.engine.prefix_tree import HOST, Node, PrefixTree
-from chunkserve.router.events import ANCHOR_EVERY, EAGER_DEPTH, MAX_DELTA, ChunkLog, Events
+from chunkserve.router.events import ChunkLog, Events, PublishConfig
 from chunkserve.router.hashing import cache_seed, chunk_hashes
 
 
 class RouteEvents:
     """Attached to `tree` (tree.events): records from now on, starting with what it holds."""
 
-    def __init__(
-        self,
-        tree: PrefixTree,
-        seed: int,
-        max_depth: int,
-        max_delta: int = MAX_DELTA,
-        anchor_every: int = ANCHOR_EVERY,
-        eager_depth: int = EAGER_DEPTH,
-    ):
-        self.tree, self.seed, self.max_depth, self.anchor_every = tree, seed, max_depth, anchor_every
-        self.eager_depth = eager_depth
-        self.log = ChunkLog(max_delta)
+    def __init__(self, tree: PrefixTree, seed: int, publish_config: PublishConfig):
+        self.tree, self.seed = tree, seed
+        cfg = publish_config
+        self.max_depth, self.eager_depth, self.anchor_every = cfg.max_depth, cfg.eager_depth, cfg.anchor_every
+        self.log = ChunkLog(cfg.max_delta)
         # hashes made (a child's chain needs its parent's) but not published: deeper than
         # eager_depth and not reused yet; hash -> (depth, seed)
         self._latent: dict[int, tuple[int, int]] = {}

@@ -43,7 +43,7 @@ import torch
 from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.engine.prefix_tree import PrefixTree
 from chunkserve.replicas.engine.tree_events import RouteEvents
-from chunkserve.router.events import Relay
+from chunkserve.router.events import PublishConfig, Relay
 from chunkserve.router.hashing import model_seed
 from chunkserve.router.index import PrefixIndex
 
@@ -58,7 +58,7 @@ class _Replica:
             KVShape(num_layers=1, num_kv_heads=1, chunk_size=CHUNK, head_dim=1, dtype=torch.uint8), pool_chunks, "cpu"
         )
         self.tree = PrefixTree(pool)
-        self.tree.events = RouteEvents(self.tree, seed, ROUTE_CHUNKS)
+        self.tree.events = RouteEvents(self.tree, seed, PublishConfig(ROUTE_CHUNKS))
         self.relay = Relay()
         self.relay.apply(self.tree.events.take())
         self.home = home
