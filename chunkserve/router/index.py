@@ -420,6 +420,8 @@ class PrefixIndex:
                     if len(c) >= n and c[n - 1] == last:  # holds all of it (chain_prefix's first test)
                         best = n
                         break
+                    if best and (len(c) <= best or c[best] != chain[best]):  # shares no more than best
+                        continue
                     d = chain_prefix(chain, c)
                     if d > best:
                         best = d

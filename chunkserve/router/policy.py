@@ -76,6 +76,7 @@ from chunkserve.router.index import PrefixIndex, lru_overflow
 
 SLOTS = 1 << 16
 TOP = 8
+ENOUGH = 32  # a window candidate holding this many chunks of a chain ends the search for holders
 _M1, _M2, _S33 = np.uint64(0xFF51AFD7ED558CCD), np.uint64(0xC4CEB9FE1A85EC53), np.uint64(33)
 _BUILD_ROWS = 1024  # slots per vectorised block when (re)computing rows: [1024, N] uint64 at a time
 
@@ -627,13 +628,17 @@ class PrefixPolicy:
             load = loads[p]
             wloads.append(load)
             oks.append(load <= bound and (rate[p] <= rbound or load <= 0.0))
+        # all of the chain, or the first ENOUGH chunks of a longer one: past them a chain runs into
+        # the prompt's own tail, which no replica holds, and the holders a window misses (a
+        # conversation's replica) are left to the session hint
+        enough = whole if whole < ENOUGH else ENOUGH
         if width > 1:  # a hot prefix: its members' own depths matter only through its deepest match
             # (and the chosen one's, for on_routed). Probe the likely choice first (the least loaded:
-            # eligible if any is): if it holds all of the chain, nobody holds more, and the others'
-            # depths can stay unknown (-1).
+            # eligible if any is): if it holds all of the chain (or ENOUGH of it: below), nobody
+            # holds more that matters here, and the others' depths can stay unknown (-1).
             i = wloads.index(min(wloads))
             d = index.depth(window[i], chain)
-            if d == whole and oks[i] and self._credited(window[i : i + 1], chain, [d])[0] == whole:
+            if d >= enough and oks[i] and self._credited(window[i : i + 1], chain, [d])[0] == d:
                 depths = [-1] * len(window)
                 depths[i] = d
         if depths is None:
@@ -643,11 +648,11 @@ class PrefixPolicy:
         # prefix's window members count as holding its best known match.
         gains = self._credited(window, chain, depths)
         deepest, cands = max(gains), []
-        full = False  # some eligible candidate holds all of the chain (on the GPU, unless credit is 1)
+        full = False  # an eligible candidate holds `enough` of the chain (on the GPU, unless credit is 1)
         if deepest:
             held = deepest * c if width > 1 else 0  # (0: each counts its own depth)
             for r, d, g, load, ok in zip(window, depths, gains, wloads, oks):
-                if ok and g == whole:
+                if ok and g >= enough:
                     full = True
                 cands.append((ok, (held or g * c) - lw * load, d, r))
         if not full:  # replicas the window misses: another router's spill, an earlier membership
