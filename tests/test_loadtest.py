@@ -464,56 +464,36 @@ def test_stack_load_tests_the_ingress_front_where_a_config_has_one():
     assert api_url({}) == "http://127.0.0.1:8000"  # Serve's defaults
 
 
-def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
+def _stack(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python -m chunkserve.cluster.loadtest.stack configs/local.yaml ARGS` from the repository
+    root, serve run's output to tmp_path/serve.log; then Serve's port must be closed again."""
     from pathlib import Path
 
+    import httpx
+
     root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "chunkserve.cluster.loadtest.stack", str(root / "configs/local.yaml")]
+    cmd += ["--log", str(tmp_path / "serve.log"), *args]
+    p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout)
+    with pytest.raises(httpx.ConnectError):  # whatever happened, it is down again
+        httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
+    return p
+
+
+def test_stack_serves_a_config_runs_the_load_test_and_shuts_it_down(tmp_path):
     out = tmp_path / "r.jsonl"
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkserve.cluster.loadtest.stack",
-            str(root / "configs/local.yaml"),
-            "--set",
-            "num_replicas=1",
-            "--set",
-            "engine.enable_prefix_sharing=false",
-            "--log",
-            str(tmp_path / "serve.log"),
-            "--",
-            "--num-prompts",
-            "12",
-            "--gsp-num-groups",
-            "2",
-            "--gsp-prompts-per-group",
-            "6",
-            "--gsp-system-prompt-len",
-            "128",
-            "--gsp-question-len",
-            "8",
-            "--gsp-output-len",
-            "4",
-            "--request-rate",
-            "20",
-            "--no-progress",
-            "--save-result",
-            str(out),
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    p = _stack(
+        tmp_path,
+        *("--set", "num_replicas=1", "--set", "engine.enable_prefix_sharing=false", "--"),
+        *("--num-prompts", "12", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "6"),
+        *("--gsp-system-prompt-len", "128", "--gsp-question-len", "8", "--gsp-output-len", "4"),
+        *("--request-rate", "20", "--no-progress", "--save-result", str(out)),
     )
     assert p.returncode == 0, p.stderr[-2000:]
     (report,) = [json.loads(line) for line in out.read_text().splitlines()]
     assert report["completed"] == 12 and report["failed"] == 0
     assert report["cached_fraction"] == 0.0  # the override reached the engine: nothing shared
     assert "ready after" in p.stderr
-    import httpx
-
-    with pytest.raises(httpx.ConnectError):  # and it is down again
-        httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
 
 
 @pytest.mark.slow  # serve run on a Ray of its own whose application cannot build
@@ -521,39 +501,17 @@ def test_stack_ends_the_wait_when_serve_reports_the_app_failed(tmp_path):
     # an app whose args do not validate never answers /ready: Serve marks it DEPLOY_FAILED, and the
     # stack says so (with Serve's message) long before --ready-timeout, then shuts everything down
     import time
-    from pathlib import Path
 
-    import httpx
-
-    root = Path(__file__).resolve().parents[1]
     t0 = time.monotonic()
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "chunkserve.cluster.loadtest.stack",
-            str(root / "configs/local.yaml"),
-            "--set",
-            "router.policy=no_such_policy",
-            "--ready-timeout",
-            "900",
-            "--log",
-            str(tmp_path / "serve.log"),
-            "--",
-            "--num-prompts",
-            "1",
-        ],
-        cwd=root,
-        capture_output=True,
-        text=True,
+    p = _stack(
+        tmp_path,
+        *("--set", "router.policy=no_such_policy", "--ready-timeout", "900", "--", "--num-prompts", "1"),
         timeout=900,
     )
     elapsed = time.monotonic() - t0
     assert p.returncode != 0
     assert "DEPLOY_FAILED" in p.stderr and "no_such_policy" in p.stderr, p.stderr[-3000:]
     assert elapsed < 600, elapsed  # not the ready timeout
-    with pytest.raises(httpx.ConnectError):  # and it is down again
-        httpx.get("http://127.0.0.1:8000/v1/models", timeout=2)
 
 
 @pytest.mark.slow

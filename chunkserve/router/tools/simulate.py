@@ -408,7 +408,7 @@ class _LRU:
         for h in chain:
             if h not in chunks:
                 break
-            if matched < ROUTE_CHUNKS:  # (a reused chunk is published, however deep: tree_events)
+            if EAGER_DEPTH <= matched < ROUTE_CHUNKS:  # a reused deep chunk is published (tree_events)
                 routable.add(h)
             matched += 1
         for h in reversed(output_ids):  # deepest first: the root ends most recently used
