@@ -383,6 +383,18 @@ def test_index_lookups_by_root_agree_with_per_replica_records_through_evictions_
                 assert index.depths(replicas, ch) == [_reference_depth(index, q, ch) for q in replicas]
 
 
+def test_a_chain_sent_again_is_recorded_once_whatever_its_object():
+    rng = random.Random(16)
+    index = PrefixIndex(chains_per_root=3)
+    a = _chained(rng, 8)
+    b = _chained(rng, 2, a[:5])  # the same root, another chain
+    for t, ch in enumerate([a, tuple(list(a)), b, tuple(list(b)), tuple(list(a))]):  # equal, not identical
+        index.record("r0", ch, float(t))
+    entry = index._own["r0"][a[0]]
+    assert entry[0] == 4.0 and entry[1:] == (a, b)  # the time is the latest; each chain once, first-sent order
+    assert index.depths(["r0"], a[:6] + (1,)) == [6] and index.depths(["r0"], b) == [7]
+
+
 def test_digest_holders_stay_exact_from_one_to_many_and_back():
     rng = random.Random(14)
     index = PrefixIndex()

@@ -195,8 +195,11 @@ class PrefixIndex:
         if entry is None:
             entry = (now, chain)
         else:
-            chains = entry[1:]
-            if chain not in chains:
+            chains, last, n = entry[1:], chain[-1], len(chain)
+            for c in chains:  # a chained hash names its whole prefix: equal last hashes, equal chains
+                if c[-1] == last and len(c) == n:  # (`chain in chains` compares them hash by hash)
+                    break
+            else:
                 chains = (*chains[max(0, len(chains) + 1 - self.chains_per_root) :], chain)  # the newest ones
             entry = (now, *chains)
         own[root] = entry  # (re-)inserted: most recent last, here and by root
@@ -416,7 +419,7 @@ class PrefixIndex:
             best = 0
             entry = recorded.get(r)
             if entry is not None:
-                for c in entry[1:]:
+                for c in entry[:0:-1]:  # newest first: a session's last turn is the likely deepest
                     if len(c) >= n and c[n - 1] == last:  # holds all of it (chain_prefix's first test)
                         best = n
                         break
@@ -441,6 +444,8 @@ class PrefixIndex:
         tier (the usual case, where none has a host hash at all: one dict probe each). O(log depth) set probes a candidate with some. (A chain this router
         sent the replica since its report counts in the tier the report gives: loaded by now.)"""
         hosts = self._host
+        if not hosts:  # no replica has published a host tier (the usual case)
+            return None
         out = None
         for i, r in enumerate(replica_ids):
             host = hosts.get(r)
