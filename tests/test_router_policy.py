@@ -412,6 +412,20 @@ def test_digest_holders_stay_exact_from_one_to_many_and_back():
     assert not index._digest_holders and index.holders(ch, 4) == ()
 
 
+def test_many_holders_are_offered_in_the_order_they_came_to_hold_the_prefix():
+    # not in a set's order, which follows the process's string hashing: the simulator's runs and
+    # routers applying the same reports must choose alike
+    rng = random.Random(17)
+    index = PrefixIndex()
+    ch = _chained(rng, 4)
+    replicas = [f"replica-{rng.randrange(10**9)}" for _ in range(20)]  # more than a tuple keeps
+    for r in replicas:
+        index.replace_digest(r, ch, as_of=0.0)
+    assert index.holders(ch, 3) == tuple(replicas[:3])
+    index.replace_digest(replicas[1], [], as_of=1.0)  # one leaves: the rest keep their order
+    assert index.holders(ch, 3) == (replicas[0], replicas[2], replicas[3])
+
+
 def test_lru_overflow_drops_the_oldest_and_batches_for_large_maps():
     small = dict.fromkeys(range(6))
     assert lru_overflow(small, 4) == [0, 1] and lru_overflow(small, 6) == []

@@ -129,7 +129,7 @@ def _drop_holder(holders: dict, h: int, replica_id: str) -> None:
         else:
             holders[h] = tuple([r for r in s if r != replica_id])
     else:
-        s.discard(replica_id)
+        s.pop(replica_id, None)
         if not s:
             del holders[h]
 
@@ -140,9 +140,9 @@ def _add_holder(holders: dict, h: int, replica_id: str) -> None:
     if s is None:
         holders[h] = (replica_id,)
     elif type(s) is tuple:
-        holders[h] = (*s, replica_id) if len(s) < _FEW else {*s, replica_id}
+        holders[h] = (*s, replica_id) if len(s) < _FEW else dict.fromkeys((*s, replica_id))
     else:
-        s.add(replica_id)
+        s[replica_id] = None
 
 
 class PrefixIndex:
@@ -178,8 +178,10 @@ class PrefixIndex:
         # anchor hash -> the replicas whose published set holds it (every hash is an anchor in a
         # digest and in a hand-built delta of four fields; chunkserve/router/events.py): a
         # tuple while few (most hashes have one holder: a tuple of strings is small and the cyclic
-        # GC stops tracking it), a set beyond
-        self._digest_holders: dict[int, tuple[str, ...] | set[str]] = {}
+        # GC stops tracking it), beyond that a dict used as an ordered set (iterated in the order
+        # the replicas came to hold it, as every run and every router applying the same reports
+        # sees it: a set's order of strings changes with each process's string hashing)
+        self._digest_holders: dict[int, tuple[str, ...] | dict[str, None]] = {}
 
     # -- writes ---------------------------------------------------------------------------------
 
@@ -297,21 +299,21 @@ class PrefixIndex:
         holders = self._digest_holders  # (_drop_holder and _add_holder, inline: one probe a hash)
         for h in a_evicted:
             s = holders.pop(h)
-            if s.__class__ is tuple:
+            if isinstance(s, tuple):
                 if len(s) > 1:
                     holders[h] = tuple([r for r in s if r != replica_id])
             else:
-                s.discard(replica_id)
+                s.pop(replica_id, None)
                 if s:
                     holders[h] = s
         for h in a_stored:
             s = holders.get(h)
             if s is None:
                 holders[h] = (replica_id,)
-            elif s.__class__ is tuple:
-                holders[h] = (*s, replica_id) if len(s) < _FEW else {*s, replica_id}
+            elif isinstance(s, tuple):
+                holders[h] = (*s, replica_id) if len(s) < _FEW else dict.fromkeys((*s, replica_id))
             else:
-                s.add(replica_id)
+                s[replica_id] = None
 
     def _apply_tiers(self, replica_id: str, stored: Sequence[int], evicted: Sequence[int]) -> list[int]:
         """A delta's tiers into `replica_id`'s host set; returns its stored hashes, decoded."""
