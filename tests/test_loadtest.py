@@ -437,6 +437,22 @@ def test_stack_waits_for_every_replica_of_a_fixed_size_config(monkeypatch):
     assert asked[-1] == {"RUNNING": 4} and len(asked) == 4  # not on the first replica's 200
 
 
+def test_stack_refuses_to_start_where_another_server_answers(tmp_path, capsys):
+    # a previous application still shutting down answered /ready for the next one, whose load test
+    # then failed on a dying server: the stack now refuses before it starts anything
+    from chunkserve.cluster.loadtest import stack
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        cfg = tmp_path / "app.yaml"
+        cfg.write_text(f"http_options:\n  port: {port}\napplications:\n- args: {{num_replicas: 1}}\n")
+        assert stack.main([str(cfg), "--", "--num-prompts", "1"]) == 2
+    assert f"http://127.0.0.1:{port} already answers" in capsys.readouterr().err
+    assert not stack.answering(f"http://127.0.0.1:{port}")  # (closed: the check sees it)
+
+
 def test_stack_overrides_an_apps_args():
     from chunkserve.cluster.loadtest.stack import apply_overrides
 

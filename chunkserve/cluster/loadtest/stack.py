@@ -8,7 +8,8 @@
 16, pow2). The application is started with `serve run` in a process group of its own, the load
 test (`python -m chunkserve.cluster.loadtest` with the arguments after `--`) runs once `/ready`
 answers (a model replica is up; it needs no API key, so configs with keys or tenants start too),
-and the application and its Ray instance are stopped after, whatever happened. An application
+and the application and its Ray instance are stopped after, whatever happened. It refuses to start
+where something already answers at the config's API address (its /ready would pass for ours). An application
 Serve reports DEPLOY_FAILED (its import raised, its replicas cannot start) ends the wait at once
 with Serve's message, rather than at --ready-timeout.
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -126,6 +128,14 @@ def api_url(config: dict) -> str:
     return f"http://{host.replace('0.0.0.0', '127.0.0.1')}:{port}"
 
 
+def answering(url: str) -> bool:
+    """Whether something already accepts connections at url's host and port."""
+    u = httpx.URL(url)
+    with socket.socket() as s:
+        s.settimeout(2.0)
+        return s.connect_ex((u.host, u.port or 80)) == 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -141,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     url = api_url(config)
+    if answering(url):  # another application (a previous variant still shutting down?) would take the load test
+        print(f"{url} already answers: stop what serves there first (serve shutdown, ray stop)", file=sys.stderr)
+        return 2
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(config, f)
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
