@@ -131,9 +131,11 @@ def api_url(config: dict) -> str:
 def answering(url: str) -> bool:
     """Whether something already accepts connections at url's host and port."""
     u = httpx.URL(url)
-    with socket.socket() as s:
-        s.settimeout(2.0)
-        return s.connect_ex((u.host, u.port or 80)) == 0
+    try:
+        with socket.create_connection((u.host, u.port or 80), timeout=2.0):  # (IPv4 or IPv6)
+            return True
+    except OSError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
