@@ -450,7 +450,7 @@ def test_stack_refuses_to_start_where_another_server_answers(tmp_path, capsys):
         cfg.write_text(f"http_options:\n  port: {port}\napplications:\n- args: {{num_replicas: 1}}\n")
         assert stack.main([str(cfg), "--", "--num-prompts", "1"]) == 2
     assert f"http://127.0.0.1:{port} already answers" in capsys.readouterr().err
-    assert not stack.answering(f"http://127.0.0.1:{port}")  # (closed: the check sees it)
+    assert not stack.connects("127.0.0.1", port)  # (closed: the check sees it)
 
 
 def test_stack_overrides_an_apps_args():

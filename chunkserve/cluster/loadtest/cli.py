@@ -381,7 +381,8 @@ def workload(args: argparse.Namespace) -> list[wl.Spec]:
     return gen.specs(args.seed, args.num_prompts)
 
 
-def _connects(host: str, port: int) -> bool:
+def connects(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at host:port (IPv4 or IPv6)."""
     try:
         socket.create_connection((host, port), timeout=5).close()
     except OSError:
@@ -396,9 +397,9 @@ def loopback_only(url: str) -> str | None:
     connections, or when 127.0.0.1 does not either (then the requests' own errors say so)."""
     parts = urllib.parse.urlsplit(url)
     host, port = parts.hostname, parts.port or 80
-    if host is None or host == "localhost" or host.startswith("127.") or host == "::1" or _connects(host, port):
+    if host is None or host == "localhost" or host.startswith("127.") or host == "::1" or connects(host, port):
         return None
-    if not _connects("127.0.0.1", port):
+    if not connects("127.0.0.1", port):
         return None
     return (
         f"loadtest: --address sends to each node's address, and nothing listens at {host}:{port} (a node's) "

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from chunkserve.cluster.loadtest.cli import connects
 from chunkserve.cluster.loadtest.cli import main as loadtest
 
 
@@ -128,16 +128,6 @@ def api_url(config: dict) -> str:
     return f"http://{host.replace('0.0.0.0', '127.0.0.1')}:{port}"
 
 
-def answering(url: str) -> bool:
-    """Whether something already accepts connections at url's host and port."""
-    u = httpx.URL(url)
-    try:
-        with socket.create_connection((u.host, u.port or 80), timeout=2.0):  # (IPv4 or IPv6)
-            return True
-    except OSError:
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ours, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
@@ -153,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     url = api_url(config)
-    if answering(url):  # another application (a previous variant still shutting down?) would take the load test
+    u = httpx.URL(url)
+    # another application there (a previous variant still shutting down?) would take the load test
+    if connects(u.host, u.port or 80):
         print(f"{url} already answers: stop what serves there first (serve shutdown, ray stop)", file=sys.stderr)
         return 2
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
