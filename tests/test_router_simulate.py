@@ -75,6 +75,38 @@ def test_replica_cache_is_lru_with_leaf_first_eviction():
     assert cache.routable == {1, 2, 9, 8, 7}  # what its digest publishes
 
 
+def test_engine_pool_pins_chunks_in_flight_and_admits_while_they_fit():
+    pool = sim._Pool(capacity_chunks=6)
+    assert pool.fits((1, 2, 3), (-1,)) and pool.admit((1, 2, 3), (-1,)) == 0
+    assert pool.fits((1, 2, 4), (-2,))  # 4 and -2 new: 6 pinned
+    assert pool.admit((1, 2, 4), (-2,)) == 2 and pool.pins[1] == pool.pins[2] == 2
+    assert not pool.fits((9, 8, 7), (-3,))  # four more: it waits, nothing evicted for it
+    pool.release((1, 2, 3), (-1,))  # 3 and -1 now evictable, (1, 2) still pinned by the other
+    assert set(pool.lru) == {3, -1} and set(pool.pins) == {1, 2, 4, -2}
+    assert not pool.fits((9, 8, 7), (-3,))
+    pool.release((1, 2, 4), (-2,))
+    assert not pool.pins and pool.fits((9, 8, 7), (-3,))
+    assert pool.admit((9, 8, 7), (-3,)) == 0  # evicts the least recently used: leaves, then roots
+    assert set(pool.lru) == {1, 2} and len(pool.pins) == 4
+    assert pool.routable == {1, 2, 9, 8, 7}
+    assert pool.admit((1, 2, 5), (-4,)) == 2  # a held unpinned prefix matches and becomes pinned
+    assert not pool.lru and len(pool.pins) == 8  # (over capacity only by what nothing could free)
+
+
+def test_engine_mode_on_a_shared_gpu_runs_and_orders_the_policies():
+    # the H100 router run's shape, small: tenants whose prompts exceed a pool, 3 replicas on one
+    # GPU, requests pinning their chunks, decode steps batched
+    wl = sim.build_workload(
+        "tenants", 3, 240, seed=3, tenants=16, tenant_prompt_len=1024, cache_tokens=4096, rate=6.0, keep_tokens=True
+    )
+    rows = {p: sim.simulate(wl, p, 3, engine_tpot=0.025, shared_gpu=True) for p in ("prefix", "ray-prefix", "pow2")}
+    for row in rows.values():
+        assert row["engine_tpot_s"] == 0.025 and row["shared_gpu"] and row["max_mean_backlog"] is None
+        assert 0 < row["throughput_rps"] <= 6.5 and row["ttft_p50_s"] <= row["ttft_p90_s"]
+    assert rows["prefix"]["hit_rate"] > rows["pow2"]["hit_rate"] + 0.15
+    assert rows["ray-prefix"]["hit_rate"] > rows["pow2"]["hit_rate"] + 0.15
+
+
 def test_ray_text_tree_matches_the_published_example():
     # prefix_tree.py's docstring: "helloworld" by tenant_1, "hellothere" and "hellothomas" by tenant_2
     tree = sim._TextTree(range(3))

@@ -2,7 +2,7 @@
 
     python -m chunkserve.router.tools.simulate --policy prefix|approx|pow2|ray-prefix
         --workload gsp|zipf|unique|tenants --replicas N [--routers K] [--scale-up] [--requests M] [--seed S]
-        [--tenants T --tenant-prompt-len L] [--cache-tokens C]
+        [--tenants T --tenant-prompt-len L] [--cache-tokens C] [--engine [--tpot-ms T] [--shared-gpu]] [--rate R]
     python -m chunkserve.router.tools.simulate --llmd [--rates 3,10,...]   # llm-d's setup, per rate
     python -m chunkserve.router.tools.simulate --all [--jobs J]  # the grid + llm-d + targets, JSON lines
 
@@ -45,6 +45,15 @@ Model:
     an LRU over chunk hashes (the tree's full chunks, prompt then output) with leaf-first eviction,
     `--cache-factor` (2) × its share of the distinct system prompts, in tokens. A prompt is matched
     and inserted when it arrives (requests queued behind it find it).
+  - `--engine`: a replica as an engine runs its pool (`_Pool`): the chunks of the requests in
+    flight (prompt and output) are pinned and the LRU evicts only the others; a request is
+    admitted, first come first served, when its chunks not pinned yet fit beside the pinned ones,
+    and is matched then, not on arrival (a prefix evicted while it waited is recomputed). Its
+    prefill queues as above; its decode is batched: `--tpot-ms` (25, the H100 router run's TPOT)
+    a token whatever the batch, so a replica's throughput is the requests its pool holds at once
+    over their time in flight. `--shared-gpu`: one prefill server for all replicas (several on
+    one GPU, as the GPU router runs place them). `--rate` gives the arrivals per second instead
+    of `--util`.
   - what a router sees: its own decisions and completions, and — `prefix` only — each replica's
     report, taken every `--digest-period` s (staggered) and delivered to every router
     `--digest-delay` s later: the chunk hashes it holds at depth ≤ route_chunks, and the work it
@@ -62,8 +71,9 @@ Model:
     (sliding by 1 s; the whole phase if shorter; the phases before and after a scale-up apart), of
     max over replicas ÷ mean of the work routed to each in the window (uncached prompt tokens + 4 ×
     output tokens as it turned out); max_mean_backlog = max ÷ mean of the time-averaged
-    outstanding work; ttft_p90_s / ttft_p99_s; throughput_rps, output_tps: measured requests
-    done by the last arrival ÷ the measured span; p99_queue = 99th percentile of the requests
+    outstanding work (None with `--engine`); ttft_p50_s / ttft_p90_s / ttft_p99_s (`--engine`:
+    the wait for the pool included); throughput_rps, output_tps: measured requests done by the
+    last arrival ÷ the measured span; p99_queue = 99th percentile of the requests
     already at the chosen replica when one arrives; decision_us / decision_p50_us = mean / median
     CPU time of the routing call (choose + bookkeeping; the ingress's hashing and Ray's text
     extraction excluded; the calling thread's CPU clock, less the clock reads' own cost), with
@@ -75,6 +85,7 @@ Model:
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import heapq
 import itertools
@@ -291,11 +302,13 @@ def build_workload(
     tenant_prompt_len: int = TENANT_PROMPT,
     cache_tokens: int | None = None,
     keep_tokens: bool = False,
+    rate: float | None = None,
 ) -> Workload:
     """A workload for `replicas` replicas (the fleet at the start; 2 × after the half with `scale_up`).
     tenants, tenant_prompt_len: the `tenants` shape's (a load test's `--tenants`,
     `--tenant-prompt-len`); cache_tokens: each replica's pool (default: from `cache_factor`);
-    keep_tokens: keep `tenants`' prompt tokens (ray-prefix needs them)."""
+    keep_tokens: keep `tenants`' prompt tokens (ray-prefix needs them); rate: arrivals per
+    second (instead of `util`'s)."""
     rng = np.random.default_rng(seed)
     arrays: dict = {"systems": np.zeros((0, 0)), "heads": np.zeros((0, 0)), "questions": np.zeros((0, 0))}
     if name in ("gsp", "zipf", "unique"):
@@ -320,7 +333,8 @@ def build_workload(
     # not depend on the times); after a scale-up, twice that.
     cached, works = _oracle(shapes, replicas * cache_tokens // CHUNK, scale_at)
     prompt = sum(s[2] for s in shapes)
-    rate = util * replicas * PREFILL_TPS / (sum(works) / total)
+    if rate is None:
+        rate = util * replicas * PREFILL_TPS / (sum(works) / total)
     gaps = rng.exponential(1.0 / rate, size=total)
     if scale_at is not None:
         gaps[scale_at:] /= 2
@@ -425,6 +439,65 @@ class _LRU:
         while len(chunks) > self.capacity:
             self.routable.discard(chunks.popitem(last=False)[0])
         return matched
+
+
+class _Pool:
+    """`--engine`: a replica's KV pool as its engine runs it. The chunks requests in flight use
+    are pinned (a count each); the others form the LRU of `_LRU`, evicted oldest first; both
+    within one capacity. A request is admitted (matched, its chunks pinned) only when its chunks
+    not pinned yet fit beside the pinned ones, first come first served: on a busy replica the
+    requests in flight hold most of the pool, and a prefix waits or is recomputed."""
+
+    def __init__(self, capacity_chunks: int):
+        self.capacity = capacity_chunks
+        self.lru: OrderedDict[int, None] = OrderedDict()  # unpinned held chunks, oldest first
+        self.pins: dict[int, int] = {}
+        self.routable: set[int] = set()  # as _LRU's: the digest
+
+    def fits(self, chain: Sequence[int], output_ids: Sequence[int]) -> bool:
+        pins = self.pins
+        if not pins:  # an idle engine takes any request (one larger than its pool: the engine's error)
+            return True
+        new = sum(1 for h in chain if h not in pins) + sum(1 for h in output_ids if h not in pins)
+        return len(pins) + new <= self.capacity
+
+    def admit(self, chain: Sequence[int], output_ids: Sequence[int]) -> int:
+        """Match `chain`, pin it and its output chunks; returns matched chunks."""
+        lru, pins, routable = self.lru, self.pins, self.routable
+        matched = 0
+        for h in chain:
+            if h not in pins and h not in lru:
+                break
+            if EAGER_DEPTH <= matched < ROUTE_CHUNKS:  # a reused deep chunk is published (tree_events)
+                routable.add(h)
+            matched += 1
+        for k, h in enumerate(chain):
+            if h in pins:
+                pins[h] += 1
+                continue
+            if h in lru:
+                del lru[h]
+            elif k < EAGER_DEPTH:  # new
+                routable.add(h)
+            pins[h] = 1
+        for h in output_ids:
+            pins[h] = pins.get(h, 0) + 1
+        while lru and len(lru) + len(pins) > self.capacity:
+            routable.discard(lru.popitem(last=False)[0])
+        return matched
+
+    def release(self, chain: Sequence[int], output_ids: Sequence[int]) -> None:
+        """The request finished: its chunks unpinned, deepest first (the root most recently used)."""
+        lru, pins = self.lru, self.pins
+        for h in (*reversed(output_ids), *reversed(chain)):
+            c = pins[h] - 1
+            if c:
+                pins[h] = c
+            else:
+                del pins[h]
+                lru[h] = None
+        while lru and len(lru) + len(pins) > self.capacity:
+            self.routable.discard(lru.popitem(last=False)[0])
 
 
 # -- routers: what each policy does with what a router sees ----------------------------------------
@@ -705,22 +778,33 @@ def simulate(
     digest_delay: float = 0.5,
     routers: int = 1,
     share_delay: float = 0.01,
+    engine_tpot: float | None = None,
+    shared_gpu: bool = False,
 ) -> dict:
     # The simulator's own heap (every replica's cache) is large and cycle-free: with the cyclic
     # GC on, its pauses would be billed to whichever routing call happens to allocate.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(wl, policy, seed, digest_period, digest_delay, routers, share_delay)
+        return _simulate(wl, policy, seed, digest_period, digest_delay, routers, share_delay, engine_tpot, shared_gpu)
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
 def _simulate(
-    wl: Workload, policy: str, seed: int, digest_period: float, digest_delay: float, k: int, share_delay: float
+    wl: Workload,
+    policy: str,
+    seed: int,
+    digest_period: float,
+    digest_delay: float,
+    k: int,
+    share_delay: float,
+    engine_tpot: float | None = None,
+    shared_gpu: bool = False,
 ) -> dict:
     started = time.perf_counter()
+    engine = engine_tpot is not None
     n0, n = wl.replicas, wl.final_replicas
     ids = [f"replica-{i}" for i in range(n)]
     fleet = _Fleet(n, n0)
@@ -733,17 +817,97 @@ def _simulate(
     reports = cls.reports
     mirrors = cls.mirrors and k > 1
     pick_router = random.Random(seed + 17)
-    caches = [_LRU(wl.cache_tokens // CHUNK) for _ in range(n)]
-    busy_until, prefill_free, area, last_t = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+    caches: list[Any] = [(_Pool if engine else _LRU)(wl.cache_tokens // CHUNK) for _ in range(n)]
+    waiting: list[collections.deque] = [collections.deque() for _ in range(n)]  # --engine: not admitted yet
+    # the servers: one a replica, or (--shared-gpu) one for all (one GPU time-shared by the replicas)
+    servers, tps = (1, PREFILL_TPS) if shared_gpu else (n, PREFILL_TPS)
+    busy_until, prefill_free = [0.0] * servers, [0.0] * servers
+    area, last_t = [0.0] * n, [0.0] * n
     held = [[0.0] * k for _ in range(n)]  # [replica][router] work in flight from that router
     events: list[tuple[float, int, int, Any]] = []  # (time, unique seq, kind, payload)
     seq = itertools.count()
     FINISH, SNAPSHOT, DELIVER, SCALE, SHARE, UNSHARE = 0, 1, 2, 3, 4, 5
+    total = len(wl.requests)
+    # each request's outcome, filled when its replica matches it (on arrival; --engine: on admission)
+    matched_at, ttft_at, cost_at, finish_at, replica_at = (
+        [0] * total,
+        [0.0] * total,
+        [0.0] * total,
+        [0.0] * total,
+        [0] * total,
+    )
+    queue_seen = [0] * total
+    finished = [0]  # requests done
 
     def publish(first: int, last: int, t0: float) -> None:
         for r in range(first, last):  # staggered publication
             events.append((t0 + digest_period * (r - first + 1) / (last - first), next(seq), SNAPSHOT, r))
         heapq.heapify(events)
+
+    def start(i: int, r: int, j: int, req: Request, ticket: Any, now: float, matched_chunks: int, mirrored) -> None:
+        """Request i, routed to replica r by router j, is matched now: its work joins the server."""
+        matched = min(matched_chunks * CHUNK, req.prompt_tokens)
+        uncached = req.prompt_tokens - matched
+        cost = uncached + DECODE_WEIGHT * req.output_tokens
+        s = 0 if shared_gpu else r
+        if not engine:
+            area[r] += _backlog_area(last_t[r], now, busy_until[r])
+            last_t[r] = now
+        prefill_free[s] = max(now, prefill_free[s]) + uncached / tps
+        if engine:  # decode rows batch: each output token a step's time, whatever the batch
+            busy_until[s] = prefill_free[s] + req.output_tokens * engine_tpot
+        else:
+            busy_until[s] = max(now, busy_until[s]) + cost / tps
+        held[r][j] += cost - (req.prompt_tokens + DECODE_WEIGHT * req.output_tokens if engine else 0.0)
+        matched_at[i], ttft_at[i], cost_at[i], finish_at[i] = (
+            matched,
+            prefill_free[s] - req.arrival,
+            cost,
+            busy_until[s],
+        )
+        heapq.heappush(events, (finish_at[i], next(seq), FINISH, (r, j, ticket, cost, req)))
+        if mirrored is not None:  # (its SHARE pushed on arrival: the completion cannot pass the decision)
+            heapq.heappush(events, (finish_at[i] + share_delay, next(seq), UNSHARE, mirrored))
+
+    def admit(r: int, now: float) -> None:
+        """--engine: replica r admits its waiting requests, first come first served, while they fit."""
+        pool, queue = caches[r], waiting[r]
+        while queue and pool.fits(queue[0][2].chain, queue[0][2].out_chain):
+            i, j, req, ticket, mirrored = queue.popleft()
+            start(i, r, j, req, ticket, now, pool.admit(req.chain, req.out_chain), mirrored)
+
+    def handle(t: float, kind: int, payload: Any) -> None:
+        if kind == FINISH:
+            r, j, ticket, cost, req = payload
+            finished[0] += 1
+            fleet.outstanding[r] -= 1
+            held[r][j] -= cost
+            rs[j].finished(ticket)
+            if engine:
+                caches[r].release(req.chain, req.out_chain)
+                admit(r, t)
+        elif kind == SNAPSHOT:
+            snapshot = (payload, frozenset(caches[payload].routable), list(held[payload]), t)
+            heapq.heappush(events, (t + digest_delay, next(seq), DELIVER, snapshot))
+            heapq.heappush(events, (t + digest_period, next(seq), SNAPSHOT, payload))
+        elif kind == DELIVER:
+            r, hashes, by_router, as_of = payload
+            for router in rs:
+                router.report(r, hashes, by_router, as_of, t)
+        elif kind == SHARE:  # another router's decision reaches the others: booked as theirs
+            src, dest, shared_req, booked = payload
+            for jj, router in enumerate(rs):
+                if jj != src:
+                    booked[jj] = router.mirror(dest, shared_req, t)
+        elif kind == UNSHARE:  # ... and its completion
+            for jj, tk in payload.items():
+                rs[jj].finished(tk)
+        else:  # the fleet doubles: every router learns it at once; the new replicas start reporting
+            fleet.live = n
+            for router in dict.fromkeys(rs):
+                router.join(n)
+            if reports:
+                publish(n0, n, t)
 
     if reports:
         publish(0, n0, 0.0)
@@ -751,40 +915,12 @@ def _simulate(
     if scale_t is not None:
         heapq.heappush(events, (scale_t, next(seq), SCALE, None))
     m0 = wl.measure_from
-    hit = prompt = 0
-    queue_seen, ttft, decisions, walls = [], [], [], []
-    t_arr, r_arr, w_arr, finish_at = [], [], [], []
+    decisions, walls = [], []
     for i, req in enumerate(wl.requests):
         now = req.arrival
         while events and events[0][0] <= now:
             t, _, kind, payload = heapq.heappop(events)
-            if kind == FINISH:
-                r, j, ticket, cost = payload
-                fleet.outstanding[r] -= 1
-                held[r][j] -= cost
-                rs[j].finished(ticket)
-            elif kind == SNAPSHOT:
-                snapshot = (payload, frozenset(caches[payload].routable), list(held[payload]), t)
-                heapq.heappush(events, (t + digest_delay, next(seq), DELIVER, snapshot))
-                heapq.heappush(events, (t + digest_period, next(seq), SNAPSHOT, payload))
-            elif kind == DELIVER:
-                r, hashes, by_router, as_of = payload
-                for router in rs:
-                    router.report(r, hashes, by_router, as_of, t)
-            elif kind == SHARE:  # another router's decision reaches the others: booked as theirs
-                src, dest, shared_req, booked = payload
-                for jj, router in enumerate(rs):
-                    if jj != src:
-                        booked[jj] = router.mirror(dest, shared_req, t)
-            elif kind == UNSHARE:  # ... and its completion
-                for jj, tk in payload.items():
-                    rs[jj].finished(tk)
-            else:  # the fleet doubles: every router learns it at once; the new replicas start reporting
-                fleet.live = n
-                for router in dict.fromkeys(rs):
-                    router.join(n)
-                if reports:
-                    publish(n0, n, t)
+            handle(t, kind, payload)
         j = pick_router.randrange(k)
         router = rs[j]
         view = router.prepare(wl, req)
@@ -792,36 +928,39 @@ def _simulate(
         r, ticket = router.route(view, req, now)
         decisions.append(thread_time() - t0)
         walls.append(time.perf_counter() - w0)
-        matched = min(caches[r].serve(req.chain, req.out_chain) * CHUNK, req.prompt_tokens)
-        uncached = req.prompt_tokens - matched
-        cost = uncached + DECODE_WEIGHT * req.output_tokens
-        area[r] += _backlog_area(last_t[r], now, busy_until[r])
-        last_t[r] = now
-        prefill_free[r] = max(now, prefill_free[r]) + uncached / PREFILL_TPS
-        busy_until[r] = max(now, busy_until[r]) + cost / PREFILL_TPS
-        queue_seen.append(fleet.outstanding[r])
+        replica_at[i] = r
+        queue_seen[i] = fleet.outstanding[r]
         fleet.outstanding[r] += 1
-        held[r][j] += cost
-        heapq.heappush(events, (busy_until[r], next(seq), FINISH, (r, j, ticket, cost)))
-        if mirrors:  # (pushed in this order, the completion cannot pass the decision)
-            mirrored: dict[int, Ticket] = {}  # (the other routers' tickets, filled at SHARE)
+        mirrored: dict[int, Ticket] | None = None
+        if mirrors:
+            mirrored = {}  # (the other routers' tickets, filled at SHARE)
             heapq.heappush(events, (now + share_delay, next(seq), SHARE, (j, r, req, mirrored)))
-            heapq.heappush(events, (busy_until[r] + share_delay, next(seq), UNSHARE, mirrored))
-        if i >= m0:
-            hit += matched
-            prompt += req.prompt_tokens
-            ttft.append(prefill_free[r] - now)
-            t_arr.append(now)
-            r_arr.append(r)
-            w_arr.append(cost)
-            finish_at.append(busy_until[r])
+        if engine:  # it waits for the pool (its whole work booked until it is matched)
+            held[r][j] += req.prompt_tokens + DECODE_WEIGHT * req.output_tokens
+            waiting[r].append((i, j, req, ticket, mirrored))
+            admit(r, now)
+        else:
+            start(i, r, j, req, ticket, now, caches[r].serve(req.chain, req.out_chain), mirrored)
+    if engine:  # the requests still waiting run to the end (throughput counts those done by the last arrival)
+        while finished[0] < total:  # (a request waits only while another is in flight: its FINISH is due)
+            t, _, kind, payload = heapq.heappop(events)
+            if kind in (FINISH, SHARE, UNSHARE):
+                handle(t, kind, payload)
     clock_us = _clock_cost()
     begin, horizon = wl.requests[m0].arrival, wl.requests[-1].arrival
-    for r in range(n):
-        area[r] += _backlog_area(last_t[r], horizon, busy_until[r])
-    live_since = [0.0] * n0 + [scale_t or 0.0] * (n - n0)
-    backlog = [area[r] / max(horizon - live_since[r], 1e-9) for r in range(n)]
-    t_np, r_np, w_np = np.asarray(t_arr), np.asarray(r_arr, dtype=np.int64), np.asarray(w_arr)
+    measured = wl.requests[m0:]
+    t_np = np.asarray([q.arrival for q in measured])
+    r_np = np.asarray(replica_at[m0:], dtype=np.int64)
+    w_np = np.asarray(cost_at[m0:])
+    hit, prompt = sum(matched_at[m0:]), sum(q.prompt_tokens for q in measured)
+    if engine:  # (a replica's outstanding work is not its own server's)
+        backlog_ratio = None
+    else:
+        for r in range(n):
+            area[r] += _backlog_area(last_t[r], horizon, busy_until[r])
+        live_since = [0.0] * n0 + [scale_t or 0.0] * (n - n0)
+        backlog = [area[r] / max(horizon - live_since[r], 1e-9) for r in range(n)]
+        backlog_ratio = round(max(backlog) / (sum(backlog) / n), 4) if sum(backlog) else None
     if scale_t is None:
         load = window_max_mean(t_np, r_np, w_np, n, begin, horizon)
     else:  # the phases apart: each with its own fleet
@@ -831,10 +970,10 @@ def _simulate(
             window_max_mean(t_np[~before], r_np[~before], w_np[~before], n, scale_t, horizon),
         )
     span = max(horizon - begin, 1e-9)
-    done = np.asarray(finish_at) <= horizon
-    measured = wl.requests[m0:]
+    done = np.asarray(finish_at[m0:]) <= horizon
+    ttft = ttft_at[m0:]
     oracle = wl.oracle_hit_rate
-    busy = sum(w_arr) / PREFILL_TPS
+    busy = float(w_np.sum()) / PREFILL_TPS
     return {
         "policy": policy,
         "workload": wl.name,
@@ -849,7 +988,8 @@ def _simulate(
         "oracle_hit_rate": round(oracle, 4),
         "hit_vs_oracle": round(hit / prompt / oracle, 4) if oracle else None,
         "max_mean_load": round(load, 4) if load else None,
-        "max_mean_backlog": round(max(backlog) / (sum(backlog) / n), 4) if sum(backlog) else None,
+        "max_mean_backlog": backlog_ratio,
+        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
         "ttft_p90_s": round(float(np.percentile(ttft, 90)), 4),
         "ttft_p99_s": round(float(np.percentile(ttft, 99)), 4),
         "throughput_rps": round(float(done.sum()) / span, 3),
@@ -864,6 +1004,8 @@ def _simulate(
         "decision_wall_us": round(float(np.mean(walls)) * 1e6, 2),
         "cpu_ref_us": cpu_ref_us(),
         "cache_tokens": wl.cache_tokens,
+        "engine_tpot_s": engine_tpot,
+        "shared_gpu": shared_gpu,
         "digest_period_s": digest_period if reports else None,
         "digest_delay_s": digest_delay if reports else None,
         "share_delay_s": share_delay if mirrors else None,
@@ -986,6 +1128,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=10.0,
         help="shared: milliseconds from a router's decision (or completion) to the other routers",
     )
+    ap.add_argument(
+        "--engine",
+        action="store_true",
+        help="each replica's pool as its engine runs it: requests in flight pin their chunks, and wait until "
+        "theirs fit; a request's decode takes --tpot-ms a token, batched (its prefill queues as without)",
+    )
+    ap.add_argument("--tpot-ms", type=float, default=25.0, help="--engine: a decode step's time")
+    ap.add_argument("--rate", type=float, help="arrivals per second (instead of --util's)")
+    ap.add_argument(
+        "--shared-gpu", action="store_true", help="the replicas share one GPU: one server (one replica's speed) for all"
+    )
     ap.add_argument("--llmd", action="store_true", help="llm-d's setup at each of --rates, every policy but ray-prefix")
     ap.add_argument("--rates", default=",".join(f"{r:g}" for r in LLMD_RATES), help="llm-d's Poisson rates, req/s")
     ap.add_argument("--llmd-seconds", type=float, default=60.0, help="each llm-d rate's measured stage")
@@ -1025,8 +1178,23 @@ def main(argv: Sequence[str] | None = None) -> None:
             tenant_prompt_len=args.tenant_prompt_len,
             cache_tokens=args.cache_tokens,
             keep_tokens=args.policy == "ray-prefix",
+            rate=args.rate,
         )
-        emit([simulate(wl, args.policy, args.seed, period, delay, args.routers, share)])
+        emit(
+            [
+                simulate(
+                    wl,
+                    args.policy,
+                    args.seed,
+                    period,
+                    delay,
+                    args.routers,
+                    share,
+                    args.tpot_ms / 1e3 if args.engine else None,
+                    args.shared_gpu,
+                )
+            ]
+        )
         return
     cells = []
     for n in sorted(GRID_REPLICAS, reverse=True):  # the long cells first: the pool ends evenly
