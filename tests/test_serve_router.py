@@ -384,6 +384,18 @@ def test_config_selects_the_router(monkeypatch):
     assert router_config({"device": "cpu", "router": {"share_decisions": True}}).request_router_kwargs[
         "share_decisions"
     ]
+    # by default the routers share where there are several of them (one an ingress replica)
+    assert router_config({"device": "cpu", "ingress": {"num_replicas": 2}}).request_router_kwargs["share_decisions"]
+    assert not router_config(
+        {"device": "cpu", "ingress": {"num_replicas": 2}, "router": {"share_decisions": False}}
+    ).request_router_kwargs["share_decisions"]
+    # ... and a policy that keeps no decisions is not refused for it (pow2 on a preset of 4 ingresses)
+    assert (
+        router_config(
+            {"device": "cpu", "ingress": {"num_replicas": 4}, "router": {"policy": "pow2"}}
+        ).request_router_class
+        == DEFAULT_REQUEST_ROUTER_PATH
+    )
     assert (
         router_config({"device": "cpu", "router": {"policy": "pow2"}}).request_router_class
         == DEFAULT_REQUEST_ROUTER_PATH

@@ -71,12 +71,15 @@ def _replica_options(config: AppConfig, use_gpu: bool) -> dict[str, Any]:
     else:
         options["num_replicas"] = config.num_replicas or 1
     if config.router.policy == "prefix":
+        share = config.router.share_decisions
+        if share is None:  # (DESIGN §3 "Routers that agree")
+            share = config.ingress.num_replicas > 1
         options["request_router_config"] = {
             "request_router_class": PREFIX_ROUTER,
             "request_router_kwargs": {
                 "chunk_size": config.engine.chunk_size,
                 "host_hit_credit": config.router.host_hit_credit,
-                "share_decisions": config.router.share_decisions,
+                "share_decisions": share,
             },
             "request_routing_stats_period_s": config.router.routing_stats_period_s,
         }

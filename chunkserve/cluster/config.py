@@ -96,8 +96,10 @@ class RouterOptions(_Strict):
     direct_stream: bool = False
     # each ingress's router books the other ingresses' routing decisions and completions as its
     # own, milliseconds after them (chunkserve/router/peers.py, DESIGN §3 "Routers that agree"),
-    # where otherwise it learns their share of a replica's load from the replicas' reports
-    share_decisions: bool = False
+    # where otherwise it learns their share of a replica's load from the replicas' reports, a
+    # second late: None (the default) shares where there are several ingress replicas (and policy
+    # prefix), whose routers otherwise place the same prefixes apart once the replicas queue
+    share_decisions: bool | None = None
 
 
 class IngressOptions(_Strict):
