@@ -105,6 +105,9 @@ def test_engine_mode_on_a_shared_gpu_runs_and_orders_the_policies():
         assert 0 < row["throughput_rps"] <= 6.5 and row["ttft_p50_s"] <= row["ttft_p90_s"]
     assert rows["prefix"]["hit_rate"] > rows["pow2"]["hit_rate"] + 0.15
     assert rows["ray-prefix"]["hit_rate"] > rows["pow2"]["hit_rate"] + 0.15
+    # one GPU without the engine's pool: the replicas' work on one server
+    row = sim.simulate(wl, "prefix", 3, shared_gpu=True)
+    assert row["max_mean_backlog"] is None and row["engine_tpot_s"] is None and row["throughput_rps"] > 0
 
 
 def test_ray_text_tree_matches_the_published_example():

@@ -71,7 +71,7 @@ Model:
     (sliding by 1 s; the whole phase if shorter; the phases before and after a scale-up apart), of
     max over replicas ÷ mean of the work routed to each in the window (uncached prompt tokens + 4 ×
     output tokens as it turned out); max_mean_backlog = max ÷ mean of the time-averaged
-    outstanding work (None with `--engine`); ttft_p50_s / ttft_p90_s / ttft_p99_s (`--engine`:
+    outstanding work (None with `--engine` or `--shared-gpu`); ttft_p50_s / ttft_p90_s / ttft_p99_s (`--engine`:
     the wait for the pool included); throughput_rps, output_tps: measured requests done by the
     last arrival ÷ the measured span; p99_queue = 99th percentile of the requests
     already at the chosen replica when one arrives; decision_us / decision_p50_us = mean / median
@@ -850,7 +850,7 @@ def _simulate(
         uncached = req.prompt_tokens - matched
         cost = uncached + DECODE_WEIGHT * req.output_tokens
         s = 0 if shared_gpu else r
-        if not engine:
+        if servers == n and not engine:  # (a replica's outstanding work: its own server's)
             area[r] += _backlog_area(last_t[r], now, busy_until[r])
             last_t[r] = now
         prefill_free[s] = max(now, prefill_free[s]) + uncached / tps
@@ -953,7 +953,7 @@ def _simulate(
     r_np = np.asarray(replica_at[m0:], dtype=np.int64)
     w_np = np.asarray(cost_at[m0:])
     hit, prompt = sum(matched_at[m0:]), sum(q.prompt_tokens for q in measured)
-    if engine:  # (a replica's outstanding work is not its own server's)
+    if engine or servers != n:  # (a replica's outstanding work is not its own server's)
         backlog_ratio = None
     else:
         for r in range(n):
