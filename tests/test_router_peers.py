@@ -10,7 +10,7 @@ import time
 import pytest
 
 from chunkserve.router.hashing import chunk_hashes
-from chunkserve.router.peers import Batch, Finished, PeerBook, PeerLog, Routed
+from chunkserve.router.peers import Batch, Finished, Peer, PeerBook, PeerLink, PeerLog, RegistryGone, Routed
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, ReplicaView
 
 C = 4
@@ -73,6 +73,41 @@ def test_a_decision_for_a_replica_the_book_does_not_know_is_skipped():
     assert b.load("rep0") == 100 - 64 + 4 * 8  # the sender's matched tokens: its work, as it booked it
     assert book.booked == 1 and not b.has_replica("gone")
     assert Batch((Finished(2),)).events == (Finished(2),)
+
+
+def test_a_link_whose_registry_is_gone_closes_quietly(caplog):
+    # a router left running in a process whose Ray shut down (a handle in a test's driver, a
+    # script's): its next listing ends the link, with no warning every DISCOVER_S after
+    class Gone:
+        def __init__(self):
+            self.calls = 0
+
+        def put(self, router, address):
+            self.calls += 1
+            if self.calls > 1:
+                raise RegistryGone("Ray is not initialized in this process")
+
+        def others(self, router):
+            return {}
+
+        def remove(self, router):
+            raise RegistryGone("Ray is not initialized in this process")
+
+    async def main():
+        registry = Gone()
+        link = PeerLink(Peer("A", "held-A", "127.0.0.1"), PeerLog(), PeerBook(_policy()), registry)
+        await link.start()  # (puts once: fine), then its discover loop's first listing finds it gone
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if link._closed:
+                break
+        assert link._closed and registry.calls == 2
+        await asyncio.sleep(0.01)
+        assert all(t.done() for t in link._tasks)
+
+    with caplog.at_level("WARNING"):
+        asyncio.run(main())
+    assert not [r for r in caplog.records if "registry" in r.getMessage()]
 
 
 # -- two routers over TCP, a real Ray's GCS as the registry ----------------------------------------

@@ -156,8 +156,13 @@ class Peer(NamedTuple):
     host: str  # the address it listens on
 
 
+class RegistryGone(Exception):
+    """The registry is gone for good (this process's Ray shut down): the link closes."""
+
+
 class Registry(Protocol):
-    """Where the routers of one deployment find each other (blocking calls: run off the loop)."""
+    """Where the routers of one deployment find each other (blocking calls: run off the loop;
+    RegistryGone once it never will answer again)."""
 
     def put(self, router: str, address: tuple[str, int, str]) -> None: ...
     def others(self, router: str) -> dict[str, tuple[str, int, str]]: ...
@@ -299,6 +304,9 @@ class PeerLink:
         try:
             await loop.run_in_executor(None, self.registry.put, self.router, self.address)
             others = await loop.run_in_executor(None, self.registry.others, self.router)
+        except RegistryGone:  # (a router left running in a process whose Ray shut down)
+            self.close()
+            return
         except Exception as e:  # (the GCS unreachable a moment: tried again)
             logger.warning(f"router peers: listing the registry failed: {e}")
             return

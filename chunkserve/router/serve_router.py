@@ -71,7 +71,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from chunkserve.router import direct
 from chunkserve.router.direct import DirectRoute
-from chunkserve.router.peers import Peer, PeerBook, PeerLink, PeerLog
+from chunkserve.router.peers import Peer, PeerBook, PeerLink, PeerLog, RegistryGone
 from chunkserve.router.policy import PolicyConfig, PrefixPolicy, Rendezvous, ReplicaView, Ticket
 
 logger = logging.getLogger("ray.serve")  # Serve's logger: its replicas' log files
@@ -119,6 +119,8 @@ class GcsRegistry:
     def put(self, router: str, address: tuple[str, int, str]) -> None:
         from ray.experimental import internal_kv
 
+        if not internal_kv._internal_kv_initialized():  # ray.shutdown() in this process
+            raise RegistryGone("Ray is not initialized in this process")
         internal_kv._internal_kv_put(
             self._prefix + router, pickle.dumps(address), overwrite=True, namespace=self.NAMESPACE
         )
