@@ -482,8 +482,7 @@ class _Pool:
             pins[h] = 1
         for h in output_ids:
             pins[h] = pins.get(h, 0) + 1
-        while lru and len(lru) + len(pins) > self.capacity:
-            routable.discard(lru.popitem(last=False)[0])
+        self._trim()
         return matched
 
     def release(self, chain: Sequence[int], output_ids: Sequence[int]) -> None:
@@ -496,7 +495,12 @@ class _Pool:
             else:
                 del pins[h]
                 lru[h] = None
-        while lru and len(lru) + len(pins) > self.capacity:
+        self._trim()
+
+    def _trim(self) -> None:
+        """Evict the least recently used unpinned chunks while the pool is over its capacity."""
+        lru = self.lru
+        while lru and len(lru) + len(self.pins) > self.capacity:
             self.routable.discard(lru.popitem(last=False)[0])
 
 
@@ -855,16 +859,11 @@ def _simulate(
             last_t[r] = now
         prefill_free[s] = max(now, prefill_free[s]) + uncached / tps
         if engine:  # decode rows batch: each output token a step's time, whatever the batch
-            busy_until[s] = prefill_free[s] + req.output_tokens * engine_tpot
-        else:
-            busy_until[s] = max(now, busy_until[s]) + cost / tps
+            finish = prefill_free[s] + req.output_tokens * engine_tpot
+        else:  # the server's work in arrival order
+            finish = busy_until[s] = max(now, busy_until[s]) + cost / tps
         held[r][j] += cost - (req.prompt_tokens + DECODE_WEIGHT * req.output_tokens if engine else 0.0)
-        matched_at[i], ttft_at[i], cost_at[i], finish_at[i] = (
-            matched,
-            prefill_free[s] - req.arrival,
-            cost,
-            busy_until[s],
-        )
+        matched_at[i], ttft_at[i], cost_at[i], finish_at[i] = matched, prefill_free[s] - req.arrival, cost, finish
         heapq.heappush(events, (finish_at[i], next(seq), FINISH, (r, j, ticket, cost, req)))
         if mirrored is not None:  # (its SHARE pushed on arrival: the completion cannot pass the decision)
             heapq.heappush(events, (finish_at[i] + share_delay, next(seq), UNSHARE, mirrored))
