@@ -183,21 +183,29 @@ def test_two_routers_book_each_others_decisions_over_the_wire(ray_local):
             await asyncio.sleep(0.2)
         await until(lambda: "dead" not in registry.others(""))
         assert len(registry.others("")) == 3  # the live ones stay
-        for r in (a, b, c):
+        # a router outside a replica (a driver's, a script's handle) joins only once it routes
+        d = _sharing(reps, source="UNKNOWN")
+        await asyncio.sleep(0.5)
+        assert d._link is None and len(registry.others("")) == 3
+        await _route(d, pending(list(range(300, 300 + 8 * C)), 70))
+        await until(lambda: d._link is not None and len(registry.others("")) == 4)
+        await until(lambda: loads(d) == loads(a) == loads(b) == loads(c))
+        for r in (a, b, c, d):
             r._link.close()
 
     asyncio.run(main())
 
 
-def _sharing(reps):
-    """A PrefixAffinityRouter with share_decisions on, joined to its replicas (which starts its link)."""
+def _sharing(reps, source="REPLICA"):
+    """A PrefixAffinityRouter with share_decisions on, joined to its replicas (which starts its link
+    where the handle's source is a replica, as an ingress's is)."""
     from ray.serve._private.common import DeploymentHandleSource
 
     from chunkserve.router.serve_router import PrefixAffinityRouter
 
     router = PrefixAffinityRouter(
         deployment_id=reps[0].replica_id.deployment_id,
-        handle_source=DeploymentHandleSource.UNKNOWN,
+        handle_source=DeploymentHandleSource[source],
         use_replica_queue_len_cache=True,
     )
     router.initialize_state(chunk_size=C, share_decisions=True)

@@ -159,6 +159,7 @@ class PrefixAffinityRouter(RequestRouter):
         self._log: PeerLog | None = PeerLog() if share_decisions else None
         self._book: PeerBook | None = PeerBook(self._policy) if share_decisions else None
         self._link: PeerLink | None = None
+        self._joining = False  # the link's start is under way (or done)
         self._rng = random.Random(seed)
         self._by_uid: dict[str, RunningReplica] = {}  # live replicas by unique id (the policy's ids)
         self._tickets: dict[str, tuple[Ticket, int]] = {}  # internal request id -> (ticket, PeerLog number)
@@ -175,13 +176,22 @@ class PrefixAffinityRouter(RequestRouter):
             try:
                 self._home = asyncio.get_running_loop()
                 direct.register(self._deployment_id.app_name, self._deployment_id.name, self, self._home)
-                if self._share:
-                    self._home.create_task(self._start_link())
+                # a router in a replica (an ingress) joins the others now, to know their placements
+                # before its first request; one in a driver or script only once it routes (most
+                # never do: a handle made to read or test would receive every decision and send none)
+                if self._share and getattr(self._handle_source, "name", "UNKNOWN") != "UNKNOWN":
+                    self._join()
             except RuntimeError:
                 pass
         self._by_uid = {r.replica_id.unique_id: r for r in replicas}
         self._sync_membership()
         self._apply_routing_stats(replicas)
+
+    def _join(self) -> None:
+        """Start the link on the router's loop (share_decisions), once."""
+        if not self._joining and self._home is not None:
+            self._joining = True
+            _call_soon(self._home, lambda: self._home.create_task(self._start_link()))  # type: ignore[union-attr]
 
     async def _start_link(self) -> None:
         """Join the deployment's other routers (share_decisions): listen, register, connect."""
@@ -363,6 +373,8 @@ class PrefixAffinityRouter(RequestRouter):
         direct.predict(req.request_id, ticket.matched)  # (the ingress compares it with the replica's count)
         n = 0
         if self._log is not None:
+            if not self._joining:
+                self._join()
             n = self._log.routed(
                 uid, req.prefix_hashes, len(req.prompt_token_ids), req.params.max_tokens, req.session, ticket.matched
             )
