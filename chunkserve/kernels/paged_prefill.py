@@ -76,12 +76,21 @@ class FlashInferPrefill:
         self.chunk_size, self.dtype, self.device, self.sm_scale = heads.chunk_size, dtype, device, sm_scale
         # Two wrappers, planned in turn: a plan stages its metadata in the wrapper's page-locked
         # host buffer and copies it to the device in stream order, and under asynchronous
-        # scheduling the next step is planned before this one has run; the step after it is
-        # planned only once this one's tokens are collected, so its copy is done by then. (Their
-        # kernels run in stream order, one at a time: they share the float workspace.)
+        # scheduling the next step is planned before this one has run. A step that samples no
+        # row (a long prompt's middle piece) is never waited for, so the host may plan several
+        # steps ahead of the device (the more where it waits behind the host tier's copies):
+        # a wrapper is planned again only once the copy of its last plan has run (`_ready`),
+        # or it would overwrite metadata a queued step has not read yet (the likely cause of
+        # the illegal address in bench_host_tier's cached run on an H100, records
+        # chunkserve/replicas/tools/records h100-2026-12-07). (Their kernels run in stream
+        # order, one at a time: they share the float workspace.)
         self._workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
         self._wrappers = [flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "HND") for _ in range(2)]
         self._turn = 1
+        # per wrapper: an event recorded after its last plan (its copy queued), None before one
+        self._copied: list[torch.cuda.Event | None] = [None, None]
+        self._sparse_copied: list[torch.cuda.Event | None] = [None, None]
+        self.plan_waits = 0  # plans that waited for the device to run an earlier plan's copy
         self._rows = -1  # query rows of the spans planned (-1: not planned yet)
         # block-union pieces: planned layer by layer (alpha: each layer's lists have their own
         # lengths), or once a step (a budget: every layer rewrites the page ids in place), then
@@ -112,6 +121,7 @@ class FlashInferPrefill:
         # Host index arrays pinned and the page list on the device, so that planning does not
         # wait for the steps already queued (FlashInfer copies them without blocking from there)
         self._turn ^= 1
+        self._ready(self._copied, self._turn)
         self._wrappers[self._turn].plan(
             _pinned(qo),
             _pinned(kv),
@@ -127,8 +137,23 @@ class FlashInferPrefill:
             kv_data_type=self.dtype,
             seq_lens=_pinned(lens),
         )
+        self._copied[self._turn] = self._recorded()
         self._rows = qo[-1]
         return self._rows
+
+    def _ready(self, copied: list[torch.cuda.Event | None], turn: int) -> None:
+        """Wait until the copy of wrapper `turn`'s last plan has run on the device (no wait where
+        it has, as when every step in between was collected)."""
+        event = copied[turn]
+        if event is not None and not event.query():
+            self.plan_waits += 1
+            event.synchronize()
+
+    @staticmethod
+    def _recorded() -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [rows, Hq, D], the planned spans' rows in order; caches [num_chunks, Hkv, c, D] ->
@@ -157,6 +182,7 @@ class FlashInferPrefill:
             raise ValueError(f"the page lists hold {kv[-1]} int32 pages, got {pages.numel()} {pages.dtype}")
 
         self._sparse_turn ^= 1
+        self._ready(self._sparse_copied, self._sparse_turn)
         self._sparse[self._sparse_turn].plan(
             _pinned(qo),
             _pinned(kv),
@@ -172,6 +198,7 @@ class FlashInferPrefill:
             kv_data_type=self.dtype,
             seq_lens=_pinned(lens),
         )
+        self._sparse_copied[self._sparse_turn] = self._recorded()
         self._sparse_rows = [(n, e) for n, _, _ in pieces]
         self.sparse_pages_planned = kv[-1]
 
