@@ -317,6 +317,29 @@ def test_a_digest_supersedes_own_records_up_to_its_snapshot_time():
     assert index.depth("r", new) == 8  # sent after the snapshot: still bridged by our own record
 
 
+def test_a_report_keeps_the_records_of_requests_still_in_flight():
+    # at overload a request waits in the replica's queue holding no chunk: a report taken then
+    # does not show its prefix, which the replica will hold once the request runs. The record
+    # stays while the request is in flight, and goes at the first report after it ended.
+    policy = PrefixPolicy(replicas=["a", "b", "c"])
+    ch = _chain(random.Random(13), 8)
+    first = policy.choose(ch, 8 * C + 10, 16, 0.0)[0]
+    one = policy.on_routed(first, ch, 8 * C + 10, 16, 0.0)
+    policy.update_digest(first, [], as_of=1.0, load=0.0)  # still queued there
+    assert policy.index.depth(first, ch) == 8
+    assert policy.choose(ch, 8 * C + 10, 16, 1.0)[0] == first  # (without the pin: placed anew)
+    two = policy.on_routed(first, ch, 8 * C + 10, 16, 1.0)
+    policy.on_finished(one)
+    policy.update_digest(first, [], as_of=2.0, load=0.0)
+    assert policy.index.depth(first, ch) == 8  # the second is still in flight
+    policy.on_finished(two)
+    policy.update_digest(first, ch[:2], as_of=3.0, load=0.0)  # it ran, and the tail was evicted since
+    assert policy.index.depth(first, ch) == 2
+    policy.index.unpin(first, ch[0])  # (an unpin with none left, or of a removed replica: nothing)
+    policy.remove_replica(first)
+    policy.index.unpin(first, ch[0])
+
+
 def test_removing_a_replica_drops_it_from_the_index():
     index = PrefixIndex()
     ch = _chain(random.Random(12), 8)

@@ -8,7 +8,10 @@ Two sources, merged per replica:
     to resync from a gap or a new epoch), or replaced wholesale by a digest (`replace_digest`, the
     simulator's path). Once the set is exact as of `as_of` (a snapshot, or deltas with no gap), it
     supersedes every own record of that replica last refreshed at or before `as_of`: those are
-    dropped.
+    dropped, but for the roots of requests still in flight there (`pin`): a request queued in
+    the replica's engine holds no chunk yet, so a report taken while it waits does not show the
+    prefix it will hold once it runs (at overload, seconds later); its record stays until a
+    report after the request ended.
 
 Tiers: a published hash is in the replica's GPU tier or its host tier (the events' tier coding,
 chunkserve/router/events.py); the index keeps each replica's host-tier hashes, a subset of its set
@@ -168,6 +171,8 @@ class PrefixIndex:
         # first. A lookup reads one small dict for a decision's candidates, and skips the replicas
         # without a record without touching their (cold) per-replica maps.
         self._recorded: dict[int, dict[str, tuple]] = {}
+        # replica -> root -> requests in flight there with that root (`pin`): their records stay
+        self._pinned: dict[str, dict[int, int]] = {}
         self._digest: dict[str, set[int]] = {}  # replica -> the hashes it published (as of its last report)
         # replica -> those of its published hashes in its host tier (events' ~h); no entry while none
         self._host: dict[str, set[int]] = {}
@@ -213,6 +218,24 @@ class PrefixIndex:
             recorded[replica_id] = entry
         if len(own) > self.roots_per_replica:
             self._forget(replica_id, own, lru_overflow(own, self.roots_per_replica))
+
+    def pin(self, replica_id: str, root: int) -> None:
+        """A request with chain root `root` was sent to `replica_id` and has not ended: no report
+        drops this router's record of that root there until `unpin`."""
+        pinned = self._pinned.get(replica_id)
+        if pinned is None:
+            pinned = self._pinned[replica_id] = {}
+        pinned[root] = pinned.get(root, 0) + 1
+
+    def unpin(self, replica_id: str, root: int) -> None:
+        """That request ended (a replica removed since has no pins left: nothing to do)."""
+        pinned = self._pinned.get(replica_id)
+        if pinned is None or root not in pinned:
+            return
+        if pinned[root] > 1:
+            pinned[root] -= 1
+        else:
+            del pinned[root]
 
     def replace_digest(self, replica_id: str, hashes: Iterable[int], as_of: float) -> None:
         """`replica_id` published the hashes its tree held at time `as_of` (this router's clock)."""
@@ -370,14 +393,15 @@ class PrefixIndex:
 
     def _drop_own_before(self, replica_id: str, as_of: float) -> None:
         """Drop `replica_id`'s own records last refreshed at or before `as_of`: its published set,
-        exact as of then, says what it holds of them."""
+        exact as of then, says what it holds of them (not of a pinned root's: see the module)."""
         own = self._own.get(replica_id)
         if own:
-            stale = []
+            stale, pinned = [], self._pinned.get(replica_id) or ()
             for root, entry in own.items():  # oldest first
                 if entry[0] > as_of:
                     break
-                stale.append(root)
+                if root not in pinned:
+                    stale.append(root)
             self._forget(replica_id, own, stale)
 
     def _forget(self, replica_id: str, own: dict[int, tuple], roots: Iterable[int]) -> None:
@@ -394,6 +418,7 @@ class PrefixIndex:
         own = self._own.pop(replica_id, None)
         if own:
             self._forget(replica_id, own, list(own))
+        self._pinned.pop(replica_id, None)
         for h in self._anchors_of(replica_id):
             _drop_holder(self._digest_holders, h, replica_id)
         self._digest.pop(replica_id, None)

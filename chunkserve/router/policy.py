@@ -781,6 +781,7 @@ class PrefixPolicy:
         if key is not None:
             self._prefix.routed(key, cost, now)
             self.index.record(replica_id, chain, now)
+            self.index.pin(replica_id, key)  # (until on_finished: its record outlives reports meanwhile)
         return _new_ticket(Ticket, (replica_id, key, cost, matched))
 
     def on_finished(self, ticket: Ticket) -> None:
@@ -793,3 +794,4 @@ class PrefixPolicy:
             self._total -= ticket.cost
         if ticket.key is not None:
             self._prefix.finished(ticket.key, ticket.cost)
+            self.index.unpin(ticket.replica_id, ticket.key)
