@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Issue #48's GPU runs (records h100-2026-12-06 / -07): the host tier in one engine, then through
+# the stack with the router's tier credit. Run from the repository root on the GPU machine:
+#   OUT=DIR bash chunkserve/replicas/tools/records/host_tier_gpu.sh engine
+#   OUT=DIR RATES=4 bash chunkserve/replicas/tools/records/host_tier_gpu.sh stack CREDIT [path=value ...]
+# engine: bench_host_tier cached (32 prefixes of 8192 tokens, 4x a 65536-token pool), ttft (2048
+# and 8192), bandwidth, each line appended to $OUT/host_tier.jsonl. stack: router_gpu.sh's fleet
+# (chunkserve/cluster/loadtest/records) with a 65536-token host tier per replica and
+# router.host_hit_credit CREDIT (0: a host hit counts as a miss), labelled creditCREDIT.
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-.}
+mode=${1:?engine or stack}; shift
+if [ "$mode" = engine ]; then
+  B="python -m chunkserve.replicas.tools.bench_host_tier"
+  timeout 300 $B cached --model llama3-8b --kv-cache-tokens 65536 --tenants 32 --requests 512 | tee -a "$OUT/host_tier.jsonl"
+  timeout 120 $B ttft --model llama3-8b --prefix 2048,8192 --repeat 3 | tee -a "$OUT/host_tier.jsonl"
+  timeout 150 $B bandwidth --model llama3-8b --prefix 8192 | tee -a "$OUT/host_tier.jsonl"
+else
+  CREDIT=${1:?CREDIT: router.host_hit_credit}; shift
+  LABEL=credit$CREDIT OUT=$OUT bash chunkserve/cluster/loadtest/records/router_gpu.sh prefix \
+    engine.host_cache_tokens=65536 router.host_hit_credit="$CREDIT" "$@"
+fi
