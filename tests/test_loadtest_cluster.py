@@ -200,6 +200,11 @@ def test_tenants_chat_sessions_over_a_sweep_on_two_clients(app, tmp_path):
         "10,30",
         "--goodput",
         "ttft:30,tpot:5000",
+        # the summary's pick, not this VM's speed: with 6-token replies a TTFT weighs a sixth in
+        # the mean ms per output token, 40.1 at 10 req/s against the 40 ms default on a loaded
+        # 2-core VM (a slow-suite run of 2026-12-07)
+        "--norm-latency-slo",
+        "1000",
     )
     *reports, summary = runs
     assert [r["request_rate"] for r in reports] == [10, 30]
