@@ -37,6 +37,16 @@ def _spans(rng, c, num_chunks):
     return spans
 
 
+def _match_the_reference(spans, q, out, k, v, scale, label):
+    """Each span's rows of `out` (q's rows in span order) against the plain-torch reference."""
+    start = 0
+    for table, context, new in spans:
+        want = prefill_attention_ref(q[start : start + new], k, v, table, context, scale)
+        err = (out[start : start + new].float() - want.float()).abs().max().item()
+        assert err <= TOL[out.dtype], f"{label}, span ({context}, {new}): off by {err}"
+        start += new
+
+
 # (FlashInfer compiles a module per dtype and head size on first use, about 90 s each on a
 # fresh H200: three of them here; head size 256 is not run)
 @pytest.mark.parametrize(
@@ -67,12 +77,7 @@ def test_spans_match_the_reference(dtype, hq, hkv, d, c):
         assert fi.plan(spans) == rows
         out = fi.run(q, k, v)
         assert out.shape == q.shape and out.dtype == dtype
-        start = 0
-        for table, context, new in spans:
-            want = prefill_attention_ref(q[start : start + new], k, v, table, context, scale)
-            err = (out[start : start + new].float() - want.float()).abs().max().item()
-            assert err <= TOL[dtype], f"step {step}, span ({context}, {new}): off by {err}"
-            start += new
+        _match_the_reference(spans, q, out, k, v, scale, f"step {step}")
 
 
 def test_bad_plans_and_runs_are_refused():
@@ -131,9 +136,4 @@ def test_plans_ahead_of_a_busy_device_keep_their_metadata():
     assert fi.plan_waits == 1  # the third plan reused the first's wrapper: it waited for its copy
     torch.cuda.synchronize()
     for step, (spans, q, out) in enumerate(zip(steps, qs, outs)):
-        start = 0
-        for table, context, new in spans:
-            want = prefill_attention_ref(q[start : start + new], k, v, table, context, scale)
-            err = (out[start : start + new].float() - want.float()).abs().max().item()
-            assert err <= TOL[dtype], f"step {step}, span ({context}, {new}): off by {err}"
-            start += new
+        _match_the_reference(spans, q, out, k, v, scale, f"step {step}")
