@@ -5,8 +5,9 @@ table, through Serve's proxy, with real HTTP clients.
   tenant, by `cached_tokens` or by time to first token, while one tenant's requests still share.
 - Isolation through the router and two replicas: only requests of one salt (tenant policy plus
   the request's cache_salt) are ever reported cached for one another; /metrics counts by tenant.
-- Rate limits and fairness: a tenant flooding at 10x its limit gets 429s with Retry-After, and
-  another tenant's time to first token stays within 1.5x of its figure alone.
+- Rate limits and fairness: a tenant flooding at 10x its limit gets 429s with Retry-After and no
+  more admitted than its bucket allows, and another tenant's median time to first token stays
+  within 1.5x of its figure alone (its p99, the max of 30 on a loaded CI machine, is printed).
 """
 
 from __future__ import annotations
@@ -206,8 +207,8 @@ def _tenant_series(text: str) -> dict[tuple[str, str], float]:
 
 def test_a_flood_at_ten_times_its_limit_gets_429s_and_leaves_another_tenant_alone(cluster):
     # calm sends 30 requests, one every 0.4 s, alone and then while flood (30 requests a minute,
-    # bursts of 5) sends 5 a second; flood's beyond its limit get 429 with Retry-After, none of calm's do, and
-    # calm's TTFT p99 stays within 1.5x of its figure alone
+    # bursts of 5) sends 5 a second; flood's beyond its limit get 429 with Retry-After, none of calm's
+    # do, the counts by tenant say so, and calm's median TTFT stays within 1.5x of its figure alone
     url = _deploy(cluster, "fair", 1)
     calm_prompts = [_tokens(1000 + i, 200) for i in range(60)]
 
@@ -232,18 +233,37 @@ def test_a_flood_at_ten_times_its_limit_gets_429s_and_leaves_another_tenant_alon
     async def main():
         async with httpx.AsyncClient(timeout=300) as client:
             alone = await calm(client, calm_prompts[:30])
+            began = time.monotonic()
             beside, flooded = await asyncio.gather(calm(client, calm_prompts[30:]), flood(client, 12.0))
-            return alone, beside, flooded
+            return alone, beside, flooded, time.monotonic() - began
 
-    alone, beside, flooded = asyncio.run(main())
+    metrics = {"Authorization": "Bearer key-metrics"}
+    before = _tenant_series(httpx.get(f"{url}/metrics", headers=metrics, timeout=30).text)
+    alone, beside, flooded, seconds = asyncio.run(main())
     p99 = lambda xs: sorted(xs)[int(0.99 * (len(xs) - 1))]  # noqa: E731
     print(json.dumps({"calm_alone_ms": [round(t * 1e3, 1) for t in alone],
                       "calm_beside_flood_ms": [round(t * 1e3, 1) for t in beside],
+                      "calm_p99_alone_ms": round(p99(alone) * 1e3, 1), "calm_p99_beside_ms": round(p99(beside) * 1e3, 1),
                       "flood_statuses": [s for s, _ in flooded]}))  # fmt: skip
     refused = [retry for status, retry in flooded if status == 429]
-    assert len(refused) >= len(flooded) // 2 and all(r is not None and int(r) >= 1 for r in refused)
+    admitted = len(flooded) - len(refused)
     assert {status for status, _ in flooded} <= {200, 429}
-    assert p99(beside) <= 1.5 * p99(alone), (p99(beside), p99(alone))
+    assert all(r is not None and int(r) >= 1 for r in refused)
+    # the bucket: 5 at once, then 30 a minute (one more for a refill landing as the window closes)
+    assert 5 <= admitted <= 5 + 0.5 * seconds + 1, (admitted, seconds)
+    deadline = time.monotonic() + 10
+    while True:  # the ingress's counts by tenant: flood's refusals as rate_limit_exceeded, none of calm's
+        after = _tenant_series(httpx.get(f"{url}/metrics", headers=metrics, timeout=30).text)
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        if delta.get(("chunkserve_tenant_requests_total", "calm")) == 60 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert delta.get(("chunkserve_tenant_rejected_requests_total", "flood")) == len(refused), delta
+    assert delta.get(("chunkserve_tenant_requests_total", "flood")) == admitted, delta
+    assert delta.get(("chunkserve_tenant_requests_total", "calm")) == 60, delta
+    assert ("chunkserve_tenant_rejected_requests_total", "calm") not in delta, delta
+    median = statistics.median
+    assert median(beside) <= 1.5 * median(alone), (median(beside), median(alone))
     from ray import serve
 
     serve.delete("fair")

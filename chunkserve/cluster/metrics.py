@@ -167,7 +167,8 @@ class CountResponses:
     Pure ASGI, not Starlette's BaseHTTPMiddleware: a stream's messages pass straight through, and
     a client's disconnect still reaches the endpoint as before. An exception that escapes before
     the response starts is counted with the status the app's outermost handler answers it with
-    (`status_of`, the ingress's: 499 for a client gone, else 500)."""
+    (`status_of`, the ingress's: 499 for a client gone, else 500); one cancelled before it started
+    (Serve cancels the request of a client that left) as a 499."""
 
     def __init__(self, app, status_of=lambda e: 500):
         self.app, self.status_of = app, status_of
@@ -186,6 +187,11 @@ class CountResponses:
 
         try:
             await self.app(scope, receive, counting_send)
+        except asyncio.CancelledError:
+            # Serve cancels a request whose client disconnected (here before any answer): a 499
+            if not started:
+                HTTP.response(_endpoint(scope), 499)
+            raise
         except Exception as e:
             if not started:  # Starlette's outermost middleware answers it with the catch-all handler
                 HTTP.response(_endpoint(scope), self.status_of(e))
