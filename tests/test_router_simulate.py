@@ -192,6 +192,25 @@ def test_tenants_sessions_resend_their_conversation():
         assert b.prompt_tokens == a.prompt_tokens + sim.REPLY_LEN + sim.TURN_LEN
 
 
+def test_closed_loop_sends_a_turn_once_its_previous_turn_is_done(capsys):
+    # the load test's client: a session's turn waits for its previous turn. One session of 4 turns,
+    # offered at once (50 req/s): open loop, they queue at the replica; closed, none is sent while
+    # another is in flight, so its turns span at least 3 requests' decode (128 steps of 25 ms)
+    wl = sim.build_workload("tenants", 2, 4, seed=1, tenants=1, tenant_prompt_len=512, rate=50.0, active_sessions=1)
+    assert [r.after for r in wl.requests] == [-1, 0, 1, 2] and wl.requests[-1].arrival < 0.5
+    opened = sim.simulate(wl, "prefix", 1, engine_tpot=0.025)
+    closed = sim.simulate(wl, "prefix", 1, engine_tpot=0.025, closed_loop=True)
+    assert opened["p99_queue"] > 2 and closed["p99_queue"] == 0
+    # (throughput: the requests done by the last one's sending, over the span of the sendings)
+    assert closed["throughput_rps"] <= 3 / (3 * sim.REPLY_LEN * 0.025)
+    assert closed["hit_rate"] == opened["hit_rate"]  # (the pool holds the session: the same hits)
+    sim.main(
+        ["--workload", "tenants", "--replicas", "2", "--requests", "4", "--tenants", "1", "--rate", "50"]
+        + ["--tenant-prompt-len", "512", "--engine", "--active-sessions", "1", "--closed-loop", "--seed", "1"]
+    )
+    assert json.loads(capsys.readouterr().out)["p99_queue"] == 0
+
+
 def test_window_max_mean_is_the_worst_window():
     t = [0.5, 1.0, 11.0, 11.5, 12.0, 12.5]
     r = [0, 1, 0, 0, 0, 1]

@@ -2,7 +2,8 @@
 
     python -m chunkserve.router.tools.simulate --policy prefix|approx|pow2|ray-prefix
         --workload gsp|zipf|unique|tenants --replicas N [--routers K] [--scale-up] [--requests M] [--seed S]
-        [--tenants T --tenant-prompt-len L] [--cache-tokens C] [--engine [--tpot-ms T] [--shared-gpu]] [--rate R]
+        [--tenants T --tenant-prompt-len L [--active-sessions S] [--closed-loop]] [--cache-tokens C]
+        [--engine [--tpot-ms T] [--shared-gpu]] [--rate R]
     python -m chunkserve.router.tools.simulate --llmd [--rates 3,10,...]   # llm-d's setup, per rate
     python -m chunkserve.router.tools.simulate --all [--jobs J]  # the grid + llm-d + targets, JSON lines
 
@@ -23,10 +24,12 @@ Model:
     its conversation (system prompt, earlier 64-token user turns and 128-token replies) plus a new
     turn, 4 turns a session; the session id goes with it (the router's session hint). (The load
     test sends a turn only after the previous one completed; here sessions are many enough that a
-    session's turns are far apart, not ordered.) `--tenants T --tenant-prompt-len L
-    --cache-tokens C` give a load test's run its own shape (T tenants of L tokens, C-token pools:
-    a GPU run of loadtest.stack), ray-prefix included (the prompts' tokens are kept for it).
-    `llmd` (--llmd): llm-d's precise-prefix benchmark
+    session's turns are far apart, not ordered; `--closed-loop` sends a turn at its arrival or
+    once its previous turn is done, whichever is later, as the load test's client does, and
+    `--active-sessions S` sets how many are in progress: 16 in the load test.) `--tenants T
+    --tenant-prompt-len L --cache-tokens C` give a load test's run its own shape (T tenants of L
+    tokens, C-token pools: a GPU run of loadtest.stack), ray-prefix included (the prompts' tokens
+    are kept for it). `llmd` (--llmd): llm-d's precise-prefix benchmark
     (llm-d's inference-perf shared_prefix profile: 150 groups × 5 users, a 6000-token system prompt
     and a 1200-token question per user, 1000 output tokens; a user's prompt repeats) on 16
     replicas of 307,328 KV tokens; a warm-up of one full set (750 requests at 15 req/s) then
@@ -139,6 +142,7 @@ class Request:
     output_tokens: int
     source: tuple[int, int]  # (group or -1, question index): regenerates the tokens (ray-prefix text)
     session: int | None = None
+    after: int = -1  # tenants: the session's previous turn (--closed-loop sends this one once it is done)
 
 
 @dataclass(frozen=True)
@@ -234,10 +238,13 @@ def _tenants(
     tenants: int | None = None,
     prompt_len: int = TENANT_PROMPT,
     texts: list[np.ndarray] | None = None,
+    active_sessions: int | None = None,
+    afters: list[int] | None = None,
 ) -> tuple[list[_Shape], int]:
     """The load test's Tenants shape (see the module docstring): `tenants` (default 4 a replica)
-    of `prompt_len`-token system prompts; returns the shapes and the tenants, and appends each
-    prompt's tokens to `texts` if given (ray-prefix matches them)."""
+    of `prompt_len`-token system prompts, `active_sessions` (default 4 a replica) in progress at
+    once; returns the shapes and the tenants, and appends each prompt's tokens to `texts` and
+    each request's previous turn (-1: a session's first) to `afters` if given."""
     tenants = tenants or TENANTS_PER_REPLICA * replicas
     weights = 1.0 / np.arange(1, tenants + 1) ** ZIPF_ALPHA
     weights /= weights.sum()
@@ -249,9 +256,9 @@ def _tenants(
             systems[t] = _Stream()
             systems[t].extend(rng.integers(0, VOCAB, prompt_len).tolist())
         base = systems[t]
-        return {"id": sid, "turn": 0, "stream": _Stream(base.tokens, base.chain)}
+        return {"id": sid, "turn": 0, "stream": _Stream(base.tokens, base.chain), "last": -1}
 
-    active = [new_session(i) for i in range(TENANTS_PER_REPLICA * replicas)]
+    active = [new_session(i) for i in range(active_sessions or TENANTS_PER_REPLICA * replicas)]
     sessions = len(active)
     out: list[_Shape] = []
     for _ in range(total):
@@ -263,6 +270,9 @@ def _tenants(
         if texts is not None:
             texts.append(np.array(conv.tokens, dtype=np.uint16))
         conv.extend(rng.integers(0, VOCAB, REPLY_LEN).tolist())  # the reply, resent by the next turn
+        if afters is not None:
+            afters.append(s["last"])
+        s["last"] = len(out)
         out.append((chain, tuple(conv.chain[len(chain) :]), prompt_tokens, REPLY_LEN, (-1, len(out)), s["id"]))
         s["turn"] += 1
         if s["turn"] == TURNS:
@@ -303,14 +313,16 @@ def build_workload(
     cache_tokens: int | None = None,
     keep_tokens: bool = False,
     rate: float | None = None,
+    active_sessions: int | None = None,
 ) -> Workload:
     """A workload for `replicas` replicas (the fleet at the start; 2 × after the half with `scale_up`).
     tenants, tenant_prompt_len: the `tenants` shape's (a load test's `--tenants`,
     `--tenant-prompt-len`); cache_tokens: each replica's pool (default: from `cache_factor`);
     keep_tokens: keep `tenants`' prompt tokens (ray-prefix needs them); rate: arrivals per
-    second (instead of `util`'s)."""
+    second (instead of `util`'s); active_sessions: `tenants`' sessions in progress at once."""
     rng = np.random.default_rng(seed)
     arrays: dict = {"systems": np.zeros((0, 0)), "heads": np.zeros((0, 0)), "questions": np.zeros((0, 0))}
+    afters: list[int] = []
     if name in ("gsp", "zipf", "unique"):
         groups = -(-requests // PER_GROUP) if requests else max(GROUPS, GROUPS_PER_REPLICA * replicas)
         total = requests or groups * PER_GROUP
@@ -320,7 +332,7 @@ def build_workload(
     elif name == "tenants":
         total = requests or 48 * replicas
         texts: list[np.ndarray] | None = [] if keep_tokens else None
-        shapes, groups = _tenants(replicas, total, rng, tenants, tenant_prompt_len, texts)
+        shapes, groups = _tenants(replicas, total, rng, tenants, tenant_prompt_len, texts, active_sessions, afters)
         distinct, scaled = groups * tenant_prompt_len, True
         arrays["texts"] = tuple(texts or ())
     else:
@@ -347,7 +359,7 @@ def build_workload(
         cache_tokens,
         cached / prompt,
         rate,
-        tuple(Request(t, *shape) for t, shape in zip(arrivals, shapes)),
+        tuple(Request(t, *shape, after=a) for t, shape, a in zip(arrivals, shapes, afters or [-1] * total)),
         scale_at=scale_at,
         **arrays,
     )
@@ -784,13 +796,19 @@ def simulate(
     share_delay: float = 0.01,
     engine_tpot: float | None = None,
     shared_gpu: bool = False,
+    closed_loop: bool = False,
 ) -> dict:
+    """closed_loop: a session's turn is sent at its arrival or once the session's previous turn
+    has completed, whichever is later (the load test's client); TTFT and the windows from when
+    it was sent."""
     # The simulator's own heap (every replica's cache) is large and cycle-free: with the cyclic
     # GC on, its pauses would be billed to whichever routing call happens to allocate.
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return _simulate(wl, policy, seed, digest_period, digest_delay, routers, share_delay, engine_tpot, shared_gpu)
+        return _simulate(
+            wl, policy, seed, digest_period, digest_delay, routers, share_delay, engine_tpot, shared_gpu, closed_loop
+        )
     finally:
         if gc_was_enabled:
             gc.enable()
@@ -806,6 +824,7 @@ def _simulate(
     share_delay: float,
     engine_tpot: float | None = None,
     shared_gpu: bool = False,
+    closed_loop: bool = False,
 ) -> dict:
     started = time.perf_counter()
     engine = engine_tpot is not None
@@ -842,6 +861,11 @@ def _simulate(
     )
     queue_seen = [0] * total
     finished = [0]  # requests done
+    sent = [q.arrival for q in wl.requests]  # when each is sent (closed_loop: maybe after its arrival)
+    # the requests due, by send time; closed_loop: a turn joins once its session's previous is done
+    ready = [(q.arrival, i) for i, q in enumerate(wl.requests) if not closed_loop or q.after < 0]
+    heapq.heapify(ready)
+    next_turn = {q.after: i for i, q in enumerate(wl.requests) if closed_loop and q.after >= 0}
 
     def publish(first: int, last: int, t0: float) -> None:
         for r in range(first, last):  # staggered publication
@@ -863,8 +887,8 @@ def _simulate(
         else:  # the server's work in arrival order
             finish = busy_until[s] = max(now, busy_until[s]) + cost / tps
         held[r][j] += cost - (req.prompt_tokens + DECODE_WEIGHT * req.output_tokens if engine else 0.0)
-        matched_at[i], ttft_at[i], cost_at[i], finish_at[i] = matched, prefill_free[s] - req.arrival, cost, finish
-        heapq.heappush(events, (finish_at[i], next(seq), FINISH, (r, j, ticket, cost, req)))
+        matched_at[i], ttft_at[i], cost_at[i], finish_at[i] = matched, prefill_free[s] - sent[i], cost, finish
+        heapq.heappush(events, (finish_at[i], next(seq), FINISH, (r, j, ticket, cost, req, i)))
         if mirrored is not None:  # (its SHARE pushed on arrival: the completion cannot pass the decision)
             heapq.heappush(events, (finish_at[i] + share_delay, next(seq), UNSHARE, mirrored))
 
@@ -877,8 +901,11 @@ def _simulate(
 
     def handle(t: float, kind: int, payload: Any) -> None:
         if kind == FINISH:
-            r, j, ticket, cost, req = payload
+            r, j, ticket, cost, req, i = payload
             finished[0] += 1
+            if i in next_turn:  # (closed_loop) the session's next turn is sent
+                nxt = next_turn.pop(i)
+                heapq.heappush(ready, (max(t, wl.requests[nxt].arrival), nxt))
             fleet.outstanding[r] -= 1
             held[r][j] -= cost
             rs[j].finished(ticket)
@@ -915,11 +942,15 @@ def _simulate(
         heapq.heappush(events, (scale_t, next(seq), SCALE, None))
     m0 = wl.measure_from
     decisions, walls = [], []
-    for i, req in enumerate(wl.requests):
-        now = req.arrival
-        while events and events[0][0] <= now:
+    routed = 0
+    while routed < total:
+        if not ready or events and events[0][0] <= ready[0][0]:  # (no ready: a turn waits for a FINISH)
             t, _, kind, payload = heapq.heappop(events)
             handle(t, kind, payload)
+            continue
+        now, i = heapq.heappop(ready)
+        req, sent[i] = wl.requests[i], now
+        routed += 1
         j = pick_router.randrange(k)
         router = rs[j]
         view = router.prepare(wl, req)
@@ -946,9 +977,9 @@ def _simulate(
             if kind in (FINISH, SHARE, UNSHARE):
                 handle(t, kind, payload)
     clock_us = _clock_cost()
-    begin, horizon = wl.requests[m0].arrival, wl.requests[-1].arrival
+    begin, horizon = min(sent[m0:]), max(sent[m0:])
     measured = wl.requests[m0:]
-    t_np = np.asarray([q.arrival for q in measured])
+    t_np = np.asarray(sent[m0:])
     r_np = np.asarray(replica_at[m0:], dtype=np.int64)
     w_np = np.asarray(cost_at[m0:])
     hit, prompt = sum(matched_at[m0:]), sum(q.prompt_tokens for q in measured)
@@ -1119,6 +1150,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--cache-tokens", type=int, help="each replica's pool, in tokens (instead of --cache-factor)")
     ap.add_argument("--tenants", type=int, help="tenants: how many (default 4 a replica)")
     ap.add_argument("--tenant-prompt-len", type=int, default=TENANT_PROMPT, help="tenants: each system prompt's tokens")
+    ap.add_argument("--active-sessions", type=int, help="tenants: sessions in progress at once (default 4 a replica)")
+    ap.add_argument(
+        "--closed-loop",
+        action="store_true",
+        help="tenants: a turn is sent once its session's previous turn has completed (as the load test's client)",
+    )
     ap.add_argument("--digest-period", type=float, default=1.0, help="seconds between a replica's reports")
     ap.add_argument("--digest-delay", type=float, default=0.5, help="seconds from a report's snapshot to the routers")
     ap.add_argument(
@@ -1178,6 +1215,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             cache_tokens=args.cache_tokens,
             keep_tokens=args.policy == "ray-prefix",
             rate=args.rate,
+            active_sessions=args.active_sessions,
         )
         emit(
             [
@@ -1191,6 +1229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                     share,
                     args.tpot_ms / 1e3 if args.engine else None,
                     args.shared_gpu,
+                    args.closed_loop,
                 )
             ]
         )
