@@ -437,6 +437,36 @@ def test_stack_waits_for_every_replica_of_a_fixed_size_config(monkeypatch):
     assert asked[-1] == {"RUNNING": 4} and len(asked) == 4  # not on the first replica's 200
 
 
+def test_a_server_started_where_sigint_is_ignored_still_stops_on_it(tmp_path):
+    # a background job of a non-interactive shell (nohup, CI) runs with SIGINT ignored, which
+    # exec passes on: the stack's server gets it back at its default, in a session of its own,
+    # and stops on SIGINT to its group (serve run sat out 120 s of the stack's wait without this)
+    import os
+    import signal
+
+    out = tmp_path / "out"
+    parent = (
+        "import signal, sys, time\n"
+        "from chunkserve.cluster.loadtest.stack import start_server\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "child = 'import os, signal, time; print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+        "os.getsid(0) == os.getpid(), flush=True); time.sleep(60)'\n"
+        f"p = start_server([sys.executable, '-c', child], open({str(out)!r}, 'w'))\n"
+        "print(p.pid, flush=True)\n"
+        "p.wait(60)\n"
+        "print(p.returncode, flush=True)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+    pid = int(proc.stdout.readline())
+    deadline = time.monotonic() + 30
+    while not out.read_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert out.read_text().split() == ["True", "True"]
+    os.killpg(pid, signal.SIGINT)
+    # (an uncaught KeyboardInterrupt ends Python by SIGINT itself: -2)
+    assert proc.stdout.readline().strip() == str(-signal.SIGINT) and proc.wait(30) == 0
+
+
 def test_stack_refuses_to_start_where_another_server_answers(tmp_path, capsys):
     # a previous application still shutting down answered /ready for the next one, whose load test
     # then failed on a dying server: the stack now refuses before it starts anything

@@ -19,6 +19,8 @@ import httpx
 import openai
 import pytest
 
+from chunkserve.cluster.loadtest.stack import start_server
+
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,13 +48,11 @@ def serve_run():
         except httpx.TransportError:
             pass
     ray_tmp = tempfile.mkdtemp(prefix="ray")
-    serve = subprocess.Popen(
+    serve = start_server(  # (a session of its own, SIGINT at its default: our Ctrl-C below stops it)
         [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", str(ROOT / "configs/local.yaml")],
+        subprocess.DEVNULL,
         cwd=ROOT,
-        start_new_session=True,
         env=dict(os.environ, RAY_TMPDIR=ray_tmp, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0"),  # (the quick start's)
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
     )
     try:
         start, deadline = time.monotonic(), time.monotonic() + 300

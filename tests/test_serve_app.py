@@ -21,6 +21,7 @@ import openai
 import pytest
 import yaml
 
+from chunkserve.cluster.loadtest.stack import start_server
 from chunkserve.cluster.local import LocalCluster, NodeSpec
 from chunkserve.cluster.protocol import ChatCompletionRequest
 from chunkserve.replicas.engine.guided import Guide
@@ -55,9 +56,8 @@ def server(tmp_path_factory):
         LocalCluster(num_nodes=1, node=NodeSpec(cpus=2, object_store_bytes=100 * 2**20)) as cluster,
         open(log_path, "w") as log,
     ):
-        proc = subprocess.Popen(
-            [str(SERVE), "run", "--address", cluster.address, str(path)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
-        )
+        # (SIGINT at its default: serve run stops on it even where this test's SIGINT is ignored)
+        proc = start_server([str(SERVE), "run", "--address", cluster.address, str(path)], log, cwd=REPO)
         try:
             wait_until_serving(base, STARTUP_S, proc, log_path)
             yield base, config["applications"][0]["args"]

@@ -24,7 +24,7 @@ import sys
 import httpx
 
 from chunkserve.cluster.loadtest.cli import main as loadtest
-from chunkserve.cluster.loadtest.stack import wait_ready
+from chunkserve.cluster.loadtest.stack import start_server, wait_ready
 
 
 def peer_label(url: str, command: list[str]) -> str:
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--serve is empty")
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
     try:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+        proc = start_server(command, log)
     except OSError as e:
         ap.error(f"--serve: cannot start {command[0]!r}: {e}")
     try:

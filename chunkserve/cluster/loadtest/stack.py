@@ -73,6 +73,22 @@ def deploy_failure(timeout: float = 60.0) -> str | None:
     return None
 
 
+def _a_session_that_ctrl_c_stops() -> None:
+    """Popen's preexec_fn for a server: a session of its own (killpg reaches all of it) and SIGINT
+    at its default. A process started with SIGINT ignored (a non-interactive shell's background
+    job, nohup, a CI runner) passes the ignoring on across exec, and Python then sets no
+    KeyboardInterrupt handler: `serve run` would sit out our Ctrl-C until the kill."""
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_server(command: list[str], log, **popen) -> subprocess.Popen:
+    """`command` (a server) in a session of its own that SIGINT to its group shuts down; its
+    output to `log` (None: inherited); `popen`: more of Popen's arguments (cwd, env)."""
+    stderr = subprocess.STDOUT if log else None
+    return subprocess.Popen(command, stdout=log, stderr=stderr, preexec_fn=_a_session_that_ctrl_c_stops, **popen)
+
+
 def wait_ready(
     url: str,
     timeout: float,
@@ -152,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         yaml.safe_dump(config, f)
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
     cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", f.name]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log else None, start_new_session=True)
+    proc = start_server(cmd, log)
     try:
         ready_s = wait_ready(url, args.ready_timeout, proc, replicas=fixed_replicas(config), failed=deploy_failure)
         print(f"# {args.config} {' '.join(args.set)}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
