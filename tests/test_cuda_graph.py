@@ -55,13 +55,15 @@ def test_decode_graphs_need_the_triton_backend():
 
 
 def _tenants(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
-    """Two tenants' prompts (a 150-token prefix each, and 1-40 own tokens) joining while the
-    other tenant's rows decode: mixed steps whose decode rows hold either prefix."""
+    """Two tenants' prompts (a 100-token prefix each, and 1-23 own tokens) joining while the
+    other tenant's rows decode: mixed steps whose decode rows hold either prefix. (Each prefill
+    token of a mixed step is a decode row of the interpreter's kernels on the CPU, at its causal
+    length: the prompts are short to keep the test to a minute or two there.)"""
     rng = random.Random(seed)
-    prefixes = [[rng.randrange(256) for _ in range(150)] for _ in range(2)]
+    prefixes = [[rng.randrange(256) for _ in range(100)] for _ in range(2)]
 
     def request(n: int) -> tuple[list[int], SamplingParams]:
-        own = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+        own = [rng.randrange(256) for _ in range(rng.randrange(1, 24))]
         return prefixes[n % 2] + own, SamplingParams(max_tokens=rng.randrange(4, 20), temperature=0, ignore_eos=True)
 
     return drive(engine, {0: 2, 1: 1, 3: 2, 6: 1, 8: 2, 11: 1, 15: 2}, request)
@@ -76,8 +78,8 @@ def test_mixed_steps_replay_the_decode_graphs_with_the_plain_forwards_tokens(dev
         device=device,
         dtype="float32",
         kv_cache_tokens=16384,
-        max_num_batched_tokens=64,
-        max_num_seqs=64,
+        max_num_batched_tokens=32,  # (graphs of 8, 16 and 32 rows: a mixed step's 32 tokens fit one)
+        max_num_seqs=32,
         attention_backend="triton",
     )
     plain = LLMEngine.from_model("tiny", decode_graphs=False, **opts)
