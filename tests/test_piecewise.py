@@ -20,14 +20,15 @@ DEVICES = [
 ]
 
 
-def _live_traffic(engine: LLMEngine, seed: int = 0) -> dict[str, list[int]]:
+def _live_traffic(engine: LLMEngine, seed: int = 0, prefix_len: int = 150, own_len: int = 90) -> dict[str, list[int]]:
     """Requests joining while others decode and prefill (chunked: pieces of up to the budget),
-    some leaving early: steps of many token counts, decode-only and mixed."""
+    some leaving early: steps of many token counts, decode-only and mixed. Every other prompt
+    starts with one `prefix_len`-token prefix; each has 1 to `own_len` - 1 tokens of its own."""
     rng = random.Random(seed)
-    prefix = [rng.randrange(256) for _ in range(150)]
+    prefix = [rng.randrange(256) for _ in range(prefix_len)]
 
     def request(n: int) -> tuple[list[int], SamplingParams]:
-        own = [rng.randrange(256) for _ in range(rng.randrange(1, 90))]
+        own = [rng.randrange(256) for _ in range(rng.randrange(1, own_len))]
         return (prefix if n % 2 else []) + own, SamplingParams(
             max_tokens=rng.randrange(2, 24), temperature=0, ignore_eos=True
         )
