@@ -201,6 +201,7 @@ def test_closed_loop_sends_a_turn_once_its_previous_turn_is_done(capsys):
     opened = sim.simulate(wl, "prefix", 1, engine_tpot=0.025)
     closed = sim.simulate(wl, "prefix", 1, engine_tpot=0.025, closed_loop=True)
     assert opened["p99_queue"] > 2 and closed["p99_queue"] == 0
+    assert closed["closed_loop"] and not opened["closed_loop"]
     # (throughput: the requests done by the last one's sending, over the span of the sendings)
     assert closed["throughput_rps"] <= 3 / (3 * sim.REPLY_LEN * 0.025)
     assert closed["hit_rate"] == opened["hit_rate"]  # (the pool holds the session: the same hits)

@@ -1036,6 +1036,7 @@ def _simulate(
         "cache_tokens": wl.cache_tokens,
         "engine_tpot_s": engine_tpot,
         "shared_gpu": shared_gpu,
+        "closed_loop": closed_loop,
         "digest_period_s": digest_period if reports else None,
         "digest_delay_s": digest_delay if reports else None,
         "share_delay_s": share_delay if mirrors else None,
