@@ -201,9 +201,10 @@ def test_closed_loop_sends_a_turn_once_its_previous_turn_is_done(capsys):
     opened = sim.simulate(wl, "prefix", 1, engine_tpot=0.025)
     closed = sim.simulate(wl, "prefix", 1, engine_tpot=0.025, closed_loop=True)
     assert opened["p99_queue"] > 2 and closed["p99_queue"] == 0
-    assert closed["closed_loop"] and not opened["closed_loop"]
-    # (throughput: the requests done by the last one's sending, over the span of the sendings)
-    assert closed["throughput_rps"] <= 3 / (3 * sim.REPLY_LEN * 0.025)
+    assert closed["closed_loop"] and not opened["closed_loop"] and closed["active_sessions"] == 1
+    # throughput: the requests done by the last one's sending, over the span of the sendings.
+    # Open: none is done by then; closed: three, over at least three turns' decode
+    assert opened["throughput_rps"] == 0 < closed["throughput_rps"] <= 1 / (sim.REPLY_LEN * 0.025)
     assert closed["hit_rate"] == opened["hit_rate"]  # (the pool holds the session: the same hits)
     sim.main(
         ["--workload", "tenants", "--replicas", "2", "--requests", "4", "--tenants", "1", "--rate", "50"]

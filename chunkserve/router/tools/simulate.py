@@ -161,6 +161,7 @@ class Workload:
     scale_at: int | None = None  # request index from which the fleet is 2 × replicas
     measure_from: int = 0  # requests before this are a warm-up: routed, not measured
     texts: tuple[np.ndarray, ...] = ()  # tenants, kept for ray-prefix: each request's prompt tokens
+    active_sessions: int | None = None  # tenants: sessions in progress at once
 
     def tokens(self, req: Request) -> np.ndarray:
         if self.texts:
@@ -335,6 +336,7 @@ def build_workload(
         shapes, groups = _tenants(replicas, total, rng, tenants, tenant_prompt_len, texts, active_sessions, afters)
         distinct, scaled = groups * tenant_prompt_len, True
         arrays["texts"] = tuple(texts or ())
+        arrays["active_sessions"] = active_sessions or TENANTS_PER_REPLICA * replicas
     else:
         raise ValueError(f"unknown workload {name!r}")
     prompt_len = SYSTEM_LEN + QUESTION_LEN
@@ -1037,6 +1039,7 @@ def _simulate(
         "engine_tpot_s": engine_tpot,
         "shared_gpu": shared_gpu,
         "closed_loop": closed_loop,
+        "active_sessions": wl.active_sessions,
         "digest_period_s": digest_period if reports else None,
         "digest_delay_s": digest_delay if reports else None,
         "share_delay_s": share_delay if mirrors else None,
