@@ -404,6 +404,12 @@ def test_the_reports_oracle_over_a_gsp_run_against_a_stub(tmp_path):
     assert report["completed"] == 10
     # each group's first prompt finds nothing, the 4 after it their system prompt's 2 chunks of 64
     assert report["oracle_cached_fraction"] == pytest.approx(2 * 4 * 128 / (10 * 136))
+    # a server that does not split its cached tokens by tier (as vLLM's usage): no tier figures
+    assert (report["total_cached_tokens_host"], report["cached_fraction_host"], report["ttft_by_tier"]) == (
+        None,
+        None,
+        None,
+    )
 
 
 def test_stack_waits_for_every_replica_of_a_fixed_size_config(monkeypatch):
@@ -702,12 +708,14 @@ def test_per_tenant_deltas_from_the_servers_metrics_text():
     assert tenant_counters('data: {"choices": []}\n\ndata: [DONE]\n') is None
 
 
-def _rec(i, tenant, *, ttft=None, e2el=None, out=None, prompt=None, cached=None, status=200, kind=None, wait=None):
+def _rec(
+    i, tenant, *, ttft=None, e2el=None, out=None, prompt=None, cached=None, host=None, status=200, kind=None, wait=None
+):
     from chunkserve.cluster.loadtest.client import Record
 
     return Record(
         i, 0.0, tenant, sent=0.0, ttft=ttft, e2el=e2el, output_tokens=out, prompt_tokens=prompt,
-        cached_tokens=cached, status=status, error_kind=kind, retry_after=wait,
+        cached_tokens=cached, cached_tokens_host=host, status=status, error_kind=kind, retry_after=wait,
     )  # fmt: skip
 
 
@@ -715,14 +723,14 @@ def test_the_per_tenant_report_from_recorded_requests():
     from chunkserve.cluster.loadtest.client import ClientResult
 
     records = [
-        _rec(0, "t0", ttft=0.1, e2el=1.1, out=11, prompt=100, cached=0),
-        _rec(1, "t0", ttft=0.3, e2el=2.3, out=11, prompt=100, cached=64),
-        _rec(2, "t0", ttft=0.2, e2el=0.2, out=1, prompt=100, cached=64),
+        _rec(0, "t0", ttft=0.1, e2el=1.1, out=11, prompt=100, cached=0, host=0),
+        _rec(1, "t0", ttft=0.3, e2el=2.3, out=11, prompt=100, cached=64, host=48),  # 48 of its 64 from a host tier
+        _rec(2, "t0", ttft=0.2, e2el=0.2, out=1, prompt=100, cached=64, host=0),
         _rec(3, "t1", status=429, kind="429", wait=7.0),
         _rec(4, "t1", status=429, kind="429", wait=3.0),
-        _rec(5, "t1", ttft=0.5, e2el=0.9, out=5, prompt=40, cached=32),
+        _rec(5, "t1", ttft=0.5, e2el=0.9, out=5, prompt=40, cached=32, host=0),
         _rec(6, "t1", status=None, kind="connect"),
-        _rec(7, None, ttft=0.5, e2el=0.6, out=2, prompt=10, cached=0),
+        _rec(7, None, ttft=0.5, e2el=0.6, out=2, prompt=10, cached=0, host=0),
     ]
     report = summarize([ClientResult(records, 3.0, 0.1)], server_tenants={"t0": {"requests": 3}})
     assert report["completed"] == 5 and report["failed"] == 3  # (vLLM's keys as before: 429s failed)
@@ -735,6 +743,7 @@ def test_the_per_tenant_report_from_recorded_requests():
         "prompt_tokens": 300,
         "cached_tokens": 128,
         "hit_rate": 128 / 300,
+        "cached_tokens_host": 48,
         "rate_limited": 0,
         "max_retry_after_s": None,
         "failed": 0,
@@ -743,7 +752,14 @@ def test_the_per_tenant_report_from_recorded_requests():
         "median_tpot_ms": pytest.approx(150.0),  # (1.0 / 10, 2.0 / 10; the one-token output has none)
     }
     assert t1["requests"] == 4 and t1["completed"] == 1 and t1["rate_limited"] == 2 and t1["failed"] == 1
-    assert t1["max_retry_after_s"] == 7.0 and t1["hit_rate"] == 32 / 40
+    assert t1["max_retry_after_s"] == 7.0 and t1["hit_rate"] == 32 / 40 and t1["cached_tokens_host"] == 0
+    # by tier: 48 of the 350 prompt tokens from a host tier; TTFT by where each request's hits came from
+    assert report["total_cached_tokens_host"] == 48 and report["cached_fraction_host"] == pytest.approx(48 / 350)
+    assert report["ttft_by_tier"] == {
+        "host": {"requests": 1, "median_ttft_ms": pytest.approx(300.0), "p90_ttft_ms": pytest.approx(300.0)},
+        "gpu": {"requests": 2, "median_ttft_ms": pytest.approx(350.0), "p90_ttft_ms": pytest.approx(470.0)},
+        "miss": {"requests": 2, "median_ttft_ms": pytest.approx(300.0), "p90_ttft_ms": pytest.approx(460.0)},
+    }
     assert t1["median_ttft_ms"] == pytest.approx(500.0) and t1["median_tpot_ms"] == pytest.approx(100.0)
     assert report["server_tenants"] == {"t0": {"requests": 3}} and report["server_metrics_error"] is None
     assert summarize([ClientResult(records, 3.0, 0.1)])["server_tenants"] == {}
@@ -812,7 +828,11 @@ class _TenantServer:
                     error = {"error": {"message": "rate limit reached", "code": "rate_limit_exceeded"}}
                     return self._send(429, json.dumps(error).encode(), headers=[("Retry-After", "7")])
                 chunk = json.dumps({"choices": [{"index": 0, "text": "a"}]})
-                usage = {"prompt_tokens": 20, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 16}}
+                usage = {
+                    "prompt_tokens": 20,
+                    "completion_tokens": 3,
+                    "prompt_tokens_details": {"cached_tokens": 16, "cached_tokens_host": 4},
+                }
                 events = [chunk] * 3 + [json.dumps({"choices": [], "usage": usage}), "[DONE]"]
                 owner.counts.served(tenant, 20, 16, 3)
                 predicted = 16 if len(owner.seen) % 2 else 0  # every other one predicted exactly
@@ -869,6 +889,13 @@ def test_each_tenant_sends_its_key_and_salt_and_429s_are_rejections_read_back_fr
     t0, t1 = report["tenants"]["t0"], report["tenants"]["t1"]
     assert (t0["requests"], t0["completed"], t0["rate_limited"], t0["hit_rate"]) == (n0, n0, 0, 16 / 20)
     assert (t1["requests"], t1["completed"], t1["rate_limited"], t1["max_retry_after_s"]) == (n1, 0, n1, 7.0)
+    # the host tier's share of the cached tokens, as the usage said it (ours: cached_tokens_host)
+    assert (t0["cached_tokens_host"], t1["cached_tokens_host"]) == (4 * n0, None)
+    assert report["total_cached_tokens_host"] == 4 * n0
+    assert report["cached_fraction_host"] == pytest.approx(4 / 20)
+    by_tier = report["ttft_by_tier"]
+    assert [by_tier[t]["requests"] for t in ("host", "gpu", "miss")] == [n0, 0, 0]
+    assert by_tier["host"]["median_ttft_ms"] > 0 and by_tier["gpu"]["median_ttft_ms"] is None
     # the server's side, read from its /metrics before and after the run
     assert report["server_metrics_error"] is None
     assert report["server_tenants"] == {

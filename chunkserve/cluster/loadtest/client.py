@@ -81,6 +81,7 @@ class Record:
     e2el: float | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    cached_tokens_host: int | None = None  # of cached_tokens, from the replica's host tier (ours; None: not said)
     output_tokens: int | None = None
     status: int | None = None  # HTTP status, None without a response
     error_kind: str | None = None  # None: success; else the status code or connect / timeout / stream / ...
@@ -219,7 +220,9 @@ async def send(
                 if usage:
                     rec.prompt_tokens = usage.get("prompt_tokens")
                     rec.output_tokens = usage.get("completion_tokens")
-                    rec.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = details.get("cached_tokens")
+                    rec.cached_tokens_host = details.get("cached_tokens_host")
             rec.e2el = clock() - start
             if rec.error_kind is None and not done:
                 rec.error_kind, rec.error = "disconnected", "the stream ended before [DONE]"

@@ -188,6 +188,7 @@ def summarize(
         "total_cached_tokens": cached,
         "cached_fraction": cached / total_in if total_in else 0.0,
         "oracle_cached_fraction": _oracle_fraction(records, oracle),
+        **_tiers(ok, total_in),
         "goodput_fraction": None if good is None else good / max(1, len(records)),
         "slo": None if slo is None else slo.as_dict(),
         "errors_by_kind": dict(Counter(r.error_kind for r in records if r.error_kind is not None)),
@@ -214,6 +215,34 @@ def summarize(
     return report
 
 
+def _tiers(ok: list[Record], total_in: int) -> dict:
+    """Cached prompt tokens by tier, where the server says (ours: `cached_tokens_host` in usage;
+    None where no response said): the host tier's total and fraction, and TTFT p50 / p90 of the
+    requests by where their cache hits came from: `host` (some copied back from a host tier),
+    `gpu` (cached, all in GPU memory), `miss` (nothing cached)."""
+    if all(r.cached_tokens_host is None for r in ok):
+        return {"total_cached_tokens_host": None, "cached_fraction_host": None, "ttft_by_tier": None}
+    host = sum(r.cached_tokens_host or 0 for r in ok)
+    groups: dict[str, list[float]] = {"host": [], "gpu": [], "miss": []}
+    for r in ok:
+        tier = "host" if r.cached_tokens_host else "gpu" if r.cached_tokens else "miss"
+        if r.ttft is not None:
+            groups[tier].append(r.ttft * 1e3)
+    by = {
+        tier: {
+            "requests": len(ms),
+            "median_ttft_ms": float(np.median(ms)) if ms else None,
+            "p90_ttft_ms": float(np.percentile(ms, 90)) if ms else None,
+        }
+        for tier, ms in groups.items()
+    }
+    return {
+        "total_cached_tokens_host": host,
+        "cached_fraction_host": host / total_in if total_in else 0.0,
+        "ttft_by_tier": by,
+    }
+
+
 def _oracle_fraction(
     records: list[Record], oracle: tuple[dict[int, tuple[str | None, Sequence[int]]], int] | None
 ) -> float | None:
@@ -230,7 +259,8 @@ def _oracle_fraction(
 
 def _tenants(records: list[Record]) -> dict:
     """Per tenant label: requests, completed, rate_limited (429s; the longest Retry-After),
-    prompt and cached tokens, hit rate (cached / prompt, from usage), TTFT p50 / p99 and TPOT
+    prompt and cached tokens (of those, a host tier's: None where not said), hit rate (cached /
+    prompt, from usage), TTFT p50 / p99 and TPOT
     p50 of its completed requests."""
     per: dict[str, list[Record]] = defaultdict(list)
     for r in records:
@@ -240,6 +270,7 @@ def _tenants(records: list[Record]) -> dict:
     for tenant, recs in sorted(per.items()):
         ok = [r for r in recs if r.ok]
         prompt, cached = sum(r.prompt_tokens or 0 for r in ok), sum(r.cached_tokens or 0 for r in ok)
+        host = None if all(r.cached_tokens_host is None for r in ok) else sum(r.cached_tokens_host or 0 for r in ok)
         waits = [r.retry_after for r in recs if r.rate_limited and r.retry_after is not None]
         ttfts = np.asarray([r.ttft for r in ok], dtype=float) * 1e3
         tpots = np.asarray([tpot(r) for r in ok if (r.output_tokens or 0) > 1], dtype=float) * 1e3
@@ -249,6 +280,7 @@ def _tenants(records: list[Record]) -> dict:
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "hit_rate": cached / prompt if prompt else 0.0,
+            "cached_tokens_host": host,
             "rate_limited": sum(r.rate_limited for r in recs),
             "max_retry_after_s": max(waits, default=None),
             "failed": sum(not r.ok and not r.rate_limited for r in recs),
