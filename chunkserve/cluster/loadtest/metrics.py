@@ -260,8 +260,7 @@ def _oracle_fraction(
 def _tenants(records: list[Record]) -> dict:
     """Per tenant label: requests, completed, rate_limited (429s; the longest Retry-After),
     prompt and cached tokens (of those, a host tier's: None where not said), hit rate (cached /
-    prompt, from usage), TTFT p50 / p99 and TPOT
-    p50 of its completed requests."""
+    prompt, from usage), TTFT p50 / p99 and TPOT p50 of its completed requests."""
     per: dict[str, list[Record]] = defaultdict(list)
     for r in records:
         if r.tenant is not None:
