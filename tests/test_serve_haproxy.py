@@ -23,16 +23,19 @@ pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's qui
 
 @pytest.fixture(scope="module")
 def url():
-    # the cluster's processes (Serve's controller, its replicas) take it from the environment
-    # they start in
-    os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
+    # the cluster's processes (Serve's controller, its replicas) take these from the environment
+    # they start in; a stopping ingress replica drains 1 s, not 30 (its time to leave a load
+    # balancer, which the teardown would wait out)
+    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+    os.environ.update(env)
     try:
         with serve_on_local_cluster(num_nodes=1) as base:
             serve.run(build_app(HOSTILE), name="hostile", route_prefix="/")
             wait_until_serving(base, 120)  # (HAProxy reloads once the replica's port is known)
             yield base
     finally:
-        del os.environ["RAY_SERVE_ENABLE_HA_PROXY"]
+        for k in env:
+            del os.environ[k]
 
 
 def test_serves_haproxy_front_serves_the_app_unchanged(url):
