@@ -8,7 +8,9 @@ controller and replicas as they start.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,6 +21,22 @@ from tests.serve_cluster import serve_on_local_cluster, wait_until_serving
 from tests.test_serve_hostile import HOSTILE, MODEL, stall_probe
 
 pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's quick run leaves it out
+
+
+def _listener(port: int) -> str | None:
+    """The name of the process listening on TCP `port` (Linux's /proc), None if none is."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                inodes.add(f"socket:[{f[9]}]")
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            with contextlib.suppress(OSError):  # (gone meanwhile, or not ours to read)
+                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
+                    return (proc / "comm").read_text().strip()
+    return None
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +50,7 @@ def url():
         with serve_on_local_cluster(num_nodes=1) as base:
             serve.run(build_app(HOSTILE), name="hostile", route_prefix="/")
             wait_until_serving(base, 120)  # (HAProxy reloads once the replica's port is known)
+            assert _listener(int(base.rsplit(":", 1)[1])) == "haproxy"  # Serve's HAProxy, not its proxy
             yield base
     finally:
         for k in env:
