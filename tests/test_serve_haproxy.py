@@ -8,11 +8,8 @@ controller and replicas as they start.
 
 from __future__ import annotations
 
-import contextlib
-import os
-from pathlib import Path
-
 import httpx
+import psutil
 import pytest
 from ray import serve
 
@@ -24,18 +21,10 @@ pytestmark = pytest.mark.slow  # Serve on a Ray cluster of its own: README's qui
 
 
 def _listener(port: int) -> str | None:
-    """The name of the process listening on TCP `port` (Linux's /proc), None if none is."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            f = line.split()
-            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
-                inodes.add(f"socket:[{f[9]}]")
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            with contextlib.suppress(OSError):  # (gone meanwhile, or not ours to read)
-                if any(os.readlink(fd) in inodes for fd in (proc / "fd").iterdir()):
-                    return (proc / "comm").read_text().strip()
+    """The name of the process listening on TCP `port`, None if none is."""
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid is not None:
+            return psutil.Process(c.pid).name()
     return None
 
 
@@ -44,17 +33,14 @@ def url():
     # the cluster's processes (Serve's controller, its replicas) take these from the environment
     # they start in; a stopping ingress replica drains 1 s, not 30 (its time to leave a load
     # balancer, which the teardown would wait out)
-    env = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+        mp.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "1")
         with serve_on_local_cluster(num_nodes=1) as base:
             serve.run(build_app(HOSTILE), name="hostile", route_prefix="/")
             wait_until_serving(base, 120)  # (HAProxy reloads once the replica's port is known)
             assert _listener(int(base.rsplit(":", 1)[1])) == "haproxy"  # Serve's HAProxy, not its proxy
             yield base
-    finally:
-        for k in env:
-            del os.environ[k]
 
 
 def test_serves_haproxy_front_serves_the_app_unchanged(url):

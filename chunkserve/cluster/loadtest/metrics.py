@@ -220,9 +220,9 @@ def _tiers(ok: list[Record], total_in: int) -> dict:
     None where no response said): the host tier's total and fraction, and TTFT p50 / p90 of the
     requests by where their cache hits came from: `host` (some copied back from a host tier),
     `gpu` (cached, all in GPU memory), `miss` (nothing cached)."""
-    if all(r.cached_tokens_host is None for r in ok):
+    host = _host_tokens(ok)
+    if host is None:
         return {"total_cached_tokens_host": None, "cached_fraction_host": None, "ttft_by_tier": None}
-    host = sum(r.cached_tokens_host or 0 for r in ok)
     groups: dict[str, list[float]] = {"host": [], "gpu": [], "miss": []}
     for r in ok:
         tier = "host" if r.cached_tokens_host else "gpu" if r.cached_tokens else "miss"
@@ -241,6 +241,13 @@ def _tiers(ok: list[Record], total_in: int) -> dict:
         "cached_fraction_host": host / total_in if total_in else 0.0,
         "ttft_by_tier": by,
     }
+
+
+def _host_tokens(ok: list[Record]) -> int | None:
+    """The cached prompt tokens of `ok` copied back from a host tier; None where no response said."""
+    if all(r.cached_tokens_host is None for r in ok):
+        return None
+    return sum(r.cached_tokens_host or 0 for r in ok)
 
 
 def _oracle_fraction(
@@ -269,7 +276,7 @@ def _tenants(records: list[Record]) -> dict:
     for tenant, recs in sorted(per.items()):
         ok = [r for r in recs if r.ok]
         prompt, cached = sum(r.prompt_tokens or 0 for r in ok), sum(r.cached_tokens or 0 for r in ok)
-        host = None if all(r.cached_tokens_host is None for r in ok) else sum(r.cached_tokens_host or 0 for r in ok)
+        host = _host_tokens(ok)
         waits = [r.retry_after for r in recs if r.rate_limited and r.retry_after is not None]
         ttfts = np.asarray([r.ttft for r in ok], dtype=float) * 1e3
         tpots = np.asarray([tpot(r) for r in ok if (r.output_tokens or 0) > 1], dtype=float) * 1e3
