@@ -19,11 +19,11 @@ from tests import engine_ops
 C = 4
 
 
-def _tree(gpu_chunks: int, host_chunks: int) -> PrefixTree:
+def _tree(gpu_chunks: int, host_chunks: int, write_ahead: int = 0) -> PrefixTree:
     pool = KVPool(
         KVShape(num_layers=2, num_kv_heads=2, chunk_size=C, head_dim=3, dtype=torch.float32), gpu_chunks, "cpu"
     )
-    return PrefixTree(pool, HostPool(pool, host_chunks))
+    return PrefixTree(pool, HostPool(pool, host_chunks), write_ahead=write_ahead)
 
 
 def _fill(tree: PrefixTree, seq: Sequence, now: int) -> None:
@@ -90,6 +90,110 @@ def test_an_evicted_chunk_spills_stays_matched_and_loads_back_with_its_kv():
     assert tree.num_host == 2  # b's two chunks went to the host in their place
     c = tree.host.counters
     assert (c.host_spills, c.host_loads) == (4, 2) and c.host_copy_bytes == 6 * tree.host.chunk_bytes
+
+
+def _value(k: int) -> float:  # what _fill writes into the chunk of tokens 4k..4k+3 of range(...)
+    return float(sum(range(4 * k, 4 * k + 4)))
+
+
+def test_chunks_written_ahead_are_evicted_without_a_copy_and_a_load_keeps_its_host_copy():
+    tree = _tree(gpu_chunks=6, host_chunks=12, write_ahead=3)
+    a = _seq("a", range(12))  # a chain of three chunks, finished: the next in line for eviction
+    _fill(tree, a, now=1)
+    path = list(a.nodes)
+    _finish(tree, a, now=2)
+    assert tree.write_ahead() == 0  # three chunks free: no shortage yet
+    b = _seq("b", [50 + i for i in range(12)])  # three more, in use: the pool full
+    _fill(tree, b, now=3)
+    c = tree.host.counters
+    # a's leaf, then its chain up (b's chunks are in use); once, until the line changes
+    assert tree.write_ahead() == 3 and tree.write_ahead() == 0
+    assert c.host_write_ahead == 0 and len(tree.host.pending) == 3  # (counted as flushed)
+    tree.host.flush()
+    tree.check([b])
+    for k, n in enumerate(path):
+        assert n.tier == GPU and n.backup >= 0
+        assert torch.equal(tree.host.kv[n.backup], torch.full_like(tree.host.kv[0], _value(k)))
+    assert (c.host_write_ahead, c.host_spills, c.host_copy_bytes) == (3, 0, 3 * tree.host.chunk_bytes)
+    # two chunks taken: a's last two go to the host tier as they are, with no copy
+    taken = [tree.alloc(), tree.alloc()]
+    assert not tree.host.pending and [n.tier for n in path] == [GPU, HOST, HOST]
+    assert (c.host_spills, c.host_spills_ahead, tree.num_host, tree.num_backups) == (0, 2, 2, 1)
+    for cid in taken:
+        tree.pool.free(cid)
+    tree.host.flush()  # (no copy: the step's kernels wait for the write-aheads before, none left)
+    tree.check([b])
+    # a again: its GPU node acquired (keeping its backup), the host ones loaded; each loaded node
+    # keeps the host chunk it came from as its backup
+    tree.acquire(path[:1], now=5)
+    assert tree.load(path[1:], now=5) == 2
+    tree.host.flush()
+    again = _seq("again", range(12))
+    again.nodes, again.num_computed = list(path), 12
+    tree.check([b, again])
+    assert [n.tier for n in path] == [GPU] * 3 and all(n.backup >= 0 for n in path)
+    for k, n in enumerate(path):
+        assert torch.equal(tree.pool.kv[:, :, n.chunk_id], torch.full_like(tree.pool.kv[:, :, 0], _value(k)))
+    assert (c.host_loads, tree.num_host, tree.num_backups) == (2, 0, 3)
+    # evicted again: no copy at all (its host copies are kept)
+    _finish(tree, again, now=6)
+    before = c.host_copy_bytes
+    taken = [tree.alloc() for _ in range(3)]
+    assert not tree.host.pending and [n.tier for n in path] == [HOST] * 3 and c.host_copy_bytes == before
+    assert c.host_spills_ahead == 5
+    for cid in taken:
+        tree.pool.free(cid)
+    tree.host.flush()
+    tree.check([b])
+    _finish(tree, b, now=7)
+    assert tree.evict_all() == 6 and tree.host.num_free == 12 and tree.pool.num_free == 6
+    tree.check([])
+
+
+def test_a_full_host_tier_gives_up_a_backup_of_a_chunk_in_use_before_a_cached_leaf():
+    tree = _tree(gpu_chunks=3, host_chunks=2)
+    a = _seq("a", range(4))
+    _fill(tree, a, now=1)
+    (a0,) = a.nodes
+    _finish(tree, a, now=2)
+    b = _seq("b", range(20, 28))
+    _fill(tree, b, now=3)
+    b0, b1 = b.nodes
+    _finish(tree, b, now=4)
+    c = _seq("c", range(40, 48))
+    _fill(tree, c, now=5)  # a0 and b1 spill: the host tier full
+    assert (a0.tier, b0.tier, b1.tier, tree.host.num_free) == (HOST, GPU, HOST, 0)
+    # a0 loaded for d: b0 spills for its GPU chunk into b1's host chunk (b1, the older host leaf,
+    # removed); a0 keeps its host chunk as its backup
+    tree.acquire([], now=6)
+    assert tree.load([a0], now=6) == 1
+    tree.host.flush()
+    d = _seq("d", range(4))
+    d.nodes, d.num_computed = [a0], 4
+    tree.check([c, d])
+    assert b1.parent is None and (a0.tier, b0.tier) == (GPU, HOST) and a0.backup >= 0
+    # c done: its leaf spills for the next chunk taken, into a0's backup (a0 is in use), not b0's
+    _finish(tree, c, now=7)
+    c1 = tree.match(list(range(40, 48)), 8)[1]
+    taken = tree.alloc()
+    tree.host.flush()
+    assert (c1.tier, b0.tier, a0.backup, tree.num_backups) == (HOST, HOST, -1, 0)
+    tree.pool.free(taken)
+    tree.check([d])
+
+
+def test_check_catches_a_backup_off_its_list():
+    tree = _tree(gpu_chunks=2, host_chunks=2, write_ahead=1)
+    a = _seq("a", range(8))
+    _fill(tree, a, now=1)
+    _finish(tree, a, now=2)
+    assert tree.write_ahead() == 1
+    tree.host.flush()
+    tree.check([])
+    (backed,) = [n for n in tree.nodes() if n.backup >= 0]
+    tree._backed.clear()
+    with pytest.raises(AssertionError, match="not on its list"):
+        tree.check([])
 
 
 def test_the_host_tier_evicts_its_least_recently_used_leaf_and_a_salts_root_goes_with_its_last():
@@ -188,10 +292,19 @@ def without_tier():
     return (*_run(engine, _workload(), PARAMS), engine.stats())
 
 
+@pytest.mark.parametrize("write_ahead", [None, 0], ids=["write_ahead", "no_write_ahead"])
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_tokens_are_the_same_with_the_host_tier_and_its_hits_are_not_recomputed(without_tier, async_scheduling):
+def test_tokens_are_the_same_with_the_host_tier_and_its_hits_are_not_recomputed(
+    without_tier, async_scheduling, write_ahead
+):
     want, plain_cached, p = without_tier
-    tiered = LLMEngine.from_model("tiny", **SMALL, host_cache_tokens=4096, async_scheduling=async_scheduling)
+    tiered = LLMEngine.from_model(
+        "tiny",
+        **SMALL,
+        host_cache_tokens=4096,
+        host_write_ahead_tokens=write_ahead,
+        async_scheduling=async_scheduling,
+    )
     got, cached = _run(tiered, _workload(), PARAMS)
     assert got == want  # K/V copied back is the K/V recomputed
     s = tiered.stats()
@@ -201,8 +314,16 @@ def test_tokens_are_the_same_with_the_host_tier_and_its_hits_are_not_recomputed(
     assert cached[:8] == [(0, 0)] * 8 and cached[8:] == [(96, 96)] * 8
     assert s["cached_prompt_tokens"] == s["cached_prompt_tokens_host"] == 8 * 96
     assert s["computed_prompt_tokens"] == p["computed_prompt_tokens"] - 8 * 96
-    assert s["host_loads"] == 8 * 6 and s["host_spills"] >= s["host_loads"]
-    assert s["host_copy_bytes"] == (s["host_loads"] + s["host_spills"]) * tiered.host.chunk_bytes
+    assert s["host_loads"] == 8 * 6 and s["host_spills"] + s["host_spills_ahead"] >= s["host_loads"]
+    copies = s["host_loads"] + s["host_spills"] + s["host_write_ahead"]
+    assert s["host_copy_bytes"] == copies * tiered.host.chunk_bytes
+    # an eviction copies nothing where the chunk's copy is on the host already: written ahead
+    # (half the 12-chunk pool's worth, by default), or the one it was loaded from
+    assert s["host_spills_ahead"] > 0
+    if write_ahead is None:
+        assert tiered.tree.write_ahead_chunks == 6 and s["host_write_ahead"] > 0
+    else:
+        assert tiered.tree.write_ahead_chunks == s["host_write_ahead"] == 0
     assert s["host_chunks_total"] == 256 and 0 < s["host_chunks_used"] <= 256
     assert tiered.tree.evict_all() > 0
     tiered.check()

@@ -45,6 +45,7 @@ class EngineOptions(_Strict):
     kv_cache_tokens: PositiveInt | None = None  # None: 32768 on CPU, gpu_memory_utilization of free memory on GPU
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     host_cache_tokens: NonNegativeInt = 0  # the host tier's size in tokens (pinned host memory); 0: none
+    host_write_ahead_tokens: NonNegativeInt | None = None  # copied to host ahead of eviction (EngineConfig)
     max_num_seqs: PositiveInt = 256
     max_num_batched_tokens: PositiveInt = 2048
     max_model_len: PositiveInt | None = None  # None: the model's context, capped by the KV pool

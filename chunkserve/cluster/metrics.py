@@ -23,7 +23,9 @@ is the application's p99. The names, and vLLM's for the same thing (vLLM's /metr
     chunkserve_cached_prompt_tokens_host_total  (none: of those, copied back from the host tier)
     chunkserve_host_chunks_used / _total        (none: KV chunks in the host tier, engine.host_cache_tokens)
     chunkserve_host_spills_total / _loads_total (none: chunks copied GPU -> host, host -> GPU;
-    chunkserve_host_copy_bytes_total / _ms_total  the bytes and milliseconds of those copies)
+    chunkserve_host_write_ahead_total             GPU -> host ahead of eviction; evicted with no
+    chunkserve_host_spills_ahead_total            copy; the bytes and milliseconds of the copies)
+    chunkserve_host_copy_bytes_total / _ms_total
     chunkserve_generated_tokens_total           vllm:generation_tokens_total
     chunkserve_finished_requests_total          vllm:request_success_total (no finished_reason label)
     chunkserve_time_to_first_token_seconds      vllm:time_to_first_token_seconds (from arrival at the replica)
@@ -287,7 +289,9 @@ _REPLICA_COUNTERS = {
     "prompt_tokens": "Prompt tokens of finished requests (aborted ones once admitted).",
     "cached_prompt_tokens": "Of those, prompt tokens served from the prefix cache.",
     "cached_prompt_tokens_host": "Of those, prompt tokens copied back from the host tier.",
-    "host_spills": "KV chunks copied from the GPU pool to the host tier (evicted, still cached).",
+    "host_spills": "KV chunks copied from the GPU pool to the host tier as it evicted them (still cached).",
+    "host_write_ahead": "KV chunks copied from the GPU pool to the host tier ahead of their eviction.",
+    "host_spills_ahead": "KV chunks evicted to the host tier with no copy: written ahead, or loaded from there.",
     "host_loads": "KV chunks copied from the host tier back to the GPU pool (a request matched them).",
     "host_copy_bytes": "Bytes the host tier's copies moved, both ways.",
     "host_copy_ms": "Milliseconds the host tier's copies took.",

@@ -27,6 +27,11 @@ class EngineConfig:
     # of recomputing them. 0: none (evicted chunks are dropped). Every tensor-parallel rank holds
     # its own heads' share of each chunk.
     host_cache_tokens: int = 0
+    # With a host tier: tokens of cached chunks kept copied to host ahead of their eviction while
+    # the pool runs short (PrefixTree.write_ahead), so that an eviction copies nothing and the step
+    # that evicts waits for no copy. None: two steps' worth (2 x max_num_batched_tokens), at most
+    # half the host tier or half the pool; 0: none (each spill copies as it evicts).
+    host_write_ahead_tokens: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's context, capped by the pool
@@ -104,6 +109,9 @@ class EngineConfig:
             raise ValueError(f"host_cache_tokens must be an integer, got {self.host_cache_tokens!r}")
         if self.host_cache_tokens < 0:
             raise ValueError(f"host_cache_tokens must be >= 0 (0: no host tier), got {self.host_cache_tokens}")
+        w = self.host_write_ahead_tokens
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"host_write_ahead_tokens must be None or an integer >= 0, got {w!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.chunk_size:
             raise ValueError(
                 f"kv_cache_tokens must hold at least one chunk ({self.chunk_size}), got {self.kv_cache_tokens}"

@@ -19,6 +19,8 @@ import torch
 
 from chunkserve.replicas.engine.stats import EngineStats
 
+_LOAD, _SPILL, _AHEAD = 0, 1, 2  # HostPool's copies: host -> GPU, GPU -> host, GPU -> host ahead
+
 
 class ChunkIds:
     """A pool's chunk ids: a stack of free ids, the lowest on top so allocation order is
@@ -131,15 +133,18 @@ class HostPool(ChunkIds):
     CUDA, so copies run asynchronously; a second CPU tensor on CPU engines (tests). With sparse
     prefill `key_bounds` `[Nh, L, Hkv, 2D]` travels with each chunk.
 
-    The prefix tree decides, the pool copies: `spill` and `load` queue a copy in decision order
-    (a chunk id freed by a spill may be loaded into, or a host chunk freed by a load spilled into,
-    later in the same step), and `flush`, which the engine calls once a step after scheduling and
-    before launching, issues them in that order. On CUDA they run on a side stream that first
-    waits for everything queued on the compute stream (the spilled chunks' last writes and reads;
-    with asynchronous scheduling a chunk freed at a collect may still be used by the step in
-    flight, so a load's target waits for it too) and the compute stream then waits for the copies
-    before the step's forward: no kernel reads a loaded chunk, or writes a spilled one's reused
-    id, before its copy is done. On the CPU they run at once, in order.
+    The prefix tree decides, the pool copies: `spill`, `load` and `write_ahead` queue a copy in
+    decision order (a chunk id freed by a spill may be loaded into, or a host chunk freed by a load
+    spilled into, later in the same step), and `flush`, which the engine calls once a step after
+    scheduling and before launching, issues them in that order. On CUDA they run on a side stream
+    that first waits for everything queued on the compute stream (the spilled chunks' last writes
+    and reads; with asynchronous scheduling a chunk freed at a collect may still be used by the
+    step in flight, so a load's target waits for it too) and the compute stream then waits for the
+    spills and loads before the step's forward: no kernel reads a loaded chunk, or writes a spilled
+    one's reused id, before its copy is done. A write-ahead copy (a cached chunk copied to host
+    before its eviction, `PrefixTree.write_ahead`) is not waited for: it runs beside the step's
+    forward, and the step that evicts its chunk (`spilled_ahead`, no copy then) waits for it
+    instead. On the CPU they run at once, in order.
     """
 
     _name = "host"
@@ -159,53 +164,84 @@ class HostPool(ChunkIds):
         )
         self.chunk_bytes = self.kv[0].nbytes + (0 if self.key_bounds is None else self.key_bounds[0].nbytes)
         super().__init__(num_chunks)
-        # (to_host, GPU chunk id, host chunk id), in the order the tree decided them
-        self.pending: list[tuple[bool, int, int]] = []
+        # (kind, GPU chunk id, host chunk id), in the order the tree decided them
+        self.pending: list[tuple[int, int, int]] = []
         self.stream = torch.cuda.Stream(gpu.kv.device) if pinned else None
         # CUDA: (start, end) events of flushes whose copy time is not read yet (settle)
         self._timed: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
+        # a chunk written ahead was evicted since the last flush (its id may be written again):
+        # the next step's kernels wait for the copies issued before (prior), or for all of that
+        # flush's too where its copy was still queued (all)
+        self._wait_prior = self._wait_all = False
+        self._ahead: set[int] = set()  # GPU chunk ids of the write-aheads queued
 
     # -- copies ---------------------------------------------------------------------------------
     def spill(self, chunk_id: int, host_id: int) -> None:
         """Queue GPU chunk `chunk_id` -> host chunk `host_id` (the caller may free chunk_id now)."""
-        self.pending.append((True, chunk_id, host_id))
+        self.pending.append((_SPILL, chunk_id, host_id))
 
     def load(self, host_id: int, chunk_id: int) -> None:
         """Queue host chunk `host_id` -> GPU chunk `chunk_id` (the caller may free host_id now)."""
-        self.pending.append((False, chunk_id, host_id))
+        self.pending.append((_LOAD, chunk_id, host_id))
+
+    def write_ahead(self, chunk_id: int, host_id: int) -> None:
+        """Queue a copy of cached GPU chunk `chunk_id` -> host chunk `host_id` ahead of its
+        eviction (the chunk stays in use; no kernel waits for this copy)."""
+        self.pending.append((_AHEAD, chunk_id, host_id))
+        self._ahead.add(chunk_id)
+
+    def spilled_ahead(self, chunk_id: int) -> None:
+        """GPU chunk `chunk_id`, written ahead, was evicted (its id freed, no copy now): the next
+        flush makes the step's kernels wait for that copy."""
+        self.counters.host_spills_ahead += 1
+        self._wait_prior = True
+        self._wait_all |= chunk_id in self._ahead
 
     def flush(self) -> None:
         """Issue the queued copies in order (see the class); counts them."""
-        if not self.pending:
+        if not self.pending and not self._wait_prior:
             return
         ops, self.pending = self.pending, []
+        self._ahead.clear()
+        wait_prior, wait_all = self._wait_prior, self._wait_all
+        self._wait_prior = self._wait_all = False
         c = self.counters
-        spills = sum(to_host for to_host, _, _ in ops)
-        c.host_spills += spills
-        c.host_loads += len(ops) - spills
+        kinds = [kind for kind, _, _ in ops]
+        c.host_write_ahead += kinds.count(_AHEAD)
+        c.host_spills += kinds.count(_SPILL)
+        c.host_loads += kinds.count(_LOAD)
         c.host_copy_bytes += len(ops) * self.chunk_bytes
         if self.stream is None:
             t = time.perf_counter()
             self._copy(ops, non_blocking=False)
             c.host_copy_s += time.perf_counter() - t
             return
+        # the step's kernels wait for the spills and loads: for the copies up to the last of them
+        # (issued in order); the write-aheads after it run beside the step
+        waited = max((i + 1 for i, kind in enumerate(kinds) if kind != _AHEAD), default=0)
         compute = torch.cuda.current_stream(self.gpu.kv.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
+            prior = self.stream.record_event() if wait_prior else None  # (never waits for compute)
             self.stream.wait_stream(compute)  # the spilled chunks' writes (and reads) done first
             start.record(self.stream)
-            self._copy(ops, non_blocking=True)
+            self._copy(ops[:waited], non_blocking=True)
+            mid = self.stream.record_event() if waited else None
+            self._copy(ops[waited:], non_blocking=True)
             end.record(self.stream)
-        compute.wait_event(end)  # the step's kernels (reusing ids, reading loads) after the copies
+        # the step's kernels (reusing ids, reading loads) after the copies they need
+        for event in (end,) if wait_all else (prior, mid):
+            if event is not None:
+                compute.wait_event(event)
         self._timed.append((start, end))
         self.settle()
 
-    def _copy(self, ops: list[tuple[bool, int, int]], non_blocking: bool) -> None:
+    def _copy(self, ops: list[tuple[int, int, int]], non_blocking: bool) -> None:
         # one chunk of every layer: [L, 2, Hkv, c, D] strided in the GPU pool, one block here
         # (torch makes the strided side contiguous on the device, on this stream, then one transfer)
         kv, bounds = self.gpu.kv, self.gpu.key_bounds
-        for to_host, cid, hid in ops:
-            if to_host:
+        for kind, cid, hid in ops:
+            if kind != _LOAD:
                 self.kv[hid].copy_(kv[:, :, cid], non_blocking=non_blocking)
                 if bounds is not None:
                     self.key_bounds[hid].copy_(bounds[:, cid], non_blocking=non_blocking)

@@ -103,9 +103,13 @@ class LLMEngine:
         self.config = config = dataclasses.replace(config, max_model_len=self.max_model_len)
         # every count the engine and its parts keep (stats(), the benchmarks), one object they share
         self.counters = EngineStats()
-        host_chunks = -(-config.host_cache_tokens // config.chunk_size)
+        c = config.chunk_size
+        host_chunks = -(-config.host_cache_tokens // c)
         self.host = HostPool(self.pool, host_chunks, self.counters) if host_chunks else None
-        self.tree = PrefixTree(self.pool, self.host)
+        ahead = config.host_write_ahead_tokens  # (None: two steps' worth, at most half of either pool)
+        steps2 = -(-2 * config.max_num_batched_tokens // c)
+        ahead = min(steps2, host_chunks // 2, self.pool.num_chunks // 2) if ahead is None else -(-ahead // c)
+        self.tree = PrefixTree(self.pool, self.host, write_ahead=ahead)
         self.scheduler = Scheduler(self.tree, config, self.counters)
         self.attention = Attention(self.pool, config, mc.num_heads // config.tp_size, self.counters)
         self.runner = ModelRunner(self.model, self.attention, config, mc, self.counters)
@@ -243,6 +247,7 @@ class LLMEngine:
         live: their grammar matchers need its tokens."""
         batch = self.scheduler.schedule()
         if self.host is not None:  # the host tier's copies this schedule decided, before any kernel
+            self.tree.write_ahead()
             self.host.flush()
         outputs, launched = [], None
         if batch:
@@ -387,8 +392,10 @@ class LLMEngine:
             "max_kv_chunks_used": c.max_kv_chunks_used,
             # the host tier (zeros without one): its chunks, and the copies each way
             "host_chunks_total": 0 if self.host is None else self.host.num_chunks,
-            "host_chunks_used": self.tree.num_host,
+            "host_chunks_used": self.tree.num_host + self.tree.num_backups,
             "host_spills": c.host_spills,
+            "host_write_ahead": c.host_write_ahead,
+            "host_spills_ahead": c.host_spills_ahead,
             "host_loads": c.host_loads,
             "host_copy_bytes": c.host_copy_bytes,
             "host_copy_ms": int(c.host_copy_s * 1000),

@@ -13,6 +13,15 @@ The host pool evicts its own least recently used leaf, which is the real removal
 On every path the GPU nodes come first, the host nodes after: a host node has no live sequence
 and only host children.
 
+A spill's copy holds up the step that evicts: its kernels may write the freed id. So while the
+GPU pool runs short (fewer free chunks than `write_ahead`), the tree copies the cached GPU nodes
+next in line for eviction to host chunks ahead of time (`write_ahead()`, once a step; the copies
+run beside the step's forward): such a node keeps its GPU chunk and holds a host one too
+(`Node.backup`), and its eviction is then a change of tier with no copy. A node loaded back
+keeps the host chunk it came from as its backup. A backup is a copy, the first thing a full host
+tier gives up: those of nodes in use (ref > 0, not evicted soon) before any host leaf, those of
+ref-0 nodes only for a spill that finds nothing else.
+
 Each cache salt (`Sequence.tenancy.cache_salt`: a tenant's namespace, or a request's
 `cache_salt`) roots a tree of its own, so sequences of different salts never share a node, never
 match each other's chunks and never count them as cached; the unsalted root (`root`) is today's
@@ -37,7 +46,19 @@ GPU, HOST = 0, 1  # Node.tier: where its chunk id points (the GPU pool, the host
 
 
 class Node:
-    __slots__ = ("id", "tokens", "chunk_id", "parent", "children", "ref", "last_use", "hash", "tier", "gpu_children")
+    __slots__ = (
+        "id",
+        "tokens",
+        "chunk_id",
+        "parent",
+        "children",
+        "ref",
+        "last_use",
+        "hash",
+        "tier",
+        "gpu_children",
+        "backup",
+    )
 
     def __init__(self, id: int, tokens: tuple[int, ...], chunk_id: int, parent: Node | None):
         self.id = id  # creation order: sorting paths of ids gives a DFS order
@@ -52,6 +73,7 @@ class Node:
         self.hash: int | None = None
         self.tier = GPU  # GPU or HOST: which pool chunk_id is of (a digest may carry it)
         self.gpu_children = 0  # children in the GPU tier (a ref-0 GPU node without any may spill)
+        self.backup = -1  # a GPU node's host chunk holding a copy of its K/V (-1: none)
 
     def __repr__(self):
         tier = "host" if self.tier == HOST else "gpu"
@@ -59,9 +81,17 @@ class Node:
 
 
 class PrefixTree:
-    def __init__(self, pool: KVPool, host: HostPool | None = None):
-        """host: the host tier, where the GPU pool's evicted chunks go; None: evicted chunks go."""
+    def __init__(self, pool: KVPool, host: HostPool | None = None, write_ahead: int = 0):
+        """host: the host tier, where the GPU pool's evicted chunks go; None: evicted chunks go.
+        write_ahead: with a host tier, the chunks to keep copied ahead of eviction while fewer
+        than that are free (0: none; a spill then copies as it evicts)."""
         self.pool, self.host = pool, host
+        self.write_ahead_chunks = write_ahead if host is not None else 0
+        # GPU nodes with a backup, by node id in the order they got it (or were released): ref 0
+        # (backed) and in use (held)
+        self._backed: dict[int, Node] = {}
+        self._held: dict[int, Node] = {}
+        self._ahead_stale = True  # the eviction order's head may have changed since write_ahead
         self.c = pool.chunk_size
         self.root = Node(0, (), -1, None)  # the unsalted tree's (chunk id -1: a root holds no chunk)
         self.roots: dict[str | None, Node] = {None: self.root}  # per cache salt
@@ -113,6 +143,9 @@ class PrefixTree:
             assert n.tier == GPU, f"{n} is in the host tier: load it"
             if n.ref == 0:
                 self.num_cached -= 1
+                self._ahead_stale = True
+                if n.backup >= 0:
+                    self._held[n.id] = self._backed.pop(n.id)
             n.ref += 1
             n.last_use = now
         if self.events is not None:  # reused: a deep node is routable from now on
@@ -124,6 +157,8 @@ class PrefixTree:
             n.last_use = now
             if n.ref == 0:
                 self.num_cached += 1
+                if n.backup >= 0:
+                    self._backed[n.id] = self._held.pop(n.id)
                 if not n.gpu_children:
                     self._push_evictable(n)
 
@@ -149,8 +184,8 @@ class PrefixTree:
             if cid is None:
                 break
             self.host.load(n.chunk_id, cid)
-            self.host.free(n.chunk_id)
             self.num_host -= 1
+            n.backup, self._held[n.id] = n.chunk_id, n  # (its host chunk kept: a copy, its backup)
             n.tier, n.chunk_id, n.ref, n.last_use = GPU, cid, 1, now
             n.parent.gpu_children += 1
             loaded += 1
@@ -199,6 +234,7 @@ class PrefixTree:
 
     # -- eviction ---------------------------------------------------------------------------
     def _push_evictable(self, node: Node) -> None:
+        self._ahead_stale = True
         heapq.heappush(self._evictable, (node.last_use, node.id, node))
         if len(self._evictable) > 4 * self.num_cached + 64:  # drop stale entries now and then
             self._evictable = [e for e in self._evictable if self._is_evictable(*e)]
@@ -252,10 +288,16 @@ class PrefixTree:
         """A ref-0 GPU node with no GPU child into the host tier: its chunk copied (queued), its
         GPU chunk freed; the node stays, matched as before."""
         assert self.host is not None
-        if self.host.num_free == 0:
-            assert self._evict_host_one(), "a full host tier has a leaf"
-        hid = self.host.alloc()
-        self.host.spill(node.chunk_id, hid)
+        self._ahead_stale = True
+        if node.backup >= 0:  # its copy was written ahead: no copy now
+            hid = node.backup
+            del self._backed[node.id]
+            node.backup = -1
+            self.host.spilled_ahead(node.chunk_id)
+        else:
+            hid = self._host_chunk(for_spill=True)
+            assert hid is not None, "a full host tier has a leaf or a backup"
+            self.host.spill(node.chunk_id, hid)
         self.pool.free(node.chunk_id)
         node.tier, node.chunk_id = HOST, hid
         self.num_cached -= 1
@@ -269,6 +311,68 @@ class PrefixTree:
         if parent.chunk_id >= 0 and parent.ref == 0 and not parent.gpu_children:
             self._push_evictable(parent)
 
+    def _host_chunk(self, for_spill: bool) -> int | None:
+        """A free host chunk id, made if need be by giving up (in this order) the oldest backup of
+        a node in use, the host tier's least recently used leaf, or (`for_spill`) the oldest
+        backup of a ref-0 node; None if none of these is left."""
+        host = self.host
+        if host.num_free == 0:
+            if self._held:
+                self._drop_backup(next(iter(self._held.values())))
+            elif not self._evict_host_one():
+                if not (for_spill and self._backed):
+                    return None
+                self._drop_backup(next(iter(self._backed.values())))
+        return host.alloc()
+
+    def _drop_backup(self, node: Node) -> None:
+        self.host.free(node.backup)
+        node.backup = -1
+        del (self._held if node.ref else self._backed)[node.id]
+
+    @property
+    def num_backups(self) -> int:
+        return len(self._backed) + len(self._held)
+
+    def write_ahead(self) -> int:
+        """While the GPU pool has fewer than `write_ahead_chunks` free, copy the next
+        `write_ahead_chunks` GPU nodes in line for eviction that have no backup to host chunks,
+        ahead of it; the engine calls it once a step, after scheduling and before the copies are
+        flushed (a no-op unless the line changed). The line: the evictable leaves, least recently
+        used first, each followed by the ancestors its eviction would make evictable (a finished
+        prompt's chunks share its last use, so its whole chain goes before the next). A backup's
+        host chunk may cost a host leaf, as the spill it stands for would, never another ref-0
+        node's backup. Returns the copies queued."""
+        want = self.write_ahead_chunks
+        if not (want and self._ahead_stale) or self.pool.num_free >= want:
+            return 0
+        self._ahead_stale = False
+        made = counted = 0
+        seen, heap = [], self._evictable
+        while heap and counted < want:
+            entry = heapq.heappop(heap)
+            if not self._is_evictable(*entry):
+                continue
+            seen.append(entry)
+            node = entry[2]
+            while True:  # the leaf, then its chain up while it would be the parent's last GPU child
+                if node.backup < 0:
+                    hid = self._host_chunk(for_spill=False)
+                    if hid is None:
+                        counted = want
+                        break
+                    self.host.write_ahead(node.chunk_id, hid)
+                    node.backup, self._backed[node.id] = hid, node
+                    made += 1
+                counted += 1
+                up = node.parent
+                if counted >= want or up.chunk_id < 0 or up.tier != GPU or up.ref or up.gpu_children != 1:
+                    break
+                node = up
+        for entry in seen:
+            heapq.heappush(heap, entry)
+        return made
+
     def _remove(self, node: Node) -> None:
         """Take a childless ref-0 node out of the tree and free its chunk (in its tier): the one
         place a chunk leaves the tree."""
@@ -281,6 +385,8 @@ class PrefixTree:
             self.host.free(node.chunk_id)
             self.num_host -= 1
         else:
+            if node.backup >= 0:
+                self._drop_backup(node)
             self.pool.free(node.chunk_id)
             self.num_cached -= 1
             parent.gpu_children -= 1
@@ -391,7 +497,7 @@ class PrefixTree:
         for salt, root in self.roots.items():
             assert root.chunk_id < 0 and self._salt_of.get(root.id, 0) == salt, f"root of salt {salt!r} misfiled"
             assert root is self.root or root.children, f"salt {salt!r}: an empty root kept"
-        cached = on_host = 0
+        cached = on_host = backups = 0
         for n in list(self.roots.values()) + self.nodes():
             on_gpu = sum(ch.tier == GPU for ch in n.children.values())
             assert n.gpu_children == on_gpu, f"node {n.id}: gpu_children {n.gpu_children} but {on_gpu}"
@@ -403,9 +509,16 @@ class PrefixTree:
             if n.tier == HOST:
                 assert n.ref == 0 and not on_gpu, f"node {n.id}: in the host tier with a sequence or a GPU child"
                 on_host += 1
+            if n.backup >= 0:
+                listed = self._held if n.ref else self._backed
+                assert n.tier == GPU, f"node {n.id}: a backup but in the host tier"
+                assert listed.get(n.id) is n, f"node {n.id}: a backup not on its list"
+                own(n.backup, f"backup of node {n.id}", HOST)
+                backups += 1
             cached += n.tier == GPU and n.ref == 0
         assert cached == self.num_cached, f"num_cached {self.num_cached} but {cached} ref-0 GPU nodes"
         assert on_host == self.num_host, f"num_host {self.num_host} but {on_host} host nodes"
+        assert backups == self.num_backups, f"{self.num_backups} backups listed but {backups} kept"
         assert len(owner) + self.pool.num_free == self.pool.num_chunks, "chunks leaked: neither free nor owned"
         if host is not None:
             assert len(host_owner) + host.num_free == host.num_chunks, "host chunks leaked: neither free nor owned"

@@ -33,7 +33,9 @@ class EngineStats:
     prefix_waits: int = 0  # admissions put off a step: the next prompt chunk was being computed
     # the host tier (HostPool): chunks copied each way, their bytes and the copies' time (CUDA:
     # the side stream's, read once finished; CPU: the copies themselves)
-    host_spills: int = 0  # chunks copied GPU -> host (evicted from the GPU pool, kept in the tree)
+    host_spills: int = 0  # chunks copied GPU -> host as the GPU pool evicted them (kept in the tree)
+    host_write_ahead: int = 0  # chunks copied GPU -> host ahead of their eviction, beside a step
+    host_spills_ahead: int = 0  # chunks evicted to the host tier whose copy was written ahead
     host_loads: int = 0  # chunks copied host -> GPU (a request matched them)
     host_copy_bytes: int = 0  # bytes those copies moved, both ways
     host_copy_s: float = 0.0  # seconds they took
