@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from chunkserve.replicas.engine.kv_pool import HostPool, KVPool, KVShape
 from chunkserve.replicas.engine.llm_engine import EngineConfig, LLMEngine, SamplingParams
 from chunkserve.replicas.engine.prefix_tree import GPU, HOST, PrefixTree
-from chunkserve.replicas.engine.sequence import Sequence, Tenancy
+from chunkserve.replicas.engine.scheduler import Scheduler
+from chunkserve.replicas.engine.sequence import Sequence, Status, Tenancy
 from tests import engine_ops
 
 C = 4
@@ -182,6 +183,38 @@ def test_a_full_host_tier_gives_up_a_backup_of_a_chunk_in_use_before_a_cached_le
     tree.check([d])
 
 
+def test_a_request_holding_chunks_loaded_in_a_step_runs_from_the_next():
+    # the loads run beside the step that decided them (not waited for): a sequence holding a
+    # chunk loaded in this step's schedule, by itself or by another, runs from the next step;
+    # one that holds none runs at once
+    tree = _tree(gpu_chunks=16, host_chunks=8)
+    config = EngineConfig("tiny", max_num_batched_tokens=64, max_num_seqs=8)
+    sched = Scheduler(tree, config)
+    prefix = list(range(12))
+    a = _seq("a", prefix + [99])
+    sched.add(a)
+    batch = sched.schedule()
+    assert [(q.request_id, n) for q, n in batch.prefills] == [("a", 13)]
+    sched.advance(batch)  # a's three prefix chunks in the tree
+    sched.finish(a, "stop")
+    assert tree.spill_all() == 3
+    tree.host.flush()
+    b, c, d = _seq("b", prefix + [50]), _seq("c", prefix + [60, 61]), _seq("d", [70 + t for t in range(5)])
+    for q in (b, c, d):
+        sched.add(q)
+    first = sched.schedule()
+    tree.host.flush()
+    assert [(q.request_id, n) for q, n in first.items] == [("d", 5)]
+    assert {q.status for q in (b, c, d)} == {Status.RUNNING} and tree.loading == {n.id for n in b.nodes}
+    assert (b.num_cached_prompt, b.num_cached_prompt_host) == (12, 12) and c.nodes == b.nodes
+    assert (c.num_cached_prompt, c.num_cached_prompt_host) == (12, 0)  # (b's loads, on the GPU for c)
+    tree.check([b, c, d])
+    sched.advance(first)
+    d.output_ids.append(1)  # (its first token, sampled)
+    second = sched.schedule()
+    assert tree.loading == set() and {q.request_id: n for q, n in second.items} == {"b": 1, "c": 2, "d": 1}
+
+
 def test_check_catches_a_backup_off_its_list():
     tree = _tree(gpu_chunks=2, host_chunks=2, write_ahead=1)
     a = _seq("a", range(8))
@@ -328,6 +361,20 @@ def test_tokens_are_the_same_with_the_host_tier_and_its_hits_are_not_recomputed(
     assert tiered.tree.evict_all() > 0
     tiered.check()
     assert tiered.pool.num_free == tiered.pool.num_chunks and tiered.host.num_free == tiered.host.num_chunks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("write_ahead", [None, 0], ids=["write_ahead", "no_write_ahead"])
+def test_on_cuda_the_tiers_copies_beside_the_steps_give_the_same_tokens(write_ahead):
+    # the copies on their side stream: spills waited for, loads and write-aheads beside the step
+    # (a loaded chunk read from the next step on); with asynchronous scheduling, as a GPU runs
+    cuda = dict(SMALL, device="cuda", dtype="float32", attention_backend="torch", async_scheduling=True)
+    want, _ = _run(LLMEngine.from_model("tiny", **cuda), _workload(), PARAMS)
+    tiered = LLMEngine.from_model("tiny", **cuda, host_cache_tokens=4096, host_write_ahead_tokens=write_ahead)
+    got, cached = _run(tiered, _workload(), PARAMS)
+    assert got == want and cached[8:] == [(96, 96)] * 8
+    s = tiered.stats()
+    assert s["host_loads"] == 8 * 6 and (s["host_write_ahead"] > 0) is (write_ahead is None)
 
 
 def test_a_preempted_requests_chunks_spill_and_come_back():

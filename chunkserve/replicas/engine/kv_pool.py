@@ -140,11 +140,13 @@ class HostPool(ChunkIds):
     that first waits for everything queued on the compute stream (the spilled chunks' last writes
     and reads; with asynchronous scheduling a chunk freed at a collect may still be used by the
     step in flight, so a load's target waits for it too) and the compute stream then waits for the
-    spills and loads before the step's forward: no kernel reads a loaded chunk, or writes a spilled
-    one's reused id, before its copy is done. A write-ahead copy (a cached chunk copied to host
-    before its eviction, `PrefixTree.write_ahead`) is not waited for: it runs beside the step's
-    forward, and the step that evicts its chunk (`spilled_ahead`, no copy then) waits for it
-    instead. On the CPU they run at once, in order.
+    spills before the step's forward: no kernel writes a spilled chunk's reused id before its copy
+    is done. Loads and write-aheads (a cached chunk copied to host before its eviction,
+    `PrefixTree.write_ahead`) after the last spill are not waited for: they run beside the step's
+    forward, which reads no chunk loaded in its own schedule (the scheduler runs a sequence that
+    holds one from the next step on), and the next flush makes its step wait for them. A chunk
+    freed while an unwaited copy of it is queued (`spilled_ahead`) makes its step wait for all.
+    On the CPU they run at once, in order.
     """
 
     _name = "host"
@@ -169,11 +171,11 @@ class HostPool(ChunkIds):
         self.stream = torch.cuda.Stream(gpu.kv.device) if pinned else None
         # CUDA: (start, end) events of flushes whose copy time is not read yet (settle)
         self._timed: collections.deque[tuple[torch.cuda.Event, torch.cuda.Event]] = collections.deque()
-        # a chunk written ahead was evicted since the last flush (its id may be written again):
-        # the next step's kernels wait for the copies issued before (prior), or for all of that
-        # flush's too where its copy was still queued (all)
+        # the next step's kernels wait for the copies issued before (prior: loads were, or a chunk
+        # written ahead was evicted and its id may be written again), or for all of that flush's
+        # too (all: a chunk freed while an unwaited copy of it was still queued)
         self._wait_prior = self._wait_all = False
-        self._ahead: set[int] = set()  # GPU chunk ids of the write-aheads queued
+        self._unwaited: set[int] = set()  # GPU chunk ids of the loads and write-aheads queued
 
     # -- copies ---------------------------------------------------------------------------------
     def spill(self, chunk_id: int, host_id: int) -> None:
@@ -183,42 +185,44 @@ class HostPool(ChunkIds):
     def load(self, host_id: int, chunk_id: int) -> None:
         """Queue host chunk `host_id` -> GPU chunk `chunk_id` (the caller may free host_id now)."""
         self.pending.append((_LOAD, chunk_id, host_id))
+        self._unwaited.add(chunk_id)
 
     def write_ahead(self, chunk_id: int, host_id: int) -> None:
         """Queue a copy of cached GPU chunk `chunk_id` -> host chunk `host_id` ahead of its
         eviction (the chunk stays in use; no kernel waits for this copy)."""
         self.pending.append((_AHEAD, chunk_id, host_id))
-        self._ahead.add(chunk_id)
+        self._unwaited.add(chunk_id)
 
     def spilled_ahead(self, chunk_id: int) -> None:
         """GPU chunk `chunk_id`, written ahead, was evicted (its id freed, no copy now): the next
         flush makes the step's kernels wait for that copy."""
         self.counters.host_spills_ahead += 1
         self._wait_prior = True
-        self._wait_all |= chunk_id in self._ahead
+        self._wait_all |= chunk_id in self._unwaited
 
     def flush(self) -> None:
         """Issue the queued copies in order (see the class); counts them."""
         if not self.pending and not self._wait_prior:
             return
         ops, self.pending = self.pending, []
-        self._ahead.clear()
+        self._unwaited.clear()
         wait_prior, wait_all = self._wait_prior, self._wait_all
-        self._wait_prior = self._wait_all = False
         c = self.counters
         kinds = [kind for kind, _, _ in ops]
+        loads = kinds.count(_LOAD)
+        self._wait_prior, self._wait_all = loads > 0, False  # (the next step reads the loaded chunks)
         c.host_write_ahead += kinds.count(_AHEAD)
         c.host_spills += kinds.count(_SPILL)
-        c.host_loads += kinds.count(_LOAD)
+        c.host_loads += loads
         c.host_copy_bytes += len(ops) * self.chunk_bytes
         if self.stream is None:
             t = time.perf_counter()
             self._copy(ops, non_blocking=False)
             c.host_copy_s += time.perf_counter() - t
             return
-        # the step's kernels wait for the spills and loads: for the copies up to the last of them
-        # (issued in order); the write-aheads after it run beside the step
-        waited = max((i + 1 for i, kind in enumerate(kinds) if kind != _AHEAD), default=0)
+        # the step's kernels wait for the spills: for the copies up to the last of them (issued in
+        # order); the loads and write-aheads after it run beside the step
+        waited = max((i + 1 for i, kind in enumerate(kinds) if kind == _SPILL), default=0)
         compute = torch.cuda.current_stream(self.gpu.kv.device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):

@@ -92,6 +92,9 @@ class PrefixTree:
         self._backed: dict[int, Node] = {}
         self._held: dict[int, Node] = {}
         self._ahead_stale = True  # the eviction order's head may have changed since write_ahead
+        # ids of the nodes loaded since the scheduler's step began: their copies run beside that
+        # step, so no sequence holding one runs in it (Scheduler.schedule clears it)
+        self.loading: set[int] = set()
         self.c = pool.chunk_size
         self.root = Node(0, (), -1, None)  # the unsalted tree's (chunk id -1: a root holds no chunk)
         self.roots: dict[str | None, Node] = {None: self.root}  # per cache salt
@@ -184,6 +187,7 @@ class PrefixTree:
             if cid is None:
                 break
             self.host.load(n.chunk_id, cid)
+            self.loading.add(n.id)
             self.num_host -= 1
             n.backup, self._held[n.id] = n.chunk_id, n  # (its host chunk kept: a copy, its backup)
             n.tier, n.chunk_id, n.ref, n.last_use = GPU, cid, 1, now

@@ -10,7 +10,10 @@ Policy (FCFS, SARATHI-style chunked prefill under one token budget):
    chunk another running sequence is computing waits (`_inflight`): it stays in the queue,
    those behind it may be admitted, and once the chunk is in the tree it matches it instead of
    computing it again. It waits only while that chunk is pending: admission is reached only
-   when every running prefill had its piece, so its computer progresses at each such step;
+   when every running prefill had its piece, so its computer progresses at each such step.
+   A request that holds chunks copied back from the host tier in this schedule (by itself or
+   another) is admitted, its chunks reserved, and runs from the next step: the copies run beside
+   this one (PrefixTree.loading, DESIGN §6);
 3. a running sequence that needs a chunk when none is available preempts the newest running
    sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
    it re-queues in arrival order); among tenants, the newest of the highest priority value and
@@ -173,6 +176,7 @@ class Scheduler:
     # -- the step ---------------------------------------------------------------------------
     def schedule(self) -> Batch:
         self.now += 1
+        self.tree.loading.clear()  # (the last step's loads: this step's kernels wait for them)
         budget = self.max_num_batched_tokens
         preemptions_before = self.counters.preemptions
         planned: dict[Sequence, int] = {}  # insertion order: decodes, then prefill pieces
@@ -233,6 +237,8 @@ class Scheduler:
                 running[seq.tenancy.tenant] += 1
             seq.status = Status.RUNNING
             self.running.append(seq)
+            if self.tree.loading and any(node.id in self.tree.loading for node in seq.nodes):
+                continue  # chunks it holds are copied back beside this step: it runs from the next
             planned[seq] = n
             budget -= n
         batch = Batch()
