@@ -303,6 +303,21 @@ def test_a_router_that_stalls_past_the_ring_is_exact_again_within_one_snapshot_p
     assert index.published("r") == relay.held
 
 
+@pytest.mark.parametrize("other_holds_it", [False, True])
+def test_after_a_gap_an_unseen_anchors_tier_change_then_eviction_keeps_the_map_whole(other_holds_it):
+    # "r"'s first delta (A stored, an anchor) is lost to a lagging router; the next moves A to the
+    # host tier (a stored hash already held: listed as no anchor), the one after evicts it. The
+    # router applies them approximately: A enters and leaves r's set, and the reverse map, which
+    # never listed r for A, keeps what it had (another replica's entry; nothing for r)
+    index, a = PrefixIndex(anchor_every=1), 1234
+    if other_holds_it:
+        assert index.apply_events("s", (7, 1, ((1, 1, (a,), (), (a,), ()),), None), 1.0)
+    report = (9, 3, ((2, 2, (~a,), (), (), ()), (3, 3, (), (a,), (), (a,))), None)
+    assert not index.apply_events("r", report, 2.0)  # a gap and no snapshot: approximate
+    assert index.published("r") == index.published_host("r") == frozenset()
+    assert index._digest_holders == ({a: ("s",)} if other_holds_it else {})
+
+
 # -- against the tree ------------------------------------------------------------------------------
 
 _OP_ARGS = {

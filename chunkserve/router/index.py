@@ -321,14 +321,21 @@ class PrefixIndex:
             a_stored, a_evicted = stored, evicted
         holders = self._digest_holders  # (_drop_holder and _add_holder, inline: one probe a hash)
         for h in a_evicted:
-            s = holders.pop(h)
+            # after a gap the replica may not be listed: an anchor whose store was missed and whose
+            # tier change was seen (a stored hash, listed as no anchor) entered `held` only
+            s = holders.get(h)
+            if s is None:
+                continue
             if isinstance(s, tuple):
-                if len(s) > 1:
-                    holders[h] = tuple([r for r in s if r != replica_id])
+                if replica_id in s:
+                    if len(s) > 1:
+                        holders[h] = tuple([r for r in s if r != replica_id])
+                    else:
+                        del holders[h]
             else:
                 s.pop(replica_id, None)
-                if s:
-                    holders[h] = s
+                if not s:
+                    del holders[h]
         for h in a_stored:
             s = holders.get(h)
             if s is None:
