@@ -56,6 +56,10 @@ def _seq(rid: str, tokens, salt: str | None = None) -> Sequence:
     return Sequence(rid, list(tokens), SamplingParams(), 0, tenancy=Tenancy(cache_salt=salt))
 
 
+def _value(k: int) -> float:  # what _fill writes into the chunk of tokens 4k..4k+3 of range(...)
+    return float(sum(range(4 * k, 4 * k + 4)))
+
+
 def test_an_evicted_chunk_spills_stays_matched_and_loads_back_with_its_kv():
     tree = _tree(gpu_chunks=3, host_chunks=4)
     a = _seq("a", range(12))  # three full chunks: the whole GPU pool
@@ -71,9 +75,7 @@ def test_an_evicted_chunk_spills_stays_matched_and_loads_back_with_its_kv():
     assert tree.match(list(range(12)), 12) == path  # still matched, in both tiers
     # the host copies hold what the GPU chunks held: every layer's K and V of the chunk
     for k in (1, 2):
-        assert torch.equal(
-            tree.host.kv[path[k].chunk_id], torch.full_like(tree.host.kv[0], float(sum(range(4 * k, 4 * k + 4))))
-        )
+        assert torch.equal(tree.host.kv[path[k].chunk_id], torch.full_like(tree.host.kv[0], _value(k)))
     _finish(tree, b, now=4)
     # a's path again: its GPU node acquired, the host ones loaded into fresh GPU chunks (b's spill)
     tree.acquire(path[:1], now=5)
@@ -86,15 +88,11 @@ def test_an_evicted_chunk_spills_stays_matched_and_loads_back_with_its_kv():
     for k in (1, 2):
         assert torch.equal(
             tree.pool.kv[:, :, path[k].chunk_id],
-            torch.full_like(tree.pool.kv[:, :, 0], float(sum(range(4 * k, 4 * k + 4)))),
+            torch.full_like(tree.pool.kv[:, :, 0], _value(k)),
         )
     assert tree.num_host == 2  # b's two chunks went to the host in their place
     c = tree.host.counters
     assert (c.host_spills, c.host_loads) == (4, 2) and c.host_copy_bytes == 6 * tree.host.chunk_bytes
-
-
-def _value(k: int) -> float:  # what _fill writes into the chunk of tokens 4k..4k+3 of range(...)
-    return float(sum(range(4 * k, 4 * k + 4)))
 
 
 def test_chunks_written_ahead_are_evicted_without_a_copy_and_a_load_keeps_its_host_copy():
