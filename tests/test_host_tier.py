@@ -181,6 +181,39 @@ def test_a_full_host_tier_gives_up_a_backup_of_a_chunk_in_use_before_a_cached_le
     tree.check([d])
 
 
+def test_a_full_host_tier_gives_up_copies_before_chunks_held_only_there():
+    # a lost backup costs a copy later, a lost host leaf a recompute: a write-ahead takes no host
+    # leaf, and a spill gives up a ref-0 node's backup before one
+    tree = _tree(gpu_chunks=2, host_chunks=2, write_ahead=1)
+    a, b, c, d = (_seq(r, range(10 * k, 10 * k + 4)) for k, r in enumerate("abcd"))
+    for now, q in enumerate((a, b, c), start=1):
+        _fill(tree, q, now)
+        _finish(tree, q, now)
+    _fill(tree, d, now=4)  # a0 and b0 spilled (the host tier full); c0 cached, d0 in use
+    (a0,), (b0,), (c0,) = (tree.match(q.token_ids, 4) for q in (a, b, c))
+    assert (a0.tier, b0.tier, c0.tier, tree.host.num_free, tree.pool.num_free) == (HOST, HOST, GPU, 0, 0)
+    # c0 is next in line, but a copy of it would cost a host leaf: none is made
+    assert tree.write_ahead() == 0 and tree.num_backups == 0
+    assert a0.parent is not None and b0.parent is not None
+    _finish(tree, d, now=5)
+    # a0 loaded for e (c0 spills for its GPU chunk: the host tier gives up b0, its LRU leaf, with
+    # no backup to give instead); a0 keeps its host chunk as its backup, ref 0 once e is done
+    e = _seq("e", a.token_ids)
+    tree.acquire([], now=6)
+    assert tree.load([a0], now=6) == 1
+    tree.host.flush()
+    e.nodes, e.num_computed = [a0], 4
+    tree.check([e])
+    assert b0.parent is None and (a0.tier, a0.backup >= 0, c0.tier) == (GPU, True, HOST)
+    _finish(tree, e, now=7)
+    # a new chunk: d0 spills into a0's backup, not c0's host chunk (c0 is held only there)
+    f = _seq("f", range(50, 54))
+    _fill(tree, f, now=8)
+    (d0,) = tree.match(d.token_ids, 4)
+    assert (d0.tier, a0.tier, a0.backup, c0.tier, c0.parent is not None) == (HOST, GPU, -1, HOST, True)
+    tree.check([f])
+
+
 def test_a_request_holding_chunks_loaded_in_a_step_runs_from_the_next():
     # the loads run beside the step that decided them (not waited for): a sequence holding a
     # chunk loaded in this step's schedule, by itself or by another, runs from the next step;

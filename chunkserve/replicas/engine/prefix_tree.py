@@ -19,8 +19,9 @@ next in line for eviction to host chunks ahead of time (`write_ahead()`, once a 
 run beside the step's forward): such a node keeps its GPU chunk and holds a host one too
 (`Node.backup`), and its eviction is then a change of tier with no copy. A node loaded back
 keeps the host chunk it came from as its backup. A backup is a copy, the first thing a full host
-tier gives up: those of nodes in use (ref > 0, not evicted soon) before any host leaf, those of
-ref-0 nodes only for a spill that finds nothing else.
+tier gives up, before any chunk held only there (a lost copy costs a copy later, a lost host leaf
+a recompute): those of nodes in use (ref > 0, not evicted soon) first, then, for a spill, those
+of ref-0 nodes, newest first; a write-ahead takes only free chunks and backups of nodes in use.
 
 Each cache salt (`Sequence.tenancy.cache_salt`: a tenant's namespace, or a request's
 `cache_salt`) roots a tree of its own, so sequences of different salts never share a node, never
@@ -316,17 +317,22 @@ class PrefixTree:
             self._push_evictable(parent)
 
     def _host_chunk(self, for_spill: bool) -> int | None:
-        """A free host chunk id, made if need be by giving up (in this order) the oldest backup of
-        a node in use, the host tier's least recently used leaf, or (`for_spill`) the oldest
-        backup of a ref-0 node; None if none of these is left."""
+        """A free host chunk id, made if need be by giving up a backup (a copy of a chunk still on
+        the GPU: losing it costs a copy at that node's eviction), first the oldest of a node in
+        use, then (`for_spill`) the newest of a ref-0 node, the one least likely to be evicted
+        soon; and only where none is left (`for_spill`) the host tier's least recently used leaf,
+        whose loss costs a recompute. None for a write-ahead that finds no free chunk or backup
+        of a node in use: a copy ahead never costs a chunk held only in the host tier."""
         host = self.host
         if host.num_free == 0:
             if self._held:
                 self._drop_backup(next(iter(self._held.values())))
+            elif not for_spill:
+                return None
+            elif self._backed:
+                self._drop_backup(next(reversed(self._backed.values())))
             elif not self._evict_host_one():
-                if not (for_spill and self._backed):
-                    return None
-                self._drop_backup(next(iter(self._backed.values())))
+                return None
         return host.alloc()
 
     def _drop_backup(self, node: Node) -> None:
@@ -344,9 +350,9 @@ class PrefixTree:
         ahead of it; the engine calls it once a step, after scheduling and before the copies are
         flushed (a no-op unless the line changed). The line: the evictable leaves, least recently
         used first, each followed by the ancestors its eviction would make evictable (a finished
-        prompt's chunks share its last use, so its whole chain goes before the next). A backup's
-        host chunk may cost a host leaf, as the spill it stands for would, never another ref-0
-        node's backup. Returns the copies queued."""
+        prompt's chunks share its last use, so its whole chain goes before the next). A backup
+        takes a free host chunk or one of a node in use's backup, nothing else (`_host_chunk`):
+        with the host tier full, spills copy as they evict. Returns the copies queued."""
         want = self.write_ahead_chunks
         if not (want and self._ahead_stale) or self.pool.num_free >= want:
             return 0
