@@ -93,6 +93,18 @@ def test_engine_pool_pins_chunks_in_flight_and_admits_while_they_fit():
     assert not pool.lru and len(pool.pins) == 8  # (over capacity only by what nothing could free)
 
 
+def test_engine_pool_keeps_a_waiting_requests_prefix_as_if_just_used():
+    pool = sim._Pool(capacity_chunks=6)
+    for chain, out in (((1, 2), (-1,)), ((5, 6), (-2,))):
+        pool.admit(chain, out)
+        pool.release(chain, out)
+    assert list(pool.lru) == [-1, 2, 1, -2, 6, 5]  # (1, 2) the older
+    pool.touch((1, 2, 3))  # a queued request matching (1, 2): its run moves up, the root last
+    assert list(pool.lru) == [-1, -2, 6, 5, 2, 1]
+    pool.admit((7, 8, 9), (-3,))  # evictions take what nobody waits for first
+    assert list(pool.lru) == [2, 1] and set(pool.pins) == {7, 8, 9, -3}
+
+
 def test_engine_mode_on_a_shared_gpu_runs_and_orders_the_policies():
     # the H100 router run's shape, small: tenants whose prompts exceed a pool, 3 replicas on one
     # GPU, requests pinning their chunks, decode steps batched

@@ -414,6 +414,41 @@ def test_a_request_waiting_for_a_prefix_is_admitted_when_its_computer_goes(how):
     assert 0 < b.num_cached_prompt <= 12 if how == "abort" else b.num_cached_prompt == 16
 
 
+def test_the_queues_next_prefixes_are_evicted_after_those_nobody_waits_for():
+    # LRU alone evicts the oldest cached prefix first, though a request at the head of the queue
+    # will match it; the scheduler keeps the head's prefixes as if used each step
+    s = _scheduler(num_chunks=12, max_num_seqs=1)
+    a, b = _seq("a", range(1, 10)), _seq("b", range(21, 30))  # two full chunks and a token each
+    for seq in (a, b):
+        s.add(seq)
+        _step(s)
+        s.finish(seq, "stop")
+    r, w = _seq("r", range(41, 50)), _seq("w", [*range(1, 9), 99])  # w: a's prefix, older than b's
+    s.add(r)
+    s.add(w)
+    _step(s)
+    assert (r.status, w.status) == (Status.RUNNING, Status.WAITING)  # (one row at most)
+    ours, others = s.tree.match(w.token_ids, 8), s.tree.match(b.token_ids, 8)
+    assert len(ours) == len(others) == 2
+    for _ in range(2):
+        assert s.tree._evict_one(spill=False)
+    assert all(n.parent is not None for n in ours) and all(n.parent is None for n in others)
+    s.check()
+    s.finish(r, "stop")
+    _step(s)  # w admitted: its prefix matched, only its own token computed
+    assert w.status is Status.RUNNING and w.num_cached_prompt == 8 and not s._wait_paths
+    s.check()
+
+
+def test_a_pool_no_step_can_run_short_leaves_the_queue_untouched():
+    s = _scheduler(num_chunks=64, budget=8, max_num_seqs=1)  # a step takes at most 2 + 2 + 2 chunks
+    r, w = _seq("r", range(41, 50)), _seq("w", range(1, 10))
+    s.add(r)
+    s.add(w)
+    _step(s)
+    assert w.status is Status.WAITING and s.tree.pool.num_free > 6 and not s._wait_paths
+
+
 def test_different_cache_salts_never_wait_for_each_other():
     # one prompt under three salts: none waits for another's (they share no node); a second
     # request of salt x waits for x's first, then matches its chunks only

@@ -166,6 +166,25 @@ class PrefixTree:
                 if not n.gpu_children:
                     self._push_evictable(n)
 
+    def touch(self, path: Seq[Node], now: int) -> None:
+        """Mark `path`'s nodes (a waiting sequence's match, made earlier; of either tier) used
+        `now`, so that the chunks a queued request will match are evicted after those nobody
+        waits for (the scheduler, for the head of its queue). Nodes evicted since the match go
+        leaf first, so they are a suffix of `path`: the walk stops at the first."""
+        for n in path:
+            if n.parent is None:
+                return
+            if n.last_use == now:
+                continue
+            n.last_use = now
+            if n.ref:
+                continue
+            if n.tier == GPU:
+                if not n.gpu_children:  # its heap entry went stale with last_use: a new one
+                    self._push_evictable(n)
+            elif not n.children:
+                self._push_host_evictable(n)
+
     def load(self, nodes: Seq[Node], now: int) -> int:
         """Bring host nodes back into GPU chunks for one sequence (which then holds a ref on
         each): `nodes` a run of a matched path below its GPU nodes (acquired already), top-down.

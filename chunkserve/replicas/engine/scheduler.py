@@ -13,7 +13,9 @@ Policy (FCFS, SARATHI-style chunked prefill under one token budget):
    when every running prefill had its piece, so its computer progresses at each such step.
    A request that holds chunks copied back from the host tier in this schedule (by itself or
    another) is admitted, its chunks reserved, and runs from the next step: the copies run beside
-   this one (PrefixTree.loading, DESIGN §6);
+   this one (PrefixTree.loading, DESIGN §6). The cached prefixes of the first `_TOUCH_AHEAD`
+   still waiting are marked used at each step that may evict, so the pool evicts what nobody
+   waits for first;
 3. a running sequence that needs a chunk when none is available preempts the newest running
    sequence (recompute: its chunks are released, its full ones stay in the tree as cache, and
    it re-queues in arrival order); among tenants, the newest of the highest priority value and
@@ -25,11 +27,12 @@ The decode rows are ordered by tree path (DFS), so each node's sequences are one
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter, deque
 from typing import TYPE_CHECKING
 
-from chunkserve.replicas.engine.prefix_tree import HOST, PrefixTree
+from chunkserve.replicas.engine.prefix_tree import HOST, Node, PrefixTree
 from chunkserve.replicas.engine.sequence import Batch, Sequence, Status
 from chunkserve.replicas.engine.stats import EngineStats
 from chunkserve.router.hashing import cache_seed, chunk_hashes
@@ -65,6 +68,8 @@ class Scheduler:
         # (`_chunk_keys`) -> (that sequence, the chunk's index). Registered at admission, dropped
         # as each enters the tree or its sequence releases its chunks (preempted, finished).
         self._inflight: dict[int, tuple[Sequence, int]] = {}
+        # the matches of the queue's head (`_touch_waiting`), made once a sequence reaches it
+        self._wait_paths: dict[Sequence, list[Node]] = {}
 
     # -- queue management -------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -85,6 +90,7 @@ class Scheduler:
 
     def _unwait(self, seq: Sequence) -> None:
         self.waiting.remove(seq)  # (admission takes the first but those waiting for a chunk: found soon)
+        self._wait_paths.pop(seq, None)
         key = _class(seq)
         queue = self._queues[key]
         queue.remove(seq)
@@ -241,6 +247,10 @@ class Scheduler:
                 continue  # chunks it holds are copied back beside this step: it runs from the next
             planned[seq] = n
             budget -= n
+        # (only while the next step may evict: it takes at most its budget's chunks, and a chunk
+        # a running row, and one ahead, beyond them)
+        if self.sharing and self.waiting and self.tree.pool.num_free <= self._step_chunks():
+            self._touch_waiting()
         batch = Batch()
         for seq, n in planned.items():
             if n == 1 and seq.num_pending == 1:
@@ -254,6 +264,24 @@ class Scheduler:
         _sort_dfs(batch.decodes, batch.prefills[0][0] if self.prefill_rows_last and batch.prefills else None)
         self.last_decode_paths = [s.path_ids() for s in batch.decodes]  # for PrefixTree.check
         return batch
+
+    def _step_chunks(self) -> int:
+        return self.max_num_batched_tokens // self.c + 2 * len(self.running) + 2
+
+    def _touch_waiting(self) -> None:
+        """Mark the cached prefixes of the first `_TOUCH_AHEAD` waiting sequences used this step
+        (`PrefixTree.touch`): on a replica whose queue backs up, the pool evicts the chunks that
+        nobody waits for before those its next admissions will match, which LRU alone evicted
+        first, being the oldest while they waited. A sequence is matched once, when it reaches
+        the head; its nodes are then walked while they stay in the tree."""
+        for seq in itertools.islice(self.waiting, _TOUCH_AHEAD):
+            path = self._wait_paths.get(seq)
+            if path is None:
+                if seq.params.prompt_logprobs is not None:  # (it matches nothing)
+                    continue
+                path = self.tree.match(seq.token_ids, seq.num_tokens - 1, seq.tenancy.cache_salt)
+                self._wait_paths[seq] = path
+            self.tree.touch(path, self.now)
 
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Match the cache, reserve chunks for a first piece (as much of the prompt as the budget
@@ -347,9 +375,14 @@ class Scheduler:
                 f"{seq.request_id}: chunk {k} in the tree or misfiled, still pending"
             )
         assert self.sharing or not self._inflight, "chunks pending without sharing"
+        for seq in self._wait_paths:
+            assert seq.status is Status.WAITING, f"{seq.request_id}: a head-of-queue match, not waiting"
 
 
 _WAIT = -1  # _admit: wait for a chunk another sequence is computing
+# waiting sequences whose cached prefixes each step keeps as if used (in the routing simulator's
+# engine model, 4 gave most of what 8 did: chunkserve/router/tools/records, simulate-2026-12-07c)
+_TOUCH_AHEAD = 8
 
 
 def _class(seq: Sequence) -> tuple[int, str | None]:

@@ -51,7 +51,8 @@ Model:
   - `--engine`: a replica as an engine runs its pool (`_Pool`): the chunks of the requests in
     flight (prompt and output) are pinned and the LRU evicts only the others; a request is
     admitted, first come first served, when its chunks not pinned yet fit beside the pinned ones,
-    and is matched then, not on arrival (a prefix evicted while it waited is recomputed). Its
+    and is matched then, not on arrival (a prefix evicted while it waited is recomputed; the
+    first `TOUCH_AHEAD` waiting keep theirs the most recently used, as the scheduler does). Its
     prefill queues as above; its decode is batched: `--tpot-ms` (25, the H100 router run's TPOT)
     a token whatever the batch, so a replica's throughput is the requests its pool holds at once
     over their time in flight. `--shared-gpu`: one prefill server for all replicas (several on
@@ -117,6 +118,7 @@ GROUPS_PER_REPLICA = 16
 ZIPF_ALPHA = 1.1
 VOCAB = 32000
 DECODE_WEIGHT = 4.0  # an output token costs a replica 4 prefill tokens of time
+TOUCH_AHEAD = 8  # --engine: queued requests whose cached prefixes stay recent (the scheduler's _TOUCH_AHEAD)
 PREFILL_TPS = 16000.0  # prefill tokens per second per replica
 MODEL = "sim-model"
 # the load test's Tenants defaults (chunkserve/cluster/loadtest/workloads.py), tenants per replica
@@ -498,6 +500,20 @@ class _Pool:
             pins[h] = pins.get(h, 0) + 1
         self._trim()
         return matched
+
+    def touch(self, chain: Sequence[int]) -> None:
+        """A waiting request's cached prefix made the most recently used (the root last, as a
+        release leaves it): the engine's scheduler does so for the head of its queue each step."""
+        lru, pins = self.lru, self.pins
+        run = []
+        for h in chain:
+            if h in pins:
+                continue
+            if h not in lru:
+                break
+            run.append(h)
+        for h in reversed(run):
+            lru.move_to_end(h)
 
     def release(self, chain: Sequence[int], output_ids: Sequence[int]) -> None:
         """The request finished: its chunks unpinned, deepest first (the root most recently used)."""
@@ -897,6 +913,8 @@ def _simulate(
     def admit(r: int, now: float) -> None:
         """--engine: replica r admits its waiting requests, first come first served, while they fit."""
         pool, queue = caches[r], waiting[r]
+        for item in reversed(list(itertools.islice(queue, TOUCH_AHEAD))):  # (the head last: most recent)
+            pool.touch(item[2].chain)
         while queue and pool.fits(queue[0][2].chain, queue[0][2].out_chain):
             i, j, req, ticket, mirrored = queue.popleft()
             start(i, r, j, req, ticket, now, pool.admit(req.chain, req.out_chain), mirrored)
