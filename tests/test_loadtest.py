@@ -526,8 +526,10 @@ def test_stack_puts_serves_fronts_where_ours_answered(monkeypatch):
         "applications": [{"args": {"model": "tiny", "ingress": {"http_port": 8000, "num_replicas": 2}}}],
     }
     assert stack.serve_front(copy.deepcopy(ours), "config") == (ours, {})
+    given = copy.deepcopy(ours)
     for front, env in [("proxy", {}), ("haproxy", {"RAY_SERVE_ENABLE_HA_PROXY": "1"})]:
-        config, extra = stack.serve_front(copy.deepcopy(ours), front)
+        config, extra = stack.serve_front(given, front)
+        assert given == ours  # (a copy changed, not the config given)
         assert extra == env and stack.api_url(config) == "http://127.0.0.1:8000"  # the same address
         assert config["http_options"]["port"] == 8000
         assert config["applications"][0]["args"]["ingress"] == {"http_port": None, "num_replicas": 2}

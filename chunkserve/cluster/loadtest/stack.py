@@ -23,6 +23,7 @@ direct-ingress servers: `RAY_SERVE_ENABLE_HA_PROXY=1`, which needs the `ray-hapr
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import json
 import os
@@ -136,10 +137,12 @@ FRONTS = ("config", "proxy", "haproxy")
 
 def serve_front(config: dict, front: str) -> tuple[dict, dict[str, str]]:
     """The config and the extra environment of `serve run` for `front` (FRONTS): `proxy` and
-    `haproxy` turn the ingress replicas' own front off and put Serve's at the API's address."""
+    `haproxy` turn the ingress replicas' own front off and put Serve's at the API's address
+    (in a copy: `config` is left as it was)."""
     if front == "config":
         return config, {}
     port = httpx.URL(api_url(config)).port
+    config = copy.deepcopy(config)
     config["applications"][0].setdefault("args", {}).setdefault("ingress", {})["http_port"] = None
     config.setdefault("http_options", {})["port"] = port
     return config, {"RAY_SERVE_ENABLE_HA_PROXY": "1"} if front == "haproxy" else {}
