@@ -15,7 +15,9 @@ result. `python -m chunkserve.replicas.tools.bench_host_tier {cached,ttft,bandwi
 On the CPU (`--model tiny` and small sizes) every command runs as a smoke test; its figures say
 nothing of a GPU's. `cached`'s workload: --tenants system prompts of --prefix tokens each (the
 default sizes them to total --times x the pool), popularity Zipf(--zipf), each request one
-tenant's prompt and a fresh --suffix, --concurrency requests in flight (a closed loop).
+tenant's prompt and a fresh --suffix, --concurrency requests in flight (a closed loop). On a
+GPU each run's engine is warmed up first (`--no-warmup`: not), so no run's wall holds the kernels'
+compiles.
 """
 
 from __future__ import annotations
