@@ -247,8 +247,8 @@ class Scheduler:
                 continue  # chunks it holds are copied back beside this step: it runs from the next
             planned[seq] = n
             budget -= n
-        # (only while the next step may evict: it takes at most its budget's chunks, and a chunk
-        # a running row, and one ahead, beyond them)
+        # (only where the next step may evict: a step takes at most its budget's chunks and two
+        # a running row, a new one and one ahead)
         if self.sharing and self.waiting and self.tree.pool.num_free <= self._step_chunks():
             self._touch_waiting()
         batch = Batch()

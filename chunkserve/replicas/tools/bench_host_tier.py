@@ -107,7 +107,7 @@ def cached(args: argparse.Namespace) -> Iterator[dict]:
         engine = _engine(args, kv, host, max_len, ahead)
         if args.warmup if args.warmup is not None else engine.device.type == "cuda":
             # kernels compile at their first launch (FlashInfer's prefill for minutes on a fresh
-            # machine): without it the first run's wall held them, 108-125 s against 22 on an H100
+            # machine): without it the first run's wall held them (records h100-2026-12-07c)
             warmup(engine)
         engine.reset_counters()
         pending, ttfts = list(enumerate(prompts)), []
