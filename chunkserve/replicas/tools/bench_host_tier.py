@@ -16,8 +16,8 @@ On the CPU (`--model tiny` and small sizes) every command runs as a smoke test; 
 nothing of a GPU's. `cached`'s workload: --tenants system prompts of --prefix tokens each (the
 default sizes them to total --times x the pool), popularity Zipf(--zipf), each request one
 tenant's prompt and a fresh --suffix, --concurrency requests in flight (a closed loop). On a
-GPU each run's engine is warmed up first (`--no-warmup`: not), so no run's wall holds the kernels'
-compiles.
+GPU each run's engine is warmed up first (`--no-warmup`: not): kernels compile at their first
+launch, which a run's wall should not hold. Its chunks stay cached, evicted first.
 """
 
 from __future__ import annotations
