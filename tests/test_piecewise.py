@@ -71,7 +71,9 @@ def test_pieces_give_the_tokens_of_the_plain_forward_under_live_traffic(device, 
     assert got == want and len(got) == 15
     steps = pieces.stats()["steps"]
     runs = pieces.counters.piecewise_replays
-    full = pieces.counters.graph_replays
+    # a whole-step decode graph runs decode-only steps and, on CUDA, mixed steps whose prefill
+    # tokens fit its rows (cuda_graph.py)
+    full = pieces.counters.graph_replays + pieces.counters.mixed_graph_replays
     assert runs + full == steps  # every step from the pieces or a whole-step graph
     if full == 0:  # every decode-only step (15 rows at most) fits a bucket: all from the pieces
         assert pieces.counters.piecewise_decode_replays == pieces.stats()["decode_steps"] > 0
