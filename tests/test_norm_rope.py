@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkserve.kernels.norm_rope import rmsnorm, rope, silu_mul
+from chunkserve.kernels.norm_rope import rmsnorm, rope, silu_mul, store_kv
+from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.model.layers import (
     RMSNorm,
     RotaryEmbedding,
@@ -94,3 +95,41 @@ def test_silu_mul_matches_torch(dtype, rows, n):
     else:  # the interpreter's exp is numpy's, torch's CPU silu vectorized (a last place or two), and
         # its bf16/fp16 conversions truncate (TRUNCATES): a last place more at each rounding
         assert ulps(got, want) <= (3 if dtype == torch.float32 else 2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hkv,c,d", [(0, 2, 4, 64), (1, 1, 4, 64), (6, 2, 4, 128), (11, 3, 2, 32), (20, 8, 8, 16)])
+def test_store_kv_writes_the_slots_the_index_assignment_writes(dtype, rows, hkv, c, d):
+    gen = torch.Generator().manual_seed(rows * 31 + hkv)
+    num_layers, chunks = 2, 8
+    # a pool's layout [L, 2, N, Hkv, c, D]: the caches are one layer's K and V views
+    kv = torch.randn(num_layers, 2, chunks, hkv, c, d, generator=gen).to(DEVICE, dtype)
+    want = kv.clone()
+    # k, v as views into one fused qkv output (strided rows), the rows' slots distinct
+    qkv = torch.randn(rows, 3 * hkv * d, generator=gen).mul(4).to(DEVICE, dtype)
+    _, k, v = qkv.split([hkv * d, hkv * d, hkv * d], dim=-1)
+    k, v = k.view(rows, hkv, d), v.view(rows, hkv, d)
+    slots = torch.randperm(chunks * c, generator=gen)[:rows]
+    chunk_idx, offset = (slots // c).to(DEVICE), (slots % c).to(DEVICE)
+    store_kv(kv[1, 0], kv[1, 1], chunk_idx, offset, k, v)
+    want[1, 0][chunk_idx, :, offset] = k
+    want[1, 1][chunk_idx, :, offset] = v
+    assert torch.equal(kv, want)  # copies: every bit, nothing else touched
+    with pytest.raises(ValueError, match="one layout and dtype"):
+        store_kv(kv[1, 0], kv[1, 1], chunk_idx, offset, k.float() if dtype != torch.float32 else k.half(), v)
+
+
+@pytest.mark.gpu  # KVPool.write runs store_kv on CUDA only (the test above runs the kernel everywhere)
+def test_the_pools_write_runs_store_kv_on_cuda(monkeypatch):
+    import chunkserve.kernels.norm_rope as norm_rope
+
+    calls = []
+    monkeypatch.setattr(norm_rope, "store_kv", lambda *a: calls.append(1) or store_kv(*a))
+    pool = KVPool(KVShape(num_layers=2, num_kv_heads=2, chunk_size=4, head_dim=64, dtype=torch.bfloat16), 6, "cuda")
+    want = pool.kv.clone()
+    gen = torch.Generator().manual_seed(5)
+    k, v = (torch.randn(5, 2, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    chunk_idx, offset = torch.tensor([0, 0, 3, 5, 2], device="cuda"), torch.tensor([0, 3, 1, 2, 0], device="cuda")
+    pool.write(1, chunk_idx, offset, k, v)
+    want[1, 0][chunk_idx, :, offset], want[1, 1][chunk_idx, :, offset] = k, v
+    assert calls == [1] and torch.equal(pool.kv, want)

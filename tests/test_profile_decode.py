@@ -34,6 +34,7 @@ def test_union_counts_busy_time_once(intervals, busy):
         ("_attend_kernel", "attention"),
         ("_merge_kernel", "attention"),
         ("index_elementwise_kernel<128, 4, gpu_index_kernel<index_put_kernel_impl", "kv_write"),
+        ("_store_kv_kernel", "kv_write"),
         ("vectorized_elementwise_kernel", "other"),
     ],
 )

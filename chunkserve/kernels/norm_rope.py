@@ -1,4 +1,5 @@
-"""Fused RMSNorm (with the residual add before it), rotary embedding and SiLU-and-multiply, in Triton.
+"""Fused RMSNorm (with the residual add before it), rotary embedding, SiLU-and-multiply and the
+K/V store, in Triton.
 
 Eager torch runs RMSNorm as eight elementwise kernels and RoPE as five per tensor: about 830
 launches per decode step of a 32-layer model (counted from the ops). These do each in one
@@ -12,12 +13,17 @@ references, which are the model's own ops in `chunkserve.replicas.model.layers`:
   is reduced in another order than torch's, so a result may differ from torch's in its last bit.
 - `rope(q, k, cos, sin)` against `layers.apply_rotary`: x * cos + rotate_half(x) * sin with each
   product and the sum rounded to the dtype, as torch's three ops round: equal to torch's bits.
+  q's heads and k's in one launch.
+- `store_kv(k_cache, v_cache, chunk_idx, offset, k, v)` against the index assignment of
+  `KVPool.write`: a step's new K and V into their pool slots in one launch where torch's index
+  assignments take two a layer (figures: chunkserve/replicas/tools/records/README.md,
+  h200-2026-12-07).
 - `silu_mul(x)` against `layers.silu_and_mul`: silu(gate) * up of x = [gate | up], silu(g) =
   g / (1 + exp(-g)) in fp32 (CUDA's expf, a correctly rounded division) rounded to the dtype,
   then the product rounded, as torch's two ops: equal to torch's bits. One pass over x and one
   write where torch's two ops read x, write silu(gate), read it and up again and write y.
 
-Both run on CUDA and under TRITON_INTERPRET=1 (tests); `layers.py` keeps the torch ops on the CPU.
+They run on CUDA and under TRITON_INTERPRET=1 (tests); `layers.py` keeps the torch ops on the CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-__all__ = ["rmsnorm", "rope", "silu_mul"]
+__all__ = ["rmsnorm", "rope", "silu_mul", "store_kv"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -84,15 +90,36 @@ def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = Non
 
 @triton.jit
 def _rope_kernel(
-    X, Cos, Sin, Out, stride_xt, stride_xh, stride_ct, stride_ot, stride_oh, HALF: tl.constexpr, BLOCK: tl.constexpr
+    Q,
+    K,
+    Cos,
+    Sin,
+    OQ,
+    OK,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ct,
+    stride_oqt,
+    stride_okt,
+    HQ,
+    HEAD: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    # grid: (T, heads): head vector x[t, h] of D = 2 * HALF; out = x * cos + rotate_half(x) * sin,
-    # each product and the sum rounded to the dtype (torch's mul, mul, add)
+    # grid: (T, Hq + Hkv): head vector h of row t, q's heads then k's; D = 2 * HALF; out = x * cos
+    # + rotate_half(x) * sin, each product and the sum rounded to the dtype (torch's mul, mul, add)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if h < HQ:
+        x = Q + t * stride_qt + h * stride_qh
+        o = OQ + t * stride_oqt + h * HEAD
+    else:
+        x = K + t * stride_kt + (h - HQ) * stride_kh
+        o = OK + t * stride_okt + (h - HQ) * HEAD
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
-    x = X + t * stride_xt + h * stride_xh
     x1 = tl.load(x + offs, mask=mask, other=0.0)
     x2 = tl.load(x + HALF + offs, mask=mask, other=0.0)
     c = Cos + t * stride_ct
@@ -106,37 +133,106 @@ def _rope_kernel(
     b1 = (-x2.to(tl.float32) * s1).to(dt)
     a2 = (x2.to(tl.float32) * c2).to(dt)
     b2 = (x1.to(tl.float32) * s2).to(dt)
-    o = Out + t * stride_ot + h * stride_oh
     tl.store(o + offs, (a1.to(tl.float32) + b1.to(tl.float32)).to(dt), mask=mask)
     tl.store(o + HALF + offs, (a2.to(tl.float32) + b2.to(tl.float32)).to(dt), mask=mask)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
     """q: [T, Hq, D], k: [T, Hkv, D] (last dim contiguous; views into a fused qkv output are
-    fine); cos, sin: [T, D] in q's dtype, contiguous. Returns contiguous rotated copies."""
-    outs = []
-    for x in (q, k):
-        t, heads, d = x.shape
-        out = torch.empty(t, heads, d, dtype=x.dtype, device=x.device)
-        if t:
-            # no FMA contraction: a fused multiply-add would round once where torch rounds twice
-            _rope_kernel[(t, heads)](
-                x,
-                cos,
-                sin,
-                out,
-                x.stride(0),
-                x.stride(1),
-                cos.stride(0),
-                out.stride(0),
-                out.stride(1),
-                HALF=d // 2,
-                BLOCK=triton.next_power_of_2(d // 2),
-                num_warps=1,
-                enable_fp_fusion=False,
-            )
-        outs.append(out)
-    return outs[0], outs[1]
+    fine); cos, sin: [T, D] in q's dtype, contiguous. Returns contiguous rotated copies, both
+    from one launch."""
+    (t, hq, d), hkv = q.shape, k.shape[1]
+    oq = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    ok = torch.empty(t, hkv, d, dtype=k.dtype, device=k.device)
+    if t:
+        # no FMA contraction: a fused multiply-add would round once where torch rounds twice
+        _rope_kernel[(t, hq + hkv)](
+            q,
+            k,
+            cos,
+            sin,
+            oq,
+            ok,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos.stride(0),
+            oq.stride(0),
+            ok.stride(0),
+            hq,
+            HEAD=d,
+            HALF=d // 2,
+            BLOCK=triton.next_power_of_2(d // 2),
+            num_warps=1,
+            enable_fp_fusion=False,
+        )
+    return oq, ok
+
+
+@triton.jit
+def _store_kv_kernel(
+    K,
+    V,
+    KC,
+    VC,
+    Chunk,
+    Offset,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cn,
+    stride_ch,
+    stride_cs,
+    HKV,
+    D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid: (T,): token t's K and V, every head, into slot Offset[t] of chunk Chunk[t]:
+    # KC[n, h, s, :] = K[t, h, :] (the caches [N, Hkv, c, D], K and V's views of one pool)
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.load(Chunk + t).to(tl.int64)
+    s = tl.load(Offset + t).to(tl.int64)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < HKV) & (d < D)
+    dst = n * stride_cn + s * stride_cs + h * stride_ch + d
+    tl.store(KC + dst, tl.load(K + t * stride_kt + h * stride_kh + d, mask=mask), mask=mask)
+    tl.store(VC + dst, tl.load(V + t * stride_vt + h * stride_vh + d, mask=mask), mask=mask)
+
+
+def store_kv(k_cache: Tensor, v_cache: Tensor, chunk_idx: Tensor, offset: Tensor, k: Tensor, v: Tensor) -> None:
+    """The new tokens' K/V into their slots, both in one launch: k, v [T, Hkv, D] (last dim
+    contiguous), token t into chunk chunk_idx[t] at slot offset[t] of k_cache, v_cache
+    [N, Hkv, c, D] (the same strides and dtype as k and v). Where two tokens name one slot (the
+    graphs' padding rows, in the scratch chunk) which one lands there is unspecified."""
+    t, hkv, d = k.shape
+    if k_cache.stride() != v_cache.stride() or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
+        raise ValueError("store_kv: K and V caches of one layout and dtype, the dtype of k and v")
+    if t:
+        block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
+        _store_kv_kernel[(t,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            chunk_idx,
+            offset,
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            hkv,
+            D=d,
+            BLOCK_H=block_h,
+            BLOCK_D=block_d,
+            num_warps=max(1, min(8, block_h * block_d // 256)),
+        )
 
 
 @triton.jit

@@ -120,6 +120,11 @@ class KVPool(ChunkIds):
         """New tokens' K/V into their slots: k, v [T, Hkv, D]; token t into chunk chunk_idx[t] at
         slot offset[t]."""
         k_cache, v_cache = self.k(layer), self.v(layer)
+        if k_cache.is_cuda and k.dtype == v.dtype == k_cache.dtype and k.stride(-1) == v.stride(-1) == 1:
+            from chunkserve.kernels.norm_rope import store_kv  # imports triton: the CPU path must not need it
+
+            store_kv(k_cache, v_cache, chunk_idx, offset, k, v)  # one launch, the same bits
+            return
         # advanced indices split by a slice: the indexed view is [T, Hkv, D], like k
         k_cache[chunk_idx, :, offset] = k.to(k_cache.dtype)
         v_cache[chunk_idx, :, offset] = v.to(v_cache.dtype)

@@ -37,7 +37,7 @@ KINDS = (  # first match wins; names as the CUDA kernels are called (FlashInfer'
     # cutlass templates: attention before gemm)
     ("attention", re.compile(r"tpp|attn|attend|attention|merge|flash|prefill|paged|decode", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|xmma|nvjet|cublas|matmul|sm90_", re.I)),
-    ("kv_write", re.compile(r"index_put|scatter", re.I)),  # the step's K/V into the pool
+    ("kv_write", re.compile(r"index_put|scatter|store_kv", re.I)),  # the step's K/V into the pool
     ("norm_rope", re.compile(r"norm|rope|rotary", re.I)),
     ("sampler", re.compile(r"sampl|nucleus|philox|argmax|topk|top_k|softmax|multinomial", re.I)),
     ("copy", re.compile(r"memcpy|memset|copy", re.I)),
