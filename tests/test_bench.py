@@ -85,3 +85,25 @@ def test_read_kv_tma_reads_every_row_once(dtype, programs, box):
         flat = x.reshape(rows, 16).float().cpu()
         want = torch.stack([flat[p * per : (p + 1) * per].sum() for p in range(got.shape[1])])
         torch.testing.assert_close(got[row], want, rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("nhd", [False, True])
+def test_dense_prefill_pools_hold_the_prompt_at_its_chunks(nhd):
+    from chunkserve.kernels.tools.bench_dense_prefill import _pool
+
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(21, 2, 8, generator=gen)  # 21 tokens: the last of 3 chunks of 8 is partial
+    table = [5, 0, 3]
+    pool = _pool(k, table, 8, 6, nhd)
+    assert pool.shape == ((6, 8, 2, 8) if nhd else (6, 2, 8, 8))
+    chunks = pool[torch.tensor(table)]
+    tokens = (chunks if nhd else chunks.transpose(1, 2)).reshape(24, 2, 8)
+    assert torch.equal(tokens[:21], k) and not tokens[21:].any()
+    assert not pool[torch.tensor([1, 2, 4])].any()  # chunks the table does not name stay empty
+
+
+def test_causal_flops_count_each_rows_keys():
+    from chunkserve.kernels.tools.bench_dense_prefill import causal_flops
+
+    # 3 rows after 4 keys see 5, 6 and 7 keys: 18 pairs, 4 * heads * dim FLOPs each
+    assert causal_flops(4, 3, 2, 8) == 18 * 4 * 2 * 8

@@ -6,6 +6,7 @@
     python -m chunkserve.kernels.tools.bench sweep [--phase1]       # launch configs and work dealing of ours
     python -m chunkserve.kernels.tools.bench kernels                # ours: device time of each kernel, and in total
     python -m chunkserve.kernels.tools.bench prefill                # dense vs block-union sparse prefill
+    python -m chunkserve.kernels.tools.bench dense                  # a long prompt's dense prefill by K/V layout
 
 Decode compares, on the same physical chunk pool (shared chunks stored once): our two-phase
 partition kernel (chunkserve/kernels/tpp.py); FlashInfer's BatchDecodeWithPagedKVCacheWrapper (page size =
@@ -47,7 +48,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from chunkserve.kernels import tpp, tpp_plan
 from chunkserve.kernels.reference import decode_attention_ref
-from chunkserve.kernels.tools import bench_prefill
+from chunkserve.kernels.tools import bench_dense_prefill, bench_prefill
 
 _L2_FLOOR = 256 << 20  # rotate inputs until one graph replay touches this many bytes
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -745,11 +746,15 @@ def main(argv: list[str] | None = None) -> None:
     kt = sub.add_parser("kernels", help="device time of each of our kernels on the sweep's cases")
     kt.add_argument("--chunk-size", type=int, default=64, choices=[16, 32, 64, 128])
     bench_prefill.add_parser(sub)
+    bench_dense_prefill.add_parser(sub)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("chunkserve.kernels.tools.bench needs a CUDA device")
     if args.cmd == "prefill":
         bench_prefill.main(args)
+        return
+    if args.cmd == "dense":
+        bench_dense_prefill.main(args)
         return
     if args.cmd == "sweep":
         sweep(args.chunk_size, not args.no_launch_configs, args.phase1)
