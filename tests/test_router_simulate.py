@@ -204,6 +204,20 @@ def test_tenants_sessions_resend_their_conversation():
         assert b.prompt_tokens == a.prompt_tokens + sim.REPLY_LEN + sim.TURN_LEN
 
 
+def test_tenant_zipf_sets_how_the_sessions_pick_their_tenants(capsys):
+    def top_share(zipf: float) -> float:
+        wl = sim.build_workload(
+            "tenants", 4, 1600, seed=2, tenants=16, tenant_prompt_len=128, active_sessions=64, tenant_zipf=zipf
+        )
+        firsts = [r.chain[0] for r in wl.requests]  # a request's tenant: its system prompt's first chunk
+        return max(firsts.count(h) for h in set(firsts)) / len(firsts)
+
+    # 16 tenants: the first takes about 1 / 16 of the sessions alike, about a third at 1.1 (the default)
+    assert top_share(0.0) < 0.15 < 0.25 < top_share(1.1)
+    sim.main(["--workload", "tenants", "--replicas", "2", "--requests", "64", "--tenant-zipf", "0"])
+    assert json.loads(capsys.readouterr().out)["policy"] == "prefix"
+
+
 def test_closed_loop_sends_a_turn_once_its_previous_turn_is_done(capsys):
     # the load test's client: a session's turn waits for its previous turn. One session of 4 turns,
     # offered at once (50 req/s): open loop, they queue at the replica; closed, none is sent while

@@ -243,13 +243,15 @@ def _tenants(
     texts: list[np.ndarray] | None = None,
     active_sessions: int | None = None,
     afters: list[int] | None = None,
+    zipf: float = ZIPF_ALPHA,
 ) -> tuple[list[_Shape], int]:
     """The load test's Tenants shape (see the module docstring): `tenants` (default 4 a replica)
     of `prompt_len`-token system prompts, `active_sessions` (default 4 a replica) in progress at
     once; returns the shapes and the tenants, and appends each prompt's tokens to `texts` and
-    each request's previous turn (-1: a session's first) to `afters` if given."""
+    each request's previous turn (-1: a session's first) to `afters` if given; tenant k (from 0)
+    starts a session with weight 1 / (k + 1) ** zipf, as the load test's `--tenant-zipf`."""
     tenants = tenants or TENANTS_PER_REPLICA * replicas
-    weights = 1.0 / np.arange(1, tenants + 1) ** ZIPF_ALPHA
+    weights = 1.0 / np.arange(1, tenants + 1) ** zipf
     weights /= weights.sum()
     systems: dict[int, _Stream] = {}
 
@@ -317,12 +319,14 @@ def build_workload(
     keep_tokens: bool = False,
     rate: float | None = None,
     active_sessions: int | None = None,
+    tenant_zipf: float = ZIPF_ALPHA,
 ) -> Workload:
     """A workload for `replicas` replicas (the fleet at the start; 2 × after the half with `scale_up`).
     tenants, tenant_prompt_len: the `tenants` shape's (a load test's `--tenants`,
     `--tenant-prompt-len`); cache_tokens: each replica's pool (default: from `cache_factor`);
     keep_tokens: keep `tenants`' prompt tokens (ray-prefix needs them); rate: arrivals per
-    second (instead of `util`'s); active_sessions: `tenants`' sessions in progress at once."""
+    second (instead of `util`'s); active_sessions: `tenants`' sessions in progress at once;
+    tenant_zipf: `tenants`' popularity exponent (a load test's `--tenant-zipf`)."""
     rng = np.random.default_rng(seed)
     arrays: dict = {"systems": np.zeros((0, 0)), "heads": np.zeros((0, 0)), "questions": np.zeros((0, 0))}
     afters: list[int] = []
@@ -335,7 +339,9 @@ def build_workload(
     elif name == "tenants":
         total = requests or 48 * replicas
         texts: list[np.ndarray] | None = [] if keep_tokens else None
-        shapes, groups = _tenants(replicas, total, rng, tenants, tenant_prompt_len, texts, active_sessions, afters)
+        shapes, groups = _tenants(
+            replicas, total, rng, tenants, tenant_prompt_len, texts, active_sessions, afters, tenant_zipf
+        )
         distinct, scaled = groups * tenant_prompt_len, True
         arrays["texts"] = tuple(texts or ())
         arrays["active_sessions"] = active_sessions or TENANTS_PER_REPLICA * replicas
@@ -1172,6 +1178,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--cache-tokens", type=int, help="each replica's pool, in tokens (instead of --cache-factor)")
     ap.add_argument("--tenants", type=int, help="tenants: how many (default 4 a replica)")
     ap.add_argument("--tenant-prompt-len", type=int, default=TENANT_PROMPT, help="tenants: each system prompt's tokens")
+    ap.add_argument(
+        "--tenant-zipf", type=float, default=ZIPF_ALPHA, help="tenants: tenant k's weight 1 / (k + 1) ** this"
+    )
     ap.add_argument("--active-sessions", type=int, help="tenants: sessions in progress at once (default 4 a replica)")
     ap.add_argument(
         "--closed-loop",
@@ -1238,6 +1247,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             keep_tokens=args.policy == "ray-prefix",
             rate=args.rate,
             active_sessions=args.active_sessions,
+            tenant_zipf=args.tenant_zipf,
         )
         emit(
             [
