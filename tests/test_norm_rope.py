@@ -60,7 +60,9 @@ def test_rmsnorm_matches_torch(dtype, rows, n, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hq,hkv,d", [(0, 4, 2, 64), (1, 4, 2, 64), (5, 8, 2, 128), (9, 6, 3, 32)])
+@pytest.mark.parametrize(
+    "rows,hq,hkv,d", [(0, 4, 2, 64), (1, 4, 2, 64), (5, 8, 2, 128), (9, 6, 3, 32), (3, 4, 1, 64), (2, 20, 8, 128)]
+)
 def test_rope_matches_torch_bit_for_bit(dtype, rows, hq, hkv, d):
     gen = torch.Generator().manual_seed(rows + d)
     # q and k as views into one fused qkv output, as the model makes them

@@ -104,37 +104,47 @@ def _rope_kernel(
     stride_oqt,
     stride_okt,
     HQ,
+    HKV,
+    NQ,
     HEAD: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    HB: tl.constexpr,
 ):
-    # grid: (T, Hq + Hkv): head vector h of row t, q's heads then k's; D = 2 * HALF; out = x * cos
-    # + rotate_half(x) * sin, each product and the sum rounded to the dtype (torch's mul, mul, add)
+    # grid: (T, NQ + NK): HB head vectors of row t, q's heads in NQ blocks then k's; D = 2 * HALF;
+    # out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype (torch's
+    # mul, mul, add); the row's cos and sin loaded once for its heads
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    if h < HQ:
-        x = Q + t * stride_qt + h * stride_qh
-        o = OQ + t * stride_oqt + h * HEAD
+    j = tl.program_id(1)
+    heads = tl.arange(0, HB)
+    if j < NQ:
+        h = j * HB + heads
+        n = HQ
+        x = Q + t * stride_qt + h[:, None] * stride_qh
+        o = OQ + t * stride_oqt + h[:, None] * HEAD
     else:
-        x = K + t * stride_kt + (h - HQ) * stride_kh
-        o = OK + t * stride_okt + (h - HQ) * HEAD
+        h = (j - NQ) * HB + heads
+        n = HKV
+        x = K + t * stride_kt + h[:, None] * stride_kh
+        o = OK + t * stride_okt + h[:, None] * HEAD
     offs = tl.arange(0, BLOCK)
-    mask = offs < HALF
-    x1 = tl.load(x + offs, mask=mask, other=0.0)
-    x2 = tl.load(x + HALF + offs, mask=mask, other=0.0)
+    mask = (h[:, None] < n) & (offs[None, :] < HALF)
+    x1 = tl.load(x + offs[None, :], mask=mask, other=0.0)
+    x2 = tl.load(x + HALF + offs[None, :], mask=mask, other=0.0)
     c = Cos + t * stride_ct
     s = Sin + t * stride_ct
-    c1 = tl.load(c + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(c + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(s + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(s + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    half = offs < HALF
+    c1 = tl.load(c + offs, mask=half, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(c + HALF + offs, mask=half, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(s + offs, mask=half, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(s + HALF + offs, mask=half, other=0.0).to(tl.float32)[None, :]
     dt = x1.dtype
     a1 = (x1.to(tl.float32) * c1).to(dt)
     b1 = (-x2.to(tl.float32) * s1).to(dt)
     a2 = (x2.to(tl.float32) * c2).to(dt)
     b2 = (x1.to(tl.float32) * s2).to(dt)
-    tl.store(o + offs, (a1.to(tl.float32) + b1.to(tl.float32)).to(dt), mask=mask)
-    tl.store(o + HALF + offs, (a2.to(tl.float32) + b2.to(tl.float32)).to(dt), mask=mask)
+    tl.store(o + offs[None, :], (a1.to(tl.float32) + b1.to(tl.float32)).to(dt), mask=mask)
+    tl.store(o + HALF + offs[None, :], (a2.to(tl.float32) + b2.to(tl.float32)).to(dt), mask=mask)
 
 
 def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
@@ -145,8 +155,13 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     oq = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     ok = torch.empty(t, hkv, d, dtype=k.dtype, device=k.device)
     if t:
+        block = triton.next_power_of_2(d // 2)
+        # a program per row and block of heads (as many as k has, up to about 1024 elements a
+        # half): one per head vector left a long prompt's RoPE several times its memory time
+        hb = min(triton.next_power_of_2(hkv), max(1, 1024 // block))
+        nq = triton.cdiv(hq, hb)
         # no FMA contraction: a fused multiply-add would round once where torch rounds twice
-        _rope_kernel[(t, hq + hkv)](
+        _rope_kernel[(t, nq + triton.cdiv(hkv, hb))](
             q,
             k,
             cos,
@@ -161,10 +176,13 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
             oq.stride(0),
             ok.stride(0),
             hq,
+            hkv,
+            nq,
             HEAD=d,
             HALF=d // 2,
-            BLOCK=triton.next_power_of_2(d // 2),
-            num_warps=1,
+            BLOCK=block,
+            HB=hb,
+            num_warps=max(1, min(4, hb * block // 256)),
             enable_fp_fusion=False,
         )
     return oq, ok
