@@ -119,6 +119,8 @@ def test_store_kv_writes_the_slots_the_index_assignment_writes(dtype, rows, hkv,
     assert torch.equal(kv, want)  # copies: every bit, nothing else touched
     with pytest.raises(ValueError, match="one layout and dtype"):
         store_kv(kv[1, 0], kv[1, 1], chunk_idx, offset, k.float() if dtype != torch.float32 else k.half(), v)
+    with pytest.raises(ValueError, match="contiguous"):
+        store_kv(kv[1, 0].transpose(2, 3), kv[1, 1].transpose(2, 3), chunk_idx, offset, k, v)
 
 
 @pytest.mark.gpu  # KVPool.write runs store_kv on CUDA only (the test above runs the kernel everywhere)

@@ -229,6 +229,8 @@ def store_kv(k_cache: Tensor, v_cache: Tensor, chunk_idx: Tensor, offset: Tensor
     t, hkv, d = k.shape
     if k_cache.stride() != v_cache.stride() or not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype):
         raise ValueError("store_kv: K and V caches of one layout and dtype, the dtype of k and v")
+    if not k_cache.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        raise ValueError("store_kv: head vectors contiguous in k, v and the caches")
     if t:
         block_h, block_d = triton.next_power_of_2(hkv), triton.next_power_of_2(d)
         _store_kv_kernel[(t,)](
