@@ -117,18 +117,17 @@ def _rope_kernel(
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     heads = tl.arange(0, HB)
+    offs = tl.arange(0, BLOCK)
     if j < NQ:
         h = j * HB + heads
-        n = HQ
+        mask = (h[:, None] < HQ) & (offs[None, :] < HALF)
         x = Q + t * stride_qt + h[:, None] * stride_qh
         o = OQ + t * stride_oqt + h[:, None] * HEAD
     else:
         h = (j - NQ) * HB + heads
-        n = HKV
+        mask = (h[:, None] < HKV) & (offs[None, :] < HALF)
         x = K + t * stride_kt + h[:, None] * stride_kh
         o = OK + t * stride_okt + h[:, None] * HEAD
-    offs = tl.arange(0, BLOCK)
-    mask = (h[:, None] < n) & (offs[None, :] < HALF)
     x1 = tl.load(x + offs[None, :], mask=mask, other=0.0)
     x2 = tl.load(x + HALF + offs[None, :], mask=mask, other=0.0)
     c = Cos + t * stride_ct

@@ -1,0 +1,53 @@
+"""The Triton kernels of chunkserve/kernels/norm_rope.py compiled for an H100/H200 (sm90) on the
+CPU, down to the cubin: the interpreter that runs them in CI never calls the compiler, so a kernel
+that only fails to compile would otherwise first fail on a GPU machine. Each compile runs in a
+subprocess without TRITON_INTERPRET (conftest sets it for this process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from chunkserve.kernels import norm_rope
+
+name, types, consts = json.loads(sys.argv[1])
+fn = getattr(norm_rope, name)
+names = fn.arg_names
+signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(n),): v for n, v in consts.items()})
+kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "enable_fp_fusion": False})
+print(len(kernel.asm["cubin"]))
+"""
+
+_BF16 = {n: "*bf16" for n in ("X", "R", "W", "Y", "H", "Q", "K", "V", "Cos", "Sin", "OQ", "OK", "KC", "VC")}
+_IDX = {"Chunk": "*i64", "Offset": "*i64", "eps": "fp32"}
+
+CASES = [
+    ("_rmsnorm_kernel", {"HAS_RES": True, "BLOCK": 4096}),
+    ("_rmsnorm_kernel", {"HAS_RES": False, "BLOCK": 1024}),
+    # llama3-8b's heads; one KV head (a rank of 8 under tensor parallelism), where the compiler
+    # takes an argument equal to 1 as a constant
+    ("_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 8}),
+    ("_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 1, "HKV": 1}),
+    ("_store_kv_kernel", {"D": 128, "BLOCK_H": 8, "BLOCK_D": 128}),
+    ("_store_kv_kernel", {"D": 64, "BLOCK_H": 1, "BLOCK_D": 64, "HKV": 1}),
+    ("_silu_mul_kernel", {"BLOCK": 1024, "LIBDEVICE": True}),
+]
+
+
+@pytest.mark.parametrize("name,consts", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_kernel_compiles_for_sm90(name, consts):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arg = json.dumps([name, {**_BF16, **_IDX}, consts])
+    out = subprocess.run([sys.executable, "-c", _SCRIPT, arg], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.split()[-1]) > 0  # a cubin's bytes
