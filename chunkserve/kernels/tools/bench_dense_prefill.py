@@ -31,7 +31,6 @@ from __future__ import annotations
 import functools
 import json
 import random
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,22 +38,9 @@ import torch
 
 from chunkserve.kernels.heads import PagedHeads
 from chunkserve.kernels.paged_prefill import FlashInferPrefill
+from chunkserve.kernels.tools.bench_prefill import _per_call
 
 _CALLS = 4  # back-to-back calls a timing (the K/V of a long context is far past the L2)
-
-
-def _per_call(fn: Callable[[], Any], reps: int) -> float:
-    """Median µs per call of _CALLS back-to-back calls of fn, synchronized only around them."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(_CALLS):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t) * 1e6 / _CALLS)
-    return sorted(times)[len(times) // 2]
 
 
 def _host(x: list[int]) -> torch.Tensor:
@@ -95,7 +81,7 @@ def run_case(context: int, piece: int, hq: int, hkv: int, chunk_sizes: list[int]
 
     def timed(name: str, fn: Callable[[], torch.Tensor]) -> None:
         outs[name] = fn().reshape(piece, hq, d)
-        us = _per_call(fn, reps)
+        us = _per_call(fn, _CALLS, reps)
         row[f"{name}_us"] = round(us, 1)
         row[f"tflops_{name}"] = round(flops / us / 1e6, 1)
 
@@ -128,8 +114,8 @@ def run_case(context: int, piece: int, hq: int, hkv: int, chunk_sizes: list[int]
                 return kc
 
             gather()
-            row["gather_us"] = round(_per_call(gather, reps), 1)
-            row["diff_gather"] = float((kc.view(-1, hkv, d)[:total] - k).abs().max())
+            row["gather_us"] = round(_per_call(gather, _CALLS, reps), 1)
+            row["diff_gather"] = round(float((kc.view(-1, hkv, d)[:total] - k).abs().max()), 4)
 
     # NHD pool, page size 64
     used = -(-total // 64)
