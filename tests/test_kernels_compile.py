@@ -56,8 +56,9 @@ CASES = [
     ("norm_rope", "_rmsnorm_kernel", {"HAS_RES": False, "BLOCK": 1024}),
     # llama3-8b's heads; one KV head (a rank of 8 under tensor parallelism), where the compiler
     # takes an argument equal to 1 as a constant
-    ("norm_rope", "_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 8}),
-    ("norm_rope", "_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 1, "HKV": 1}),
+    ("norm_rope", "_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 8, "STORE": False}),
+    ("norm_rope", "_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 1, "HKV": 1, "STORE": False}),
+    ("norm_rope", "_rope_kernel", {"HEAD": 128, "HALF": 64, "BLOCK": 64, "HB": 8, "STORE": True}),  # rope_store
     ("norm_rope", "_store_kv_kernel", {"D": 128, "BLOCK_H": 8, "BLOCK_D": 128}),
     ("norm_rope", "_store_kv_kernel", {"D": 64, "BLOCK_H": 1, "BLOCK_D": 64, "HKV": 1}),
     ("norm_rope", "_silu_mul_kernel", {"BLOCK": 1024, "LIBDEVICE": True}),

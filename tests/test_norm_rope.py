@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chunkserve.kernels.norm_rope import rmsnorm, rope, silu_mul, store_kv
+from chunkserve.kernels.norm_rope import rmsnorm, rope, rope_store, silu_mul, store_kv
 from chunkserve.replicas.engine.kv_pool import KVPool, KVShape
 from chunkserve.replicas.model.layers import (
     RMSNorm,
@@ -35,17 +35,20 @@ def ulps(got: torch.Tensor, want: torch.Tensor) -> int:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n", [(0, 64), (1, 256), (7, 96), (33, 512)])
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_rmsnorm_matches_torch(dtype, rows, n, with_residual):
+@pytest.mark.parametrize("with_residual,inplace", [(False, False), (True, False), (True, True)])
+def test_rmsnorm_matches_torch(dtype, rows, n, with_residual, inplace):
     gen = torch.Generator().manual_seed(rows * 1000 + n)
     x, res = (torch.randn(rows, n, generator=gen).mul(3).to(DEVICE, dtype) for _ in range(2))
     w = (1 + torch.randn(n, generator=gen) / 4).to(DEVICE, dtype)
     # rows of a wider tensor: the kernel takes strided rows
     x = torch.cat([x, torch.zeros_like(x)], 1)[:, :n]
-    got = rmsnorm(x, w, 1e-5, res if with_residual else None)
-    want = rms_norm(x, w, 1e-5, res if with_residual else None)
+    res0 = res.clone()
+    got = rmsnorm(x, w, 1e-5, res if with_residual else None, inplace)
+    assert torch.equal(res, res0) or inplace  # (the residual is written over only in place)
+    want = rms_norm(x, w, 1e-5, res0.clone() if with_residual else None, inplace)
     if with_residual:
         (got, got_h), (want, want_h) = got, want
+        assert not rows or (got_h.data_ptr() == res.data_ptr()) == inplace  # in place: h is the residual
         # the add rounds as torch's
         assert ulps(got_h, want_h) <= 1 if dtype == torch.bfloat16 and TRUNCATES else torch.equal(got_h, want_h)
     assert got.dtype == want.dtype and got.shape == (rows, n)
@@ -54,7 +57,7 @@ def test_rmsnorm_matches_torch(dtype, rows, n, with_residual):
     if DEVICE == "cuda":  # the model's layer runs the kernel (on the CPU it runs rms_norm itself)
         layer = RMSNorm(n, 1e-5).to(DEVICE)
         layer.weight.data = w
-        out = layer(x, res if with_residual else None)
+        out = layer(x, res0.clone() if with_residual else None, inplace)
         outs, kernel = (out, (got, got_h)) if with_residual else ((out,), (got,))
         assert len(outs) == len(kernel) and all(torch.equal(o, e) for o, e in zip(outs, kernel))
 
@@ -137,3 +140,63 @@ def test_the_pools_write_runs_store_kv_on_cuda(monkeypatch):
     pool.write(1, chunk_idx, offset, k, v)
     want[1, 0][chunk_idx, :, offset], want[1, 1][chunk_idx, :, offset] = k, v
     assert calls == [1] and torch.equal(pool.kv, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hq,hkv,c,d", [(0, 4, 2, 4, 64), (1, 4, 1, 4, 64), (6, 8, 2, 4, 128), (9, 6, 3, 2, 32)])
+@pytest.mark.parametrize("given_out", [False, True])
+def test_rope_store_is_rope_then_store_kv(dtype, rows, hq, hkv, c, d, given_out):
+    gen = torch.Generator().manual_seed(rows * 13 + hq + d)
+    chunks = 8
+    kv = torch.randn(2, 2, chunks, hkv, c, d, generator=gen).to(DEVICE, dtype)  # [L, 2, N, Hkv, c, D]
+    want = kv.clone()
+    # q, k, v as views into one fused qkv output, as the model makes them
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=gen).mul(4).to(DEVICE, dtype)
+    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    q, k, v = q.view(rows, hq, d), k.view(rows, hkv, d), v.view(rows, hkv, d)
+    positions = torch.randint(0, 4096, (rows,), generator=gen).to(DEVICE)
+    cos, sin = RotaryEmbedding(d, 500000.0).to(DEVICE)(positions, dtype)
+    slots = torch.randperm(chunks * c, generator=gen)[:rows]
+    chunk_idx, offset = (slots // c).to(DEVICE), (slots % c).to(DEVICE)
+    out = torch.full((rows, hq, d), 7.0, dtype=dtype, device=DEVICE) if given_out else None
+    got = rope_store(q, k, v, cos, sin, kv[1, 0], kv[1, 1], chunk_idx, offset, out)
+    want_q, want_k = rope(q, k, cos, sin)  # (the kernel's own bits: rope's test holds them to torch's)
+    store_kv(want[1, 0], want[1, 1], chunk_idx, offset, want_k, v)
+    assert torch.equal(got, want_q) and got.is_contiguous() and (got is out or not given_out)
+    assert torch.equal(kv, want)  # the rotated k and v in their slots, nothing else touched
+    with pytest.raises(ValueError, match="one dtype"):
+        rope_store(
+            q, k, v, cos.float() if dtype != torch.float32 else cos.half(), sin, kv[1, 0], kv[1, 1], chunk_idx, offset
+        )
+    with pytest.raises(ValueError, match="q_out"):
+        rope_store(q, k, v, cos, sin, kv[1, 0], kv[1, 1], chunk_idx, offset, torch.empty(rows, hq + 1, d, dtype=dtype))
+
+
+def test_the_pools_write_rope_is_rotate_then_write():
+    """KVPool.write_rope: on CUDA rope_store (one launch), elsewhere the model's rotation then
+    write; either way the bits of rotating, then writing (the CPU here, CUDA in the GPU run)."""
+    shape = KVShape(num_layers=2, num_kv_heads=2, chunk_size=4, head_dim=64, dtype=torch.bfloat16)
+    pool, ref = KVPool(shape, 6, DEVICE), KVPool(shape, 6, DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    qkv = torch.randn(5, 8 * 64, generator=gen).mul(3).to(DEVICE, torch.bfloat16)
+    q, k, v = (t.view(5, -1, 64) for t in qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1))
+    cos, sin = RotaryEmbedding(64, 500000.0).to(DEVICE)(
+        torch.tensor([3, 9, 70, 71, 4000], device=DEVICE), torch.bfloat16
+    )
+    chunk_idx, offset = torch.tensor([0, 0, 3, 5, 2], device=DEVICE), torch.tensor([0, 3, 1, 2, 0], device=DEVICE)
+    q_out = torch.zeros(5, 4, 64, dtype=torch.bfloat16, device=DEVICE)
+    got = pool.write_rope(1, chunk_idx, offset, q, k, v, cos, sin, q_out)
+    want_q, want_k = apply_rotary_qk(q, k, cos, sin)
+    ref.write(1, chunk_idx, offset, want_k, v)
+    assert got is q_out and torch.equal(q_out, want_q) and torch.equal(pool.kv, ref.kv)
+    assert torch.equal(pool.write_rope(0, chunk_idx, offset, q, k, v, cos, sin), want_q)  # no q_out: a new one
+
+
+@pytest.mark.gpu  # KVPool.write_rope runs rope_store on CUDA only
+def test_the_pools_write_rope_runs_rope_store_on_cuda(monkeypatch):
+    import chunkserve.kernels.norm_rope as norm_rope
+
+    calls = []
+    monkeypatch.setattr(norm_rope, "rope_store", lambda *a: calls.append(1) or rope_store(*a))
+    test_the_pools_write_rope_is_rotate_then_write()
+    assert calls == [1, 1]

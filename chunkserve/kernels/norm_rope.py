@@ -7,13 +7,18 @@ launch, which shortens even a CUDA-graphed decode step (figures: chunkserve/kern
 'Figures behind the code'), rounding as torch does so that the results match the plain-torch
 references, which are the model's own ops in `chunkserve.replicas.model.layers`:
 
-- `rmsnorm(x, weight, eps, residual=None)` against `layers.rms_norm`: with a residual, h = x +
-  residual rounded to x's dtype first (returned too, the next residual); then y = weight * (hf *
+- `rmsnorm(x, weight, eps, residual=None, inplace=False)` against `layers.rms_norm`: with a
+  residual, h = x + residual rounded to x's dtype first (returned too, the next residual; with
+  inplace written over the residual); then y = weight * (hf *
   rsqrt(mean(hf²) + eps)) rounded to the dtype before the scale (HF's order). The sum of squares
   is reduced in another order than torch's, so a result may differ from torch's in its last bit.
 - `rope(q, k, cos, sin)` against `layers.apply_rotary`: x * cos + rotate_half(x) * sin with each
   product and the sum rounded to the dtype, as torch's three ops round: equal to torch's bits.
   q's heads and k's in one launch.
+- `rope_store(q, k, v, cos, sin, k_cache, v_cache, chunk_idx, offset, q_out)`: `rope` and
+  `store_kv` in one launch, q rotated into q_out (a static buffer of the piecewise graphs), the
+  rotated k straight into its pool slot: a layer's K/V store, RoPE and the copy of q out of the
+  fused qkv output in one kernel where they took three.
 - `store_kv(k_cache, v_cache, chunk_idx, offset, k, v)` against the index assignment of
   `KVPool.write`: a step's new K and V into their pool slots in one launch where torch's index
   assignments take two a layer (figures: chunkserve/replicas/tools/records/README.md,
@@ -36,7 +41,7 @@ import triton.language as tl
 from torch import Tensor
 from triton.language.extra import libdevice
 
-__all__ = ["rmsnorm", "rope", "silu_mul", "store_kv"]
+__all__ = ["rmsnorm", "rope", "rope_store", "silu_mul", "store_kv"]
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -60,12 +65,13 @@ def _rmsnorm_kernel(
     tl.store(Y + t * stride_y + offs, (w.to(tl.float32) * xn.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
 
-def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None):
+def rmsnorm(x: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None, inplace: bool = False):
     """x, residual: [T, N] (rows with a contiguous last dim), weight: [N]. Returns y, or (y, h)
-    with a residual (h = x + residual, the next layer's residual)."""
+    with a residual (h = x + residual, the next layer's residual; inplace: written over residual,
+    which is returned, as vLLM's fused_add_rms_norm does: a row is read before it is written)."""
     t, n = x.shape
     y = torch.empty(t, n, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
-    h = torch.empty_like(x) if residual is not None else None
+    h = None if residual is None else residual if inplace else torch.empty_like(x)
     if t:
         block = triton.next_power_of_2(n)
         r = residual if residual is not None else x
@@ -96,6 +102,10 @@ def _rope_kernel(
     Sin,
     OQ,
     OK,
+    V,
+    VC,
+    Chunk,
+    Offset,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -103,6 +113,11 @@ def _rope_kernel(
     stride_ct,
     stride_oqt,
     stride_okt,
+    stride_vt,
+    stride_vh,
+    stride_cn,
+    stride_ch,
+    stride_cs,
     HQ,
     HKV,
     NQ,
@@ -110,10 +125,13 @@ def _rope_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     HB: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     # grid: (T, NQ + NK): HB head vectors of row t, q's heads in NQ blocks then k's; D = 2 * HALF;
     # out = x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype (torch's
-    # mul, mul, add); the row's cos and sin loaded once for its heads
+    # mul, mul, add); the row's cos and sin loaded once for its heads. STORE: k's rotated heads go
+    # into slot Offset[t] of chunk Chunk[t] of the cache OK ([N, Hkv, c, D] strides stride_c*),
+    # and V's same heads into VC's (store_kv's copy), instead of a [T, Hkv, D] OK
     t = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     heads = tl.arange(0, HB)
@@ -127,7 +145,15 @@ def _rope_kernel(
         h = (j - NQ) * HB + heads
         mask = (h[:, None] < HKV) & (offs[None, :] < HALF)
         x = K + t * stride_kt + h[:, None] * stride_kh
-        o = OK + t * stride_okt + h[:, None] * HEAD
+        if STORE:
+            slot = tl.load(Chunk + t).to(tl.int64) * stride_cn + tl.load(Offset + t).to(tl.int64) * stride_cs
+            o = OK + slot + h[:, None] * stride_ch
+            vs = V + t * stride_vt + h[:, None] * stride_vh + offs[None, :]
+            vd = VC + slot + h[:, None] * stride_ch + offs[None, :]
+            tl.store(vd, tl.load(vs, mask=mask), mask=mask)
+            tl.store(vd + HALF, tl.load(vs + HALF, mask=mask), mask=mask)
+        else:
+            o = OK + t * stride_okt + h[:, None] * HEAD
     x1 = tl.load(x + offs[None, :], mask=mask, other=0.0)
     x2 = tl.load(x + HALF + offs[None, :], mask=mask, other=0.0)
     c = Cos + t * stride_ct
@@ -153,38 +179,87 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor
     (t, hq, d), hkv = q.shape, k.shape[1]
     oq = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     ok = torch.empty(t, hkv, d, dtype=k.dtype, device=k.device)
-    if t:
-        block = triton.next_power_of_2(d // 2)
-        # a program per row and block of heads (as many as k has, up to about 1024 elements a
-        # half): one per head vector left a long prompt's RoPE several times its memory time
-        hb = min(triton.next_power_of_2(hkv), max(1, 1024 // block))
-        nq = triton.cdiv(hq, hb)
-        # no FMA contraction: a fused multiply-add would round once where torch rounds twice
-        _rope_kernel[(t, nq + triton.cdiv(hkv, hb))](
-            q,
-            k,
-            cos,
-            sin,
-            oq,
-            ok,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            cos.stride(0),
-            oq.stride(0),
-            ok.stride(0),
-            hq,
-            hkv,
-            nq,
-            HEAD=d,
-            HALF=d // 2,
-            BLOCK=block,
-            HB=hb,
-            num_warps=max(1, min(4, hb * block // 256)),
-            enable_fp_fusion=False,
-        )
+    _rope(q, k, cos, sin, oq, ok, None)
     return oq, ok
+
+
+def rope_store(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    chunk_idx: Tensor,
+    offset: Tensor,
+    q_out: Tensor | None = None,
+) -> Tensor:
+    """`rope` and `store_kv` in one launch: q rotated into q_out (else a new [T, Hq, D], returned),
+    k rotated and v as it is into their pool slots (as `store_kv(k_cache, v_cache, chunk_idx,
+    offset, *rope(q, k, cos, sin)[1:], v)`): the rotated k never leaves the kernel. q, k, v
+    [T, H, D] with contiguous head vectors (views into a fused qkv output are fine); q_out
+    contiguous; caches as `store_kv`'s, all of one dtype."""
+    t, hq, d = q.shape
+    if k_cache.stride() != v_cache.stride() or not (
+        q.dtype == k.dtype == v.dtype == k_cache.dtype == v_cache.dtype == cos.dtype == sin.dtype
+    ):
+        raise ValueError("rope_store: K and V caches of one layout, q, k, v, cos, sin and the caches of one dtype")
+    if not k_cache.stride(-1) == q.stride(-1) == k.stride(-1) == v.stride(-1) == 1:
+        raise ValueError("rope_store: head vectors contiguous in q, k, v and the caches")
+    if q_out is None:
+        q_out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    elif q_out.shape != q.shape or q_out.dtype != q.dtype or not q_out.is_contiguous():
+        raise ValueError("rope_store: q_out a contiguous tensor of q's shape and dtype")
+    _rope(q, k, cos, sin, q_out, k_cache, (v, v_cache, chunk_idx, offset))
+    return q_out
+
+
+def _rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, oq: Tensor, ok: Tensor, store) -> None:
+    # store: None (ok [T, Hkv, D]), or (v, v_cache, chunk_idx, offset) with ok the K cache
+    (t, hq, d), hkv = q.shape, k.shape[1]
+    if not t:
+        return
+    block = triton.next_power_of_2(d // 2)
+    # a program per row and block of heads (as many as k has, up to about 1024 elements a
+    # half): one per head vector left a long prompt's RoPE several times its memory time
+    hb = min(triton.next_power_of_2(hkv), max(1, 1024 // block))
+    nq = triton.cdiv(hq, hb)
+    v, vc, chunk, off = store if store is not None else (k, ok, cos, cos)  # (unused without STORE)
+    cs = (ok.stride(0), ok.stride(1), ok.stride(2)) if store is not None else (0, 0, 0)
+    # no FMA contraction: a fused multiply-add would round once where torch rounds twice
+    _rope_kernel[(t, nq + triton.cdiv(hkv, hb))](
+        q,
+        k,
+        cos,
+        sin,
+        oq,
+        ok,
+        v,
+        vc,
+        chunk,
+        off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos.stride(0),
+        oq.stride(0),
+        ok.stride(0),
+        v.stride(0),
+        v.stride(1),
+        *cs,
+        hq,
+        hkv,
+        nq,
+        HEAD=d,
+        HALF=d // 2,
+        BLOCK=block,
+        HB=hb,
+        STORE=store is not None,
+        num_warps=max(1, min(4, hb * block // 256)),
+        enable_fp_fusion=False,
+    )
 
 
 @triton.jit

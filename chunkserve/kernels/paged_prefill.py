@@ -155,12 +155,15 @@ class FlashInferPrefill:
         event.record()
         return event
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def run(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """q: [rows, Hq, D], the planned spans' rows in order; caches [num_chunks, Hkv, c, D] ->
-        [rows, Hq, D]."""
+        [rows, Hq, D], written into out where given (contiguous, q's shape and the plan's dtype:
+        the layer's output rows, no copy)."""
         if q.shape[0] != self._rows:
             raise ValueError(f"the plan is for {self._rows} query rows, got {q.shape[0]}")
-        return self._wrappers[self._turn].run(q.to(self.dtype), (k_cache, v_cache))
+        return self._wrappers[self._turn].run(q.to(self.dtype), (k_cache, v_cache), out=out)
 
     def plan_sparse(self, pages: torch.Tensor, pieces: Sequence[tuple[int, list[int], int]]) -> None:
         """Plan block-union page lists: pieces (query rows n, pages of each of its E lists, the

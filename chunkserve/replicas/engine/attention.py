@@ -478,6 +478,14 @@ class StepAttention:
         self.attention.pool.write(layer, self.chunk_idx, self.offset, k, v)
         return self.attend(layer, q, out)
 
+    def forward_rope(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """forward of q and k not yet rotated (cos, sin [T, D]): RoPE and the K/V store in one
+        launch on CUDA (KVPool.write_rope). The model calls it where the attention has it."""
+        q = self.attention.pool.write_rope(layer, self.chunk_idx, self.offset, q, k, v, cos, sin)
+        return self.attend(layer, q)
+
     def attend(self, layer: int, q: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """forward, the new tokens' K/V already in the pool (chunkserve/replicas/engine/piecewise.py writes them)."""
         a = self.attention
@@ -490,7 +498,11 @@ class StepAttention:
         if b:
             a.decode(q[:b], k_cache, v_cache, self.decode_plan, out[:b])
         if self.fused_prefill and self.dense_rows is None:  # the spans' rows follow the decode rows
-            out[b:] = a._prefill.run(q[b:], k_cache, v_cache)
+            rows = out[b:]  # (written in place where it can be: a mixed step's 8 MB a layer not copied)
+            if rows.dtype == a._prefill.dtype and rows.is_contiguous():
+                a._prefill.run(q[b:], k_cache, v_cache, out=rows)
+            else:
+                rows.copy_(a._prefill.run(q[b:], k_cache, v_cache))
         elif self.fused_prefill:
             out[self.dense_rows] = a._prefill.run(q[self.dense_rows], k_cache, v_cache)
         else:

@@ -129,6 +129,41 @@ class KVPool(ChunkIds):
         k_cache[chunk_idx, :, offset] = k.to(k_cache.dtype)
         v_cache[chunk_idx, :, offset] = v.to(v_cache.dtype)
 
+    def write_rope(
+        self,
+        layer: int,
+        chunk_idx: torch.Tensor,
+        offset: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`write` of q and k not yet rotated: k rotated (cos, sin [T, D]) into its slots, v as
+        it is; returns q rotated, into q_out where given ([T, Hq, D], contiguous). On CUDA one
+        Triton launch (norm_rope.rope_store) where RoPE, the store and q's copy took three; the
+        same bits as rotating (model.layers.apply_rotary_qk) then writing."""
+        k_cache, v_cache = self.k(layer), self.v(layer)
+        same = q.dtype == k.dtype == v.dtype == k_cache.dtype == cos.dtype == sin.dtype
+        if (
+            k_cache.is_cuda
+            and same
+            and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+            and cos.is_contiguous()
+            and sin.is_contiguous()
+            and (q_out is None or q_out.is_contiguous())
+        ):
+            from chunkserve.kernels.norm_rope import rope_store  # imports triton: the CPU path must not need it
+
+            return rope_store(q, k, v, cos, sin, k_cache, v_cache, chunk_idx, offset, q_out)
+        from chunkserve.replicas.model.layers import apply_rotary_qk
+
+        q, k = apply_rotary_qk(q, k, cos, sin)
+        self.write(layer, chunk_idx, offset, k, v)
+        return q if q_out is None else q_out.copy_(q)
+
 
 class HostPool(ChunkIds):
     """The host tier (DESIGN §6): chunks of K/V in host memory, the GPU pool's evicted leaves.

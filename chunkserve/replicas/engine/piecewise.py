@@ -116,20 +116,21 @@ class PiecewiseGraphs:
         chunk_idx, offset = self.chunk_idx[:n], self.offset[:n]
 
         def keep(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, residual: torch.Tensor) -> None:
-            self.pool.write(layer, chunk_idx, offset, k, v)
-            self.q[:n].copy_(q)
-            self.residual[:n].copy_(residual)
+            # q, k not yet rotated: rotated with the K/V store, q into its buffer (one launch on CUDA)
+            self.pool.write_rope(layer, chunk_idx, offset, q, k, v, cos, sin, self.q[:n])
+            if residual.data_ptr() != self.residual.data_ptr():  # (the norms update it in place)
+                self.residual[:n].copy_(residual)
 
         def first() -> None:
             x, c, s = m.embed(self.ids[:n], self.positions[:n])
             cos.copy_(c)
             sin.copy_(s)
             torch.remainder(self.positions[:n], self.pool.chunk_size, out=offset)
-            keep(0, *layers[0].before_attention(x, None, cos, sin))
+            keep(0, *layers[0].before_attention(x, None, cos, sin, rotate=False))
 
         def middle() -> None:
             x, residual = layers[i - 1].after_attention(self.o[:n], self.residual[:n])
-            keep(i, *layers[i].before_attention(x, residual, cos, sin))
+            keep(i, *layers[i].before_attention(x, residual, cos, sin, rotate=False))
 
         def final() -> None:
             x, residual = layers[last - 1].after_attention(self.o[:n], self.residual[:n])

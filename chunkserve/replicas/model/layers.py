@@ -208,9 +208,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param(dim, loader=default_weight_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """rms_norm(x), or with a residual (norm(x + residual), x + residual). On CUDA rows [T, N]
-        run as one Triton kernel (chunkserve/kernels/norm_rope.py)."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, inplace: bool = False):
+        """rms_norm(x), or with a residual (norm(x + residual), x + residual); inplace: the sum
+        written over residual. On CUDA rows [T, N] run as one Triton kernel
+        (chunkserve/kernels/norm_rope.py)."""
         if (
             x.is_cuda
             and x.dim() == 2
@@ -222,17 +223,19 @@ class RMSNorm(nn.Module):
         ):
             from chunkserve.kernels.norm_rope import rmsnorm  # imports triton: the CPU path must not need it
 
-            return rmsnorm(x, self.weight, self.eps, residual)
-        return rms_norm(x, self.weight, self.eps, residual)
+            return rmsnorm(x, self.weight, self.eps, residual, inplace)
+        return rms_norm(x, self.weight, self.eps, residual, inplace)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, inplace: bool = False
+):
     """Plain torch (the reference of chunkserve/kernels/norm_rope.py's kernel). x, residual: [..., N].
 
     With a residual, h = x + residual is normalised and returned too: (y, h), the add fused
-    before the norm. Normalise in fp32, round to the input dtype, then scale: HF's order, so bf16
-    matches it."""
-    h = x if residual is None else x + residual
+    before the norm (inplace: h written over residual, the same bits). Normalise in fp32, round
+    to the input dtype, then scale: HF's order, so bf16 matches it."""
+    h = x if residual is None else residual.add_(x) if inplace else x + residual
     xf = h.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * xf.to(h.dtype)

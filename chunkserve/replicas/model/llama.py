@@ -41,8 +41,12 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [T, H] -> q: [T, Hq, D], k, v: [T, Hkv, D] (heads local to this rank), rotated."""
+    def qkv(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotate: bool = True
+    ) -> tuple[torch.Tensor, ...]:
+        """x: [T, H] -> q: [T, Hq, D], k, v: [T, Hkv, D] (heads local to this rank), rotated
+        (rotate=False: not yet, views into the projection's output, for a kernel that rotates q
+        and k as it stores them: StepAttention.forward_rope)."""
         T, D = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.num_heads * D, self.num_kv_heads * D, self.num_kv_heads * D], dim=-1)
         q = q.view(T, self.num_heads, D)
@@ -50,7 +54,8 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, D)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_qk(q, k, cos, sin)
+        if rotate:
+            q, k = apply_rotary_qk(q, k, cos, sin)
         return q, k, v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -83,27 +88,35 @@ class LlamaDecoderLayer(nn.Module):
 
     # The residual stream h is carried beside the layer outputs so that each add fuses into the
     # norm after it: h = x + residual (x: the last layer's MLP output), then h + attention. The
-    # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`.
+    # same sums as `h + attn(norm(h))`, `h + mlp(norm(h))`. h is updated in place (each norm
+    # writes it over the residual it is given, as vLLM's fused_add_rms_norm does), so the
+    # piecewise graphs keep it in their static buffer with no copy a layer; the first layer's
+    # residual is the embedding itself.
     def before_attention(
-        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+        self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, rotate: bool = True
     ) -> tuple[torch.Tensor, ...]:
-        """-> (q, k, v, residual)."""
+        """-> (q, k, v, residual); rotate: as LlamaAttention.qkv's."""
         if residual is None:  # the first layer: x is the embedding
             x, residual = self.input_layernorm(x), x
         else:
-            x, residual = self.input_layernorm(x, residual)
-        return *self.self_attn.qkv(x, cos, sin), residual
+            x, residual = self.input_layernorm(x, residual, inplace=True)
+        return *self.self_attn.qkv(x, cos, sin, rotate), residual
 
     def after_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The attention's output o: [T, Hq, D] -> (the layer's output, residual)."""
-        x, residual = self.post_attention_layernorm(self.self_attn.out(o), residual)
+        x, residual = self.post_attention_layernorm(self.self_attn.out(o), residual, inplace=True)
         return self.mlp(x), residual
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, attn
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.self_attn.layer_idx
+        rope = getattr(attn, "forward_rope", None)  # an attention that rotates q and k as it stores them
+        if rope is not None:
+            q, k, v, residual = self.before_attention(x, residual, cos, sin, rotate=False)
+            return self.after_attention(rope(layer, q, k, v, cos, sin), residual)
         q, k, v, residual = self.before_attention(x, residual, cos, sin)
-        return self.after_attention(attn.forward(self.self_attn.layer_idx, q, k, v), residual)
+        return self.after_attention(attn.forward(layer, q, k, v), residual)
 
 
 class LlamaModel(nn.Module):

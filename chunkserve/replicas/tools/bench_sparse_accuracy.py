@@ -211,6 +211,9 @@ class MassProbe:
 
 
 class _ProbedStep:
+    # not the step's: the model then rotates q and k itself and calls `forward`, which this wraps
+    forward_rope = None
+
     def __init__(self, step, probe: MassProbe):
         self._step, self._probe = step, probe
 
